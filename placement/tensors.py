@@ -1,0 +1,60 @@
+"""The planner's input type: one GGUF tensor as the planner sees it.
+
+Produced by ``offload.gguf_model`` from a GGUF header; consumed by every planner module.
+Kept here (not in ``offload``) so that ``placement`` never imports ``offload``.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType
+
+
+class Role(str, enum.Enum):
+    """What a tensor does. A NextN block's tensors keep their function's role
+    (its experts are ROUTED_EXPERTS, so the expert regexes match them as in llama.cpp)
+    and carry ``TensorInfo.nextn = True``; only the NextN glue tensors
+    (``nextn.eh_proj``, ``enorm``, ``hnorm``, ``shared_head_*``, ``embed_tokens``) are NEXTN."""
+
+    ATTENTION = "attention"
+    ROUTER = "router"                  # ffn_gate_inp, exp_probs_b
+    ROUTED_EXPERTS = "routed_experts"  # ffn_{gate,up,down,gate_up}_exps
+    SHARED_EXPERTS = "shared_experts"  # ffn_*_shexp
+    DENSE_FFN = "dense_ffn"            # ffn_gate/ffn_up/ffn_down of dense layers
+    NORM = "norm"
+    EMBEDDING = "embedding"
+    OUTPUT = "output"                  # output.weight (and output_norm is NORM)
+    NEXTN = "nextn"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a (possibly split) GGUF model.
+
+    ``shape`` is in numpy/torch order, outermost first (the reverse of GGUF's ``ne``):
+    ``blk.3.ffn_down_exps.weight`` of a model with 128 experts, n_embd 2048, n_ff 768
+    is ``(128, 2048, 768)``. ``n_bytes`` is the exact size of the tensor's data in the file.
+    ``layer`` is the block index (``blk.N``) or None for global tensors.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: GGMLQuantizationType
+    n_bytes: int
+    layer: int | None
+    role: Role
+    nextn: bool = False
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def n_experts(self) -> int:
+        """Experts stacked in this tensor (the leading dim of a 3-D ``*_exps`` tensor), else 0."""
+        return self.shape[0] if self.role is Role.ROUTED_EXPERTS and len(self.shape) == 3 else 0
