@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import sys
+import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -16,6 +18,9 @@ from offload.devices import DeviceMap, resolve
 from offload.models import architecture
 from offload.models.common import BuildContext, CausalLM, Meta
 from offload.profile import Profile
+from offload.sampling import Sampler
+from offload.stats import RunStats, peak_rss_bytes
+from offload.tokenizer import Tokenizer
 from offload.weights import WeightStore
 
 _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -29,6 +34,8 @@ class Session:
         self.model, self.tokenizer, self.devices = model, tokenizer, devices
         self.allocated = dict(weights.allocated)
         self.profile, self._pool, self.meta = profile, pool, meta
+        self.load_s = 0.0
+        self.stats: RunStats | None = None
 
     @property
     def config(self):
@@ -47,6 +54,63 @@ class Session:
         out, _ = self.model.forward(torch.as_tensor(list(ids), dtype=torch.long), state)
         return out.cpu().numpy()
 
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, ubatch: int = 512,
+                 stop_at_eos: bool = True) -> Iterator[int]:
+        """Yield generated token ids for a fresh sequence. The prompt is processed in
+        batches of ``ubatch`` tokens, then one token per step. ``self.stats`` (RunStats) is
+        filled as it goes."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        if not ids:
+            raise OffloadError("the prompt is empty")
+        if ubatch < 1:
+            raise OffloadError(f"--ubatch must be >= 1, got {ubatch}")
+        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        stats = self.stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
+        state = self.model.new_state()
+        eos = self.tokenizer.eos_ids if (stop_at_eos and self.tokenizer is not None) else frozenset()
+        self.profile.reset()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for s in range(0, len(ids), ubatch):
+                last = s + ubatch >= len(ids)
+                logits, _ = self.model.forward(torch.as_tensor(ids[s:s + ubatch]), state,
+                                               logits="last" if last else "none")
+            with self.profile.time("sampling"):
+                tok = sampler(logits[-1].cpu().numpy())
+        stats.prompt_s, stats.prompt_profile = time.perf_counter() - t0, self.profile.snapshot()
+        self.profile.reset()
+        try:
+            while True:
+                stats.n_gen += 1
+                yield tok
+                if tok in eos or stats.n_gen >= max_tokens:
+                    break
+                t1 = time.perf_counter()
+                with torch.inference_mode():
+                    logits, _ = self.model.forward(torch.as_tensor([tok]), state, logits="last")
+                    with self.profile.time("sampling"):
+                        tok = sampler(logits[-1].cpu().numpy())
+                stats.eval_s += time.perf_counter() - t1
+                stats.n_eval += 1
+        finally:
+            stats.eval_profile = self.profile.snapshot()
+            stats.memory = self.memory(state)
+
+    def memory(self, state=None) -> dict:
+        """Peak RSS, what each device holds for weights, and (given a state) its KV caches."""
+        kv = defaultdict(int)
+        if state is not None:
+            for block, cache in zip(self.model.blocks, state.caches):
+                kv[self._device_name(block.device)] += cache.nbytes
+        return {"peak_rss": peak_rss_bytes(), "weights": dict(self.allocated), "kv": dict(kv)}
+
+    def _device_name(self, dev: torch.device) -> str:
+        for name, d in self.devices.torch_devices.items():
+            if d == dev and name != "CPU" and not (dev.type == "cpu" and name not in self.devices.virtual):
+                return name
+        return "CPU"
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -59,6 +123,7 @@ class Session:
 
 def load(model_path, *, placement: Mapping[str, str] | str = "CPU", virtual_gpus: bool = False,
          gpu_dtype: str = "f32", progress=None, quiet: bool = False) -> Session:
+    t0 = time.perf_counter()
     meta, tensors = open_gguf(model_path)
     arch_name = meta.get(Keys.General.ARCHITECTURE)
     if arch_name is None:
@@ -84,5 +149,7 @@ def load(model_path, *, placement: Mapping[str, str] | str = "CPU", virtual_gpus
         reader.warn_unread()
         for name in weights.unused():
             print(f"offload: note: tensor {name} is not used by the {arch_name} runtime", file=sys.stderr)
-    return Session(model=model, tokenizer=None, devices=devices, weights=weights, profile=profile,
-                   pool=pool, meta=meta)
+    session = Session(model=model, tokenizer=Tokenizer.from_gguf(meta), devices=devices,
+                      weights=weights, profile=profile, pool=pool, meta=meta)
+    session.load_s = time.perf_counter() - t0
+    return session
