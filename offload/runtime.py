@@ -18,6 +18,7 @@ from offload.devices import DeviceMap, resolve
 from offload.models import architecture
 from offload.models.common import BuildContext, CausalLM, Meta
 from offload.profile import Profile
+from offload.progress import Progress
 from offload.sampling import Sampler
 from offload.stats import RunStats, peak_rss_bytes
 from offload.tokenizer import Tokenizer
@@ -53,6 +54,13 @@ class Session:
         state = self.model.new_state()
         out, _ = self.model.forward(torch.as_tensor(list(ids), dtype=torch.long), state)
         return out.cpu().numpy()
+
+    def warmup(self) -> None:
+        """One throw-away token so kernel loading/compilation stays out of the timings."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.model.forward(torch.as_tensor([0]), self.model.new_state(), logits="last")
+        self.load_s += time.perf_counter() - t0
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, ubatch: int = 512,
@@ -122,7 +130,7 @@ class Session:
 
 
 def load(model_path, *, placement: Mapping[str, str] | str = "CPU", virtual_gpus: bool = False,
-         gpu_dtype: str = "f32", progress=None, quiet: bool = False) -> Session:
+         gpu_dtype: str = "f32", progress: bool = False, quiet: bool = False) -> Session:
     t0 = time.perf_counter()
     meta, tensors = open_gguf(model_path)
     arch_name = meta.get(Keys.General.ARCHITECTURE)
@@ -140,11 +148,14 @@ def load(model_path, *, placement: Mapping[str, str] | str = "CPU", virtual_gpus
     cfg = arch.config_from_gguf(reader, shapes)
     profile = Profile()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
+    bar = Progress(len(tensors), sum(int(t.n_bytes) for t in tensors.values())) if progress else None
     weights = WeightStore(tensors, placement, devices, gpu_dtype=_DTYPES[gpu_dtype],
-                          profile=profile, progress=progress)
+                          profile=profile, progress=bar)
     ctx = BuildContext(profile=profile, pool=pool)
     with torch.inference_mode():
         model = arch.build(cfg, weights, ctx)
+    if bar is not None:
+        bar.close()
     if not quiet:
         reader.warn_unread()
         for name in weights.unused():

@@ -1,0 +1,101 @@
+"""``offload run``: load a model by placement and generate.
+
+stdout carries only the generated text (pipe it); progress, notices and the llama.cpp-style
+timings go to stderr; ``--stats-json`` writes the same numbers as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from offload._standins import OffloadError
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
+DEFAULT_PROMPT = "def fibonacci(n):"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="offload run", description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL),
+                   help="GGUF file (default: the shipped tiny glm4moe model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    src.add_argument("-f", "--prompt-file", help="read the prompt from this file")
+    p.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=128,
+                   help="tokens to generate (default 128)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--stats-json", metavar="PATH", help="write timings/counters as JSON here")
+    p.add_argument("--virtual-gpus", action="store_true",
+                   help="back the plan's CUDA devices with the CPU (testing without a GPU)")
+    p.add_argument("--gpu-dtype", choices=("f32", "f16", "bf16"), default="f32",
+                   help="dtype GPU-resident weights are dequantized to at load (default f32)")
+    p.add_argument("--ubatch", type=int, default=512, help="prompt tokens per batch (default 512)")
+    p.add_argument("--placement", default="CPU", help="(interim) device for every tensor")
+    return p
+
+
+class TextStream:
+    """Prints the text of a growing token sequence as it becomes valid UTF-8: re-decodes a
+    short tail and holds back an incomplete multi-byte character."""
+
+    def __init__(self, detokenize, out):
+        self.detokenize, self.out = detokenize, out
+        self.ids: list[int] = []
+        self.start = 0          # ids before this are flushed and never re-decoded
+        self.printed = ""       # text of ids[start:] already written
+
+    def push(self, tok: int) -> None:
+        self.ids.append(tok)
+        text = self.detokenize(self.ids[self.start:])
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[len(self.printed):])
+        self.out.flush()
+        self.start, self.printed = len(self.ids), ""
+
+    def close(self) -> None:
+        tail = self.detokenize(self.ids[self.start:])
+        self.out.write(tail[len(self.printed):])
+        self.out.flush()
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from offload import runtime   # torch import happens only when a command needs it
+    from offload.stats import write_json
+
+    if args.prompt_file:
+        try:
+            prompt = Path(args.prompt_file).read_text()
+        except OSError as e:
+            raise OffloadError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from None
+    else:
+        prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if args.n_predict < 1:
+        raise OffloadError(f"-n must be >= 1, got {args.n_predict}")
+    if not Path(args.model).is_file():
+        raise OffloadError(f"model file not found: {args.model}")
+    session = runtime.load(args.model, placement=args.placement, virtual_gpus=args.virtual_gpus,
+                           gpu_dtype=args.gpu_dtype, progress=True)
+    with session:
+        print(f"offload: {session.devices.describe()}", file=sys.stderr)
+        session.warmup()
+        stream = TextStream(session.detokenize, sys.stdout)
+        for tok in session.generate(prompt, max_tokens=args.n_predict, temperature=args.temp,
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                    ubatch=args.ubatch, stop_at_eos=not args.ignore_eos):
+            stream.push(tok)
+        stream.close()
+        sys.stdout.write("\n")
+        stats = session.stats
+        print("", file=sys.stderr)
+        for line in stats.lines():
+            print(f"offload: {line}", file=sys.stderr)
+        if args.stats_json:
+            write_json(args.stats_json, stats.as_dict())
+    return 0
