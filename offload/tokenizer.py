@@ -6,7 +6,8 @@
   the vocabulary, highest score first (merges derived from the scores, as llama.cpp's SPM
   tokenizer does), ``▁`` for spaces, unknown bytes as ``<0xXX>`` tokens.
 
-Control and user-defined tokens are matched whole in the input text.
+Control and user-defined tokens are matched whole in the input text; control tokens (BOS,
+EOS, chat markers) decode to nothing, as in llama.cpp's default detokenization.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ PRE_TOKENIZERS = {
     "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "glm4": _LLAMA3, "chatglm-bpe": _LLAMA3,
     "qwen2": _QWEN2, "qwen3": _QWEN2,
 }
-_SPECIAL_TYPES = (TokenType.CONTROL, TokenType.USER_DEFINED)
 
 
 class Tokenizer:
@@ -43,7 +43,7 @@ class Tokenizer:
         return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        return self._tok.decode(list(ids), skip_special_tokens=True)
 
     @classmethod
     def from_gguf(cls, meta: dict) -> "Tokenizer":
@@ -58,8 +58,9 @@ class Tokenizer:
             tok, add_bos_default = _sentencepiece_bpe(meta, tokens, types), True
         else:
             raise OffloadError(f"unsupported tokenizer model {kind!r} (supported: gpt2, llama)")
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty in _SPECIAL_TYPES])
+        tok.add_tokens([AddedToken(t, special=ty == TokenType.CONTROL, normalized=False)
+                        for t, ty in zip(tokens, types)
+                        if ty in (TokenType.CONTROL, TokenType.USER_DEFINED)])
         eos = {meta.get(k) for k in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)}
         return cls(tok, bos_id=meta.get(Keys.Tokenizer.BOS_ID),
                    eos_ids=frozenset(int(i) for i in eos if i is not None),
