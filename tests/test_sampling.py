@@ -23,7 +23,7 @@ def test_greedy_is_argmax():
 
 def test_temperature_top_k_top_p_distribution():
     p = Sampler(temperature=0.7).probs(LOGITS)
-    np.testing.assert_allclose(p, softmax(LOGITS / 0.7), rtol=1e-12)
+    np.testing.assert_allclose(p, softmax(LOGITS.astype(np.float64) / 0.7), rtol=1e-12)
     p = Sampler(temperature=1.0, top_k=2).probs(LOGITS)
     want = np.zeros(6)
     want[[5, 0]] = softmax(np.array([3.0, 2.0]))
