@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = r"""
 import json, sys, torch
 import offload.runtime as rt
+torch.set_num_threads(1)
 
 def rss_anon():
     for line in open("/proc/self/status"):

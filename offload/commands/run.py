@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="back the plan's CUDA devices with the CPU (testing without a GPU)")
     p.add_argument("--gpu-dtype", choices=("f32", "f16", "bf16"), default="f32",
                    help="dtype GPU-resident weights are dequantized to at load (default f32)")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "
+                        "small, and spare cores belong to the expert kernels)")
     p.add_argument("--ubatch", type=int, default=512, help="prompt tokens per batch (default 512)")
     p.add_argument("--placement", default="CPU", help="(interim) device for every tensor")
     return p
@@ -66,7 +69,9 @@ class TextStream:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from offload import runtime   # torch import happens only when a command needs it
+    import torch                  # imported only when a command needs it
+
+    from offload import runtime
     from offload.stats import write_json
 
     if args.prompt_file:
@@ -78,6 +83,9 @@ def main(argv=None) -> int:
         prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.n_predict < 1:
         raise OffloadError(f"-n must be >= 1, got {args.n_predict}")
+    if args.torch_threads < 1:
+        raise OffloadError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    torch.set_num_threads(args.torch_threads)
     if not Path(args.model).is_file():
         raise OffloadError(f"model file not found: {args.model}")
     session = runtime.load(args.model, placement=args.placement, virtual_gpus=args.virtual_gpus,
