@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpu.quant import QuantTensor
+
 
 def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None = None):
     """ids, weights: (T, k) → (token index, weight, expert) per assignment sorted by expert,
@@ -31,14 +33,16 @@ def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor
 
 
 class TorchExperts:
-    """gate/up: (E, n_ff, n_embd), down: (E, n_embd, n_ff) — or fused gate_up (E, 2·n_ff, n_embd)."""
+    """gate/up: (E, n_ff, n_embd), down: (E, n_embd, n_ff) — or fused gate_up (E, 2·n_ff, n_embd) —
+    as raw GGUF data on one device; a touched expert's matrices are dequantized per call."""
 
-    def __init__(self, *, down: torch.Tensor, gate: torch.Tensor | None = None,
-                 up: torch.Tensor | None = None, gate_up: torch.Tensor | None = None):
+    def __init__(self, *, down: QuantTensor, gate: QuantTensor | None = None,
+                 up: QuantTensor | None = None, gate_up: QuantTensor | None = None,
+                 compute_dtype: torch.dtype = torch.float32):
         if gate_up is None and (gate is None or up is None):
             raise ValueError("experts need gate and up, or a fused gate_up")
         self.gate, self.up, self.gate_up, self.down = gate, up, gate_up, down
-        self.device = down.device
+        self.device, self.dtype = down.device, compute_dtype
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,15 +51,15 @@ class TorchExperts:
         x = x.to(self.device)
         tok, w, runs = group_by_expert(ids.to(self.device), weights.to(self.device),
                                        None if keep is None else keep.to(self.device))
-        xs = x[tok].to(self.down.dtype)                      # (A, n_embd), A = assignments
+        xs = x[tok].to(self.dtype)                           # (A, n_embd), A = assignments
         ys = torch.empty_like(xs)
         for e, s, n in runs:
             xe = xs[s:s + n]
             if self.gate_up is not None:
-                g, u = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
+                g, u = self.gate_up[e].linear(xe, self.dtype).chunk(2, dim=-1)
             else:
-                g, u = F.linear(xe, self.gate[e]), F.linear(xe, self.up[e])
-            ys[s:s + n] = F.linear(F.silu(g) * u, self.down[e])
+                g, u = self.gate[e].linear(xe, self.dtype), self.up[e].linear(xe, self.dtype)
+            ys[s:s + n] = self.down[e].linear(F.silu(g) * u, self.dtype)
         out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
         out.index_add_(0, tok, ys.float() * w[:, None])
         return out.to(home)

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu.experts import TorchExperts, group_by_expert
+from gpu.experts import group_by_expert
+from gpu.quant import QuantTensor
 from offload._standins import matmul
 from offload.cpu_ops import CpuExperts, _to_host
 from offload.profile import Profile
@@ -31,12 +32,13 @@ class RawExpertMatrix:
 
 
 class TorchExpertMatrix:
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight   # (E, out, in) on its device
+    """One ``*_exps`` tensor as raw GGUF data on a torch device (dequantized per expert)."""
+
+    def __init__(self, weight: QuantTensor, compute_dtype: torch.dtype):
+        self.weight, self.dtype = weight, compute_dtype   # (E, out, in) on its device
 
     def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight[e]
-        return F.linear(x.to(w.device, w.dtype), w).to(x.device, torch.float32)
+        return self.weight[e].linear(x.to(self.weight.device), self.dtype).to(x.device, torch.float32)
 
 
 class StagedExperts:

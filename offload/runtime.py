@@ -27,6 +27,18 @@ from offload.weights import WeightStore
 _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
+def compute_dtypes(devices: DeviceMap, gpu_dtype: str) -> dict[str, torch.dtype]:
+    """Dtype GPU-resident weights are dequantized into per call: ``auto`` = bfloat16 on CUDA,
+    float32 on CPU-backed devices (torch's CPU matmuls are slow and less exact in bf16)."""
+    out = {}
+    for name, dev in devices.torch_devices.items():
+        if gpu_dtype == "auto":
+            out[name] = torch.float32 if dev.type == "cpu" else torch.bfloat16
+        else:
+            out[name] = _DTYPES[gpu_dtype]
+    return out
+
+
 class Session:
     """A loaded model. ``logits`` and ``generate`` each start a fresh sequence."""
 
@@ -130,7 +142,7 @@ class Session:
 
 
 def load(model_path, *, placement: Mapping[str, str] | str = "CPU", virtual_gpus: bool = False,
-         gpu_dtype: str = "f32", progress: bool = False, quiet: bool = False) -> Session:
+         gpu_dtype: str = "auto", progress: bool = False, quiet: bool = False) -> Session:
     t0 = time.perf_counter()
     meta, tensors = open_gguf(model_path)
     arch_name = meta.get(Keys.General.ARCHITECTURE)
@@ -149,7 +161,7 @@ def load(model_path, *, placement: Mapping[str, str] | str = "CPU", virtual_gpus
     profile = Profile()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
     bar = Progress(len(tensors), sum(int(t.n_bytes) for t in tensors.values())) if progress else None
-    weights = WeightStore(tensors, placement, devices, gpu_dtype=_DTYPES[gpu_dtype],
+    weights = WeightStore(tensors, placement, devices, compute_dtype=compute_dtypes(devices, gpu_dtype),
                           profile=profile, progress=bar)
     ctx = BuildContext(profile=profile, pool=pool)
     with torch.inference_mode():

@@ -1,8 +1,8 @@
 """CPU-resident experts stay memory-mapped: loading and running a model whose experts are
 on the CPU must not grow the process's anonymous memory (RssAnon: private copies; the
 mapped file pages are RssFile) by anything like the experts' size. The same measurement
-with the experts on a virtual GPU (dequantized float32 copies) is the positive control
-that shows the measurement sees copies when there are some."""
+with the experts on a virtual GPU (an upload: a copy of the raw bytes in torch memory) is
+the positive control that shows the measurement sees copies when there are some."""
 from __future__ import annotations
 
 import json
@@ -64,5 +64,5 @@ def test_cpu_experts_are_not_copied(tmp_path):
     on_cpu, on_gpu = growth("CPU"), growth("CUDA0")
     print(f"experts {experts / 2**20:.1f} MiB; RssAnon growth: CPU experts "
           f"{on_cpu / 2**20:.1f} MiB, virtual-GPU experts {on_gpu / 2**20:.1f} MiB")
-    assert on_gpu > 2 * experts          # float32 copies of ~1.06-byte/weight Q8_0 data: ~3.8x
+    assert on_gpu > 0.9 * experts        # the uploaded raw bytes (+ per-call temporaries)
     assert on_cpu < 0.25 * experts       # in place: only activations and small tensors

@@ -15,36 +15,45 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, ExpertGatingFuncType, GGMLQuantizationType as Q, GGUFWriter, TokenType
 from gguf.quants import dequantize, quantize
 
-# byte offset of each fp16 super-block scale in a K-quant block, and a divisor that keeps
-# the dequantized values near the wanted std (block layouts as ggml's block_qN_K)
-_K_SCALES = {
-    Q.Q2_K: ((80, 82), 20.0),
-    Q.Q3_K: ((108,), 64.0),
-    Q.Q4_K: ((0, 2), 256.0),
-    Q.Q5_K: ((0, 2), 512.0),
-    Q.Q6_K: ((208,), 1024.0),
+# byte offsets of the fp16 scale fields in one block of each type, and a divisor that keeps
+# the dequantized values near the wanted std (block layouts as ggml's block_q4_0 … block_q6_K)
+_F16_FIELDS = {
+    Q.Q4_0: ((0,), 8.0), Q.Q4_1: ((0, 2), 8.0), Q.Q5_0: ((0,), 16.0), Q.Q5_1: ((0, 2), 16.0),
+    Q.Q8_0: ((0,), 64.0), Q.IQ4_NL: ((0,), 64.0), Q.IQ4_XS: ((0,), 1024.0),
+    Q.Q2_K: ((80, 82), 20.0), Q.Q3_K: ((108,), 64.0), Q.Q4_K: ((0, 2), 256.0),
+    Q.Q5_K: ((0, 2), 512.0), Q.Q6_K: ((208,), 1024.0),
 }
 
 
+def random_blocks(rng: np.random.Generator, n_blocks: int, qtype: Q, std: float) -> np.ndarray:
+    """Random raw blocks ``(n_blocks, type_size)`` uint8 with finite, sane scales: whatever
+    they dequantize to is the weight. Covers types gguf-py cannot quantize (K, IQ4)."""
+    _, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    if qtype == Q.MXFP4:       # E8M0 block exponent: 2^(e-128) near std/6
+        raw[:, 0] = np.clip(np.round(np.log2(std / 6) + 128 + rng.integers(-1, 2, n_blocks)), 1, 254)
+        return raw
+    offsets, div = _F16_FIELDS[qtype]
+    for off in offsets:
+        d = (std / div * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
+        raw[:, off:off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    return raw
+
+
 def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q, std: float):
-    """→ (data to write, raw dtype or None, dequantized float32 values). ``shape`` numpy order."""
-    if qtype in _K_SCALES:
-        block, size = GGML_QUANT_SIZES[qtype]
-        n_blocks = int(np.prod(shape)) // block
-        raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-        offsets, div = _K_SCALES[qtype]
-        for off in offsets:
-            d = (std / div * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
-            raw[:, off:off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
-        raw = raw.reshape(*shape[:-1], shape[-1] // block * size)
-        return raw, qtype, dequantize(raw, qtype).astype(np.float32)
+    """→ (data to write, raw dtype or None, dequantized float32 values). ``shape`` numpy order.
+    Legacy types are quantized from normal values by gguf-py; the others are random blocks."""
     x = (rng.standard_normal(shape) * std).astype(np.float32)
     if qtype == Q.F32:
         return x, None, x
     if qtype == Q.F16:
         h = x.astype(np.float16)
         return h, None, h.astype(np.float32)
-    raw = quantize(x, qtype)
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16):
+        raw = quantize(x, qtype)
+    else:
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = random_blocks(rng, x.size // block, qtype, std).reshape(*shape[:-1], shape[-1] // block * size)
     return raw, qtype, dequantize(raw, qtype).astype(np.float32)
 
 

@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-json", metavar="PATH", help="write timings/counters as JSON here")
     p.add_argument("--virtual-gpus", action="store_true",
                    help="back the plan's CUDA devices with the CPU (testing without a GPU)")
-    p.add_argument("--gpu-dtype", choices=("f32", "f16", "bf16"), default="f32",
-                   help="dtype GPU-resident weights are dequantized to at load (default f32)")
+    p.add_argument("--gpu-dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
+                   help="compute dtype GPU-resident weights are dequantized into per call "
+                        "(they stay quantized in memory); auto = bf16 on CUDA, f32 on virtual GPUs")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "
                         "small, and spare cores belong to the expert kernels)")
