@@ -70,3 +70,19 @@ def test_nextn_head_matches_transformers_mtp_layer(tmp_path):
     assert h_mtp.shape == (t - 1, tiny.spec.n_embd)
     assert len(state.nextn_cache) == t - 1
     assert rel_err(logits.numpy(), ref) < REL_TOL
+
+
+@pytest.mark.parametrize("case", ["glm4moe-Q8_0", "glm4moe-Q4_K-tied", "qwen3moe-Q8_0"])
+def test_logits_match_llama_cpp(case, tmp_path):
+    """A second independent reference where llama-cpp-python is installed (skipped
+    otherwise): llama.cpp reads the same file, which also checks our GGUF conventions (names,
+    metadata) are the ones it expects. llama.cpp quantizes activations to 8 bits for quantized
+    matmuls, so agreement is ~1e-2 of the logit scale, not float rounding."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    tiny = write_tiny_model(tmp_path / f"{case}.gguf", CASES[case])
+    llm = llama_cpp.Llama(model_path=str(tiny.path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(IDS)
+    ref = np.array(llm.scores[:len(IDS)], dtype=np.float32)
+    with rt.load(tiny.path, quiet=True) as session:
+        ours = session.logits(IDS)
+    assert rel_err(ours, ref) < 3e-2
