@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from gguf import Keys
 
-from offload._standins import OffloadError, open_gguf
+from offload._standins import OffloadError, open_gguf, set_num_threads
 from offload.devices import DeviceMap, resolve
 from offload.models import architecture
 from offload.models.common import BuildContext, CausalLM, Meta
@@ -142,8 +142,13 @@ class Session:
 
 
 def load(model_path, *, placement: Mapping[str, str] | str = "CPU", virtual_gpus: bool = False,
-         gpu_dtype: str = "auto", progress: bool = False, quiet: bool = False) -> Session:
+         gpu_dtype: str = "auto", progress: bool = False, quiet: bool = False,
+         threads: int | None = None) -> Session:
     t0 = time.perf_counter()
+    if threads is not None:
+        if threads < 1:
+            raise OffloadError(f"threads must be >= 1, got {threads}")
+        set_num_threads(threads)
     meta, tensors = open_gguf(model_path)
     arch_name = meta.get(Keys.General.ARCHITECTURE)
     if arch_name is None:

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
                    help="compute dtype GPU-resident weights are dequantized into per call "
                         "(they stay quantized in memory); auto = bf16 on CUDA, f32 on virtual GPUs")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="threads for the CPU expert kernels (default: numba's, all cores)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "
                         "small, and spare cores belong to the expert kernels)")
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     if not Path(args.model).is_file():
         raise OffloadError(f"model file not found: {args.model}")
     session = runtime.load(args.model, placement=args.placement, virtual_gpus=args.virtual_gpus,
-                           gpu_dtype=args.gpu_dtype, progress=True)
+                           gpu_dtype=args.gpu_dtype, progress=True, threads=args.threads)
     with session:
         print(f"offload: {session.devices.describe()}", file=sys.stderr)
         session.warmup()
