@@ -1,8 +1,8 @@
-"""GGUF tensor data → torch tensor, dequantized once at load.
+"""GGUF tensor data dequantized once, on the host, with ``gguf.quants.dequantize``.
 
-``gguf.quants.dequantize`` is the one implementation of every block layout (we depend on
-it rather than copying it). Large tensors are converted slice by slice along dim 0 so the
-float32 temporary stays one slice big, not the whole tensor.
+Used for the small float32 tensors (norms, biases) and as the fallback for a quant type
+that ``gpu.quant`` has no torch dequantizer for. Large tensors are converted slice by slice
+along dim 0 so the float32 temporary stays one slice big, not the whole tensor.
 """
 from __future__ import annotations
 
