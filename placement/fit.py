@@ -54,10 +54,6 @@ class _ExpertBlock:
     tensors: list[TensorInfo]
 
     @property
-    def size(self) -> int:
-        return sum(t.n_bytes for t in self.tensors)
-
-    @property
     def kind(self) -> str:  # "ffn_up_exps"
         return self.key.split(".", 2)[2]
 
@@ -150,9 +146,9 @@ def _slots(model: PlannedModel, draft: PlannedModel | None, s: MemorySettings) -
     return _Slots(dense, kv, order)
 
 
-def _partition(gpus, targets, model, draft, s, slots: _Slots, groups=None):
-    """Ledgers for contiguous slot ranges per GPU: the given ``groups``, else proportional to
-    the GPUs' room, else greedy. None when the non-expert part cannot fit."""
+def _partition(gpus, targets, model, draft, s, slots: _Slots):
+    """Contiguous slot ranges per GPU and their ledgers: proportional to the GPUs' room, else
+    greedy. None when the non-expert part cannot fit."""
     def ledgers_for(groups):
         ledgers = [_Ledger(g, targets.get(g.name, 0), model, draft, s) for g in gpus]
         for ledger, group in zip(ledgers, groups):

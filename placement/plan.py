@@ -110,11 +110,9 @@ class Plan:
             "layout": {"n_gpu_layers": self.placement.layout.n_gpu_layers,
                        "gpus": list(self.placement.layout.gpus),
                        "tensor_split": list(self.placement.layout.tensor_split)},
-            "rules": [{"pattern": r.pattern, "device": r.device, "origin": r.origin}
-                      for r in self.placement.rules],
+            "rules": [r.as_dict() for r in self.placement.rules],
             "draft_placement": {"device": self.placement.draft_device,
-                                "rules": [{"pattern": r.pattern, "device": r.device, "origin": r.origin}
-                                          for r in self.placement.draft_rules]},
+                                "rules": [r.as_dict() for r in self.placement.draft_rules]},
             "tensors": dict(self.tensors),
             "draft_tensors": dict(self.draft_tensors),
             "notes": list(self.notes),

@@ -52,10 +52,6 @@ class PlanFile:
     speculative: Mapping[str, Any] | None
 
 
-def _rule_dict(r: Rule) -> dict[str, str]:
-    return {"pattern": r.pattern, "device": r.device, "origin": r.origin}
-
-
 def plan_to_yaml(plan: Plan) -> str:
     layout = plan.placement.layout
     doc = {
@@ -69,9 +65,9 @@ def plan_to_yaml(plan: Plan) -> str:
                     for d in plan.devices],
         "layout": {"block_count": layout.n_layer, "n_gpu_layers": layout.n_gpu_layers,
                    "tensor_split": [int(x) if float(x).is_integer() else x for x in layout.tensor_split]},
-        "rules": [_rule_dict(r) for r in plan.placement.rules],
+        "rules": [r.as_dict() for r in plan.placement.rules],
         "draft_placement": {"device": plan.placement.draft_device,
-                            "rules": [_rule_dict(r) for r in plan.placement.draft_rules]},
+                            "rules": [r.as_dict() for r in plan.placement.draft_rules]},
         "speculative": dict(plan.speculative) if plan.speculative else None,
         "notes": list(plan.notes),
         "totals": {t.name: {"weights": format_bytes(t.weights_bytes), "kv_cache": format_bytes(t.kv_bytes),

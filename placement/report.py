@@ -91,7 +91,7 @@ def format_plan(plan: Plan, model: PlannedModel, draft: PlannedModel | None = No
             lines.append(f"  d{i:>1}. {r.pattern} -> {r.device}  [draft, {r.origin}]")
     for note in plan.notes:
         lines.append(f"note: {note}")
-    tight = [t for t in plan.totals if t.budget_bytes and t.above_target_bytes < -MIB and t.free_after_bytes >= 0]
-    for t in tight:
+    below = [t for t in plan.totals if t.budget_bytes and t.above_target_bytes < -MIB and t.free_after_bytes >= 0]
+    for t in below:
         lines.append(f"note: {t.name} is {format_bytes(-t.above_target_bytes)} below its free-memory target")
     return "\n".join(lines) + "\n"

@@ -88,6 +88,10 @@ class Rule:
     def matches(self, name: str) -> bool:
         return self._regex.search(name) is not None
 
+    def as_dict(self) -> dict[str, str]:
+        """The plan file's / JSON form."""
+        return {"pattern": self.pattern, "device": self.device, "origin": self.origin}
+
     @property
     def text(self) -> str:
         """The ``pattern=DEVICE`` form llama.cpp's ``-ot`` takes."""

@@ -34,15 +34,24 @@ from placement.tensors import Role
 
 DEFAULT_FIT_TARGET_MIB = 1024
 DEFAULT_FIT_CTX = 4096
+DEFAULT_UBATCH = 512
+# flags that replace the auto-fit with llama.cpp-style placement
 PLACEMENT_FLAGS = ("override_tensor", "cpu_moe", "n_cpu_moe", "n_gpu_layers", "tensor_split")
+# what a plan file fixes, so it cannot be combined with --placement either
+PLAN_FILE_FIXES = PLACEMENT_FLAGS + ("devices", "fit_target", "fit_ctx", "ctx", "cache_type", "ubatch")
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if getattr(args, n) is not None and getattr(args, n) is not False]
 
 
 def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     """Every flag that decides a placement (shared by ``offload plan`` and ``offload run``)."""
     g = parser.add_argument_group("placement (llama.cpp semantics)")
-    g.add_argument("--devices", default="auto", metavar="auto|SPEC",
+    g.add_argument("--devices", metavar="auto|SPEC",
                    help="'auto' (NVML free memory + available RAM) or e.g. "
-                        "'CUDA0=24GiB,CUDA1=24GiB,CPU=256GiB' (B/KiB/MiB/GiB/TiB; plain numbers are MiB)")
+                        "'CUDA0=24GiB,CUDA1=24GiB,CPU=256GiB' (B/KiB/MiB/GiB/TiB; plain numbers are MiB); "
+                        "default auto")
     g.add_argument("-ot", "--override-tensor", action="append", metavar="PATTERN=DEVICE[,...]",
                    help="override rule(s), repeatable; re.search on tensor names, first match wins")
     g.add_argument("--cpu-moe", action="store_true", help="all routed experts on the CPU")
@@ -54,14 +63,14 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fit-target", metavar="MiB[,MiB...]",
                    help=f"memory to leave free on each GPU (default {DEFAULT_FIT_TARGET_MIB}); one value "
                         "for all GPUs or one per GPU")
-    g.add_argument("--fit-ctx", type=int, default=DEFAULT_FIT_CTX, metavar="N",
+    g.add_argument("--fit-ctx", type=int, metavar="N",
                    help="auto-fit may shrink the context down to N (steps of 256) when --ctx is not given "
                         f"(default {DEFAULT_FIT_CTX})")
     g.add_argument("-c", "--ctx", type=int, metavar="N", help="context length (default: the model's)")
-    g.add_argument("--cache-type", default="f16", metavar="TYPE",
+    g.add_argument("--cache-type", metavar="TYPE",
                    help="KV cache type: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1 (default f16)")
-    g.add_argument("-ub", "--ubatch", type=int, default=512, metavar="N",
-                   help="tokens per compute batch; sizes the compute buffers (default 512)")
+    g.add_argument("-ub", "--ubatch", type=int, metavar="N",
+                   help=f"tokens per compute batch; sizes the compute buffers (default {DEFAULT_UBATCH})")
     g.add_argument("--draft", metavar="GGUF", help="a separate draft model holding only a NextN (MTP) block")
     g.add_argument("--placement", metavar="PLAN.yaml", help="load a plan file instead of planning")
 
@@ -124,7 +133,7 @@ def _placement_from_flags(args: argparse.Namespace, model: ModelFile, devices: l
     return Placement(tuple(rules), layout, tuple(rules) if with_draft else (), draft_device)
 
 
-def _plan_from_file(path: str, model: ModelFile | None, draft: ModelFile | None) -> tuple[Plan, ModelFile, ModelFile | None]:
+def _plan_from_file(path: str, model: ModelFile | None, draft_path: str | None):
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -137,8 +146,8 @@ def _plan_from_file(path: str, model: ModelFile | None, draft: ModelFile | None)
     if pf.n_layer != model.spec.n_layer:
         raise OffloadError(f"{path}: the plan's layout is for {pf.n_layer} blocks but {model.path} "
                            f"has {model.spec.n_layer}")
-    if draft is None and pf.draft_path:
-        draft = open_draft(pf.draft_path, model)
+    draft_path = draft_path or pf.draft_path
+    draft = open_draft(draft_path, model) if draft_path else None
     plan = build_plan(model, pf.placement, pf.settings, pf.devices, pf.targets, mode="plan file", draft=draft)
     plan = dataclasses.replace(plan, speculative=pf.speculative)
     plan.check_fits()
@@ -150,30 +159,30 @@ def plan_from_args(args: argparse.Namespace, model: ModelFile | None) -> tuple[P
 
     ``model`` may be None only with ``--placement`` (the plan file names the model).
     """
-    given = [f for f in PLACEMENT_FLAGS if getattr(args, f) is not None and getattr(args, f) is not False]
     if args.placement:
-        if given:
-            raise OffloadError(f"--placement cannot be combined with --{given[0].replace('_', '-')}")
-        draft = open_draft(args.draft, model) if args.draft and model is not None else None
-        return _plan_from_file(args.placement, model, draft)
+        clash = _given(args, PLAN_FILE_FIXES)
+        if clash:
+            raise OffloadError(f"--placement cannot be combined with --{clash[0].replace('_', '-')} "
+                               f"(the plan file fixes it)")
+        return _plan_from_file(args.placement, model, args.draft)
     if model is None:
         raise OffloadError("give a model (or --placement PLAN.yaml)")
     draft = open_draft(args.draft, model) if args.draft else None
-    devices = resolve_devices(args.devices)
+    devices = resolve_devices(args.devices or "auto")
     targets = _targets(args.fit_target, devices)
     settings = MemorySettings(args.ctx if args.ctx is not None else model.spec.n_ctx_train,
-                              args.cache_type, args.ubatch)
-    if given:
+                              args.cache_type or "f16", DEFAULT_UBATCH if args.ubatch is None else args.ubatch)
+    if _given(args, PLACEMENT_FLAGS):
         placement = _placement_from_flags(args, model, devices, with_draft=draft is not None)
         plan = build_plan(model, placement, settings, devices, targets, mode="flags", draft=draft)
         plan.check_fits()
         return plan, model, draft
-    floor = None if args.ctx is not None else args.fit_ctx
+    floor = None if args.ctx is not None else (DEFAULT_FIT_CTX if args.fit_ctx is None else args.fit_ctx)
     return fit(model, devices, targets, settings, ctx_floor=floor, draft=draft), model, draft
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="offload plan", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="offload plan", description=__doc__.split("\n\n")[0].replace("``", ""),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="GGUF model (any shard of a split model)")
     add_placement_arguments(p)
