@@ -96,6 +96,7 @@ def _bad_cases(tmp: Path, paths: dict[str, str]) -> dict[str, tuple[list[str], s
                              "--fit-target has 2 values for 1 GPUs"),
         "cache type": ([glm, *box, "--cache-type", "q3_k"], "unknown --cache-type 'q3_k'"),
         "ts count": ([glm, *box, "-ts", "1,2,3"], "-ts has 3 values but there are 1 GPUs"),
+        "ts nan": ([glm, *box, "-ts", "nan"], "-ts: 'nan' is not a comma list of numbers"),
         "draft without nextn": ([glm, *box, "--draft", qwen], "--draft needs a GGUF holding a NextN block"),
         "unknown flag": ([glm, "--frobnicate"], "unrecognized arguments: --frobnicate"),
         "bad int": ([glm, "-ngl", "many"], "argument -ngl/--n-gpu-layers: invalid int value"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -116,7 +117,9 @@ def _placement_from_flags(args: argparse.Namespace, model: ModelFile, devices: l
         try:
             split = [float(x) for x in args.tensor_split.split(",")]
         except ValueError:
-            raise OffloadError(f"-ts: {args.tensor_split!r} is not a comma list of numbers") from None
+            split = []
+        if not split or not all(math.isfinite(x) for x in split):
+            raise OffloadError(f"-ts: {args.tensor_split!r} is not a comma list of numbers")
         if len(split) > len(gpus):
             raise OffloadError(f"-ts has {len(split)} values but there are {len(gpus)} GPUs "
                                f"({', '.join(gpus) or 'none'})")
@@ -127,8 +130,8 @@ def _placement_from_flags(args: argparse.Namespace, model: ModelFile, devices: l
     # Store the split as whole slot counts: the same slots land on the same GPUs, and the
     # emitted -ts needs no float rounding in llama.cpp.
     counts = [float(len(v)) for v in layout.slots_per_gpu().values()]
-    if gpus and sum(counts) > 0:
-        layout = LayerLayout(n_layer, gpus, ngl, tuple(counts))
+    if gpus:
+        layout = LayerLayout(n_layer, gpus, ngl, tuple(counts) if sum(counts) else (1.0,) * len(gpus))
     draft_device = layout.slot_device(n_layer)     # the draft head sits with the output layer
     return Placement(tuple(rules), layout, tuple(rules) if with_draft else (), draft_device)
 
