@@ -1,0 +1,23 @@
+"""Shared fixtures: real-shaped GGUF headers (sparse files) written once per test session."""
+from __future__ import annotations
+
+import pytest
+
+from offload.gguf_model import open_model
+from tests.fixtures.real_models import ALL, write_fixture
+
+# Qwen3 carries its (synthetic) 151936-token vocabulary so the lazy tokenizer-array path is
+# exercised; the others skip the tokenizer to keep the session quick.
+TOKENIZER = {"qwen3-30b-a3b": "vocab"}
+
+
+@pytest.fixture(scope="session")
+def fixture_paths(tmp_path_factory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("real_models")
+    return {name: str(write_fixture(make(), out, tokenizer=TOKENIZER.get(name, "none")))
+            for name, make in ALL.items()}
+
+
+@pytest.fixture(scope="session")
+def models(fixture_paths):
+    return {name: open_model(path) for name, path in fixture_paths.items()}
