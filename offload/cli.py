@@ -5,6 +5,7 @@ Adding a command is one line in ``COMMANDS``.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from offload.errors import OffloadError, report_user_errors
@@ -29,4 +30,8 @@ def main(argv: list[str] | None = None) -> int:
             raise OffloadError(f"unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)})")
         return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
 
-    return report_user_errors(run)
+    try:
+        return report_user_errors(run)
+    except BrokenPipeError:          # `offload plan ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+        return 0

@@ -35,6 +35,7 @@ class Device:
     name: str
     budget_bytes: int
     description: str = ""
+    gpu_name: str = ""      # NVML's product name (discovered GPUs only): picks the bandwidth defaults
 
     @property
     def is_gpu(self) -> bool:
@@ -119,7 +120,7 @@ def discover_devices() -> list[Device]:
             free = int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
             name = pynvml.nvmlDeviceGetName(handle)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            devices.append(Device(f"CUDA{cuda_idx}", free, f"{name} (free)"))
+            devices.append(Device(f"CUDA{cuda_idx}", free, f"{name} (free)", gpu_name=name))
     finally:
         pynvml.nvmlShutdown()
     return sort_devices(devices)

@@ -31,6 +31,9 @@ from placement.plan import Placement, Plan, build_plan
 from placement.plan_file import load_plan_file, plan_to_yaml
 from placement.report import format_plan
 from placement.rules import cpu_moe_rules, n_cpu_moe_rules, parse_override
+from placement.cost import SpecProfile
+from placement.hardware import HardwareProfile
+from placement.speculative import DEFAULT_MAX_N, complete_hardware, predict
 from placement.tensors import Role
 
 DEFAULT_FIT_TARGET_MIB = 1024
@@ -191,16 +194,46 @@ def build_parser() -> ArgumentParser:
     add_placement_arguments(p)
     out = p.add_argument_group("output")
     out.add_argument("-o", "--output", metavar="PLAN.yaml", help="also write the plan file")
+    spec = p.add_argument_group("speculative decoding (prediction; `offload tune` measures it)")
+    spec.add_argument("--spec-type", choices=["mtp", "none"],
+                      help="predict drafting with the model's NextN (MTP) head; default: mtp when the "
+                           "model or --draft has one")
+    spec.add_argument("--spec-max-n", type=int, default=DEFAULT_MAX_N, metavar="N",
+                      help=f"largest draft length in the n_max table (default {DEFAULT_MAX_N})")
+    spec.add_argument("--hw-profile", metavar="YAML",
+                      help="hardware profile (cpu_read_gbps, gpus: {CUDA0: {name|read_gbps|link_gbps}}, "
+                           "fixed costs); default: by GPU name, or the plan file's measured profile")
     fmt = out.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     fmt.add_argument("--emit", choices=["llama.cpp"], help="print llama.cpp flags for the same placement")
     return p
 
 
+def table_source(plan: Plan) -> str:
+    hw = (plan.speculative or {}).get("profile", {}).get("hardware", {})
+    return str(hw.get("source", "defaults"))
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model = open_model(args.model) if args.model else None
     plan, model, draft = plan_from_args(args, model)
+    table = None
+    if args.spec_type == "mtp" and plan.drafting == "none":
+        raise OffloadError(f"--spec-type mtp: {plan.model_path} has no NextN (MTP) block; give --draft MTP.gguf")
+    if args.spec_max_n < 0:
+        raise OffloadError(f"--spec-max-n must be >= 0, got {args.spec_max_n}")
+    if args.spec_type == "none":
+        plan = dataclasses.replace(plan, speculative=None)
+    elif plan.drafting != "none":
+        profile = None
+        if args.hw_profile:
+            old = plan.speculative or {}
+            base = SpecProfile.from_dict(old["profile"]) if old.get("profile") else None
+            hw = complete_hardware(HardwareProfile.from_yaml(args.hw_profile), plan)
+            profile = SpecProfile(hw) if base is None else dataclasses.replace(base, hardware=hw)
+        table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n)
+        plan = dataclasses.replace(plan, speculative=section)
     if args.output:
         write_atomic(args.output, plan_to_yaml(plan))
         print(f"offload: wrote {args.output}", file=sys.stderr)
@@ -210,5 +243,9 @@ def main(argv: list[str]) -> int:
         print(format_args(llama_cpp_args(plan)))
     else:
         sys.stdout.write(format_plan(plan, model, draft))
+        if table is not None:
+            print(f"\nspeculative decoding ({plan.drafting} draft head; predicted, "
+                  f"profile: {table_source(plan)}):")
+            print(table.format())
         print(f"\nllama.cpp: {format_args(llama_cpp_args(plan))}")
     return 0
