@@ -16,6 +16,8 @@ feature vector serves prediction and the least-squares fit that ``offload tune``
 """
 from __future__ import annotations
 
+from placement.errors import PlacementError
+
 import itertools
 import math
 import re
@@ -34,7 +36,7 @@ CPU = "CPU"
 _DEVICE = re.compile(r"CPU|CUDA\d+")
 
 
-class FootprintError(ValueError):
+class FootprintError(PlacementError):
     """A tensor list / tensor map the cost model cannot turn into a footprint (one line)."""
 
 

@@ -12,6 +12,8 @@ also exposes them as one flat parameter vector (``linear_params``) that the fit 
 """
 from __future__ import annotations
 
+from placement.errors import PlacementError
+
 import math
 import os
 import re
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import yaml
 
 
-class ProfileError(ValueError):
+class ProfileError(PlacementError):
     """A hardware/acceptance/routing profile that cannot be used; the message is one line."""
 
 

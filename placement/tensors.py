@@ -58,3 +58,57 @@ class TensorInfo:
     def n_experts(self) -> int:
         """Experts stacked in this tensor (the leading dim of a 3-D ``*_exps`` tensor), else 0."""
         return self.shape[0] if self.role is Role.ROUTED_EXPERTS and len(self.shape) == 3 else 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The hyperparameters the planner needs, built once from GGUF metadata.
+
+    ``offload.gguf_model`` fills it from ``gguf.constants.Keys``; it lives here (like
+    ``TensorInfo``) so that ``placement`` never imports ``offload``. Names follow llama.cpp's
+    hparams. ``n_layer`` is GGUF's ``block_count``: it includes the NextN blocks, which are the
+    last ``n_nextn`` blocks.
+    """
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    n_ctx_train: int
+    n_head: int
+    n_head_kv: tuple[int, ...]        # per block (GGUF allows a per-layer array)
+    head_dim_k: int                   # attention.key_length
+    head_dim_v: int                   # attention.value_length
+    n_nextn: int = 0
+    n_rot: int = 0
+    n_ff: int = 0                     # dense FFN width
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_expert_shared: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    n_leading_dense: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    head_dim_k_mla: int = 0           # attention.key_length_mla: present only in MLA-layout GGUFs
+    head_dim_v_mla: int = 0
+    sliding_window: int = 0
+    swa_layers: tuple[bool, ...] = ()  # per block; empty: no sliding-window layers
+
+    @property
+    def is_mla(self) -> bool:
+        """llama.cpp's ``is_mla()``: the cache holds the compressed latent (K only, no V)."""
+        return self.head_dim_k_mla > 0 and self.head_dim_v_mla > 0
+
+    @property
+    def n_layer_trunk(self) -> int:
+        return self.n_layer - self.n_nextn
+
+    def is_nextn_layer(self, layer: int) -> bool:
+        return layer >= self.n_layer_trunk
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_expert > 0 and layer >= self.n_leading_dense
+
+    def is_swa_layer(self, layer: int) -> bool:
+        return bool(self.swa_layers) and self.swa_layers[layer]

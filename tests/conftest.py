@@ -1,6 +1,31 @@
-"""Test-session settings: torch on one intra-op thread. The models here are tiny, so extra
-threads only add barrier waits — which explode on a loaded 2-core box (measured: 6 ms vs
-300+ ms per decode step)."""
+"""Shared fixtures: real-shaped GGUF headers (sparse files) written once per test session.
+
+Also: torch on one intra-op thread for the whole session. The runtime tests' models are
+tiny, so extra threads only add barrier waits — which explode on a loaded 2-core box
+(measured: 6 ms vs 300+ ms per decode step).
+"""
+from __future__ import annotations
+
+import pytest
 import torch
 
+from offload.gguf_model import open_model
+from tests.fixtures.real_models import ALL, write_fixture
+
 torch.set_num_threads(1)
+
+# Qwen3 carries its (synthetic) 151936-token vocabulary so the lazy tokenizer-array path is
+# exercised; the others skip the tokenizer to keep the session quick.
+TOKENIZER = {"qwen3-30b-a3b": "vocab"}
+
+
+@pytest.fixture(scope="session")
+def fixture_paths(tmp_path_factory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("real_models")
+    return {name: str(write_fixture(make(), out, tokenizer=TOKENIZER.get(name, "none")))
+            for name, make in ALL.items()}
+
+
+@pytest.fixture(scope="session")
+def models(fixture_paths):
+    return {name: open_model(path) for name, path in fixture_paths.items()}

@@ -1,0 +1,251 @@
+"""``offload plan`` — where each tensor goes.
+
+    offload plan MODEL.gguf [--devices auto|SPEC] [placement flags] [-o plan.yaml] [--json | --emit llama.cpp]
+
+With no placement flag it auto-fits (``placement.fit``); with ``-ot`` / ``--cpu-moe`` /
+``--n-cpu-moe`` / ``-ngl`` / ``-ts`` it applies them with llama.cpp's semantics and checks the
+result fits; with ``--placement plan.yaml`` it loads a plan file. The table (or JSON, or flags)
+goes to stdout, notices to stderr.
+
+``add_placement_arguments`` and ``plan_from_args`` are shared with ``offload run``, so it takes
+every planner flag for free.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+from offload.errors import ArgumentParser, OffloadError, write_atomic
+from offload.gguf_model import ModelFile, open_model
+from placement.devices import Device, parse_size, resolve_devices
+from placement.fit import fit
+from placement.layers import LayerLayout
+from placement.llama_args import format_args, llama_cpp_args
+from placement.memory import MemorySettings
+from placement.plan import Placement, Plan, build_plan
+from placement.plan_file import load_plan_file, plan_to_yaml
+from placement.report import format_plan
+from placement.rules import cpu_moe_rules, n_cpu_moe_rules, parse_override
+from placement.cost import SpecProfile
+from placement.hardware import HardwareProfile
+from placement.speculative import DEFAULT_MAX_N, complete_hardware, predict
+from placement.tensors import Role
+
+DEFAULT_FIT_TARGET_MIB = 1024
+DEFAULT_FIT_CTX = 4096
+DEFAULT_UBATCH = 512
+# flags that replace the auto-fit with llama.cpp-style placement
+PLACEMENT_FLAGS = ("override_tensor", "cpu_moe", "n_cpu_moe", "n_gpu_layers", "tensor_split")
+# what a plan file fixes, so it cannot be combined with --placement either
+PLAN_FILE_FIXES = PLACEMENT_FLAGS + ("devices", "fit_target", "fit_ctx", "ctx", "cache_type", "ubatch")
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if getattr(args, n) is not None and getattr(args, n) is not False]
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag that decides a placement (shared by ``offload plan`` and ``offload run``)."""
+    g = parser.add_argument_group("placement (llama.cpp semantics)")
+    g.add_argument("--devices", metavar="auto|SPEC",
+                   help="'auto' (NVML free memory + available RAM) or e.g. "
+                        "'CUDA0=24GiB,CUDA1=24GiB,CPU=256GiB' (B/KiB/MiB/GiB/TiB; plain numbers are MiB); "
+                        "default auto")
+    g.add_argument("-ot", "--override-tensor", action="append", metavar="PATTERN=DEVICE[,...]",
+                   help="override rule(s), repeatable; re.search on tensor names, first match wins")
+    g.add_argument("--cpu-moe", action="store_true", help="all routed experts on the CPU")
+    g.add_argument("--n-cpu-moe", type=int, metavar="N", help="routed experts of blocks 0..N-1 on the CPU")
+    g.add_argument("-ngl", "--n-gpu-layers", type=int, metavar="N",
+                   help="the last N of the block_count+1 slots (output counts) on GPUs; -1 = all (default)")
+    g.add_argument("-ts", "--tensor-split", metavar="A,B,...",
+                   help="split of the GPU slots across GPUs (default: in proportion to free memory)")
+    g.add_argument("--fit-target", metavar="MiB[,MiB...]",
+                   help=f"memory to leave free on each GPU (default {DEFAULT_FIT_TARGET_MIB}); one value "
+                        "for all GPUs or one per GPU")
+    g.add_argument("--fit-ctx", type=int, metavar="N",
+                   help="auto-fit may shrink the context down to N (steps of 256) when --ctx is not given "
+                        f"(default {DEFAULT_FIT_CTX})")
+    g.add_argument("-c", "--ctx", type=int, metavar="N", help="context length (default: the model's)")
+    g.add_argument("--cache-type", metavar="TYPE",
+                   help="KV cache type: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1 (default f16)")
+    g.add_argument("-ub", "--ubatch", type=int, metavar="N",
+                   help=f"tokens per compute batch; sizes the compute buffers (default {DEFAULT_UBATCH})")
+    g.add_argument("--draft", metavar="GGUF", help="a separate draft model holding only a NextN (MTP) block")
+    g.add_argument("--placement", metavar="PLAN.yaml", help="load a plan file instead of planning")
+
+
+def _targets(text: str | None, devices: list[Device]) -> dict[str, int]:
+    gpus = [d.name for d in devices if d.is_gpu]
+    values = [parse_size(v, what="--fit-target") for v in text.split(",")] if text else \
+        [DEFAULT_FIT_TARGET_MIB << 20]
+    if len(values) == 1:
+        values = values * len(gpus)
+    if len(values) != len(gpus):
+        raise OffloadError(f"--fit-target has {len(values)} values for {len(gpus)} GPUs ({', '.join(gpus) or 'none'})")
+    return dict(zip(gpus, values))
+
+
+def open_draft(path: str, model: ModelFile) -> ModelFile:
+    """A ``--draft`` GGUF: a NextN block of the same architecture and width as the model."""
+    draft = open_model(path)
+    if not any(t.role is Role.NEXTN for t in draft.tensors):
+        raise OffloadError(f"{path}: --draft needs a GGUF holding a NextN block (no blk.N.nextn.* tensors)")
+    if (draft.spec.arch, draft.spec.n_embd) != (model.spec.arch, model.spec.n_embd):
+        raise OffloadError(f"{path}: draft is {draft.spec.arch} with n_embd {draft.spec.n_embd}, "
+                           f"the model is {model.spec.arch} with n_embd {model.spec.n_embd}")
+    return draft
+
+
+def _placement_from_flags(args: argparse.Namespace, model: ModelFile, devices: list[Device],
+                          with_draft: bool) -> Placement:
+    rules = [r for value in args.override_tensor or [] for r in parse_override(value)]
+    if args.cpu_moe:
+        rules += cpu_moe_rules()
+    if args.n_cpu_moe is not None:
+        rules += n_cpu_moe_rules(args.n_cpu_moe)
+    n_layer = model.spec.n_layer
+    gpus = tuple(d.name for d in devices if d.is_gpu)
+    ngl = args.n_gpu_layers
+    if ngl is None or ngl == -1:
+        ngl = n_layer + 1
+    if ngl < -1:
+        raise OffloadError(f"-ngl must be >= 0 or -1 (all), got {ngl}")
+    ngl = min(ngl, n_layer + 1)
+    if args.tensor_split:
+        try:
+            split = [float(x) for x in args.tensor_split.split(",")]
+        except ValueError:
+            split = []
+        if not split or not all(math.isfinite(x) for x in split):
+            raise OffloadError(f"-ts: {args.tensor_split!r} is not a comma list of numbers")
+        if len(split) > len(gpus):
+            raise OffloadError(f"-ts has {len(split)} values but there are {len(gpus)} GPUs "
+                               f"({', '.join(gpus) or 'none'})")
+        split += [0.0] * (len(gpus) - len(split))
+    else:
+        split = [float(d.budget_bytes) for d in devices if d.is_gpu]   # llama.cpp: by free memory
+    layout = LayerLayout(n_layer, gpus, ngl, tuple(split))
+    # Store the split as whole slot counts: the same slots land on the same GPUs, and the
+    # emitted -ts needs no float rounding in llama.cpp.
+    counts = [float(len(v)) for v in layout.slots_per_gpu().values()]
+    if gpus:
+        layout = LayerLayout(n_layer, gpus, ngl, tuple(counts) if sum(counts) else (1.0,) * len(gpus))
+    draft_device = layout.slot_device(n_layer)     # the draft head sits with the output layer
+    return Placement(tuple(rules), layout, tuple(rules) if with_draft else (), draft_device)
+
+
+def _plan_from_file(path: str, model: ModelFile | None, draft_path: str | None):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OffloadError(f"{path}: cannot read plan file ({getattr(exc, 'strerror', None) or exc})") from None
+    pf = load_plan_file(text, path)
+    if model is None:
+        model = open_model(pf.model_path)
+    elif Path(model.path).resolve() != Path(pf.model_path).resolve():
+        warnings.warn(f"{path} was made for {pf.model_path}; planning {model.path}", stacklevel=2)
+    if pf.n_layer != model.spec.n_layer:
+        raise OffloadError(f"{path}: the plan's layout is for {pf.n_layer} blocks but {model.path} "
+                           f"has {model.spec.n_layer}")
+    draft_path = draft_path or pf.draft_path
+    draft = open_draft(draft_path, model) if draft_path else None
+    plan = build_plan(model, pf.placement, pf.settings, pf.devices, pf.targets, mode="plan file", draft=draft)
+    plan = dataclasses.replace(plan, speculative=pf.speculative)
+    plan.check_fits()
+    return plan, model, draft
+
+
+def plan_from_args(args: argparse.Namespace, model: ModelFile | None) -> tuple[Plan, ModelFile, ModelFile | None]:
+    """args (``add_placement_arguments``) + model → (Plan, model, draft).
+
+    ``model`` may be None only with ``--placement`` (the plan file names the model).
+    """
+    if args.placement:
+        clash = _given(args, PLAN_FILE_FIXES)
+        if clash:
+            raise OffloadError(f"--placement cannot be combined with --{clash[0].replace('_', '-')} "
+                               f"(the plan file fixes it)")
+        return _plan_from_file(args.placement, model, args.draft)
+    if model is None:
+        raise OffloadError("give a model (or --placement PLAN.yaml)")
+    draft = open_draft(args.draft, model) if args.draft else None
+    devices = resolve_devices(args.devices or "auto")
+    targets = _targets(args.fit_target, devices)
+    settings = MemorySettings(args.ctx if args.ctx is not None else model.spec.n_ctx_train,
+                              args.cache_type or "f16", DEFAULT_UBATCH if args.ubatch is None else args.ubatch)
+    if _given(args, PLACEMENT_FLAGS):
+        placement = _placement_from_flags(args, model, devices, with_draft=draft is not None)
+        plan = build_plan(model, placement, settings, devices, targets, mode="flags", draft=draft)
+        plan.check_fits()
+        return plan, model, draft
+    floor = None if args.ctx is not None else (DEFAULT_FIT_CTX if args.fit_ctx is None else args.fit_ctx)
+    return fit(model, devices, targets, settings, ctx_floor=floor, draft=draft), model, draft
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="offload plan", description=__doc__.split("\n\n")[0].replace("``", ""),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", help="GGUF model (any shard of a split model)")
+    add_placement_arguments(p)
+    out = p.add_argument_group("output")
+    out.add_argument("-o", "--output", metavar="PLAN.yaml", help="also write the plan file")
+    spec = p.add_argument_group("speculative decoding (prediction; `offload tune` measures it)")
+    spec.add_argument("--spec-type", choices=["mtp", "none"],
+                      help="predict drafting with the model's NextN (MTP) head; default: mtp when the "
+                           "model or --draft has one")
+    spec.add_argument("--spec-max-n", type=int, default=DEFAULT_MAX_N, metavar="N",
+                      help=f"largest draft length in the n_max table (default {DEFAULT_MAX_N})")
+    spec.add_argument("--hw-profile", metavar="YAML",
+                      help="hardware profile (cpu_read_gbps, gpus: {CUDA0: {name|read_gbps|link_gbps}}, "
+                           "fixed costs); default: by GPU name, or the plan file's measured profile")
+    fmt = out.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    fmt.add_argument("--emit", choices=["llama.cpp"], help="print llama.cpp flags for the same placement")
+    return p
+
+
+def table_source(plan: Plan) -> str:
+    hw = (plan.speculative or {}).get("profile", {}).get("hardware", {})
+    return str(hw.get("source", "defaults"))
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    model = open_model(args.model) if args.model else None
+    plan, model, draft = plan_from_args(args, model)
+    table = None
+    if args.spec_type == "mtp" and plan.drafting == "none":
+        raise OffloadError(f"--spec-type mtp: {plan.model_path} has no NextN (MTP) block; give --draft MTP.gguf")
+    if args.spec_max_n < 0:
+        raise OffloadError(f"--spec-max-n must be >= 0, got {args.spec_max_n}")
+    if args.spec_type == "none":
+        plan = dataclasses.replace(plan, speculative=None)
+    elif plan.drafting != "none":
+        profile = None
+        if args.hw_profile:
+            old = plan.speculative or {}
+            base = SpecProfile.from_dict(old["profile"]) if old.get("profile") else None
+            hw = complete_hardware(HardwareProfile.from_yaml(args.hw_profile), plan)
+            profile = SpecProfile(hw) if base is None else dataclasses.replace(base, hardware=hw)
+        table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n)
+        plan = dataclasses.replace(plan, speculative=section)
+    if args.output:
+        write_atomic(args.output, plan_to_yaml(plan))
+        print(f"offload: wrote {args.output}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "llama_cpp_args": llama_cpp_args(plan)}, indent=1))
+    elif args.emit:
+        print(format_args(llama_cpp_args(plan)))
+    else:
+        sys.stdout.write(format_plan(plan, model, draft))
+        if table is not None:
+            print(f"\nspeculative decoding ({plan.drafting} draft head; predicted, "
+                  f"profile: {table_source(plan)}):")
+            print(table.format())
+        print(f"\nllama.cpp: {format_args(llama_cpp_args(plan))}")
+    return 0

@@ -1,0 +1,327 @@
+"""GGUF inventory: a (possibly split) model's header → ``ModelSpec`` + ``TensorInfo`` list.
+
+``open_model(path)`` reads headers only (``offload.gguf_header``), finds every shard of a
+split model (``…-00001-of-00003.gguf``: any shard may be named), checks the ``split.*`` keys,
+and builds, once:
+
+* ``ModelSpec`` (``placement.tensors``) from the metadata through ``gguf.constants.Keys``
+  templates. Keys offload does not understand are warned about (once per key), not dropped
+  silently;
+* one ``TensorInfo`` per tensor: GGUF name, numpy-order shape, quant type, exact bytes, block
+  index, role (from the one table ``ROLE_OF``, keyed by ``gguf``'s ``MODEL_TENSOR``) and
+  whether it belongs to a NextN block;
+* where each tensor's data lives (shard, absolute offset), so the runtime can map it later
+  with ``ModelFile.tensor_data(name)`` — a read-only memmap view shaped exactly like
+  ``gguf.GGUFReader``'s ``ReaderTensor.data``. Nothing here reads tensor data.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
+from gguf.quants import quant_shape_to_byte_shape
+
+from offload.errors import OffloadError
+from offload.gguf_header import GGUFHeader, LazyArray, read_header
+from placement.tensors import ModelSpec, Role, TensorInfo
+
+__all__ = ["ModelFile", "ModelSpec", "TensorInfo", "open_model", "UnknownMetadataWarning"]
+
+MT = MODEL_TENSOR
+# The one mapping from gguf's tensor kinds to planner roles. Kinds not listed are planned as
+# OTHER (dense) with a warning.
+ROLE_OF: dict[MODEL_TENSOR, Role] = {
+    **dict.fromkeys([MT.TOKEN_EMBD, MT.POS_EMBD, MT.TOKEN_TYPES], Role.EMBEDDING),
+    MT.OUTPUT: Role.OUTPUT,
+    **dict.fromkeys([
+        MT.ATTN_Q, MT.ATTN_K, MT.ATTN_V, MT.ATTN_QKV, MT.ATTN_OUT, MT.ATTN_ROT_EMBD, MT.ATTN_SINKS,
+        MT.ATTN_GATE, MT.ATTN_Q_A, MT.ATTN_Q_B, MT.ATTN_KV_A_MQA, MT.ATTN_KV_B, MT.ATTN_K_B,
+        MT.ATTN_V_B, MT.ROPE_FREQS, MT.ROPE_FACTORS_LONG, MT.ROPE_FACTORS_SHORT,
+        MT.INDEXER_K_NORM, MT.INDEXER_PROJ, MT.INDEXER_ATTN_K, MT.INDEXER_ATTN_Q_B,
+    ], Role.ATTENTION),
+    **dict.fromkeys([
+        MT.TOKEN_EMBD_NORM, MT.OUTPUT_NORM, MT.ATTN_NORM, MT.ATTN_NORM_2, MT.ATTN_Q_NORM,
+        MT.ATTN_K_NORM, MT.ATTN_OUT_NORM, MT.ATTN_POST_NORM, MT.ATTN_Q_A_NORM, MT.ATTN_KV_A_NORM,
+        MT.ATTN_SUB_NORM, MT.FFN_NORM, MT.FFN_PRE_NORM, MT.FFN_POST_NORM, MT.FFN_SUB_NORM,
+        MT.LAYER_OUT_NORM, MT.FFN_NORM_EXP,
+    ], Role.NORM),
+    **dict.fromkeys([MT.FFN_GATE_INP, MT.FFN_EXP_PROBS_B], Role.ROUTER),
+    **dict.fromkeys([
+        MT.FFN_GATE_EXP, MT.FFN_UP_EXP, MT.FFN_DOWN_EXP, MT.FFN_GATE_UP_EXP,
+        MT.FFN_GATE_CHEXP, MT.FFN_UP_CHEXP, MT.FFN_DOWN_CHEXP,
+    ], Role.ROUTED_EXPERTS),
+    **dict.fromkeys([MT.FFN_GATE_SHEXP, MT.FFN_UP_SHEXP, MT.FFN_DOWN_SHEXP, MT.FFN_GATE_INP_SHEXP],
+                    Role.SHARED_EXPERTS),
+    **dict.fromkeys([MT.FFN_GATE, MT.FFN_UP, MT.FFN_DOWN], Role.DENSE_FFN),
+    **dict.fromkeys([MT.NEXTN_EH_PROJ, MT.NEXTN_EMBED_TOKENS, MT.NEXTN_ENORM, MT.NEXTN_HNORM,
+                     MT.NEXTN_SHARED_HEAD_HEAD, MT.NEXTN_SHARED_HEAD_NORM], Role.NEXTN),
+}
+_BLOCK_PREFIX = "blk.{bid}."
+# "attn_q" → ATTN_Q for block tensors, "output_norm" → OUTPUT_NORM for global ones
+_BLOCK_KINDS = {n[len(_BLOCK_PREFIX):]: t for t, n in TENSOR_NAMES.items()
+                if n.startswith(_BLOCK_PREFIX) and t in ROLE_OF}
+_GLOBAL_KINDS = {n: t for t, n in TENSOR_NAMES.items() if "{" not in n and t in ROLE_OF}
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+LLM, ATTN, ROPE = Keys.LLM, Keys.Attention, Keys.Rope
+# Metadata the planner reads into ModelSpec.
+PLANNER_KEYS = (
+    LLM.BLOCK_COUNT, LLM.NEXTN_PREDICT_LAYERS, LLM.EMBEDDING_LENGTH, LLM.VOCAB_SIZE,
+    LLM.CONTEXT_LENGTH, LLM.FEED_FORWARD_LENGTH, LLM.EXPERT_FEED_FORWARD_LENGTH,
+    LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, LLM.EXPERT_COUNT, LLM.EXPERT_USED_COUNT,
+    LLM.EXPERT_SHARED_COUNT, LLM.LEADING_DENSE_BLOCK_COUNT, ATTN.HEAD_COUNT, ATTN.HEAD_COUNT_KV,
+    ATTN.KEY_LENGTH, ATTN.VALUE_LENGTH, ATTN.KEY_LENGTH_MLA, ATTN.VALUE_LENGTH_MLA,
+    ATTN.Q_LORA_RANK, ATTN.KV_LORA_RANK, ATTN.SLIDING_WINDOW, ATTN.SLIDING_WINDOW_PATTERN,
+    ROPE.DIMENSION_COUNT,
+)
+# Metadata the runtime's model math reads (norm eps, rope, routing); understood, not planned.
+RUNTIME_KEYS = (
+    ATTN.LAYERNORM_RMS_EPS, ATTN.LAYERNORM_EPS, ROPE.FREQ_BASE, ROPE.SCALING_TYPE,
+    ROPE.SCALING_FACTOR, ROPE.SCALING_ORIG_CTX_LEN, ROPE.SCALING_FINETUNED,
+    ROPE.SCALING_YARN_LOG_MUL, ROPE.SCALING_ATTN_FACTOR, LLM.EXPERT_WEIGHTS_SCALE,
+    LLM.EXPERT_WEIGHTS_NORM, LLM.EXPERT_GATING_FUNC, LLM.EXPERT_GROUP_COUNT,
+    LLM.EXPERT_GROUP_USED_COUNT,
+)
+# Whole namespaces: provenance, the tokenizer (offload's tokenizer reads it), split bookkeeping,
+# quantizer provenance (imatrix file/dataset).
+UNDERSTOOD_PREFIXES = ("general.", "tokenizer.", "split.", "quantize.")
+# llama.cpp hard-codes some sliding-window patterns instead of storing them (llama-model.cpp
+# set_swa_pattern): every n-th block is full attention, the others use the window.
+SWA_PATTERN_BY_ARCH = {"gpt-oss": 2}
+
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+class UnknownMetadataWarning(UserWarning):
+    """A GGUF metadata key or tensor kind offload does not understand (reported, not fatal)."""
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    path: str
+    offset: int                # absolute offset of the tensor's data in ``path``
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]     # numpy order
+    n_bytes: int
+
+
+_NUMPY_TYPES = {
+    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A GGUF model as the planner and the runtime see it (header only)."""
+
+    path: str                              # as the user named it
+    shards: tuple[str, ...]
+    spec: ModelSpec
+    tensors: tuple[TensorInfo, ...]
+    metadata: Mapping[str, Any]            # first shard's; long arrays are LazyArray
+    locations: Mapping[str, TensorLocation]
+    _maps: dict[str, np.memmap] = field(default_factory=dict, repr=False, compare=False)
+
+    def tensor(self, name: str) -> TensorInfo:
+        return next(t for t in self.tensors if t.name == name)
+
+    def tensor_data(self, name: str) -> np.ndarray:
+        """Read-only memmap view of a tensor's data, shaped like ``ReaderTensor.data``:
+        float/int types as that dtype in numpy order, quantized types as uint8 rows of blocks."""
+        loc = self.locations[name]
+        mm = self._maps.get(loc.path)
+        if mm is None:
+            mm = self._maps.setdefault(loc.path, np.memmap(loc.path, mode="r"))
+        raw = mm[loc.offset:loc.offset + loc.n_bytes]
+        dtype = _NUMPY_TYPES.get(loc.ggml_type)
+        if dtype is not None:
+            return raw.view(dtype).reshape(loc.shape)
+        return raw.reshape(quant_shape_to_byte_shape(loc.shape, loc.ggml_type))
+
+
+def find_shards(path: str | Path) -> list[str]:
+    """All shards of a split model (from any one of them), or ``[path]``."""
+    path = Path(path)
+    m = _SPLIT_NAME.match(path.name)
+    if not m:
+        return [str(path)]
+    count = int(m.group("count"))
+    shards = [path.with_name(f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    for s in shards:
+        if not s.exists():
+            raise OffloadError(f"{path}: split model shard {s.name} is missing")
+    return [str(s) for s in shards]
+
+
+def _check_split(headers: list[GGUFHeader]) -> None:
+    first = headers[0]
+    count = first.metadata.get(Keys.Split.LLM_KV_SPLIT_COUNT)
+    if count is None:
+        if len(headers) > 1:
+            raise OffloadError(f"{first.path}: named as a split shard but has no {Keys.Split.LLM_KV_SPLIT_COUNT} key")
+        return
+    if count != len(headers):
+        raise OffloadError(f"{first.path}: {Keys.Split.LLM_KV_SPLIT_COUNT} is {count} but "
+                           f"{len(headers)} shard file(s) were found by name")
+    for i, h in enumerate(headers):
+        no = h.metadata.get(Keys.Split.LLM_KV_SPLIT_NO)
+        if no != i:
+            raise OffloadError(f"{h.path}: {Keys.Split.LLM_KV_SPLIT_NO} is {no}, expected {i}")
+    total = first.metadata.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+    found = sum(len(h.tensors) for h in headers)
+    if total is not None and total != found:
+        raise OffloadError(f"{first.path}: {Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT} is {total} "
+                           f"but the shards hold {found} tensors")
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, UnknownMetadataWarning, stacklevel=3)
+
+
+def _check_keys(path: str, arch: str, metadata: Mapping[str, Any]) -> None:
+    known = {k.format(arch=arch) for k in PLANNER_KEYS + RUNTIME_KEYS}
+    for key in metadata:
+        if key not in known and not key.startswith(UNDERSTOOD_PREFIXES):
+            _warn(f"{path}: metadata key {key!r} is not understood by offload; ignored")
+
+
+class _Meta:
+    """Typed access to one architecture's keys, with one-line errors naming the key."""
+
+    def __init__(self, path: str, arch: str, metadata: Mapping[str, Any]):
+        self.path, self.arch, self.md = path, arch, metadata
+
+    def key(self, template: str) -> str:
+        return template.format(arch=self.arch)
+
+    def get(self, template: str, default: Any = None) -> Any:
+        value = self.md.get(self.key(template), default)
+        return value.values() if isinstance(value, LazyArray) else value
+
+    def int(self, template: str, default: int | None = None) -> int:
+        value = self.get(template, default)
+        if value is None:
+            raise OffloadError(f"{self.path}: missing metadata key {self.key(template)}")
+        if isinstance(value, list):        # per-block arrays: the largest value sizes buffers
+            value = max(value, default=0)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise OffloadError(f"{self.path}: metadata key {self.key(template)} is {value!r}, not an integer")
+        return value
+
+    def per_block(self, template: str, n: int, default: int) -> tuple[int, ...]:
+        value = self.get(template, default)
+        if isinstance(value, list):
+            if len(value) != n:
+                raise OffloadError(f"{self.path}: {self.key(template)} has {len(value)} values "
+                                   f"for {n} blocks")
+            return tuple(int(v) for v in value)
+        return (int(value),) * n
+
+
+def _swa_layers(m: _Meta, n_layer: int, window: int) -> tuple[bool, ...]:
+    if not window:
+        return ()
+    pattern = m.get(ATTN.SLIDING_WINDOW_PATTERN, SWA_PATTERN_BY_ARCH.get(m.arch))
+    if isinstance(pattern, list):
+        return tuple(bool(x) for x in pattern)
+    if not pattern:
+        return (True,) * n_layer
+    return tuple(il % pattern < pattern - 1 for il in range(n_layer))  # llama.cpp set_swa_pattern
+
+
+def spec_from_metadata(path: str, metadata: Mapping[str, Any], tensors_by_name: Mapping[str, Any]) -> ModelSpec:
+    arch = metadata.get(Keys.General.ARCHITECTURE)
+    if not isinstance(arch, str) or not arch:
+        raise OffloadError(f"{path}: missing metadata key {Keys.General.ARCHITECTURE}")
+    _check_keys(path, arch, metadata)
+    m = _Meta(path, arch, metadata)
+    n_layer = m.int(LLM.BLOCK_COUNT)
+    n_embd = m.int(LLM.EMBEDDING_LENGTH)
+    n_head = m.int(ATTN.HEAD_COUNT)
+    if n_layer < 1 or n_embd < 1 or n_head < 1:
+        raise OffloadError(f"{path}: block_count, embedding_length and head_count must be positive")
+    head_k = m.int(ATTN.KEY_LENGTH, n_embd // n_head)
+    n_vocab = m.get(LLM.VOCAB_SIZE)
+    if n_vocab is None:
+        tokens = metadata.get(Keys.Tokenizer.LIST)
+        embd = tensors_by_name.get("token_embd.weight")
+        n_vocab = len(tokens) if tokens is not None else (embd.shape[0] if embd is not None else 0)
+    n_nextn = m.int(LLM.NEXTN_PREDICT_LAYERS, 0)
+    if not 0 <= n_nextn < n_layer:
+        raise OffloadError(f"{path}: {m.key(LLM.NEXTN_PREDICT_LAYERS)} is {n_nextn} for {n_layer} blocks")
+    n_ff_exp = m.int(LLM.EXPERT_FEED_FORWARD_LENGTH, 0)
+    window = m.int(ATTN.SLIDING_WINDOW, 0)
+    return ModelSpec(
+        arch=arch, n_layer=n_layer, n_embd=n_embd, n_vocab=int(n_vocab),
+        n_ctx_train=m.int(LLM.CONTEXT_LENGTH), n_head=n_head,
+        n_head_kv=m.per_block(ATTN.HEAD_COUNT_KV, n_layer, n_head),
+        head_dim_k=head_k, head_dim_v=m.int(ATTN.VALUE_LENGTH, head_k),
+        n_nextn=n_nextn, n_rot=m.int(ROPE.DIMENSION_COUNT, head_k),
+        n_ff=m.int(LLM.FEED_FORWARD_LENGTH, 0), n_expert=m.int(LLM.EXPERT_COUNT, 0),
+        n_expert_used=m.int(LLM.EXPERT_USED_COUNT, 0), n_expert_shared=m.int(LLM.EXPERT_SHARED_COUNT, 0),
+        n_ff_exp=n_ff_exp, n_ff_shexp=m.int(LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, n_ff_exp),
+        n_leading_dense=m.int(LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+        q_lora_rank=m.int(ATTN.Q_LORA_RANK, 0), kv_lora_rank=m.int(ATTN.KV_LORA_RANK, 0),
+        head_dim_k_mla=m.int(ATTN.KEY_LENGTH_MLA, 0), head_dim_v_mla=m.int(ATTN.VALUE_LENGTH_MLA, 0),
+        sliding_window=window, swa_layers=_swa_layers(m, n_layer, window),
+    )
+
+
+def tensor_kind(name: str) -> tuple[int | None, MODEL_TENSOR | None, str]:
+    """``blk.12.ffn_down_exps.weight`` → (12, FFN_DOWN_EXP, "ffn_down_exps")."""
+    m = _BLOCK_NAME.match(name)
+    rest, table = (m.group(2), _BLOCK_KINDS) if m else (name, _GLOBAL_KINDS)
+    layer = int(m.group(1)) if m else None
+    stem = rest.rsplit(".", 1)[0]
+    for base in (stem, rest):          # "attn_q.weight" → "attn_q"; "ssm_a" has no suffix
+        if base in table:
+            return layer, table[base], base
+    return layer, None, stem
+
+
+def _tensor_infos(path: str, spec: ModelSpec, headers: list[GGUFHeader]) -> list[TensorInfo]:
+    infos, unknown = [], set()
+    for h in headers:
+        for th in h.tensors:
+            layer, kind, base = tensor_kind(th.name)
+            if layer is not None and layer >= spec.n_layer:
+                raise OffloadError(f"{path}: tensor {th.name} is in block {layer} but "
+                                   f"{spec.arch}.block_count is {spec.n_layer}")
+            if kind is None and base not in unknown:
+                unknown.add(base)
+                _warn(f"{path}: tensor kind {base!r} (e.g. {th.name}) is not understood by offload; "
+                      f"planned as a dense tensor")
+            role = ROLE_OF[kind] if kind is not None else Role.OTHER
+            infos.append(TensorInfo(th.name, th.shape, th.ggml_type, th.n_bytes, layer, role,
+                                    nextn=layer is not None and spec.is_nextn_layer(layer)))
+    return infos
+
+
+def open_model(path: str | Path) -> ModelFile:
+    """Read the header(s) of a GGUF model; see the module docstring."""
+    path = str(path)
+    headers = [read_header(p) for p in find_shards(path)]
+    _check_split(headers)
+    seen: dict[str, str] = {}
+    for h in headers:
+        for th in h.tensors:
+            if th.name in seen:
+                raise OffloadError(f"{h.path}: tensor {th.name} is also in {seen[th.name]}")
+            seen[th.name] = h.path
+    by_name = {th.name: th for h in headers for th in h.tensors}
+    spec = spec_from_metadata(path, headers[0].metadata, by_name)
+    tensors = _tensor_infos(path, spec, headers)
+    locations = {th.name: TensorLocation(h.path, th.data_offset, th.ggml_type, th.shape, th.n_bytes)
+                 for h in headers for th in h.tensors}
+    return ModelFile(path, tuple(h.path for h in headers), spec, tuple(tensors),
+                     dict(headers[0].metadata), locations)

@@ -1,0 +1,303 @@
+"""Auto-fit: the placement ``offload plan`` makes when no placement flag is given.
+
+MoE-aware and tight, in four steps:
+
+1. **Context.** If ``--ctx`` was not given, start from the model's training context and, when
+   the non-expert part does not fit, shrink it in steps of 256 down to ``--fit-ctx`` (binary
+   search; the non-expert part only grows with the context). Experts spill before the
+   context shrinks: a long context is worth more than a few GPU-resident experts.
+2. **Non-expert part → GPUs.** The model's slots (blocks ``0 … n_layer-1``, then the output
+   layer, which also carries a ``--draft`` head) are cut into one contiguous range per GPU,
+   in proportion to each GPU's room above its target. A slot costs its non-expert weights
+   (attention, router, norms, shared experts, dense FFN, NextN glue) plus its KV cache; each
+   GPU also pays its compute buffer. If the proportional cut overflows a GPU, the slots are
+   packed greedily in order instead; if that fails too, the plan is refused with numbers.
+   ``token_embd`` stays on the CPU (llama.cpp's input layer).
+3. **Experts → their own GPU.** Expert blocks (``blk.N.ffn_{gate,up,down,gate_up}_exps`` with
+   their biases) are tried from the last slot backwards — the draft head's and NextN's first,
+   then the trunk from its last block down — each on the GPU that holds its block, first fit.
+   So each GPU keeps the experts of its last blocks and the first blocks' experts spill, the
+   ``--n-cpu-moe`` shape.
+4. **Top-up.** The expert blocks still on the CPU are offered, in the same order, to any GPU
+   with room (most room first). Afterwards no CPU expert block fits on any GPU: what is left
+   above each GPU's target is smaller than the smallest expert block on the CPU (tight).
+
+The result is expressed as a ``Placement``: ``-ngl`` = every slot, ``-ts`` = slots per GPU
+(integers, so llama.cpp's float split points land exactly), and one ``-ot`` rule per group
+of expert blocks that leaves its block's GPU.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from placement.devices import CPU, Device, format_bytes
+from placement.errors import PlacementError
+from placement.layers import LayerLayout, output_slot_member
+from placement.memory import MemorySettings, compute_bytes_from_roles, kv_bytes, tied_output
+from placement.plan import Placement, Plan, PlannedModel, build_plan, kv_blocks
+from placement.rules import EXPERTS_REGEX, Rule, layers_regex
+from placement.tensors import Role, TensorInfo
+
+CTX_STEP = 256
+
+
+@dataclass(eq=False)  # identity-hashed: used as a dict key
+class _ExpertBlock:
+    """``blk.N.ffn_up_exps`` (weight and bias) of the model or of the draft."""
+
+    key: str
+    layer: int
+    slot: int
+    draft: bool
+    tensors: list[TensorInfo]
+
+    @property
+    def kind(self) -> str:  # "ffn_up_exps"
+        return self.key.split(".", 2)[2]
+
+
+def expert_block_key(t: TensorInfo) -> str:
+    stem, _, suffix = t.name.rpartition(".")
+    return stem if suffix in ("weight", "bias", "scale") else t.name
+
+
+class _Ledger:
+    """Exact running memory of one GPU: weights + KV + compute (memory.py's formula)."""
+
+    def __init__(self, device: Device, target: int, model: PlannedModel,
+                 draft: PlannedModel | None, s: MemorySettings):
+        self.name = device.name
+        self.room = device.budget_bytes - target
+        self.model, self.draft, self.s = model, draft, s
+        self.weights = 0
+        self.kv = 0
+        self.roles: dict[tuple[bool, int | None], set[Role]] = {}   # (is_draft, block) → roles
+
+    def _compute(self, roles: Mapping[tuple[bool, int | None], set[Role]]) -> int:
+        total = 0
+        for is_draft, m in ((False, self.model), (True, self.draft)):
+            blocks = [r for (d, layer), r in roles.items() if d == is_draft and layer is not None]
+            globals_ = roles.get((is_draft, None), set())
+            if m is not None and (blocks or globals_):
+                total += compute_bytes_from_roles(m.spec, blocks, globals_, self.s)
+        return total
+
+    @property
+    def used(self) -> int:
+        return self.weights + self.kv + self._compute(self.roles)
+
+    def try_add(self, items: Sequence[tuple[TensorInfo, bool]], kv: int = 0, *,
+                force: bool = False) -> bool:
+        """Add (tensor, is_draft) items and KV bytes if they fit above the target (or ``force``)."""
+        roles = {k: set(v) for k, v in self.roles.items()}
+        for t, is_draft in items:
+            roles.setdefault((is_draft, t.layer), set()).add(t.role)
+        weights = self.weights + sum(t.n_bytes for t, _ in items)
+        if not force and weights + self.kv + kv + self._compute(roles) > self.room:
+            return False
+        self.weights, self.kv, self.roles = weights, self.kv + kv, roles
+        return True
+
+
+@dataclass
+class _Slots:
+    """The non-expert tensors and KV of each slot; every expert block, in priority order."""
+
+    dense: list[list[tuple[TensorInfo, bool]]]   # per slot: (tensor, is_draft)
+    kv: list[int]
+    experts: list[_ExpertBlock]
+
+    def cost(self, slot: int) -> int:
+        return sum(t.n_bytes for t, _ in self.dense[slot]) + self.kv[slot]
+
+
+def _slots(model: PlannedModel, draft: PlannedModel | None, s: MemorySettings) -> _Slots:
+    n = model.spec.n_layer
+    dense: list[list[tuple[TensorInfo, bool]]] = [[] for _ in range(n + 1)]
+    kv = [0] * (n + 1)
+    experts: dict[str, _ExpertBlock] = {}
+    sources = [(model, False)] + ([(draft, True)] if draft is not None else [])
+    for m, is_draft in sources:
+        for t in m.tensors:
+            if is_draft or (t.layer is None and output_slot_member(t)):
+                slot = n
+            elif t.layer is not None:
+                slot = t.layer
+            else:
+                continue    # input layer (token_embd): the layout keeps it on the CPU
+            if t.role is Role.ROUTED_EXPERTS and t.layer is not None:
+                key = ("draft:" if is_draft else "") + expert_block_key(t)
+                blk = experts.setdefault(key, _ExpertBlock(expert_block_key(t), t.layer, slot, is_draft, []))
+                blk.tensors.append(t)
+            else:
+                dense[slot].append((t, is_draft))
+    tied = tied_output(model.tensors)
+    if tied is not None:            # logits from token_embd: a copy on the output layer's GPU
+        dense[n].append((tied, False))
+    for layer in kv_blocks(model, draft is None and model.spec.n_nextn > 0):
+        kv[layer] += kv_bytes(model.spec, layer, s)
+    if draft is not None:
+        for layer in sorted({t.layer for t in draft.tensors if t.layer is not None}):
+            kv[n] += kv_bytes(draft.spec, layer, s)
+    # priority: last slot first (draft, NextN, then the trunk backwards); stable within a block
+    order = sorted(experts.values(), key=lambda b: (-b.slot, not b.draft, -b.layer, b.key))
+    return _Slots(dense, kv, order)
+
+
+def _partition(gpus, targets, model, draft, s, slots: _Slots):
+    """Contiguous slot ranges per GPU and their ledgers: proportional to the GPUs' room, else
+    greedy. None when the non-expert part cannot fit."""
+    def ledgers_for(groups):
+        ledgers = [_Ledger(g, targets.get(g.name, 0), model, draft, s) for g in gpus]
+        for ledger, group in zip(ledgers, groups):
+            for slot in group:
+                ledger.try_add(slots.dense[slot], slots.kv[slot], force=True)
+        return ledgers if all(lg.used <= lg.room for lg in ledgers) else None
+
+    rooms = [max(g.budget_bytes - targets.get(g.name, 0), 0) for g in gpus]
+    cum, acc = [], 0
+    for r in rooms:
+        acc += r
+        cum.append(acc / (sum(rooms) or 1))
+    total = sum(slots.cost(i) for i in range(len(slots.dense))) or 1
+    groups = [[] for _ in gpus]
+    before = 0
+    for slot in range(len(slots.dense)):    # proportional: a slot goes where its midpoint falls
+        mid = (before + slots.cost(slot) / 2) / total
+        groups[next((i for i, x in enumerate(cum) if x > mid), len(gpus) - 1)].append(slot)
+        before += slots.cost(slot)
+    ledgers = ledgers_for(groups)
+    if ledgers is not None:
+        return groups, ledgers
+    ledgers = [_Ledger(g, targets.get(g.name, 0), model, draft, s) for g in gpus]
+    groups = [[] for _ in gpus]
+    g = 0
+    for slot in range(len(slots.dense)):    # greedy: fill GPU 0, then GPU 1, ...
+        while g < len(gpus) and not ledgers[g].try_add(slots.dense[slot], slots.kv[slot]):
+            g += 1
+        if g == len(gpus):
+            return None
+        groups[g].append(slot)
+    return groups, ledgers
+
+
+def _dense_need(model, draft, s, slots, gpus, targets) -> str:
+    """The refusal's numbers: what the non-expert part needs vs the GPUs' room."""
+    lg = _Ledger(Device("all GPUs", 1 << 62), 0, model, draft, s)
+    for slot in range(len(slots.dense)):
+        lg.try_add(slots.dense[slot], slots.kv[slot], force=True)
+    room = ", ".join(f"{g.name} {format_bytes(g.budget_bytes - targets.get(g.name, 0))}" for g in gpus)
+    return (f"needs {format_bytes(lg.used)} (weights {format_bytes(lg.weights)} + KV "
+            f"{format_bytes(lg.kv)} + compute {format_bytes(lg.used - lg.weights - lg.kv)}) "
+            f"but the GPUs have {room} above their targets")
+
+
+def _rules_for_moves(moves: Mapping[_ExpertBlock, str], all_blocks: Sequence[_ExpertBlock],
+                     draft: bool) -> list[Rule]:
+    """Rules for expert blocks that leave their slot's device, grouped per destination:
+    whole blocks use llama.cpp's expert regex; the rest name their kinds."""
+    kinds_of_layer: dict[int, set[str]] = defaultdict(set)
+    for b in all_blocks:
+        if b.draft is draft:
+            kinds_of_layer[b.layer].add(b.kind)
+    by_layer: dict[int, dict[str, str]] = defaultdict(dict)
+    for b, dev in moves.items():
+        if b.draft is draft:
+            by_layer[b.layer][b.kind] = dev
+    groups: dict[tuple[str, tuple[str, ...]], list[int]] = defaultdict(list)   # (device, kinds) → layers
+    for layer, kinds in sorted(by_layer.items()):
+        for dev in sorted(set(kinds.values())):
+            moved = tuple(sorted(k for k, d in kinds.items() if d == dev))
+            groups[(dev, () if set(moved) == kinds_of_layer[layer] else moved)].append(layer)
+    rules = []
+    for (dev, kinds), layers in sorted(groups.items(), key=lambda kv: (kv[0][1] != (), kv[0][0], kv[1])):
+        what = EXPERTS_REGEX if not kinds else r"\." + (kinds[0] if len(kinds) == 1 else "(" + "|".join(kinds) + ")")
+        rules.append(Rule(rf"blk\.{layers_regex(layers)}{what}", dev, "fit"))
+    return rules
+
+
+def _checked(plan: Plan) -> Plan:
+    """The GPUs were packed above their targets; the CPU must hold what is left. (Checked on
+    the plan's own totals, so the fit's running accounts and memory.py cannot drift apart.)"""
+    for t in plan.totals:
+        if t.above_target_bytes < 0:
+            what = "for what does not fit on the GPUs " if t.name == CPU else ""
+            raise PlacementError(
+                f"cannot fit: {t.name} needs {format_bytes(t.used_bytes)} (weights "
+                f"{format_bytes(t.weights_bytes)} + KV {format_bytes(t.kv_bytes)} + compute "
+                f"{format_bytes(t.compute_bytes)}) {what}but has {format_bytes(t.budget_bytes)}"
+                + (f" with {format_bytes(t.target_bytes)} kept free" if t.target_bytes else ""))
+    return plan
+
+
+def fit(model: PlannedModel, devices: Sequence[Device], targets: Mapping[str, int],
+        settings: MemorySettings, *, ctx_floor: int | None = None,
+        draft: PlannedModel | None = None) -> Plan:
+    """Auto-fit (module docstring). ``ctx_floor`` None: keep ``settings.ctx`` as given.
+
+    The plan's settings carry the context actually used; its notes say what the fit did.
+    """
+    spec = model.spec
+    gpus = [d for d in devices if d.is_gpu]
+    notes: list[str] = []
+    if not gpus:
+        placement = Placement((), LayerLayout(spec.n_layer, (), 0, ()), (), CPU)
+        return _checked(build_plan(model, placement, settings, devices, targets, mode="auto-fit",
+                                   draft=draft, notes=["no GPU: everything on the CPU"]))
+
+    def attempt(ctx: int):
+        s = MemorySettings(ctx, settings.cache_type, settings.ubatch)
+        slots = _slots(model, draft, s)
+        return s, slots, _partition(gpus, targets, model, draft, s, slots)
+
+    s, slots, part = attempt(settings.ctx)
+    if part is None and ctx_floor is not None and ctx_floor < settings.ctx:
+        candidates = list(range(settings.ctx - CTX_STEP, ctx_floor - 1, -CTX_STEP))
+        lo, hi, best = 0, len(candidates) - 1, None
+        while lo <= hi:             # candidates descend; feasibility is monotone in the context
+            mid = (lo + hi) // 2
+            trial = attempt(candidates[mid])
+            if trial[2] is not None:
+                best, hi = trial, mid - 1
+            else:
+                lo = mid + 1
+        if best is not None:
+            notes.append(f"context reduced from {settings.ctx} to {best[0].ctx} "
+                         f"so that the non-expert part fits on the GPUs")
+            s, slots, part = best
+    if part is None:
+        at = f" even at context {ctx_floor}" if ctx_floor is not None and ctx_floor < settings.ctx else ""
+        s_min = MemorySettings(min(settings.ctx, ctx_floor or settings.ctx), settings.cache_type,
+                               settings.ubatch)
+        raise PlacementError(
+            f"cannot fit the non-expert part on the GPUs{at}: "
+            f"{_dense_need(model, draft, s_min, _slots(model, draft, s_min), gpus, targets)}; "
+            f"lower --ctx, use a smaller --cache-type, or keep layers on the CPU with -ngl")
+    groups, ledgers = part
+    slot_gpu = {slot: i for i, group in enumerate(groups) for slot in group}
+
+    cpu_blocks: list[_ExpertBlock] = []
+    for blk in slots.experts:                      # step 3: own GPU
+        if not ledgers[slot_gpu[blk.slot]].try_add([(t, blk.draft) for t in blk.tensors]):
+            cpu_blocks.append(blk)
+    moves: dict[_ExpertBlock, str] = {}
+    for blk in cpu_blocks:                         # step 4: top-up, most room first
+        for g in sorted(range(len(ledgers)), key=lambda i: ledgers[i].used - ledgers[i].room):
+            if ledgers[g].try_add([(t, blk.draft) for t in blk.tensors]):
+                moves[blk] = ledgers[g].name
+                break
+        else:
+            moves[blk] = CPU
+
+    layout = LayerLayout(spec.n_layer, tuple(g.name for g in gpus), spec.n_layer + 1,
+                         tuple(float(len(group)) for group in groups))
+    draft_device = ledgers[slot_gpu[spec.n_layer]].name
+    placement = Placement(tuple(_rules_for_moves(moves, slots.experts, draft=False)), layout,
+                          tuple(_rules_for_moves(moves, slots.experts, draft=True)), draft_device)
+    n_cpu = sum(1 for d in moves.values() if d == CPU)
+    if n_cpu:
+        notes.append(f"{n_cpu} of {len(slots.experts)} expert blocks on the CPU")
+    return _checked(build_plan(model, placement, s, devices, targets, mode="auto-fit",
+                               draft=draft, notes=notes))

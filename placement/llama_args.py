@@ -1,0 +1,55 @@
+"""A plan as llama.cpp flags (``offload plan --emit llama.cpp``).
+
+The flags give llama.cpp the same tensor→device map: ``-dev`` lists the plan's GPUs in
+order, ``-ngl``/``-ts`` reproduce the layer layout (the planner stores ``-ts`` as whole slot
+counts, so llama.cpp's float32 split points fall exactly where ours do), and every rule becomes
+one ``-ot pattern=DEVICE`` in the plan's order (llama.cpp tries them in order, first match
+wins). A separate draft model gets ``-md``, ``-devd``/``-ngld`` and ``-otd``. Context, ubatch and
+the KV cache type come along because they decide the memory the plan was sized for.
+"""
+from __future__ import annotations
+
+import shlex
+
+from placement.devices import CPU
+from placement.memory import cache_type
+from placement.plan import Plan
+
+DEFAULT_UBATCH = 512
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def llama_cpp_args(plan: Plan) -> list[str]:
+    """argv (without the program name) for llama-server / llama-cli."""
+    s, layout = plan.settings, plan.placement.layout
+    args = ["-m", plan.model_path, "-c", str(s.ctx)]
+    if s.ubatch != DEFAULT_UBATCH:
+        args += ["-ub", str(s.ubatch)]
+    if s.cache_type != "f16":
+        args += ["-ctk", s.cache_type, "-ctv", s.cache_type]
+        if cache_type(s.cache_type).name not in ("F16", "F32", "BF16"):
+            args += ["-fa", "on"]           # llama.cpp needs flash attention for a quantized V cache
+    if layout.gpus:
+        args += ["-dev", ",".join(layout.gpus), "-ngl", str(layout.n_gpu_layers),
+                 "-ts", ",".join(_number(x) for x in layout.tensor_split)]
+    else:
+        args += ["-ngl", "0"]
+    for rule in plan.placement.rules:
+        args += ["-ot", rule.text]
+    if plan.draft_path is not None:
+        args += ["-md", plan.draft_path]
+        if plan.placement.draft_device == CPU:
+            args += ["-ngld", "0"]
+        else:
+            args += ["-devd", plan.placement.draft_device, "-ngld", "999"]
+        for rule in plan.placement.draft_rules:
+            args += ["-otd", rule.text]
+    return args
+
+
+def format_args(args: list[str]) -> str:
+    """One shell-quoted line."""
+    return shlex.join(args)

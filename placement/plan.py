@@ -1,0 +1,143 @@
+"""The Plan: ordered rules + layer layout → a resolved tensor→device map and per-device totals.
+
+``Placement`` is the editable part (what a plan file stores): the ordered override rules,
+the ``-ngl``/``-ts`` layout that places every tensor no rule matches, and the same two for a
+separate ``--draft`` model (its rules, and one fallback device, like llama.cpp's ``-otd`` /
+``-devd``). ``build_plan`` resolves it against the model's tensors — first match wins — and
+adds up weights, KV cache and compute buffers per device (``placement.memory``).
+
+The YAML form is in ``placement.plan_file``; the llama.cpp flags in ``placement.llama_args``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from placement.devices import CPU, Device, format_bytes
+from placement.errors import PlacementError
+from placement.layers import LayerLayout
+from placement.memory import (DeviceTotals, MemorySettings, add_footprints, device_totals,
+                              footprint)
+from placement.rules import Rule, assign, check_devices
+from placement.tensors import ModelSpec, TensorInfo
+
+
+class PlannedModel(Protocol):
+    """What the planner needs of a model (``offload.gguf_model.ModelFile`` provides it)."""
+
+    path: str
+    spec: ModelSpec
+    tensors: Sequence[TensorInfo]
+
+
+@dataclass(frozen=True)
+class Placement:
+    rules: tuple[Rule, ...]
+    layout: LayerLayout
+    draft_rules: tuple[Rule, ...] = ()
+    draft_device: str = CPU
+
+    def resolve(self, tensors: Sequence[TensorInfo]) -> dict[str, str]:
+        return assign(tensors, self.rules, self.layout.device_of)
+
+    def resolve_draft(self, tensors: Sequence[TensorInfo]) -> dict[str, str]:
+        return assign(tensors, self.draft_rules, lambda _t: self.draft_device)
+
+    def check_devices(self, names: Sequence[str]) -> None:
+        check_devices(self.rules, names)
+        check_devices(self.draft_rules, names)
+        for gpu in self.layout.gpus:
+            if gpu not in names:
+                raise PlacementError(f"the layer layout names {gpu}, which is not among the devices")
+        if self.draft_device not in names:
+            raise PlacementError(f"the draft device {self.draft_device} is not among the devices")
+
+
+def kv_blocks(model: PlannedModel, drafting_in_model: bool) -> list[int]:
+    """Blocks that keep a KV cache: the trunk, plus the NextN blocks when they draft."""
+    spec = model.spec
+    n = spec.n_layer if drafting_in_model else spec.n_layer_trunk
+    return list(range(n))
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_path: str
+    settings: MemorySettings
+    devices: tuple[Device, ...]
+    targets: Mapping[str, int]          # free-memory target per device (bytes; CPU 0)
+    placement: Placement
+    tensors: Mapping[str, str]          # model tensor name → device
+    totals: tuple[DeviceTotals, ...]
+    mode: str                           # "auto-fit", "flags" or "plan file"
+    draft_path: str | None = None
+    draft_tensors: Mapping[str, str] = field(default_factory=dict)
+    drafting: str = "none"              # "in-model NextN", "--draft", or "none"
+    notes: tuple[str, ...] = ()
+    speculative: Mapping[str, Any] | None = None  # filled by the cost model (offload tune)
+
+    @property
+    def device_names(self) -> list[str]:
+        return [d.name for d in self.devices]
+
+    def overflow(self) -> list[DeviceTotals]:
+        return [t for t in self.totals if t.free_after_bytes < 0]
+
+    def check_fits(self) -> None:
+        """Refuse a plan that needs more than a device has, with the numbers."""
+        for t in self.overflow():
+            raise PlacementError(
+                f"the plan does not fit: {t.name} needs {format_bytes(t.used_bytes)} "
+                f"(weights {format_bytes(t.weights_bytes)} + KV {format_bytes(t.kv_bytes)} + "
+                f"compute {format_bytes(t.compute_bytes)}) but has {format_bytes(t.budget_bytes)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``offload plan --json`` adds ``llama_cpp_args``)."""
+        return {
+            "model": self.model_path,
+            "draft": self.draft_path,
+            "drafting": self.drafting,
+            "mode": self.mode,
+            "context": self.settings.ctx,
+            "cache_type": self.settings.cache_type,
+            "ubatch": self.settings.ubatch,
+            "devices": [{
+                "name": t.name, "budget_bytes": t.budget_bytes, "target_bytes": t.target_bytes,
+                "weights_bytes": t.weights_bytes, "kv_bytes": t.kv_bytes,
+                "compute_bytes": t.compute_bytes, "free_after_bytes": t.free_after_bytes,
+            } for t in self.totals],
+            "layout": {"n_gpu_layers": self.placement.layout.n_gpu_layers,
+                       "gpus": list(self.placement.layout.gpus),
+                       "tensor_split": list(self.placement.layout.tensor_split)},
+            "rules": [r.as_dict() for r in self.placement.rules],
+            "draft_placement": {"device": self.placement.draft_device,
+                                "rules": [r.as_dict() for r in self.placement.draft_rules]},
+            "tensors": dict(self.tensors),
+            "draft_tensors": dict(self.draft_tensors),
+            "notes": list(self.notes),
+            "speculative": self.speculative,
+        }
+
+
+def build_plan(model: PlannedModel, placement: Placement, settings: MemorySettings,
+               devices: Sequence[Device], targets: Mapping[str, int], *, mode: str,
+               draft: PlannedModel | None = None, notes: Sequence[str] = ()) -> Plan:
+    """Resolve ``placement`` on the model (and draft) and total the memory per device."""
+    names = [d.name for d in devices]
+    placement.check_devices(names)
+    in_model = draft is None and model.spec.n_nextn > 0
+    tensors = placement.resolve(model.tensors)
+    use = footprint(model.spec, list(model.tensors), tensors, settings,
+                    kv_blocks=kv_blocks(model, in_model))
+    draft_tensors: dict[str, str] = {}
+    if draft is not None:
+        draft_tensors = placement.resolve_draft(draft.tensors)
+        use = add_footprints(use, footprint(draft.spec, list(draft.tensors), draft_tensors, settings,
+                                            kv_blocks=sorted({t.layer for t in draft.tensors
+                                                              if t.layer is not None})))
+    drafting = "--draft" if draft is not None else ("in-model NextN" if in_model else "none")
+    return Plan(model.path, settings, tuple(devices), dict(targets), placement, tensors,
+                tuple(device_totals(devices, targets, use)), mode,
+                draft_path=draft.path if draft is not None else None,
+                draft_tensors=draft_tensors, drafting=drafting, notes=tuple(notes))

@@ -1,0 +1,238 @@
+"""The plan file: a human-editable YAML form of a ``Plan``.
+
+It stores what decides the placement — model and draft paths, context, cache type, ubatch,
+devices with budgets and targets, the layer layout, the ordered rules — plus an empty
+``speculative:`` section for the cost model, and the per-device totals for the reader
+(informational: they are recomputed when the plan is loaded). Loading it back and resolving it
+against the same model gives exactly the same tensor→device map.
+
+``load_plan_file`` refuses malformed or inconsistent input with ``<file>:<line>: <reason>``:
+YAML syntax, unknown keys, bad sizes, unknown devices, bad regexes, a rule or the layout
+naming a device the plan does not have, a ``-ts`` with the wrong number of values.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from placement.devices import CPU, Device, format_bytes, normalize_device_name, parse_size, sort_devices
+from placement.errors import PlacementError
+from placement.layers import LayerLayout
+from placement.memory import MemorySettings
+from placement.plan import Placement, Plan
+from placement.rules import Rule
+
+VERSION = 1
+HEADER = """\
+# offload placement plan (written by `offload plan`).
+# Edit it and load it back with `offload plan --placement FILE` or `offload run --placement FILE`.
+# rules: first match wins (Python re.search on GGUF tensor names); a tensor no rule matches
+# follows the layer layout (llama.cpp -ngl / -ts: the last n_gpu_layers of the block_count + 1
+# slots, output layer last, split over the GPUs in proportion to tensor_split).
+# Sizes are bytes (or strings such as 24GiB). `totals` is informational, recomputed on load.
+"""
+TOP_KEYS = {"version", "model", "draft", "context", "cache_type", "ubatch", "devices", "layout",
+            "rules", "draft_placement", "speculative", "totals", "notes"}
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """A loaded plan file, before it is resolved against the model."""
+
+    model_path: str
+    draft_path: str | None
+    settings: MemorySettings
+    devices: tuple[Device, ...]
+    targets: Mapping[str, int]
+    placement: Placement
+    n_layer: int
+    speculative: Mapping[str, Any] | None
+
+
+def plan_to_yaml(plan: Plan) -> str:
+    layout = plan.placement.layout
+    doc = {
+        "version": VERSION,
+        "model": plan.model_path,
+        "draft": plan.draft_path,
+        "context": plan.settings.ctx,
+        "cache_type": plan.settings.cache_type,
+        "ubatch": plan.settings.ubatch,
+        "devices": [{"name": d.name, "budget": d.budget_bytes, "target": plan.targets.get(d.name, 0)}
+                    for d in plan.devices],
+        "layout": {"block_count": layout.n_layer, "n_gpu_layers": layout.n_gpu_layers,
+                   "tensor_split": [int(x) if float(x).is_integer() else x for x in layout.tensor_split]},
+        "rules": [r.as_dict() for r in plan.placement.rules],
+        "draft_placement": {"device": plan.placement.draft_device,
+                            "rules": [r.as_dict() for r in plan.placement.draft_rules]},
+        "speculative": dict(plan.speculative) if plan.speculative else None,
+        "notes": list(plan.notes),
+        "totals": {t.name: {"weights": format_bytes(t.weights_bytes), "kv_cache": format_bytes(t.kv_bytes),
+                            "compute": format_bytes(t.compute_bytes), "free_after": format_bytes(t.free_after_bytes)}
+                   for t in plan.totals},
+    }
+    body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=200, allow_unicode=True)
+    return HEADER + body
+
+
+class _Doc:
+    """The parsed document and its node tree, to report ``file:line`` for any path."""
+
+    def __init__(self, text: str, source: str):
+        self.source = source
+        try:
+            loader = yaml.SafeLoader(text)
+            try:
+                self.node = loader.get_single_node()
+                self.data = loader.construct_document(self.node) if self.node is not None else None
+            finally:
+                loader.dispose()
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            line = mark.line + 1 if mark else 1
+            raise PlacementError(f"{source}:{line}: malformed YAML: {exc.problem or exc.context}") from None
+        except yaml.YAMLError as exc:
+            raise PlacementError(f"{source}: malformed YAML: {exc}") from None
+
+    def line(self, *path: str | int) -> int:
+        node = self.node
+        for step in path:
+            if isinstance(node, yaml.MappingNode):
+                node = next((v for k, v in node.value if k.value == step), node)
+            elif isinstance(node, yaml.SequenceNode) and isinstance(step, int) and step < len(node.value):
+                node = node.value[step]
+        return node.start_mark.line + 1 if node is not None else 1
+
+    def fail(self, path: tuple, reason: str):
+        raise PlacementError(f"{self.source}:{self.line(*path)}: {reason}")
+
+
+def _where(path: tuple) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+def _get(doc: _Doc, mapping: Any, path: tuple, key: str, kinds: tuple[type, ...], *, required=True, default=None):
+    if not isinstance(mapping, dict):
+        doc.fail(path, f"{_where(path) or 'the plan'} must be a mapping")
+    if key not in mapping:
+        if required:
+            doc.fail(path, f"{_where(path + (key,))} is missing")
+        return default
+    value = mapping[key]
+    if value is None and not required:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        doc.fail(path + (key,), f"{_where(path + (key,))} must be {names}, got {value!r}")
+    return value
+
+
+def _size(doc: _Doc, mapping: dict, path: tuple, key: str, *, default: int | None = None) -> int:
+    value = _get(doc, mapping, path, key, (int, str), required=default is None, default=default)
+    try:
+        n = parse_size(value, what=_where(path + (key,))) if isinstance(value, str) else value
+    except PlacementError as exc:
+        doc.fail(path + (key,), str(exc))
+    if n < 0:
+        doc.fail(path + (key,), f"{_where(path + (key,))} must be >= 0")
+    return n
+
+
+def _rules(doc: _Doc, seq: Any, path: tuple, devices: list[str]) -> tuple[Rule, ...]:
+    if seq is None:
+        return ()
+    if not isinstance(seq, list):
+        doc.fail(path, f"{_where(path)} must be a list of {{pattern, device}}")
+    rules = []
+    for i, item in enumerate(seq):
+        p = path + (i,)
+        pattern = _get(doc, item, p, "pattern", (str,))
+        try:
+            device = normalize_device_name(_get(doc, item, p, "device", (str,)))
+            rule = Rule(pattern, device, _get(doc, item, p, "origin", (str,), required=False, default="plan"))
+        except PlacementError as exc:
+            doc.fail(p, f"{_where(p)}: {exc}")
+        if rule.device not in devices:
+            doc.fail(p + ("device",), f"{_where(p)}: device {rule.device} is not among the plan's "
+                                      f"devices ({', '.join(devices)})")
+        unknown = set(item) - {"pattern", "device", "origin"}
+        if unknown:
+            doc.fail(p, f"{_where(p)}: unknown key {sorted(unknown)[0]!r}")
+        rules.append(rule)
+    return tuple(rules)
+
+
+def load_plan_file(text: str, source: str) -> PlanFile:
+    """Parse and check a plan file (see the module docstring)."""
+    doc = _Doc(text, source)
+    top = doc.data
+    if not isinstance(top, dict):
+        raise PlacementError(f"{source}:1: a plan file must be a YAML mapping")
+    for key in top:
+        if key not in TOP_KEYS:
+            doc.fail((key,), f"unknown key {key!r} (expected {', '.join(sorted(TOP_KEYS))})")
+    version = _get(doc, top, (), "version", (int,))
+    if version != VERSION:
+        doc.fail(("version",), f"unsupported plan version {version} (this offload reads {VERSION})")
+    model = _get(doc, top, (), "model", (str,))
+    draft = _get(doc, top, (), "draft", (str,), required=False)
+    ctx = _get(doc, top, (), "context", (int,))
+    ubatch = _get(doc, top, (), "ubatch", (int,), required=False, default=512)
+    cache = _get(doc, top, (), "cache_type", (str,), required=False, default="f16")
+    try:
+        settings = MemorySettings(ctx, cache, ubatch)
+    except PlacementError as exc:
+        doc.fail(("context",) if "context" in str(exc) else ("cache_type",), str(exc))
+
+    devs = _get(doc, top, (), "devices", (list,))
+    devices, targets = [], {}
+    for i, item in enumerate(devs):
+        p = ("devices", i)
+        try:
+            name = normalize_device_name(_get(doc, item, p, "name", (str,)))
+        except PlacementError as exc:
+            doc.fail(p + ("name",), f"{_where(p)}: {exc}")
+        if name in targets:
+            doc.fail(p, f"{_where(p)}: device {name} is listed twice")
+        devices.append(Device(name, _size(doc, item, p, "budget"), "from the plan file"))
+        targets[name] = _size(doc, item, p, "target", default=0)
+        unknown = set(item) - {"name", "budget", "target"}
+        if unknown:
+            doc.fail(p, f"{_where(p)}: unknown key {sorted(unknown)[0]!r}")
+    if CPU not in targets:
+        doc.fail(("devices",), "devices: the plan needs a CPU entry")
+    devices = sort_devices(devices)
+    names = [d.name for d in devices]
+    gpus = tuple(d.name for d in devices if d.is_gpu)
+
+    lay = _get(doc, top, (), "layout", (dict,))
+    n_layer = _get(doc, lay, ("layout",), "block_count", (int,))
+    ngl = _get(doc, lay, ("layout",), "n_gpu_layers", (int,))
+    ts = _get(doc, lay, ("layout",), "tensor_split", (list,))
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in ts):
+        doc.fail(("layout", "tensor_split"), "layout.tensor_split must be a list of numbers")
+    try:
+        layout = LayerLayout(n_layer, gpus, ngl, tuple(float(x) for x in ts))
+    except PlacementError as exc:
+        doc.fail(("layout",), f"layout: {exc} ({', '.join(gpus) or 'no GPUs'})")
+
+    rules = _rules(doc, top.get("rules"), ("rules",), names)
+    dp = _get(doc, top, (), "draft_placement", (dict,), required=False, default={})
+    try:
+        draft_device = normalize_device_name(_get(doc, dp, ("draft_placement",), "device", (str,),
+                                                  required=False, default=CPU))
+    except PlacementError as exc:
+        doc.fail(("draft_placement", "device"), f"draft_placement.device: {exc}")
+    if draft_device not in names:
+        doc.fail(("draft_placement", "device"), f"draft_placement.device {draft_device} is not among "
+                                                f"the plan's devices ({', '.join(names)})")
+    draft_rules = _rules(doc, dp.get("rules"), ("draft_placement", "rules"), names)
+    spec = _get(doc, top, (), "speculative", (dict,), required=False)
+    return PlanFile(model, draft, settings, tuple(devices), targets,
+                    Placement(rules, layout, draft_rules, draft_device), n_layer, spec)

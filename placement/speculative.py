@@ -1,0 +1,71 @@
+"""The plan's ``speculative:`` section: the cost model (``placement.cost``) applied to a plan.
+
+``offload plan`` fills it with a prediction; ``offload tune`` replaces the profile with a
+measured one and adds what it measured. The section's keys:
+
+    type: mtp            n_max / p_min: what ``offload run`` drafts with by default
+    source: predicted | tune
+    predicted_plain_tps, break_even_n_max, best_n_max, predicted_speedup, draft_ms, routing, rows
+    profile: {hardware, acceptance, routing}     (``SpecProfile``)
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from placement.cost import DecodeFootprint, SpecProfile, SpecTable, footprint_from_tensors, speculation_table
+from placement.hardware import HardwareProfile
+from placement.plan import Plan, PlannedModel
+from placement.tensors import TensorInfo
+
+DEFAULT_MAX_N = 6
+
+
+def plan_footprint(plan: Plan, model: PlannedModel, draft: PlannedModel | None) -> DecodeFootprint:
+    """What one target pass and one draft pass read, and on which device, under ``plan``.
+
+    With a separate ``--draft`` GGUF its NextN block replaces any in-model one.
+    """
+    tensors: list[TensorInfo] = list(model.tensors)
+    tmap: dict[str, str] = dict(plan.tensors)
+    draft_layers: Sequence[int] | None = None
+    if draft is not None:
+        tensors = [t for t in tensors if not t.nextn]
+        d_tensors = [t for t in draft.tensors if t.layer is not None]   # globals are shared
+        tensors += d_tensors
+        tmap.update(plan.draft_tensors)
+        draft_layers = sorted({t.layer for t in d_tensors if t.nextn})[:1]
+    return footprint_from_tensors(tensors, tmap, n_expert_used=max(model.spec.n_expert_used, 1),
+                                  draft_layers=draft_layers, n_embd=model.spec.n_embd)
+
+
+def default_profile(plan: Plan) -> SpecProfile:
+    """Bandwidth defaults by GPU product name (a written device spec has none: generic GPU)."""
+    return SpecProfile(HardwareProfile.for_devices({d.name: d.gpu_name for d in plan.devices if d.is_gpu}))
+
+
+def complete_hardware(hw: HardwareProfile, plan: Plan) -> HardwareProfile:
+    """A user's profile that leaves out some of the plan's GPUs gets their name defaults."""
+    defaults = default_profile(plan).hardware.gpus
+    return replace(hw, gpus={**defaults, **hw.gpus})
+
+
+def predict(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *,
+            profile: SpecProfile | None = None, max_n: int = DEFAULT_MAX_N) -> tuple[SpecTable, dict[str, Any]]:
+    """The n_max table for ``plan`` and the ``speculative`` section that goes with it.
+
+    A section the plan already has (e.g. written by ``offload tune``) keeps its chosen
+    ``n_max``/``p_min``, its measurements and its profile; only the prediction is refreshed.
+    """
+    old: Mapping[str, Any] = plan.speculative or {}
+    if profile is None:
+        profile = SpecProfile.from_dict(old["profile"]) if old.get("profile") else default_profile(plan)
+    table = speculation_table(plan_footprint(plan, model, draft), profile.hardware,
+                              acceptance=profile.acceptance, max_n=max_n, routing=profile.routing)
+    section: dict[str, Any] = {"type": "mtp", "n_max": table.best.n, "p_min": profile.acceptance.p_min,
+                               "source": "predicted"}
+    section.update({k: v for k, v in old.items() if k not in ("rows", "profile")})
+    section.update(table.to_dict())
+    section["profile"] = profile.to_dict()
+    return table, section

@@ -1,0 +1,116 @@
+"""Memory model, hand-checked: KV (plain, MLA, sliding window, NextN, quantized), compute, weights."""
+from __future__ import annotations
+
+import pytest
+
+from placement.devices import parse_devices
+from placement.errors import PlacementError
+from placement.layers import LayerLayout
+from placement.memory import MemorySettings, compute_bytes, kv_bytes, row_bytes
+from placement.plan import Placement, build_plan
+from placement.rules import cpu_moe_rules
+from gguf import GGMLQuantizationType
+
+
+def test_kv_deepseek_mla_is_the_compressed_latent(models):
+    spec = models["deepseek-v3"].spec
+    s = MemorySettings(32768)
+    # one K row of kv_lora_rank + rope dims = 576 f16 values per token, no V (V-less MLA cache)
+    assert kv_bytes(spec, 10, s) == 32768 * 576 * 2
+    assert sum(kv_bytes(spec, i, s) for i in range(61)) == 2_302_672_896      # 2196 MiB
+
+
+def test_kv_glm_plain_and_quantized(models):
+    spec = models["glm-4.5-air"].spec
+    assert kv_bytes(spec, 5, MemorySettings(32768)) == 32768 * (8 * 128 * 2) * 2            # K + V, f16
+    assert row_bytes(GGMLQuantizationType.Q8_0, 1024) == 1024 // 32 * 34
+    assert kv_bytes(spec, 5, MemorySettings(32768, "q8_0")) == 32768 * 2 * 1088
+    assert kv_bytes(spec, 5, MemorySettings(1000)) == 1024 * 8 * 128 * 2 * 2               # padded to 256 cells
+
+
+def test_kv_gpt_oss_sliding_window(models):
+    spec = models["gpt-oss-120b"].spec
+    s = MemorySettings(131072, ubatch=512)
+    assert kv_bytes(spec, 1, s) == 131072 * 2048                 # full attention: 8 heads * 64 * (K+V) * 2 B
+    assert kv_bytes(spec, 0, s) == 768 * 2048                    # window 128 + ubatch 512, padded to 256
+
+
+def test_compute_formula_qwen3(models):
+    m = models["qwen3-30b-a3b"]
+    s = MemorySettings(8192, ubatch=512)
+    on_gpu = [t for t in m.tensors if t.name != "token_embd.weight" and "_exps" not in t.name]
+    # widest block: 4*2048 + attention (32*128 + 4*(128+128) + 32*256) + routed (3*8*768, gathered
+    # where the router is) = 39936; output layer adds n_vocab + n_embd = 153984
+    assert compute_bytes(m.spec, on_gpu, s) == 4 * 512 * (39936 + 153984)
+    on_cpu = [t for t in m.tensors if t.name == "token_embd.weight" or "_exps" in t.name]
+    assert compute_bytes(m.spec, on_cpu, s) == 4 * 512 * (4 * 2048 + 3 * 8 * 768 + 2048)
+
+
+def test_plan_totals_qwen3_cpu_moe(models):
+    """-ngl all + --cpu-moe on one GPU: every number in the table, by hand."""
+    m = models["qwen3-30b-a3b"]
+    devices = parse_devices("CUDA0=24GiB,CPU=64GiB")
+    placement = Placement(tuple(cpu_moe_rules()), LayerLayout(48, ("CUDA0",), 49, (49.0,)))
+    plan = build_plan(m, placement, MemorySettings(8192), devices, {"CUDA0": 1 << 30}, mode="flags")
+    gpu, cpu = plan.totals
+    experts = sum(t.n_bytes for t in m.tensors if "_exps" in t.name)
+    embd = m.tensor("token_embd.weight").n_bytes
+    assert m.tensor("blk.0.ffn_gate_exps.weight").n_bytes == 128 * 768 * 2048 // 256 * 144
+    assert embd == 151936 * 2048 // 256 * 144
+    assert cpu.weights_bytes == experts + embd
+    assert gpu.weights_bytes == sum(t.n_bytes for t in m.tensors) - experts - embd
+    assert gpu.kv_bytes == 48 * 8192 * 4 * 128 * 2 * 2 and cpu.kv_bytes == 0
+    assert gpu.compute_bytes == 4 * 512 * (39936 + 153984)
+    assert gpu.free_after_bytes == 24 * 2**30 - gpu.weights_bytes - gpu.kv_bytes - gpu.compute_bytes
+    assert gpu.above_target_bytes == gpu.free_after_bytes - 2**30
+
+
+def test_nextn_cache_counted_only_when_drafting_with_it(models, fixture_paths):
+    glm = models["glm-4.5-air"]
+    devices = parse_devices("CUDA0=200GiB,CPU=64GiB")
+    placement = Placement((), LayerLayout(47, ("CUDA0",), 48, (48.0,)))
+    plan = build_plan(glm, placement, MemorySettings(32768), devices, {}, mode="flags")
+    assert plan.drafting == "in-model NextN"
+    assert plan.totals[0].kv_bytes == 47 * 32768 * (8 * 128 * 2) * 2   # 47 blocks of 128 MiB
+    # with a separate draft the in-model NextN block does not draft: 46 trunk blocks + the draft's one
+    ds, draft = models["deepseek-v3"], models["deepseek-v3-mtp"]
+    placement = Placement((), LayerLayout(61, ("CUDA0",), 62, (62.0,)), (), "CUDA0")
+    plan = build_plan(ds, placement, MemorySettings(32768), parse_devices("CUDA0=900GiB,CPU=64GiB"), {},
+                      mode="flags", draft=draft)
+    assert plan.drafting == "--draft" and plan.totals[0].kv_bytes == 62 * 32768 * 576 * 2
+    assert plan.totals[0].weights_bytes == sum(t.n_bytes for t in ds.tensors if t.name != "token_embd.weight") \
+        + sum(t.n_bytes for t in draft.tensors)
+
+
+def test_settings_reject():
+    with pytest.raises(PlacementError, match="unknown --cache-type 'q3'"):
+        MemorySettings(4096, "q3")
+    with pytest.raises(PlacementError, match="must be >= 1"):
+        MemorySettings(0)
+
+
+def test_tied_embeddings_pay_a_copy_on_the_output_device(models):
+    """No output.weight: logits use token_embd, which llama.cpp copies to the output layer's device."""
+    from dataclasses import dataclass
+
+    from placement.devices import CPU
+    from placement.fit import fit
+
+    @dataclass(frozen=True)
+    class Tied:
+        path: str
+        spec: object
+        tensors: tuple
+
+    qwen = models["qwen3-30b-a3b"]
+    m = Tied("tied.gguf", qwen.spec, tuple(t for t in qwen.tensors if t.name != "output.weight"))
+    embd = qwen.tensor("token_embd.weight").n_bytes
+    devices = parse_devices("CUDA0=24GiB,CPU=64GiB")
+    placement = Placement((), LayerLayout(48, ("CUDA0",), 49, (49.0,)))
+    plan = build_plan(m, placement, MemorySettings(4096), devices, {}, mode="flags")
+    gpu = plan.totals[0]
+    assert plan.tensors["token_embd.weight"] == CPU
+    assert gpu.weights_bytes == sum(t.n_bytes for t in m.tensors if t.name != "token_embd.weight") + embd
+    assert gpu.compute_bytes == 4 * 512 * (39936 + 151936 + 2048)      # the logits are computed there
+    fitted = fit(m, parse_devices("CUDA0=10GiB,CPU=64GiB"), {"CUDA0": 1 << 30}, MemorySettings(4096))
+    assert fitted.totals[0].above_target_bytes >= 0   # the fit's own accounting includes the copy
