@@ -1,5 +1,4 @@
-"""TEMPORARY stand-ins for pieces other branches provide (planner: errors + GGUF inventory;
-kernels: cpu_kernels). Deleted when those branches are merged; nothing public uses this name.
+"""TEMPORARY stand-ins for what the kernels branch provides (cpu_kernels). Deleted when those branches are merged; nothing public uses this name.
 The kernel stand-ins dequantize with gguf (a copy) — they exist only so the runtime can be
 exercised before the real Numba kernels land.
 """
@@ -8,21 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-
-
-class OffloadError(Exception):
-    """A user-facing one-line error (exit status 2)."""
-
-
-def open_gguf(path):
-    try:
-        r = GGUFReader(path)
-    except (OSError, ValueError) as e:
-        raise OffloadError(f"{path}: not a readable GGUF file ({e})") from None
-    meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
-    return meta, {t.name: t for t in r.tensors}
 
 
 def _deq(w, qtype):

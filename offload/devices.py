@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload._standins import OffloadError
+from offload.errors import OffloadError
 
 CPU = "CPU"
 _CUDA = re.compile(r"CUDA(\d+)\Z")

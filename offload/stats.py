@@ -1,10 +1,7 @@
 """Run statistics: llama.cpp-style timings on stderr and the same numbers as JSON."""
 from __future__ import annotations
 
-import json
-import os
 import resource
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 
@@ -66,17 +63,3 @@ class RunStats:
             parts += [f"{dev} KV {mib(b):.2f} MiB" for dev, b in self.memory.get("kv", {}).items()]
             out.append("memory           = " + ", ".join(parts))
         return out
-
-
-def write_json(path: str, payload: dict) -> None:
-    """Write via a temp file + rename so a failed run never leaves half a file."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".stats-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

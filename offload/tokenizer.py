@@ -11,11 +11,14 @@ EOS, chat markers) decode to nothing, as in llama.cpp's default detokenization.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from gguf import Keys, TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from offload._standins import OffloadError
+from offload.errors import OffloadError
+from offload.gguf_header import LazyArray
 
 # tokenizer.ggml.pre → pre-tokenizer split regex (llama.cpp's llama-vocab.cpp)
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -46,7 +49,9 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     @classmethod
-    def from_gguf(cls, meta: dict) -> "Tokenizer":
+    def from_gguf(cls, metadata: Mapping) -> "Tokenizer":
+        meta = {k: v.values() if isinstance(v, LazyArray) else v
+                for k, v in metadata.items() if k.startswith("tokenizer.ggml.")}
         kind = meta.get(Keys.Tokenizer.MODEL)
         tokens = meta.get(Keys.Tokenizer.LIST)
         if kind is None or tokens is None:

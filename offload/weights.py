@@ -18,103 +18,126 @@ from collections import defaultdict
 from typing import Mapping
 
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from gpu.dequant import dequantize_numpy, to_torch
 from gpu.experts import TorchExperts
 from gpu.linear import Embedding, Linear
 from gpu.quant import QuantTensor, supported
-from offload._standins import ExpertWeights, OffloadError
+from offload._standins import ExpertWeights
+from offload.errors import OffloadError
 from offload.cpu_ops import CpuExperts, RawEmbedding, RawLinear
 from offload.devices import CPU, DeviceMap
 from offload.moe import RawExpertMatrix, StagedExperts, TorchExpertMatrix
+from offload.gguf_model import ModelFile
 from offload.profile import Profile
-from gguf import GGMLQuantizationType as Q
+from placement.memory import attention_device
 
 
 class WeightStore:
-    def __init__(self, tensors: Mapping, device_of: Mapping[str, str], devices: DeviceMap, *,
+    """The model's tensors on the plan's devices. ``device_of``: tensor name → plan device
+    (``Plan.tensors``)."""
+
+    def __init__(self, model: ModelFile, device_of: Mapping[str, str], devices: DeviceMap, *,
                  compute_dtype: Mapping[str, torch.dtype], profile: Profile, progress=None):
-        missing = [n for n in tensors if n not in device_of]
+        self.tensors = {t.name: t for t in model.tensors}
+        missing = [n for n in self.tensors if n not in device_of]
         if missing:
             raise OffloadError(f"the plan does not place tensor {missing[0]} "
                                f"({len(missing)} tensor(s) unplaced) — was it made for another model?")
-        self.tensors, self.device_of, self.devices = tensors, device_of, devices
+        self.model, self.device_of, self.devices = model, device_of, devices
         self.compute_dtype, self.profile, self.progress = compute_dtype, profile, progress
         self.allocated: dict[str, int] = defaultdict(int)
         self.used: set[str] = set()
-        self._uploaded: dict[str, QuantTensor] = {}     # shared (tied) tensors upload once
+        self._uploaded: dict[tuple[str, str], QuantTensor] = {}   # (name, device): upload once
+        self._counted: set[tuple[str, str]] = set()
 
     # -- lookup ---------------------------------------------------------------------------
     def has(self, name: str) -> bool:
         return name in self.tensors
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(reversed([int(d) for d in self.tensors[name].shape]))
+        return self.tensors[name].shape
+
+    def device_name(self, name: str) -> str:
+        return self.device_of[name]
 
     def device(self, name: str) -> torch.device:
         return self.devices[self.device_of[name]]
 
+    def home(self, layer: int) -> torch.device:
+        """Where block ``layer`` computes and keeps its KV cache: the planner's rule (with
+        its largest attention tensor), so the KV bytes land where the plan counted them."""
+        block = [t for t in self.tensors.values() if t.layer == layer]
+        return self.devices[attention_device(block, self.device_of)]
+
     def unused(self) -> list[str]:
         return sorted(set(self.tensors) - self.used)
 
-    def _take(self, name: str):
-        """The tensor's reader entry; counted (progress, CPU bytes) the first time only, so a
-        tensor used twice (tied embedding/output, NextN sharing token_embd) is held once."""
+    def _take(self, name: str, dev_name: str | None = None):
+        """The tensor's info. Progress counts each tensor once; ``allocated`` counts each
+        (tensor, device) once, so a tied tensor used twice on one device is held once."""
         if name not in self.tensors:
             raise OffloadError(f"the model file lacks tensor {name}")
         t = self.tensors[name]
         if name not in self.used:
             self.used.add(name)
             if self.progress is not None:
-                self.progress.advance(int(t.n_bytes))
-            if self.device_of[name] == CPU:
-                self.allocated[CPU] += int(t.n_bytes)
+                self.progress.advance(t.n_bytes)
+        dev_name = dev_name or self.device_of[name]
+        if dev_name == CPU and (name, CPU) not in self._counted:
+            self._counted.add((name, CPU))
+            self.allocated[CPU] += t.n_bytes
         return t
 
-    def _upload(self, name: str) -> QuantTensor:
-        if name not in self._uploaded:
-            t = self._take(name)
-            dev_name, dev = self.device_of[name], self.device(name)
-            if supported(t.tensor_type):
-                q = QuantTensor.upload(t.data, t.tensor_type, self.shape(name), dev)
+    def _upload(self, name: str, on: str | None = None) -> QuantTensor:
+        """The tensor on device ``on`` (default: where the plan put it), uploaded once."""
+        dev_name = on or self.device_of[name]
+        if (name, dev_name) not in self._uploaded:
+            t = self._take(name, dev_name)
+            dev, data = self.devices[dev_name], self.model.tensor_data(name)
+            if supported(t.ggml_type):
+                q = QuantTensor.upload(data, t.ggml_type, t.shape, dev)
             else:
                 dtype = torch.float32 if dev.type == "cpu" else torch.float16
-                q = QuantTensor(to_torch(t.data, t.tensor_type, self.shape(name), dtype=dtype, device=dev),
-                                Q.F32 if dtype == torch.float32 else Q.F16, self.shape(name))
-                print(f"offload: note: {name} is {t.tensor_type.name}, which has no torch dequantizer: "
-                      f"held dequantized on {dev_name} ({q.nbytes - int(t.n_bytes):+,} bytes vs the plan)",
+                q = QuantTensor(to_torch(data, t.ggml_type, t.shape, dtype=dtype, device=dev),
+                                Q.F32 if dtype == torch.float32 else Q.F16, t.shape)
+                print(f"offload: note: {name} is {t.ggml_type.name}, which has no torch dequantizer: "
+                      f"held dequantized on {dev_name} ({q.nbytes - t.n_bytes:+,} bytes vs the plan)",
                       file=sys.stderr)
             self.allocated[dev_name] += q.nbytes
-            self._uploaded[name] = q
-        return self._uploaded[name]
+            self._uploaded[name, dev_name] = q
+        return self._uploaded[name, dev_name]
 
     def _raw(self, name: str):
-        t = self._take(name)
-        return t.data, t.tensor_type
+        """The memory-mapped data, used in place on the CPU."""
+        t = self._take(name, CPU)
+        return self.model.tensor_data(name), t.ggml_type
 
-    def _dtype(self, name: str) -> torch.dtype:
-        return self.compute_dtype[self.device_of[name]]
+    def _dtype(self, dev_name: str) -> torch.dtype:
+        return self.compute_dtype[dev_name]
 
     # -- what the model asks for ----------------------------------------------------------
     def vector(self, name: str) -> torch.Tensor:
         """Small float32 tensor (norm weight, bias, router bias) on its device (a copy)."""
         t = self._take(name)
-        out = torch.from_numpy(dequantize_numpy(t.data, t.tensor_type).reshape(self.shape(name)).copy())
+        out = torch.from_numpy(dequantize_numpy(self.model.tensor_data(name), t.ggml_type).reshape(t.shape).copy())
         if self.device_of[name] != CPU:
             out = out.to(self.device(name))
             self.allocated[self.device_of[name]] += out.numel() * 4
         return out
 
-    def linear(self, name: str, bias: str | None = None, *, float32: bool = False):
-        """A projection callable for the 2-D tensor ``name`` (+ optional bias tensor).
-        ``float32``: compute in float32 whatever the device (routers)."""
+    def linear(self, name: str, bias: str | None = None, *, float32: bool = False, on: str | None = None):
+        """A projection callable for the 2-D tensor ``name`` (+ optional bias tensor), on
+        its plan device or on ``on``. ``float32``: compute in float32 (routers)."""
         b = self.vector(bias) if bias is not None and self.has(bias) else None
-        if self.device_of[name] == CPU:
+        dev_name = on or self.device_of[name]
+        if dev_name == CPU:
             data, qtype = self._raw(name)
             return RawLinear(data, qtype, bias=b, name=name, profile=self.profile)
-        w = self._upload(name)
+        w = self._upload(name, dev_name)
         return Linear(w, None if b is None else b.to(w.device),
-                      compute_dtype=torch.float32 if float32 else self._dtype(name), name=name)
+                      compute_dtype=torch.float32 if float32 else self._dtype(dev_name), name=name)
 
     def embedding(self, name: str):
         if self.device_of[name] == CPU:
@@ -139,8 +162,8 @@ class WeightStore:
             return CpuExperts(ew, self.profile)
         if len(homes) == 1:
             return TorchExperts(**{s: self._upload(names[s]) for s in stages},
-                                compute_dtype=self._dtype(names["down"]))
+                                compute_dtype=self._dtype(self.device_of[names["down"]]))
         return StagedExperts(**{s: (RawExpertMatrix(*self._raw(names[s]), names[s])
                                     if self.device_of[names[s]] == CPU else
-                                    TorchExpertMatrix(self._upload(names[s]), self._dtype(names[s])))
+                                    TorchExpertMatrix(self._upload(names[s]), self._dtype(self.device_of[names[s]])))
                                 for s in stages})

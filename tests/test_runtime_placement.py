@@ -4,12 +4,9 @@ copies), experts split from the rest, layers spread over CUDA0/CUDA1/CPU, and on
 expert tensors split between devices. Plus batched-vs-sequential and KV rollback."""
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
 
 import offload.runtime as rt
 from tests.tiny_models import TinySpec, write_tiny_model
@@ -20,66 +17,85 @@ IDS = [3, 17, 257, 101, 46, 290, 5, 77, 200, 12]
 REL_TOL = 1e-4
 
 
-def _plan(names, rule):
-    """name → device from ``rule(name)`` (a stand-in for the planner's map in these tests)."""
-    return {n: rule(n) for n in names}
-
-
-def _layer(name):
-    m = re.match(r"blk\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
-
-
+GPUS = "CUDA0=8GiB,CUDA1=8GiB,CPU=16GiB"
+# plans made by the planner from llama.cpp-style flags; f32 KV so only the weights' code
+# paths differ
 PLANS = {
-    "all-cuda0": lambda n: "CUDA0",
-    "experts-cpu": lambda n: "CPU" if "_exps" in n else "CUDA0",
-    "experts-gpu-rest-cpu": lambda n: "CUDA0" if "_exps" in n else "CPU",
-    "three-devices": lambda n: ("CPU" if "_exps" in n and _layer(n) % 2 else
-                                "CUDA1" if (_layer(n) or 0) >= 2 else "CUDA0"),
-    "split-expert-tensors": lambda n: "CPU" if "down_exps" in n else "CUDA1",
+    "all-gpu": dict(devices="CUDA0=8GiB,CPU=16GiB", n_gpu_layers=-1),
+    "experts-cpu": dict(devices="CUDA0=8GiB,CPU=16GiB", cpu_moe=True),
+    "experts-gpu-rest-cpu": dict(devices="CUDA0=8GiB,CPU=16GiB", n_gpu_layers=0,
+                                 override_tensor=["_exps=CUDA0"]),
+    "three-devices": dict(devices=GPUS, tensor_split="1,1",
+                          override_tensor=[r"blk\.[13]\.ffn_(gate|up|down)_exps=CPU"]),
+    "split-expert-tensors": dict(devices=GPUS, tensor_split="0,1", override_tensor=["down_exps=CPU"]),
 }
 
 
-@pytest.fixture(scope="module", params=["glm4moe", "qwen3moe"])
+@pytest.fixture(scope="module", params=["glm4moe", "qwen3moe", "glm4moe-tied"])
 def tiny(request, tmp_path_factory):
-    spec = TinySpec(arch=request.param, nextn=request.param == "glm4moe", n_rot=16 if request.param == "glm4moe" else 32)
+    arch = request.param.split("-")[0]
+    spec = TinySpec(arch=arch, nextn=arch == "glm4moe", n_rot=16 if arch == "glm4moe" else 32,
+                    tied_output=request.param.endswith("tied"))
     return write_tiny_model(tmp_path_factory.mktemp("m") / "tiny.gguf", spec)
 
 
 @pytest.fixture(scope="module")
 def cpu_logits(tiny):
-    with rt.load(tiny.path, placement="CPU", quiet=True) as s:
+    with rt.load(tiny.path, devices="CPU=16GiB", cache_type="f32", quiet=True) as s:
+        assert set(s.plan.tensors.values()) == {"CPU"}
         return s.logits(IDS)
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_plans_give_the_same_logits(tiny, cpu_logits, plan):
-    placement = _plan(tiny.weights, PLANS[plan])
-    with rt.load(tiny.path, placement=placement, virtual_gpus=True, quiet=True) as s:
+    with rt.load(tiny.path, virtual_gpus=True, cache_type="f32", quiet=True, **PLANS[plan]) as s:
         got = s.logits(IDS)
-        used = {d for d in placement.values()}
-        assert set(s.devices.torch_devices) == used
+        assert set(s.devices.torch_devices) == set(s.plan.tensors.values())
+        # what each device holds is what the planner counted for it
+        assert dict(s.allocated) == {t.name: t.weights_bytes for t in s.plan.totals if t.weights_bytes}
+    assert np.abs(got - cpu_logits).max() < REL_TOL * np.abs(cpu_logits).max()
+
+
+def test_plan_file_round_trip_runs(tiny, cpu_logits, tmp_path):
+    """A plan written as YAML by the planner and loaded back runs the same model."""
+    from placement.plan_file import plan_to_yaml
+    with rt.load(tiny.path, virtual_gpus=True, cache_type="f32", quiet=True, **PLANS["three-devices"]) as s:
+        path = tmp_path / "plan.yaml"
+        path.write_text(plan_to_yaml(s.plan))
+        want = dict(s.plan.tensors)
+    with rt.load(tiny.path, placement=path, virtual_gpus=True, quiet=True) as s:
+        assert dict(s.plan.tensors) == want
+        got = s.logits(IDS)
     assert np.abs(got - cpu_logits).max() < REL_TOL * np.abs(cpu_logits).max()
 
 
 def test_gpu_plan_without_cuda_is_refused(tiny):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from offload._standins import OffloadError
+    from offload.errors import OffloadError
     with pytest.raises(OffloadError, match=r"CUDA0 .*--virtual-gpus"):
-        rt.load(tiny.path, placement="CUDA0", quiet=True)
+        rt.load(tiny.path, devices="CUDA0=8GiB,CPU=16GiB", quiet=True)
 
 
-@pytest.mark.parametrize("placement", ["CPU", "CUDA0"])
-def test_batched_prompt_matches_one_token_at_a_time(tiny, placement):
+@pytest.mark.parametrize("plan", ["cpu", "all-gpu"])
+def test_batched_prompt_matches_one_token_at_a_time(tiny, plan):
     """One batch of T tokens vs T single-token steps through the KV cache. Same math, other
     reduction shapes: float32 rounding only (1e-4 of the logit scale)."""
-    with rt.load(tiny.path, placement=placement, virtual_gpus=True, quiet=True) as s, torch.inference_mode():
+    kw = PLANS.get(plan, dict(devices="CPU=16GiB"))
+    with rt.load(tiny.path, virtual_gpus=True, cache_type="f32", quiet=True, **kw) as s, torch.inference_mode():
         batched = s.logits(IDS)
         state = s.model.new_state()
         steps = np.stack([s.model.forward(torch.tensor([t]), state)[0][0].numpy() for t in IDS])
         assert state.n_past == len(IDS)
     assert np.abs(batched - steps).max() < REL_TOL * np.abs(batched).max()
+
+
+def test_f16_kv_cache_stays_close(tiny, cpu_logits):
+    """The default --cache-type f16 rounds keys/values to 11 significant bits: logits move
+    by ~1e-3 of their scale, far below anything that changes the model's behaviour."""
+    with rt.load(tiny.path, devices="CPU=16GiB", cache_type="f16", quiet=True) as s:
+        got = s.logits(IDS)
+    assert np.abs(got - cpu_logits).max() < 1e-2 * np.abs(cpu_logits).max()
 
 
 def test_truncate_rolls_back_exactly(tiny):

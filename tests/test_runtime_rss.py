@@ -32,12 +32,9 @@ ids = list(range(1, 33))
 with rt.load(warm, quiet=True) as s:          # kernels loaded/compiled outside the measurement
     s.logits(ids)
 before = rss_anon()
-placement = None
-if experts_on != "CPU":
-    from offload._standins import open_gguf
-    names = open_gguf(path)[1]
-    placement = {n: (experts_on if "_exps" in n else "CPU") for n in names}
-with rt.load(path, placement=placement or "CPU", virtual_gpus=True, quiet=True) as s:
+plan = dict(devices="CPU=16GiB") if experts_on == "CPU" else \
+    dict(devices=f"{experts_on}=16GiB,CPU=16GiB", n_gpu_layers=0, override_tensor=[f"_exps={experts_on}"])
+with rt.load(path, virtual_gpus=True, quiet=True, **plan) as s:
     s.logits(ids)
     after = rss_anon()
 print(json.dumps({"growth": after - before}))
@@ -45,8 +42,8 @@ print(json.dumps({"growth": after - before}))
 
 
 def _expert_bytes(tiny) -> int:
-    from gguf import GGUFReader
-    return sum(int(t.n_bytes) for t in GGUFReader(tiny.path).tensors if "_exps" in t.name)
+    from offload.gguf_model import open_model
+    return sum(t.n_bytes for t in open_model(tiny.path).tensors if "_exps" in t.name)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from gguf import Keys, TokenType
 
-from offload._standins import OffloadError
+from offload.errors import OffloadError
 from offload.tokenizer import Tokenizer
 from tests.tiny_models import bytes_to_unicode, tiny_vocab
 

@@ -1,22 +1,28 @@
 """``offload run``: load a model by placement and generate.
 
+    offload run [MODEL.gguf] [placement flags as for offload plan] [-p TEXT | -f FILE] [-n N] ...
+
+Every ``offload plan`` flag works here (plan on the fly), or ``--placement plan.yaml``.
 stdout carries only the generated text (pipe it); progress, notices and the llama.cpp-style
 timings go to stderr; ``--stats-json`` writes the same numbers as JSON.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from offload._standins import OffloadError
+from offload.commands.plan import add_placement_arguments, plan_from_args
+from offload.errors import ArgumentParser, OffloadError, write_atomic
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
 DEFAULT_PROMPT = "def fibonacci(n):"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="offload run", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="offload run", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL),
                    help="GGUF file (default: the shipped tiny glm4moe model)")
     src = p.add_mutually_exclusive_group()
@@ -40,8 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "
                         "small, and spare cores belong to the expert kernels)")
-    p.add_argument("--ubatch", type=int, default=512, help="prompt tokens per batch (default 512)")
-    p.add_argument("--placement", default="CPU", help="(interim) device for every tensor")
+    add_placement_arguments(p)
     return p
 
 
@@ -75,7 +80,7 @@ def main(argv=None) -> int:
     import torch                  # imported only when a command needs it
 
     from offload import runtime
-    from offload.stats import write_json
+    from offload.gguf_model import open_model
 
     if args.prompt_file:
         try:
@@ -91,15 +96,17 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.torch_threads)
     if not Path(args.model).is_file():
         raise OffloadError(f"model file not found: {args.model}")
-    session = runtime.load(args.model, placement=args.placement, virtual_gpus=args.virtual_gpus,
-                           gpu_dtype=args.gpu_dtype, progress=True, threads=args.threads)
+    model = open_model(args.model)
+    plan, model, _ = plan_from_args(args, model)
+    session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
+                                progress=True, threads=args.threads)
     with session:
         print(f"offload: {session.devices.describe()}", file=sys.stderr)
         session.warmup()
         stream = TextStream(session.detokenize, sys.stdout)
         for tok in session.generate(prompt, max_tokens=args.n_predict, temperature=args.temp,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                    ubatch=args.ubatch, stop_at_eos=not args.ignore_eos):
+                                    stop_at_eos=not args.ignore_eos):
             stream.push(tok)
         stream.close()
         sys.stdout.write("\n")
@@ -108,5 +115,6 @@ def main(argv=None) -> int:
         for line in stats.lines():
             print(f"offload: {line}", file=sys.stderr)
         if args.stats_json:
-            write_json(args.stats_json, stats.as_dict())
+            payload = stats.as_dict() | {"plan": plan.to_dict() | {"tensors": None}}
+            write_atomic(args.stats_json, json.dumps(payload, indent=2) + "\n")
     return 0

@@ -1,6 +1,6 @@
 """One module per architecture; the module name is the registry key (``general.architecture``).
 
-Each module provides ``config_from_gguf(meta, shapes) -> ModelConfig`` and
+Each module provides ``config_from_gguf(spec, metadata) -> ModelConfig`` and
 ``build(config, weights, ctx) -> CausalLM``.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import importlib
 import pkgutil
 from types import ModuleType
 
-from offload._standins import OffloadError
+from offload.errors import OffloadError
 
 _NOT_ARCHITECTURES = {"common"}
 

@@ -4,7 +4,7 @@ from a WeightStore using GGUF tensor names.
 """
 from __future__ import annotations
 
-import sys
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,15 +17,17 @@ from gpu.ffn import SwiGLU
 from gpu.kv_cache import KVCache
 from gpu.norm import RMSNorm
 from gpu.rope import Rope
-from offload._standins import OffloadError
+from offload.errors import OffloadError
+from offload.gguf_header import LazyArray
 from offload.moe import MoE
 from offload.profile import Profile
-
-_REQUIRED = object()
-
+from placement.tensors import ModelSpec
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The numbers the model math needs: the planner's ``ModelSpec`` fields (parsed once by
+    ``offload.gguf_model``) plus the keys only the runtime reads (RoPE base, norm eps,
+    routing weights)."""
     arch: str
     n_vocab: int
     n_embd: int
@@ -44,67 +46,39 @@ class ModelConfig:
     context_length: int
 
 
-class Meta:
-    """Typed access to one architecture's metadata keys, remembering which were read so the
-    rest can be reported (once) instead of silently ignored."""
-
-    def __init__(self, meta: dict, arch: str):
-        self.meta, self.arch, self.read = meta, arch, set()
-
-    def get(self, template: str, default=_REQUIRED):
-        key = template.format(arch=self.arch)
-        self.read.add(key)
-        if key in self.meta:
-            return self.meta[key]
-        if default is _REQUIRED:
-            raise OffloadError(f"the model file lacks metadata key {key}")
-        return default
-
-    def warn_unread(self) -> None:
-        for key in sorted(k for k in self.meta if k.startswith(self.arch + ".") and k not in self.read):
-            print(f"offload: note: metadata key {key} is not used by this runtime", file=sys.stderr)
+def meta_value(meta: Mapping, template: str, arch: str, default=None):
+    """A metadata value by ``gguf.Keys`` template (long arrays decoded on demand)."""
+    v = meta.get(template.format(arch=arch), default)
+    return v.values() if isinstance(v, LazyArray) else v
 
 
-def common_config(meta: Meta, shapes: dict[str, tuple[int, ...]], *,
+def common_config(spec: ModelSpec, meta: Mapping, *,
                   expert_weights_norm_default: bool = False) -> ModelConfig:
-    """The fields every MoE architecture reads the same way (GGUF keys via ``gguf.Keys``).
-    Whether a block is dense or MoE is read from its tensors (a router means MoE), so
-    ``leading_dense_block_count`` is informational."""
-    n_embd = int(meta.get(Keys.LLM.EMBEDDING_LENGTH))
-    n_head = int(meta.get(Keys.Attention.HEAD_COUNT))
-    head_dim = int(meta.get(Keys.Attention.KEY_LENGTH, n_embd // n_head))
-    if int(meta.get(Keys.Attention.VALUE_LENGTH, head_dim)) != head_dim:
-        raise OffloadError("attention key_length != value_length is not supported")
-    n_nextn = int(meta.get(Keys.LLM.NEXTN_PREDICT_LAYERS, 0))
-    if n_nextn > 1:
-        raise OffloadError(f"{n_nextn} NextN layers: only one is supported")
-    if meta.get(Keys.Rope.SCALING_TYPE, "none") not in ("none", "linear") or \
-            float(meta.get(Keys.Rope.SCALING_FACTOR, 1.0)) not in (0.0, 1.0):
+    """ModelSpec + the runtime-only keys → ModelConfig, refusing what the math does not do.
+    Whether a block is dense or MoE is read from its tensors (a router means MoE)."""
+    get = lambda t, d=None: meta_value(meta, t, spec.arch, d)  # noqa: E731
+    if spec.head_dim_k != spec.head_dim_v:
+        raise OffloadError(f"{spec.arch}: attention key_length {spec.head_dim_k} != value_length "
+                           f"{spec.head_dim_v} is not supported")
+    if len(set(spec.n_head_kv)) > 1:
+        raise OffloadError(f"{spec.arch}: a per-layer head_count_kv is not supported")
+    if spec.n_nextn > 1:
+        raise OffloadError(f"{spec.n_nextn} NextN layers: only one is supported")
+    if get(Keys.Rope.SCALING_TYPE, "none") not in ("none", "linear") or \
+            float(get(Keys.Rope.SCALING_FACTOR, 1.0) or 1.0) != 1.0:
         raise OffloadError("RoPE scaling is not supported yet")
-    fields = dict(
-        arch=meta.arch,
-        n_vocab=shapes["token_embd.weight"][0],
-        n_embd=n_embd,
-        n_layer=int(meta.get(Keys.LLM.BLOCK_COUNT)) - n_nextn,
-        n_head=n_head,
-        n_head_kv=int(meta.get(Keys.Attention.HEAD_COUNT_KV, n_head)),
-        head_dim=head_dim,
-        n_rot=int(meta.get(Keys.Rope.DIMENSION_COUNT, head_dim)),
-        rope_base=float(meta.get(Keys.Rope.FREQ_BASE, 10000.0)),
-        rms_eps=float(meta.get(Keys.Attention.LAYERNORM_RMS_EPS)),
-        n_expert=int(meta.get(Keys.LLM.EXPERT_COUNT)),
-        n_expert_used=int(meta.get(Keys.LLM.EXPERT_USED_COUNT)),
-        expert_weights_norm=bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, expert_weights_norm_default)),
-        expert_weights_scale=float(meta.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0)),
-        n_nextn=n_nextn,
-        context_length=int(meta.get(Keys.LLM.CONTEXT_LENGTH, 4096)),
-    )
-    # read for validation/information only: sizes come from the tensors themselves
-    for t in (Keys.LLM.LEADING_DENSE_BLOCK_COUNT, Keys.LLM.FEED_FORWARD_LENGTH, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
-              Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, Keys.LLM.EXPERT_SHARED_COUNT,
-              Keys.LLM.VOCAB_SIZE, Keys.Rope.SCALING_TYPE, Keys.Rope.SCALING_FACTOR):
-        meta.get(t, None)
-    return ModelConfig(**fields)
+    eps = get(Keys.Attention.LAYERNORM_RMS_EPS)
+    if eps is None:
+        raise OffloadError(f"missing metadata key {Keys.Attention.LAYERNORM_RMS_EPS.format(arch=spec.arch)}")
+    return ModelConfig(
+        arch=spec.arch, n_vocab=spec.n_vocab, n_embd=spec.n_embd, n_layer=spec.n_layer_trunk,
+        n_head=spec.n_head, n_head_kv=spec.n_head_kv[0], head_dim=spec.head_dim_k,
+        n_rot=spec.n_rot or spec.head_dim_k,
+        rope_base=float(get(Keys.Rope.FREQ_BASE, 10000.0)), rms_eps=float(eps),
+        n_expert=spec.n_expert, n_expert_used=spec.n_expert_used,
+        expert_weights_norm=bool(get(Keys.LLM.EXPERT_WEIGHTS_NORM, expert_weights_norm_default)),
+        expert_weights_scale=float(get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0)),
+        n_nextn=spec.n_nextn, context_length=spec.n_ctx_train)
 
 
 # -- runtime structure ------------------------------------------------------------------
@@ -215,8 +189,10 @@ class BuildContext:
 
 
 def build_attention(w, cfg: ModelConfig, p: str, ctx: BuildContext) -> tuple[torch.device, Attention]:
-    """``{p}.attn_{q,k,v,output}`` with optional biases and per-head q/k norms."""
-    home = w.device(f"{p}.attn_q.weight")
+    """``{p}.attn_{q,k,v,output}`` with optional biases and per-head q/k norms. The block
+    computes (and keeps its KV cache) where the planner says: with its largest attention
+    tensor."""
+    home = w.home(int(p.split(".")[1]))
     norm = lambda n: RMSNorm(w.vector(n).to(home), cfg.rms_eps) if w.has(n) else None  # noqa: E731
     attn = Attention(
         q=w.linear(f"{p}.attn_q.weight", f"{p}.attn_q.bias"),
@@ -261,6 +237,10 @@ def build_trunk(w, cfg: ModelConfig, ctx: BuildContext, *, ffn_norm: str,
     embed = w.embedding("token_embd.weight")
     blocks = [build_block(w, cfg, i, ctx, ffn_norm=ffn_norm, make_router=make_router)
               for i in range(cfg.n_layer)]
-    output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
+    # the output layer is output_norm's slot; a tied model reads token_embd there (a second
+    # copy when token_embd lives elsewhere, as llama.cpp does and the planner counts)
+    out_dev = w.device_name("output_norm.weight")
+    output = (w.linear("output.weight") if w.has("output.weight") else
+              w.linear("token_embd.weight", on=out_dev))
     output_norm = RMSNorm(w.vector("output_norm.weight").to(output.device), cfg.rms_eps)
     return embed, blocks, output_norm, output

@@ -8,21 +8,21 @@ from gguf import ExpertGatingFuncType, Keys
 
 from gpu.norm import RMSNorm
 from gpu.router import SigmoidRouter
-from offload._standins import OffloadError
-from offload.models.common import (BuildContext, CausalLM, Meta, ModelConfig, NextN,
-                                   build_block, build_trunk, common_config)
+from offload.errors import OffloadError
+from offload.models.common import (BuildContext, CausalLM, ModelConfig, NextN, build_block,
+                                   build_trunk, common_config, meta_value)
+from placement.tensors import ModelSpec
 
 FFN_NORM = "post_attention_norm"
 
 
-def config_from_gguf(meta: Meta, shapes) -> ModelConfig:
-    gating = int(meta.get(Keys.LLM.EXPERT_GATING_FUNC, ExpertGatingFuncType.SIGMOID))
+def config_from_gguf(spec: ModelSpec, meta) -> ModelConfig:
+    gating = int(meta_value(meta, Keys.LLM.EXPERT_GATING_FUNC, spec.arch, ExpertGatingFuncType.SIGMOID))
     if gating != ExpertGatingFuncType.SIGMOID:
         raise OffloadError(f"glm4moe with expert_gating_func={gating} is not supported (sigmoid only)")
-    if int(meta.get(Keys.LLM.EXPERT_GROUP_COUNT, 1)) > 1:
+    if int(meta_value(meta, Keys.LLM.EXPERT_GROUP_COUNT, spec.arch, 1)) > 1:
         raise OffloadError("group-limited expert routing (expert_group_count > 1) is not supported")
-    meta.get(Keys.LLM.EXPERT_GROUP_USED_COUNT, None)
-    return common_config(meta, shapes)
+    return common_config(spec, meta)
 
 
 def build(cfg: ModelConfig, w, ctx: BuildContext) -> CausalLM:

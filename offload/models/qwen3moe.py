@@ -6,15 +6,17 @@ from __future__ import annotations
 from gguf import ExpertGatingFuncType, Keys
 
 from gpu.router import SoftmaxRouter
-from offload._standins import OffloadError
-from offload.models.common import BuildContext, CausalLM, Meta, ModelConfig, build_trunk, common_config
+from offload.errors import OffloadError
+from offload.models.common import (BuildContext, CausalLM, ModelConfig, build_trunk, common_config,
+                                   meta_value)
+from placement.tensors import ModelSpec
 
 
-def config_from_gguf(meta: Meta, shapes) -> ModelConfig:
-    gating = int(meta.get(Keys.LLM.EXPERT_GATING_FUNC, ExpertGatingFuncType.SOFTMAX))
+def config_from_gguf(spec: ModelSpec, meta) -> ModelConfig:
+    gating = int(meta_value(meta, Keys.LLM.EXPERT_GATING_FUNC, spec.arch, ExpertGatingFuncType.SOFTMAX))
     if gating != ExpertGatingFuncType.SOFTMAX:
         raise OffloadError(f"qwen3moe with expert_gating_func={gating} is not supported (softmax only)")
-    return common_config(meta, shapes, expert_weights_norm_default=True)
+    return common_config(spec, meta, expert_weights_norm_default=True)
 
 
 def build(cfg: ModelConfig, w, ctx: BuildContext) -> CausalLM:
