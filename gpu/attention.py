@@ -52,8 +52,11 @@ class Attention:
             # query i sits at cache index n_keys - t + i and sees keys 0..that index
             qi = torch.arange(n_keys - t, n_keys, device=x.device)[:, None]
             mask = torch.arange(n_keys, device=x.device)[None, :] <= qi  # (T, L)
+        # CUDA computes in the cache dtype; torch's CPU kernels are slow and loose in half
+        # precision, so a CPU-backed layer upcasts its (f16/bf16) cache for the product
+        dtype = torch.float32 if x.device.type == "cpu" else keys.dtype
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None].to(keys.dtype), keys[None], values[None],
+            q.transpose(0, 1)[None].to(dtype), keys[None].to(dtype), values[None].to(dtype),
             attn_mask=mask, enable_gqa=self.n_head != self.n_head_kv)   # (1, H, T, D)
         out = out[0].transpose(0, 1).reshape(t, self.n_head * self.head_dim).float()
         return self.o(out)

@@ -30,9 +30,10 @@ class Rope:
         self._sin = ang.sin().float().to(self.device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: (T, H, D) float32, positions: (T,) int64 → rotated copy of x."""
+        """x: (T, H, D) float32, positions: (T,) int64 on the host (so sizing the table never
+        waits for the device) → rotated copy of x."""
         self._ensure(int(positions.max()) + 1)
-        pos = positions.to(self.device)
+        pos = positions.to(self.device, non_blocking=True)
         cos = self._cos[pos][:, None, :]  # (T, 1, n_rot/2)
         sin = self._sin[pos][:, None, :]
         h = self.n_rot // 2

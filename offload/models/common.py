@@ -93,6 +93,7 @@ class Block:
         self.ffn_norm, self.ffn, self.profile = ffn_norm, ffn, profile
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x: (T, n_embd) hidden states; positions: (T,) host tensor of RoPE positions."""
         if x.device != self.device:
             with self.profile.time("transfer"):
                 x = x.to(self.device)
@@ -117,7 +118,7 @@ class NextN:
         dev = self.block.device
         e = self.enorm(self.embed(tokens).to(dev))
         x = self.eh_proj(torch.cat([e, self.hnorm(hidden.to(dev))], dim=-1))
-        h = self.block(x, positions.to(dev), cache)
+        h = self.block(x, positions, cache)
         return self.head(self.norm(h)).float(), h
 
 
@@ -164,7 +165,7 @@ class CausalLM:
         positions = torch.arange(pos0, pos0 + ids.shape[0])
         x = self.embed(ids)
         for block, cache in zip(self.blocks, state.caches):
-            x = block(x, positions.to(block.device), cache)
+            x = block(x, positions, cache)
         h = self.output_norm(x)
         if logits == "none":
             return None, h
