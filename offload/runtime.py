@@ -97,7 +97,7 @@ class Session:
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         stats = self.stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
         state = self.model.new_state()
-        eos = self.tokenizer.eos_ids if (stop_at_eos and self.tokenizer is not None) else frozenset()
+        eos = self.tokenizer.eos_ids if stop_at_eos else frozenset()
         self.profile.reset()
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -131,14 +131,8 @@ class Session:
         kv = defaultdict(int)
         if state is not None:
             for block, cache in zip(self.model.blocks, state.caches):
-                kv[self._device_name(block.device)] += cache.nbytes
+                kv[block.device_name] += cache.nbytes
         return {"peak_rss": peak_rss_bytes(), "weights": dict(self.allocated), "kv": dict(kv)}
-
-    def _device_name(self, dev: torch.device) -> str:
-        for name, d in self.devices.torch_devices.items():
-            if d == dev and name != "CPU" and not (dev.type == "cpu" and name not in self.devices.virtual):
-                return name
-        return "CPU"
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

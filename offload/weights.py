@@ -65,11 +65,11 @@ class WeightStore:
     def device(self, name: str) -> torch.device:
         return self.devices[self.device_of[name]]
 
-    def home(self, layer: int) -> torch.device:
-        """Where block ``layer`` computes and keeps its KV cache: the planner's rule (with
-        its largest attention tensor), so the KV bytes land where the plan counted them."""
-        block = [t for t in self.tensors.values() if t.layer == layer]
-        return self.devices[attention_device(block, self.device_of)]
+    def home(self, layer: int) -> str:
+        """The plan device where block ``layer`` computes and keeps its KV cache: the
+        planner's rule (with its largest attention tensor), so the KV bytes land where the
+        plan counted them."""
+        return attention_device([t for t in self.tensors.values() if t.layer == layer], self.device_of)
 
     def unused(self) -> list[str]:
         return sorted(set(self.tensors) - self.used)

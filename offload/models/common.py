@@ -87,9 +87,9 @@ class Block:
     """Pre-norm decoder block: x + attn(norm(x)); h + ffn(norm(h)). Runs on ``device``;
     the hidden state moves only here, at the block boundary."""
 
-    def __init__(self, *, device: torch.device, attn_norm, attn: Attention, ffn_norm, ffn,
-                 profile: Profile):
-        self.device, self.attn_norm, self.attn = device, attn_norm, attn
+    def __init__(self, *, device_name: str, device: torch.device, attn_norm, attn: Attention,
+                 ffn_norm, ffn, profile: Profile):
+        self.device_name, self.device, self.attn_norm, self.attn = device_name, device, attn_norm, attn
         self.ffn_norm, self.ffn, self.profile = ffn_norm, ffn, profile
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -189,11 +189,12 @@ class BuildContext:
         return self.ropes[device]
 
 
-def build_attention(w, cfg: ModelConfig, p: str, ctx: BuildContext) -> tuple[torch.device, Attention]:
+def build_attention(w, cfg: ModelConfig, p: str, ctx: BuildContext) -> tuple[str, torch.device, Attention]:
     """``{p}.attn_{q,k,v,output}`` with optional biases and per-head q/k norms. The block
     computes (and keeps its KV cache) where the planner says: with its largest attention
     tensor."""
-    home = w.home(int(p.split(".")[1]))
+    home_name = w.home(int(p.split(".")[1]))
+    home = w.devices[home_name]
     norm = lambda n: RMSNorm(w.vector(n).to(home), cfg.rms_eps) if w.has(n) else None  # noqa: E731
     attn = Attention(
         q=w.linear(f"{p}.attn_q.weight", f"{p}.attn_q.bias"),
@@ -203,7 +204,7 @@ def build_attention(w, cfg: ModelConfig, p: str, ctx: BuildContext) -> tuple[tor
         n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
         rope=ctx.rope(cfg, home),
         q_norm=norm(f"{p}.attn_q_norm.weight"), k_norm=norm(f"{p}.attn_k_norm.weight"))
-    return home, attn
+    return home_name, home, attn
 
 
 def build_swiglu(w, p: str, suffix: str = "") -> SwiGLU:
@@ -222,13 +223,13 @@ def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str
     """Block i: MoE when it has a router (``ffn_gate_inp``), dense FFN otherwise.
     ``make_router(prefix, device)`` builds the architecture's router."""
     p = f"blk.{i}"
-    home, attn = build_attention(w, cfg, p, ctx)
+    home_name, home, attn = build_attention(w, cfg, p, ctx)
     norm = lambda n: RMSNorm(w.vector(n).to(home), cfg.rms_eps)  # noqa: E731
     if w.has(f"{p}.ffn_gate_inp.weight"):
         ffn = build_moe(w, p, make_router(p, home), ctx)
     else:
         ffn = build_swiglu(w, p)
-    return Block(device=home, attn_norm=norm(f"{p}.attn_norm.weight"), attn=attn,
+    return Block(device_name=home_name, device=home, attn_norm=norm(f"{p}.attn_norm.weight"), attn=attn,
                  ffn_norm=norm(f"{p}.{ffn_norm}.weight"), ffn=ffn, profile=ctx.profile)
 
 
