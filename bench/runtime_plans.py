@@ -15,6 +15,7 @@ touched (RssFile), which a full generation does for every expert it routes to.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def one(model: str, plan: str, n: int, ctx: int, warm: str) -> dict:
 
 
 def main() -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # see offload.commands.run.quiet_openmp
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=str(ROOT / "models" / "tiny-glm4moe-mtp.gguf"))
     ap.add_argument("-n", type=int, default=64)
