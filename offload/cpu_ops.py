@@ -16,21 +16,21 @@ from offload._standins import ExpertWeights, matmul, moe_ffn
 from offload.profile import Profile
 
 
-def _to_host(x: torch.Tensor) -> np.ndarray:
+def to_host(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy())
 
 
 class RawLinear:
     """``y = x @ W^T (+ b)`` with W the raw GGUF data of a 2-D tensor."""
 
-    def __init__(self, data: np.ndarray, qtype: GGMLQuantizationType, *, bias: torch.Tensor | None,
-                 name: str, profile: Profile):
-        self.data, self.qtype, self.bias, self.name, self.profile = data, qtype, bias, name, profile
+    def __init__(self, data: np.ndarray, qtype: GGMLQuantizationType, *, bias: torch.Tensor | None = None,
+                 name: str = ""):
+        self.data, self.qtype, self.bias, self.name = data, qtype, bias, name
         self.device = torch.device("cpu")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         home = x.device
-        y = torch.from_numpy(matmul(_to_host(x), self.data, self.qtype, name=self.name))
+        y = torch.from_numpy(matmul(to_host(x), self.data, self.qtype, name=self.name))
         if self.bias is not None:
             y += self.bias
         return y if home.type == "cpu" else y.to(home)

@@ -9,44 +9,25 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from gpu.experts import group_by_expert
-from gpu.quant import QuantTensor
-from offload._standins import matmul
-from offload.cpu_ops import CpuExperts, _to_host
+from offload.cpu_ops import CpuExperts, to_host
 from offload.profile import Profile
 
 
-class RawExpertMatrix:
-    """One ``*_exps`` tensor left as raw GGUF bytes: expert e's matrix is ``data[e]``."""
-
-    def __init__(self, data: np.ndarray, qtype, name: str):
-        self.data, self.qtype, self.name = data, qtype, name
-
-    def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        y = torch.from_numpy(matmul(_to_host(x), self.data[e], self.qtype, name=self.name))
-        return y.to(x.device)
-
-
-class TorchExpertMatrix:
-    """One ``*_exps`` tensor as raw GGUF data on a torch device (dequantized per expert)."""
-
-    def __init__(self, weight: QuantTensor, compute_dtype: torch.dtype):
-        self.weight, self.dtype = weight, compute_dtype   # (E, out, in) on its device
-
-    def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return self.weight[e].linear(x.to(self.weight.device), self.dtype).to(x.device, torch.float32)
+Stage = Callable[[int], Callable[[torch.Tensor], torch.Tensor]]   # expert e → its projection
 
 
 class StagedExperts:
     """Experts whose gate/up/down tensors sit on different devices (e.g. ``-ot`` moved only
     ``ffn_down_exps`` to the CPU): each stage runs where its tensor lives, looping over the
-    touched experts (never over tokens)."""
+    touched experts (never over tokens). A stage maps an expert index to that expert's
+    projection (a view of the stacked tensor, raw on the CPU or on a torch device)."""
 
-    def __init__(self, *, down, gate=None, up=None, gate_up=None):
+    def __init__(self, *, down: Stage, gate: Stage | None = None, up: Stage | None = None,
+                 gate_up: Stage | None = None):
         self.gate, self.up, self.gate_up, self.down = gate, up, gate_up, down
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -56,10 +37,10 @@ class StagedExperts:
         for e, s, n in runs:
             xe = xs[s:s + n]
             if self.gate_up is not None:
-                g, u = self.gate_up(e, xe).chunk(2, dim=-1)
+                g, u = self.gate_up(e)(xe).chunk(2, dim=-1)
             else:
-                g, u = self.gate(e, xe), self.up(e, xe)
-            ys[s:s + n] = self.down(e, F.silu(g) * u)
+                g, u = self.gate(e)(xe), self.up(e)(xe)
+            ys[s:s + n] = self.down(e)(F.silu(g) * u)
         out = torch.zeros_like(x)
         out.index_add_(0, tok, ys * w[:, None])
         return out
@@ -76,7 +57,7 @@ class MoE:
         ids, w = self.router(x)                                   # (T, k) each
         if isinstance(self.experts, CpuExperts):
             with self.profile.time("transfer"):
-                xh, ih, wh = _to_host(x), ids.cpu().numpy(), _to_host(w)
+                xh, ih, wh = to_host(x), ids.cpu().numpy(), to_host(w)
             job = self.pool.submit(self.experts, xh, ih, wh)     # runs while torch works below
             y = self.shared(x) if self.shared is not None else torch.zeros_like(x)
             with self.profile.time("cpu_wait"):

@@ -28,7 +28,7 @@ from offload._standins import ExpertWeights
 from offload.errors import OffloadError
 from offload.cpu_ops import CpuExperts, RawEmbedding, RawLinear
 from offload.devices import CPU, DeviceMap
-from offload.moe import RawExpertMatrix, StagedExperts, TorchExpertMatrix
+from offload.moe import StagedExperts
 from offload.gguf_model import ModelFile
 from offload.profile import Profile
 from placement.memory import attention_device
@@ -134,7 +134,7 @@ class WeightStore:
         dev_name = on or self.device_of[name]
         if dev_name == CPU:
             data, qtype = self._raw(name)
-            return RawLinear(data, qtype, bias=b, name=name, profile=self.profile)
+            return RawLinear(data, qtype, bias=b, name=name)
         w = self._upload(name, dev_name)
         return Linear(w, None if b is None else b.to(w.device),
                       compute_dtype=torch.float32 if float32 else self._dtype(dev_name), name=name)
@@ -163,7 +163,12 @@ class WeightStore:
         if len(homes) == 1:
             return TorchExperts(**{s: self._upload(names[s]) for s in stages},
                                 compute_dtype=self._dtype(self.device_of[names["down"]]))
-        return StagedExperts(**{s: (RawExpertMatrix(*self._raw(names[s]), names[s])
-                                    if self.device_of[names[s]] == CPU else
-                                    TorchExpertMatrix(self._upload(names[s]), self._dtype(self.device_of[names[s]])))
-                                for s in stages})
+        return StagedExperts(**{s: self._per_expert(names[s]) for s in stages})
+
+    def _per_expert(self, name: str):
+        """Expert e → a projection over ``name[e]`` where the plan put ``name``."""
+        if self.device_of[name] == CPU:
+            data, qtype = self._raw(name)
+            return lambda e: RawLinear(data[e], qtype, name=name)
+        w, dtype = self._upload(name), self._dtype(self.device_of[name])
+        return lambda e: Linear(w[e], compute_dtype=dtype, name=name)
