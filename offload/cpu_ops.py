@@ -2,8 +2,8 @@
 
 Nothing here copies or dequantizes a weight: the memory-mapped ``ReaderTensor.data`` is
 handed to the kernels as is, so the process's anonymous memory does not grow by their size.
-Every callable takes and returns torch tensors on the caller's device; the host round trip
-is timed as ``transfer``.
+Projections take and return torch tensors on the caller's device (a no-op move for the
+CPU, where these layers run anyway).
 """
 from __future__ import annotations
 
