@@ -7,6 +7,10 @@ CPU, where these layers run anyway).
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -63,3 +67,31 @@ class CpuExperts:
         """Host arrays in, host array out — called from the worker thread."""
         with self.profile.time("cpu_experts"):
             return moe_ffn(x, ids, w, self.weights, owned=owned)
+
+
+PAGE = mmap.PAGESIZE
+
+
+def prefault(data: np.ndarray) -> None:
+    """Touch one byte per page of a memory-mapped tensor so it is resident now, as
+    llama.cpp's MAP_POPULATE does: loading pays for the reads, not the first tokens, and the
+    process's RSS holds the CPU weights the plan counted."""
+    flat = data.reshape(-1).view(np.uint8)
+    int(flat[::PAGE].max())
+
+
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_MADV_DONTNEED = 4
+
+
+def release(data: np.ndarray) -> None:
+    """Drop the page-cache mapping of a tensor that now lives on a GPU (llama.cpp unmaps
+    such fragments too), so it does not stay in this process's RSS. Only whole pages inside
+    the tensor are dropped; the file is read-only, so nothing is lost (Linux only)."""
+    if _libc is None or data.nbytes < PAGE:
+        return
+    start = data.ctypes.data
+    first = -(-start // PAGE) * PAGE
+    last = (start + data.nbytes) // PAGE * PAGE
+    if last > first:
+        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)

@@ -26,7 +26,7 @@ from gpu.linear import Embedding, Linear
 from gpu.quant import QuantTensor, supported
 from offload._standins import ExpertWeights
 from offload.errors import OffloadError
-from offload.cpu_ops import CpuExperts, RawEmbedding, RawLinear
+from offload.cpu_ops import CpuExperts, RawEmbedding, RawLinear, prefault, release
 from offload.devices import CPU, DeviceMap
 from offload.moe import StagedExperts
 from offload.gguf_model import ModelFile
@@ -105,14 +105,20 @@ class WeightStore:
                 print(f"offload: note: {name} is {t.ggml_type.name}, which has no torch dequantizer: "
                       f"held dequantized on {dev_name} ({q.nbytes - t.n_bytes:+,} bytes vs the plan)",
                       file=sys.stderr)
+            if self.device_of[name] != CPU:
+                release(data)           # the copy on the device is the one the plan counts
             self.allocated[dev_name] += q.nbytes
             self._uploaded[name, dev_name] = q
         return self._uploaded[name, dev_name]
 
     def _raw(self, name: str):
-        """The memory-mapped data, used in place on the CPU."""
+        """The memory-mapped data, used in place on the CPU (made resident once)."""
+        first = (name, CPU) not in self._counted
         t = self._take(name, CPU)
-        return self.model.tensor_data(name), t.ggml_type
+        data = self.model.tensor_data(name)
+        if first:
+            prefault(data)
+        return data, t.ggml_type
 
     def _dtype(self, dev_name: str) -> torch.dtype:
         return self.compute_dtype[dev_name]
