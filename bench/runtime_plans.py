@@ -9,8 +9,10 @@ RAM here), each weights + KV + compute buffers.
 Each plan runs in a fresh process. RSS growth = peak RSS during load + generation minus the
 RSS just before loading (after imports and a kernel warm-up on another model), so the
 interpreter/torch baseline, which no plan accounts for, is left out; the peak is reset via
-/proc/self/clear_refs first. The CPU weights are memory-mapped: their pages count once
-touched (RssFile), which a full generation does for every expert it routes to.
+/proc/self/clear_refs first. CPU weights are memory-mapped and made resident at load;
+``vs W+KV`` compares the growth with the plan's weights + KV alone, since the planner's
+compute-buffer term is llama.cpp's graph buffers, which this runtime does not allocate
+(torch allocates activations per call; they are small).
 """
 from __future__ import annotations
 
@@ -89,13 +91,14 @@ def main() -> int:
     mib = lambda b: b / 2**20  # noqa: E731
     print(f"model {a.model}: {a.n} tokens greedy after a {len(PROMPT)}-char prompt, ctx {a.ctx}")
     print(f"{'plan':<20} {'prompt t/s':>10} {'decode t/s':>10} {'RSS growth':>11} {'planned host':>12} "
-          f"{'ratio':>6}  weights held / planned per device (MiB)")
+          f"{'ratio':>6} {'vs W+KV':>7}  weights held / planned per device (MiB)")
     for r in rows:
         held = ", ".join(f"{d} {mib(b):.2f}/{mib(r['planned_weights'].get(d, 0)):.2f}"
                          for d, b in sorted(r["allocated"].items()))
+        w, kv, _ = r["planned_host_parts"]
         ratio = r["rss_growth"] / r["planned_host"] if r["planned_host"] else float("nan")
         print(f"{r['plan']:<20} {r['prompt_tps']:10.1f} {r['eval_tps']:10.1f} {mib(r['rss_growth']):9.1f}Mi "
-              f"{mib(r['planned_host']):10.1f}Mi {ratio:6.2f}  {held}")
+              f"{mib(r['planned_host']):10.1f}Mi {ratio:6.2f} {r['rss_growth'] / (w + kv):7.2f}  {held}")
     print("planned host = weights + KV + compute (MiB): " + "; ".join(
         f"{r['plan']}: " + " + ".join(f"{mib(x):.1f}" for x in r["planned_host_parts"]) for r in rows))
     for r in rows:
