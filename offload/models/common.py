@@ -139,11 +139,10 @@ class State:
 
 class CausalLM:
     def __init__(self, *, config: ModelConfig, embed, blocks: list[Block], output_norm: RMSNorm,
-                 output, nextn: NextN | None, kv_dtype: torch.dtype, profile: Profile,
-                 pool: ThreadPoolExecutor):
+                 output, nextn: NextN | None, kv_dtype: torch.dtype):
         self.config, self.embed, self.blocks = config, embed, blocks
         self.output_norm, self.output, self.nextn = output_norm, output, nextn
-        self.kv_dtype, self.profile, self.pool = kv_dtype, profile, pool
+        self.kv_dtype = kv_dtype
 
     def _cache(self, device: torch.device) -> KVCache:
         c = self.config
@@ -189,11 +188,12 @@ class BuildContext:
         return self.ropes[device]
 
 
-def build_attention(w, cfg: ModelConfig, p: str, ctx: BuildContext) -> tuple[str, torch.device, Attention]:
-    """``{p}.attn_{q,k,v,output}`` with optional biases and per-head q/k norms. The block
+def build_attention(w, cfg: ModelConfig, i: int, ctx: BuildContext) -> tuple[str, torch.device, Attention]:
+    """``blk.{i}.attn_{q,k,v,output}`` with optional biases and per-head q/k norms. The block
     computes (and keeps its KV cache) where the planner says: with its largest attention
-    tensor."""
-    home_name = w.home(int(p.split(".")[1]))
+    tensor. Returns (plan device, torch device, attention)."""
+    p = f"blk.{i}"
+    home_name = w.home(i)
     home = w.devices[home_name]
     norm = lambda n: RMSNorm(w.vector(n).to(home), cfg.rms_eps) if w.has(n) else None  # noqa: E731
     attn = Attention(
@@ -223,7 +223,7 @@ def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str
     """Block i: MoE when it has a router (``ffn_gate_inp``), dense FFN otherwise.
     ``make_router(prefix, device)`` builds the architecture's router."""
     p = f"blk.{i}"
-    home_name, home, attn = build_attention(w, cfg, p, ctx)
+    home_name, home, attn = build_attention(w, cfg, i, ctx)
     norm = lambda n: RMSNorm(w.vector(n).to(home), cfg.rms_eps)  # noqa: E731
     if w.has(f"{p}.ffn_gate_inp.weight"):
         ffn = build_moe(w, p, make_router(p, home), ctx)

@@ -46,4 +46,4 @@ def build(cfg: ModelConfig, w, ctx: BuildContext) -> CausalLM:
                       norm=norm("shared_head_norm"),
                       head=w.linear(own_head) if w.has(own_head) else output)
     return CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output,
-                    nextn=nextn, kv_dtype=ctx.kv_dtype, profile=ctx.profile, pool=ctx.pool)
+                    nextn=nextn, kv_dtype=ctx.kv_dtype)
