@@ -9,8 +9,9 @@
    own post-output_norm hidden states as the entry's embedding, which is how this llama.cpp
    passes h to graph_mtp) vs the reference, teacher-forced;
 4. greedy continuations of the card's prompts, token by token.
-Exit status 1 if any argmax differs where the reference's top-2 margin exceeds MARGIN (a real
-disagreement rather than a near-tie that Q8 activation rounding in llama.cpp may flip).
+Exit status 1 if any argmax differs where the reference's top-2 logit margin exceeds MARGIN and
+no MoE block had a routing near-tie at that position (a real disagreement, not a tie that the
+8-bit activation rounding in llama.cpp's Q8_0 matmuls may resolve the other way).
 """
 from __future__ import annotations
 
@@ -26,11 +27,15 @@ import numpy as np  # noqa: E402
 
 from eval_tiny_moe import PROMPTS, gguf_tokenizer  # noqa: E402
 from tiny_moe_data import EOT, stdlib_corpus  # noqa: E402
-from tiny_moe_reference import RefGlm4Moe  # noqa: E402
+from tiny_moe_reference import RefGlm4Moe, Routing  # noqa: E402
 
 # llama.cpp quantizes activations to 8 bits for Q8_0 matmuls and keeps the KV cache in F16;
 # logits then differ by ~1e-2, so argmax may flip only where the top two are this close.
 MARGIN = 0.1
+# A near-tie in top-k expert selection (k-th vs (k+1)-th biased score closer than this) can be
+# resolved differently by llama.cpp; the token then goes through another expert and its logits
+# differ by up to ~1. Such positions are counted, not failed.
+ROUTING_TIE = 1e-3
 
 
 def _silence_llama_log(L):
@@ -116,15 +121,22 @@ class LlamaCpp:
         self.L.llama_free(ctx)
 
 
-def compare(name: str, ours: np.ndarray, ref: np.ndarray) -> tuple[int, int, int]:
-    """Print agreement; return (positions, argmax disagreements, disagreements above MARGIN)."""
+def compare(name: str, ours: np.ndarray, ref: np.ndarray, gap: np.ndarray) -> tuple[int, int, int]:
+    """Print agreement; return (positions, argmax disagreements, unexplained disagreements).
+    gap: per position, the smallest expert-selection gap of the reference over MoE blocks."""
     a, r = ours.argmax(-1), ref.argmax(-1)
     top2 = np.sort(ref, -1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]
     bad = a != r
-    hard = bad & (margin > MARGIN)
-    print(f"| {name} | {len(a)} | {int((~bad).sum())} | {np.abs(ours - ref).max():.4f} | {int(hard.sum())} |")
-    return len(a), int(bad.sum()), int(hard.sum())
+    flip = gap < ROUTING_TIE
+    unexplained = bad & (margin > MARGIN) & ~flip
+    print(f"| {name} | {len(a)} | {int((~bad).sum())} | {np.abs(ours - ref).max():.4f} | "
+          f"{int(flip.sum())} | {int(unexplained.sum())} |")
+    return len(a), int(bad.sum()), int(unexplained.sum())
+
+
+def min_gap(routing: Routing, n: int) -> np.ndarray:
+    return np.min([np.concatenate(g)[:n] for g in routing.gaps.values()], axis=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,17 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     for i, t in enumerate(texts):
         prompts[f"val file {i} (bos + {args.snippet_tokens} tokens)"] = (
             [eot] + tok.encode(t, add_special_tokens=False).ids[:args.snippet_tokens])
-    print("| sequence | positions | argmax equal | max abs logit diff | unequal with margin > 0.1 |")
-    print("|---|---|---|---|---|")
+    print(f"| sequence | positions | argmax equal | max abs logit diff | routing near-ties "
+          f"(gap < {ROUTING_TIE}) | unequal, margin > {MARGIN}, no near-tie |")
+    print("|---|---|---|---|---|---|")
     totals = np.zeros(3, int)
     for name, ids in prompts.items():
         logits, h, ctx = lc.trunk(ids)
-        h_ref, logits_ref, _ = ref.trunk(np.asarray(ids))
-        totals += compare(f"trunk {name}", logits, logits_ref)
+        rt, rm = Routing(), Routing()
+        h_ref, logits_ref, _ = ref.trunk(np.asarray(ids), rt)
+        gap_trunk = min_gap(rt, len(ids))
+        totals += compare(f"trunk {name}", logits, logits_ref, gap_trunk)
         if len(ids) > 2:
             mtp = lc.mtp(ctx, h[:-1], ids[1:])
-            _, mtp_ref, _ = ref.mtp(h_ref[:-1], np.asarray(ids[1:]))
-            totals += compare(f"MTP {name}", mtp, mtp_ref)
+            _, mtp_ref, _ = ref.mtp(h_ref[:-1], np.asarray(ids[1:]), rm)
+            totals += compare(f"MTP {name}", mtp, mtp_ref,
+                              np.minimum(min_gap(rm, len(ids) - 1), gap_trunk[:-1]))
         lc.free(ctx)
 
     print("\ngreedy continuations (llama.cpp vs reference, recomputed from scratch per token):")
@@ -180,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- {p!r}: {'identical' if ids_l == ids_r else f'diverge at token {same}'}; "
               f"llama.cpp: {tok.decode(ids_l[1:])!r}")
     print(f"\ntotal: {totals[0]} positions, {totals[1]} argmax differences, "
-          f"{totals[2]} with reference margin > {MARGIN}")
+          f"{totals[2]} unexplained (reference margin > {MARGIN} and no routing near-tie)")
     return 1 if totals[2] else 0
 
 

@@ -1,9 +1,10 @@
 """The torch training model: a small glm4moe (GLM-4.5 layout) with one NextN/MTP block.
 
 Attribute names are the GGUF tensor names (``attn_q``, ``ffn_gate_exps``, ``exp_probs_b``,
-``nextn.eh_proj``...) so the exporter needs no mapping table. Conventions (binding, see
-``/work/briefs/interfaces.md``): RMSNorm; q/k/v with bias, o without; GQA; partial rotary,
-NeoX style (rotate-half on the first ``n_rot`` dims of each head); layer =
+``nextn.eh_proj``...) so the exporter needs no mapping table. Conventions (GLM-4.5 /
+llama.cpp ``glm4moe``, as agreed for offload's runtime): RMSNorm; q/k/v with bias, o
+without; GQA; partial rotary, NeoX style (rotate-half on the first ``n_rot`` dims of each
+head); layer =
 attn_norm -> attention -> residual -> post_attention_norm -> FFN -> residual; MoE routing =
 sigmoid scores, top-k of (scores + exp_probs_b), weights = selected scores normalized to
 sum 1 and times ``expert_weights_scale``, plus the shared expert added unweighted.

@@ -82,11 +82,15 @@ class KV:
 
 @dataclass
 class Routing:
-    """Expert ids chosen per MoE block, appended per forward: list of (T, k) arrays."""
+    """Per MoE block, appended per forward: expert ids chosen (T, k) and the selection gap
+    (T,) = k-th minus (k+1)-th biased score. A tiny gap is a near-tie that another
+    implementation's rounding may resolve the other way (a different expert)."""
     ids: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    gaps: dict[int, list[np.ndarray]] = field(default_factory=dict)
 
-    def add(self, blk: int, ids: np.ndarray) -> None:
+    def add(self, blk: int, ids: np.ndarray, gap: np.ndarray) -> None:
         self.ids.setdefault(blk, []).append(ids)
+        self.gaps.setdefault(blk, []).append(gap)
 
 
 class RefGlm4Moe:
@@ -145,18 +149,18 @@ class RefGlm4Moe:
         scale = 1.0 / np.sqrt(c.head_dim)
         kp = np.repeat(k_pre, g, axis=0)                                               # (H, P, hd)
         vp = np.repeat(v_pre, g, axis=0)
-        s = np.einsum("hrd,hpd->hrp", q, kp) * scale
+        s = (q @ kp.transpose(0, 2, 1)) * scale                                        # (H, R, P)
         s = np.where(mask_pre[None], s, -np.inf)
         if k_ext is not None:
             ke, ve = np.repeat(k_ext, g, axis=0), np.repeat(v_ext, g, axis=0)          # (H, R, S, hd)
-            s = np.concatenate([s, np.einsum("hrd,hrsd->hrs", q, ke) * scale], -1)
+            s = np.concatenate([s, (ke @ q[..., None])[..., 0] * scale], -1)           # + (H, R, S)
         s = s - s.max(-1, keepdims=True)
         p = np.exp(s)
         p /= p.sum(-1, keepdims=True)
         P = kp.shape[1]
-        o = np.einsum("hrp,hpd->hrd", p[..., :P], vp)
+        o = p[..., :P] @ vp                                                            # (H, R, hd)
         if k_ext is not None:
-            o = o + np.einsum("hrs,hrsd->hrd", p[..., P:], ve)
+            o = o + (p[..., None, P:] @ ve)[..., 0, :]
         return o.transpose(1, 0, 2).reshape(q.shape[1], -1).astype(self.dtype)
 
     @staticmethod
@@ -171,13 +175,16 @@ class RefGlm4Moe:
                     ) @ self.W(p + "ffn_down.weight").T
         logits = x.astype(np.float64) @ self.W(p + "ffn_gate_inp.weight").T.astype(np.float64)
         scores = 1.0 / (1.0 + np.exp(-logits))                                        # (R, E)
-        sel = np.argsort(-(scores + self.W(p + "exp_probs_b.bias")), axis=1, kind="stable")[:, :c.n_expert_used]
+        biased = scores + self.W(p + "exp_probs_b.bias")
+        order = np.argsort(-biased, axis=1, kind="stable")
+        sel = order[:, :c.n_expert_used]
         wts = np.take_along_axis(scores, sel, 1)                                       # (R, k)
         if c.weights_norm:
             wts = wts / np.maximum(wts.sum(1, keepdims=True), 6.103515625e-5)
         wts = (wts * c.weights_scale).astype(self.dtype)
         if routing is not None:
-            routing.add(b, sel)
+            kth = np.take_along_axis(biased, order[:, c.n_expert_used - 1:c.n_expert_used + 1], 1)
+            routing.add(b, sel, kth[:, 0] - kth[:, 1])
         gate, up, down = (self.W(p + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down"))
         out = np.zeros_like(x)
         for e in np.unique(sel):
