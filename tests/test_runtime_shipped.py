@@ -48,3 +48,19 @@ def test_nextn_head_runs_and_split_plan_agrees(session):
         got = split.logits(ids)
     ref = logits.numpy()
     assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max()
+
+
+def test_matches_llama_cpp_on_the_shipped_model():
+    """Where llama-cpp-python is installed (skipped otherwise): the same token ids from
+    both tokenizers, and logits within llama.cpp's 8-bit-activation rounding, same argmax."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    text = "import os\nimport sys\n\ndef main(argv):\n    return 0\n"
+    with rt.load(SHIPPED, devices="CPU=16GiB", cache_type="f32", quiet=True) as s:
+        ids = s.tokenize(text)
+        ours = s.logits(ids)
+    llm = llama_cpp.Llama(model_path=str(SHIPPED), n_ctx=128, logits_all=True, verbose=False, n_threads=1)
+    assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids
+    llm.eval(ids)
+    ref = np.array(llm.scores[:len(ids)], dtype=np.float32)
+    assert np.abs(ours - ref).max() < 2e-2 * np.abs(ref).max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
