@@ -1,0 +1,244 @@
+"""``moe_ffn``: the routed-expert FFN of one MoE layer for a token batch, from raw GGUF
+expert tensors, with tokens grouped by expert.
+
+Grouping is what makes a verify batch cheap on the CPU: every (token, expert) pair is
+sorted by expert, so each touched expert's gate/up/down rows are streamed once and
+applied to all of that expert's tokens (``rowdot``) — time grows with the number of
+distinct experts touched, not with B * k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import njit, prange
+
+from . import threads
+from .layout import activations, row_cols, sums16, weight_bytes
+from .registry import get_kernel, source_digest
+from .rowdot import dot4
+
+f32 = np.float32
+TOKEN_TILE = 16
+ACTIVATIONS = {"silu": 0}
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertWeights:
+    """One MoE layer's routed experts as raw GGUF data (``ReaderTensor.data``), in place.
+
+    ``gate``/``up``: ``ffn_gate_exps``/``ffn_up_exps`` [E, n_ff, ...]; or ``gate_up``:
+    a fused ``ffn_gate_up_exps`` [E, 2 * n_ff, ...] whose first n_ff rows are the gate.
+    ``down``: ``ffn_down_exps`` [E, n_embd, ...]. ``name`` (e.g. "blk.3") goes into errors.
+    """
+
+    gate: np.ndarray | None
+    up: np.ndarray | None
+    down: np.ndarray
+    gate_type: GGMLQuantizationType | None
+    up_type: GGMLQuantizationType | None
+    down_type: GGMLQuantizationType
+    gate_up: np.ndarray | None = None
+    gate_up_type: GGMLQuantizationType | None = None
+    name: str = ""
+
+    def __post_init__(self):
+        # Resolve kernels and byte views once; errors name the tensor.
+        p = f"{self.name}." if self.name else ""
+        down_k = get_kernel(self.down_type, f"{p}ffn_down_exps")
+        down_b = weight_bytes(self.down, down_k, 3, f"{p}ffn_down_exps")
+        n_expert, n_embd = down_b.shape[:2]
+        n_ff = row_cols(down_b.shape[2], down_k)
+        if self.gate_up is not None:
+            if self.gate is not None or self.up is not None:
+                raise ValueError(f"{p}ffn_gate_up_exps given together with separate gate/up")
+            gu_k = get_kernel(self.gate_up_type, f"{p}ffn_gate_up_exps")
+            gu_b = weight_bytes(self.gate_up, gu_k, 3, f"{p}ffn_gate_up_exps")
+            parts = ((gu_k, gu_b, 0, "ffn_gate_up_exps"), (gu_k, gu_b, n_ff, "ffn_gate_up_exps"))
+            want_rows = 2 * n_ff
+        else:
+            if self.gate is None or self.up is None:
+                raise ValueError(f"{p}experts need ffn_gate_exps and ffn_up_exps (or ffn_gate_up_exps)")
+            g_k = get_kernel(self.gate_type, f"{p}ffn_gate_exps")
+            u_k = get_kernel(self.up_type, f"{p}ffn_up_exps")
+            parts = ((g_k, weight_bytes(self.gate, g_k, 3, f"{p}ffn_gate_exps"), 0, "ffn_gate_exps"),
+                     (u_k, weight_bytes(self.up, u_k, 3, f"{p}ffn_up_exps"), 0, "ffn_up_exps"))
+            want_rows = n_ff
+        for kern, b, _, tname in parts:
+            if b.shape[0] != n_expert or b.shape[1] != want_rows or row_cols(b.shape[2], kern) != n_embd:
+                raise ValueError(f"{p}{tname}: raw shape {b.shape} does not match "
+                                 f"ffn_down_exps ({n_expert} experts, n_embd {n_embd}, n_ff {n_ff})")
+        object.__setattr__(self, "_parts", parts)
+        object.__setattr__(self, "_down", (down_k, down_b))
+        object.__setattr__(self, "_dims", (n_expert, n_embd, n_ff))
+
+    @property
+    def n_expert(self) -> int:
+        return self._dims[0]
+
+    @property
+    def n_embd(self) -> int:
+        return self._dims[1]
+
+    @property
+    def n_ff(self) -> int:
+        return self._dims[2]
+
+
+@njit
+def _silu_glu(g, u, act):
+    """act 0: SiLU-gated, silu(g) * u. exp() only of non-positive numbers: no overflow
+    (the kernels use fast-math, which assumes no infinities)."""
+    if g >= 0:
+        sg = g / (f32(1) + np.exp(-g))
+    else:
+        e = np.exp(g)
+        sg = g * e / (f32(1) + e)
+    return sg * u
+
+
+def _build(salt):
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+    def moe_kernel(gtag, gw, g0, utag, uw, u0, dtag, dw, X, xs16, slot_expert, slot_start,
+                   assign_tok, assign_w, H, Y, chunks, act):
+        """gw/uw/dw: uint8 [E, rows, row_bytes]; gate rows start at g0, up rows at u0.
+        Slots (touched, owned experts) s own assignments slot_start[s]:slot_start[s+1];
+        assignment a is token assign_tok[a] with routing weight assign_w[a].
+        H: float32 scratch [A, n_ff]. Y: float32 [B, n_embd], accumulated into."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        n_slots = slot_expert.shape[0]
+        n_assign, n_ff = H.shape
+        n_embd = Y.shape[1]
+        ges, grs = gw.strides[0], gw.strides[1]
+        ues, urs = uw.strides[0], uw.strides[1]
+        des, drs = dw.strides[0], dw.strides[1]
+
+        # Phase 1: H[a] = act(gate_e . x) * (up_e . x), work items = (slot, 4 rows of n_ff).
+        ff_groups = (n_ff + 3) // 4
+        items = n_slots * ff_groups
+        pieces = max(1, min(items, chunks))
+        for ch in prange(pieces):
+            acc = np.empty(TOKEN_TILE * 64, f32)
+            cacc = np.empty(TOKEN_TILE * 4, f32)
+            rg = np.empty((TOKEN_TILE, 4), f32)
+            ru = np.empty((TOKEN_TILE, 4), f32)
+            sc = np.empty((4, 3, 8), f32)
+            for it in range(ch * items // pieces, (ch + 1) * items // pieces):
+                s = it // ff_groups
+                r0 = 4 * (it % ff_groups)
+                e = slot_expert[s]
+                nr = min(4, n_ff - r0)
+                last = n_ff - 1
+                rr1, rr2, rr3 = min(r0 + 1, last), min(r0 + 2, last), min(r0 + 3, last)
+                for a0 in range(slot_start[s], slot_start[s + 1], TOKEN_TILE):
+                    nt = min(TOKEN_TILE, slot_start[s + 1] - a0)
+                    toks = assign_tok[a0:a0 + nt]
+                    gb = e * ges + g0 * grs
+                    dot4(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
+                         X.shape[1], X, xs16, toks, nt, acc, cacc, rg, sc)
+                    ub = e * ues + u0 * urs
+                    dot4(utag, uw, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
+                         X.shape[1], X, xs16, toks, nt, acc, cacc, ru, sc)
+                    for i in range(nt):
+                        for r in range(nr):
+                            H[a0 + i, r0 + r] = _silu_glu(rg[i, r], ru[i, r], act)
+
+        # Sums of 16-column groups of H (the down decoders' offsets use them).
+        hs16 = np.empty((n_assign, n_ff // 16), f32)
+        for a in prange(n_assign):
+            for j in range(n_ff // 16):
+                t = f32(0)
+                for c in range(16):
+                    t += H[a, 16 * j + c]
+                hs16[a, j] = t
+
+        # Phase 2: O[a] = down_e . H[a], work items = (slot, 4 rows of n_embd).
+        out = np.empty((n_assign, n_embd), f32)
+        d_groups = (n_embd + 3) // 4
+        items = n_slots * d_groups
+        pieces = max(1, min(items, chunks))
+        for ch in prange(pieces):
+            acc = np.empty(TOKEN_TILE * 64, f32)
+            cacc = np.empty(TOKEN_TILE * 4, f32)
+            res = np.empty((TOKEN_TILE, 4), f32)
+            sc = np.empty((4, 3, 8), f32)
+            toks = np.empty(TOKEN_TILE, np.int64)
+            for it in range(ch * items // pieces, (ch + 1) * items // pieces):
+                s = it // d_groups
+                r0 = 4 * (it % d_groups)
+                e = slot_expert[s]
+                nr = min(4, n_embd - r0)
+                last = n_embd - 1
+                db = e * des
+                for a0 in range(slot_start[s], slot_start[s + 1], TOKEN_TILE):
+                    nt = min(TOKEN_TILE, slot_start[s + 1] - a0)
+                    for i in range(nt):
+                        toks[i] = a0 + i
+                    dot4(dtag, dw, db + r0 * drs, db + min(r0 + 1, last) * drs,
+                         db + min(r0 + 2, last) * drs, db + min(r0 + 3, last) * drs,
+                         n_ff, H, hs16, toks, nt, acc, cacc, res, sc)
+                    for i in range(nt):
+                        for r in range(nr):
+                            out[a0 + i, r0 + r] = res[i, r]
+
+        # Weighted sum per token (assignments of one token may sit in different slots).
+        for a in range(n_assign):
+            t = assign_tok[a]
+            wa = assign_w[a]
+            for c in range(n_embd):
+                Y[t, c] += wa * out[a, c]
+    return moe_kernel
+
+
+_moe_kernel = _build(source_digest())
+
+
+def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act: str = "silu"):
+    """Sum over the k routed experts of each token of ``weight * down(act(gate(x)) * up(x))``.
+
+    x: float32 [B, n_embd]; expert_ids: int [B, k]; expert_weights: float32 [B, k]
+    (already normalised/scaled by the router). owned: bool [E] or None (= all experts):
+    experts not owned contribute nothing here (the caller adds them, e.g. GPU experts).
+    Returns float32 [B, n_embd]. The compiled part runs with the GIL released.
+    """
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{w.name}: unknown expert activation {act!r}; supported: {sorted(ACTIVATIONS)}")
+    X = activations(x, w.n_embd, f"{w.name} moe_ffn x")
+    B = X.shape[0]
+    ids = np.asarray(expert_ids)
+    wts = np.asarray(expert_weights, dtype=np.float32)
+    if ids.ndim != 2 or ids.shape[0] != B or wts.shape != ids.shape:
+        raise ValueError(f"{w.name}: expert_ids {ids.shape} / expert_weights {wts.shape} "
+                         f"must both be [B={B}, k]")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{w.name}: expert_ids must be integers, got {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() >= w.n_expert):
+        raise ValueError(f"{w.name}: expert id outside 0..{w.n_expert - 1}")
+    Y = np.zeros((B, w.n_embd), f32)
+
+    # Group (token, expert) pairs by expert: a stable sort keeps token order per expert.
+    flat = ids.reshape(-1).astype(np.int64)
+    tok = np.repeat(np.arange(B, dtype=np.int64), ids.shape[1])
+    keep = np.ones(flat.shape, bool)
+    if owned is not None:
+        owned = np.asarray(owned, dtype=bool)
+        if owned.shape != (w.n_expert,):
+            raise ValueError(f"{w.name}: owned mask of shape {owned.shape}, expected ({w.n_expert},)")
+        keep = owned[flat]
+    flat, tok, wsel = flat[keep], tok[keep], wts.reshape(-1)[keep]
+    if flat.size == 0:
+        return Y
+    order = np.argsort(flat, kind="stable")
+    flat, tok, wsel = flat[order], tok[order], np.ascontiguousarray(wsel[order])
+    first = np.flatnonzero(np.r_[True, flat[1:] != flat[:-1]])
+    slot_expert = flat[first]
+    slot_start = np.r_[first, flat.size].astype(np.int64)
+
+    (gk, gb, g0, _), (uk, ub, u0, _) = w._parts
+    dk, db = w._down
+    H = np.empty((flat.size, w.n_ff), f32)
+    n_threads = threads.apply()
+    _moe_kernel(gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, X, sums16(X), slot_expert,
+                slot_start, tok, wsel, H, Y, n_threads, ACTIVATIONS[act])
+    return Y

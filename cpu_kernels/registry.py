@@ -1,0 +1,137 @@
+"""The kernel registry, keyed by ``gguf.GGMLQuantizationType``.
+
+Every supported type contributes a *unit decoder*: two Numba functions that describe
+32 consecutive weights of a row (one "unit") as
+
+    w[j] = d * v[j] + m0   (j < 16)        w[j] = d * v[j] + m1   (16 <= j < 32)
+
+``scales(w, ob) -> (d, m0, m1)``: three tuples of float32, one entry per unit of the block
+at byte offset ``ob`` of the raw bytes ``w`` (decoded once per block: K-quant scales are
+packed, and unpacking them per unit costs as much as the dot product itself);
+``quants(w, ob, k) -> (v0, v1)``: the two 16-lane vectors of unit ``k``.
+(Homogeneous tuples rather than one mixed tuple: LLVM keeps those in registers.)
+The generic drivers (``rowdot``, ``matmul``, ``moe``) only ever see that contract, so a
+new quant type is one decoder pair and one ``register`` call. Types whose ggml block holds 256
+weights (K-quants, IQ4_XS) have 8 units per block; 32-weight types have one. Float types
+use a 32-element pseudo-block and a scalar tail for rows that are not a multiple of 32.
+
+A ``QTag`` value (one per type) is passed into the compiled drivers: its Numba type names
+the quant type, so each driver is specialised per type at compile time.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from numba import types
+from numba.extending import NativeValue, models, register_model, typeof_impl, unbox
+
+
+class UnsupportedQuantType(TypeError):
+    """A tensor's quant type has no CPU kernel. The message names the type and tensor."""
+
+    def __init__(self, qtype, name: str = ""):
+        tname = getattr(qtype, "name", str(qtype))
+        where = f" (tensor {name!r})" if name else ""
+        supported = ", ".join(t.name for t in supported_types())
+        super().__init__(f"no CPU kernel for quant type {tname}{where}; supported: {supported}")
+        self.qtype = qtype
+        self.tensor_name = name
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    qtype: GGMLQuantizationType
+    block_size: int          # weights per block (as ggml)
+    type_size: int           # bytes per block (as ggml)
+    units_per_block: int     # 32-weight units per block
+    scales: Callable         # njit (w, block_byte_offset) -> (d[upb], m0[upb], m1[upb])
+    quants: Callable         # njit (w, block_byte_offset, k) -> (v0, v1)
+    elem: Callable | None    # njit (w, byte_offset_of_row, col) -> float32; float types only
+    tag: "QTag"
+
+
+class QTag:
+    """Run-time token for one quant type; its Numba type carries the type's name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return f"QTag({self.name})"
+
+
+class QTagType(types.Dummy):
+    def __init__(self, qname: str):
+        self.qname = qname
+        super().__init__(name=f"QTag[{qname}]")
+
+
+@typeof_impl.register(QTag)
+def _typeof_qtag(val, c):
+    return QTagType(val.name)
+
+
+register_model(QTagType)(models.OpaqueModel)
+
+
+@unbox(QTagType)
+def _unbox_qtag(typ, obj, c):
+    # The tag's information is all in its type; nothing to carry at run time.
+    return NativeValue(c.context.get_dummy_value())
+
+_KERNELS: dict[GGMLQuantizationType, QuantKernel] = {}
+_BY_NAME: dict[str, QuantKernel] = {}
+
+
+def register(qtype: GGMLQuantizationType, *, units_per_block: int, scales: Callable,
+             quants: Callable, elem: Callable | None = None) -> None:
+    """Register the decoder pair of ``qtype`` (``elem``: scalar loader, float types only)."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if elem is not None:               # float types: a 32-element pseudo-block
+        type_size = type_size * 32 // block_size
+        block_size = 32
+    if block_size != 32 * units_per_block:
+        raise ValueError(f"{qtype.name}: block of {block_size} is not {units_per_block} units of 32")
+    k = QuantKernel(qtype, block_size, type_size, units_per_block, scales, quants, elem,
+                    QTag(qtype.name))
+    _KERNELS[qtype] = k
+    _BY_NAME[qtype.name] = k
+
+
+def supported_types() -> tuple[GGMLQuantizationType, ...]:
+    """Quant types that have a CPU kernel, in enum order."""
+    return tuple(sorted(_KERNELS, key=int))
+
+
+def get_kernel(qtype, name: str = "") -> QuantKernel:
+    """The kernel for ``qtype``; ``UnsupportedQuantType`` (naming ``name``) if none."""
+    try:
+        qtype = GGMLQuantizationType(qtype)
+    except ValueError:
+        raise UnsupportedQuantType(qtype, name) from None
+    k = _KERNELS.get(qtype)
+    if k is None:
+        raise UnsupportedQuantType(qtype, name)
+    return k
+
+
+def kernel_by_name(qname: str) -> QuantKernel:
+    """Used at Numba typing time, where only the tag's name is known."""
+    return _BY_NAME[qname]
+
+
+def source_digest() -> str:
+    """Hash of this package's sources. Numba's on-disk cache only notices edits to the file
+    that defines a cached function; the drivers inline decoders from other files, so they
+    carry this digest as a closure variable, which Numba does put in its cache key."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
