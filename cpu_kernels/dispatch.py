@@ -15,7 +15,7 @@ f32 = np.float32
 
 
 def scales(tag, w, ob):
-    """(d, m0, m1) tuples, one entry per unit, of the block at byte ob (jitted code only)."""
+    """(vd, vm) of the block at byte ob (see registry; jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
@@ -25,7 +25,7 @@ def quants(tag, w, ob, k):
 
 
 def layout(tag):
-    """(bytes per block, units per block) (jitted code only)."""
+    """(bytes per block, units per block, same_d) (jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
@@ -54,8 +54,8 @@ def _quants(tag, w, ob, k):
 def _layout(tag):
     if isinstance(tag, QTagType):
         kern = kernel_by_name(tag.qname)
-        type_size, upb = kern.type_size, kern.units_per_block
-        return lambda tag: (type_size, upb)
+        type_size, upb, same_d = kern.type_size, kern.units_per_block, kern.same_d
+        return lambda tag: (type_size, upb, same_d)
     return None
 
 

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as T
 from numba import njit
 
 from .registry import register
-from .simd import f32_from_bits, ld_f16, ld_u16, ld_u32, vbf16, vf16, vf32
+from .simd import f32_from_bits, ld_f16, ld_u16, ld_u32, vbf16, vf16, vf32, vset2, vzero
 
 f32 = np.float32
 u32 = np.uint32
@@ -18,7 +18,7 @@ _jit = njit(fastmath=True)
 
 @_jit
 def unit_scales(w, ob):
-    return (f32(1),), (f32(0),), (f32(0),)
+    return vset2(f32(1), f32(1)), vzero()
 
 
 @_jit
@@ -51,6 +51,6 @@ def elem_bf16(w, ro, c):
     return f32_from_bits(u32(ld_u16(w, ro + 2 * c)) << u32(16))
 
 
-register(T.F32, units_per_block=1, scales=unit_scales, quants=quants_f32, elem=elem_f32)
-register(T.F16, units_per_block=1, scales=unit_scales, quants=quants_f16, elem=elem_f16)
-register(T.BF16, units_per_block=1, scales=unit_scales, quants=quants_bf16, elem=elem_bf16)
+register(T.F32, units_per_block=1, scales=unit_scales, quants=quants_f32, same_d=True, elem=elem_f32)
+register(T.F16, units_per_block=1, scales=unit_scales, quants=quants_f16, same_d=True, elem=elem_f16)
+register(T.BF16, units_per_block=1, scales=unit_scales, quants=quants_bf16, same_d=True, elem=elem_bf16)

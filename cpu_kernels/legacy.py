@@ -1,9 +1,10 @@
 """Decoders for ggml's 32-weight "legacy" quants: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
 
-Contract (see ``registry``): ``scales(w, ob) -> ((d,), (m0,), (m1,))`` and
-``quants(w, ob, k) -> (v0, v1)`` with weights ``d * v + m`` for the block at byte offset
-``ob`` of the raw bytes ``w`` (one unit per block, so ``k`` is always 0). Offsets like
-Q4_0's "-8" go into ``m``, which the driver multiplies by the activations' block sum.
+Contract (see ``registry``): ``scales(w, ob) -> (vd, vm)`` with (d, m) of the block's two
+16-weight halves in lanes 0 and 1, ``quants(w, ob, k) -> (v0, v1)``; weights ``d * v + m``
+for the block at byte offset ``ob`` of the raw bytes ``w`` (one unit per block: k = 0).
+Offsets like Q4_0's "-8" go into ``m``, which the driver multiplies by the activations'
+16-column sums.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 from numba import njit
 
 from .registry import register
-from .simd import ld_f16, ld_u32, vbit_lanes, vbits, vi8
+from .simd import ld_f16, ld_u32, vbit_lanes, vbits, vi8, vset2
 
 f32 = np.float32
 _jit = njit(fastmath=True)
@@ -32,12 +33,17 @@ def _nibbles5(w, qh_at, q):
             vbits(w, q, 4, 15) + vbit_lanes(qh, 16) * f32(16))
 
 
+@_jit
+def _d_m(d, m):
+    return vset2(d, d), vset2(m, m)
+
+
 # block_q4_0 { ggml_half d; uint8_t qs[16]; }  18 bytes
 # w[j] = d * ((qs[j] & 15) - 8),  w[j + 16] = d * ((qs[j] >> 4) - 8)
 @_jit
 def scales_q4_0(w, ob):
     d = ld_f16(w, ob)
-    return (d,), (f32(-8) * d,), (f32(-8) * d,)
+    return _d_m(d, f32(-8) * d)
 
 
 @_jit
@@ -48,8 +54,7 @@ def quants_q4_0(w, ob, k):
 # block_q4_1 { ggml_half d; ggml_half m; uint8_t qs[16]; }  20 bytes;  w = d * q + m
 @_jit
 def scales_q4_1(w, ob):
-    m = ld_f16(w, ob + 2)
-    return (ld_f16(w, ob),), (m,), (m,)
+    return _d_m(ld_f16(w, ob), ld_f16(w, ob + 2))
 
 
 @_jit
@@ -62,7 +67,7 @@ def quants_q4_1(w, ob, k):
 @_jit
 def scales_q5_0(w, ob):
     d = ld_f16(w, ob)
-    return (d,), (f32(-16) * d,), (f32(-16) * d,)
+    return _d_m(d, f32(-16) * d)
 
 
 @_jit
@@ -73,8 +78,7 @@ def quants_q5_0(w, ob, k):
 # block_q5_1 { ggml_half d; ggml_half m; uint8_t qh[4]; uint8_t qs[16]; }  24 bytes;  w = d * q + m
 @_jit
 def scales_q5_1(w, ob):
-    m = ld_f16(w, ob + 2)
-    return (ld_f16(w, ob),), (m,), (m,)
+    return _d_m(ld_f16(w, ob), ld_f16(w, ob + 2))
 
 
 @_jit
@@ -85,7 +89,7 @@ def quants_q5_1(w, ob, k):
 # block_q8_0 { ggml_half d; int8_t qs[32]; }  34 bytes;  w = d * q
 @_jit
 def scales_q8_0(w, ob):
-    return (ld_f16(w, ob),), (f32(0),), (f32(0),)
+    return _d_m(ld_f16(w, ob), f32(0))
 
 
 @_jit
@@ -93,8 +97,8 @@ def quants_q8_0(w, ob, k):
     return vi8(w, ob + 2), vi8(w, ob + 18)
 
 
-register(T.Q4_0, units_per_block=1, scales=scales_q4_0, quants=quants_q4_0)
-register(T.Q4_1, units_per_block=1, scales=scales_q4_1, quants=quants_q4_1)
-register(T.Q5_0, units_per_block=1, scales=scales_q5_0, quants=quants_q5_0)
-register(T.Q5_1, units_per_block=1, scales=scales_q5_1, quants=quants_q5_1)
-register(T.Q8_0, units_per_block=1, scales=scales_q8_0, quants=quants_q8_0)
+register(T.Q4_0, units_per_block=1, scales=scales_q4_0, quants=quants_q4_0, same_d=True)
+register(T.Q4_1, units_per_block=1, scales=scales_q4_1, quants=quants_q4_1, same_d=True)
+register(T.Q5_0, units_per_block=1, scales=scales_q5_0, quants=quants_q5_0, same_d=True)
+register(T.Q5_1, units_per_block=1, scales=scales_q5_1, quants=quants_q5_1, same_d=True)
+register(T.Q8_0, units_per_block=1, scales=scales_q8_0, quants=quants_q8_0, same_d=True)

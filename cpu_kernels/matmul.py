@@ -30,7 +30,7 @@ def _build(salt):
             cacc = np.empty(TOKEN_TILE * 4, f32)
             res = np.empty((TOKEN_TILE, 4), f32)
             toks = np.empty(TOKEN_TILE, np.int64)
-            sc = np.empty((4, 3, 8), f32)
+            sc = np.empty(64, f32)
             for g in range(ch * groups // chunks, (ch + 1) * groups // chunks):
                 r0 = 4 * g
                 last = rows - 1

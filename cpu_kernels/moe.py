@@ -123,7 +123,7 @@ def _build(salt):
             cacc = np.empty(TOKEN_TILE * 4, f32)
             rg = np.empty((TOKEN_TILE, 4), f32)
             ru = np.empty((TOKEN_TILE, 4), f32)
-            sc = np.empty((4, 3, 8), f32)
+            sc = np.empty(64, f32)
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
                 s = it // ff_groups
                 r0 = 4 * (it % ff_groups)
@@ -162,7 +162,7 @@ def _build(salt):
             acc = np.empty(TOKEN_TILE * 64, f32)
             cacc = np.empty(TOKEN_TILE * 4, f32)
             res = np.empty((TOKEN_TILE, 4), f32)
-            sc = np.empty((4, 3, 8), f32)
+            sc = np.empty(64, f32)
             toks = np.empty(TOKEN_TILE, np.int64)
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
                 s = it // d_groups

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as T
 from numba import njit
 
 from .registry import register
-from .simd import f32_from_bits, ld_f16, ld_u8, ld_u16, vload, vlut16
+from .simd import byte_fields, f32_from_bits, ld_f16, ld_u8, vload, vlut16, vset2, vzero
 
 f32 = np.float32
 i32 = np.int32
@@ -37,8 +37,8 @@ def _lut_nibbles(w, q, table):
 @_jit
 def scales_mxfp4(w, ob):
     e = i32(ld_u8(w, ob))
-    bits = (u32(0x00200000) << u32(e)) if e < 2 else (u32(e - 1) << u32(23))
-    return (f32_from_bits(bits),), (f32(0),), (f32(0),)
+    d = f32_from_bits((u32(0x00200000) << u32(e)) if e < 2 else (u32(e - 1) << u32(23)))
+    return vset2(d, d), vzero()
 
 
 @_jit
@@ -49,7 +49,8 @@ def quants_mxfp4(w, ob, k):
 # block_iq4_nl { ggml_half d; uint8_t qs[16]; }  18 bytes;  w = d * kv[nibble], Q4_0's order
 @_jit
 def scales_iq4_nl(w, ob):
-    return (ld_f16(w, ob),), (f32(0),), (f32(0),)
+    d = ld_f16(w, ob)
+    return vset2(d, d), vzero()
 
 
 @_jit
@@ -59,22 +60,16 @@ def quants_iq4_nl(w, ob, k):
 
 # block_iq4_xs { ggml_half d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128]; }  136 bytes
 # unit k: ls = ((scales_l[k // 2] >> 4 * (k % 2)) & 15) | ((scales_h >> 2k) & 3) << 4;
-# w = d * (ls - 32) * kv[nibble of qs[16k + l]]  (low nibbles first, then high)
-@_jit
-def _iq4_xs_scale(w, ob, d, k):
-    lo = (i32(ld_u8(w, ob + 4 + (k >> 1))) >> (4 * (k & 1))) & 15
-    hi = (i32(ld_u16(w, ob + 2)) >> (2 * k)) & 3
-    return d * f32((lo | (hi << 4)) - 32)
+# w = d * (ls - 32) * kv[nibble of qs[16k + l]]  (low nibbles first, then high).
+# Lanes 2k, 2k + 1 of the scale vector, bytes relative to scales_h (ob + 2):
+_K = [L // 2 for L in range(16)]
+_iq4_xs_ls = byte_fields([2 + k // 2 for k in _K], [4 * (k % 2) for k in _K], [15] * 16,
+                         [k // 4 for k in _K], [2 * (k % 4) for k in _K], [3] * 16, [4] * 16)
 
 
 @_jit
 def scales_iq4_xs(w, ob):
-    d = ld_f16(w, ob)
-    z = f32(0)
-    return ((_iq4_xs_scale(w, ob, d, 0), _iq4_xs_scale(w, ob, d, 1), _iq4_xs_scale(w, ob, d, 2),
-             _iq4_xs_scale(w, ob, d, 3), _iq4_xs_scale(w, ob, d, 4), _iq4_xs_scale(w, ob, d, 5),
-             _iq4_xs_scale(w, ob, d, 6), _iq4_xs_scale(w, ob, d, 7)),
-            (z, z, z, z, z, z, z, z), (z, z, z, z, z, z, z, z))
+    return (_iq4_xs_ls(w, ob + 2) - f32(32)) * ld_f16(w, ob), vzero()
 
 
 @_jit
@@ -82,6 +77,6 @@ def quants_iq4_xs(w, ob, k):
     return _lut_nibbles(w, ob + 8 + 16 * k, IQ4_VALUES)
 
 
-register(T.MXFP4, units_per_block=1, scales=scales_mxfp4, quants=quants_mxfp4)
-register(T.IQ4_NL, units_per_block=1, scales=scales_iq4_nl, quants=quants_iq4_nl)
-register(T.IQ4_XS, units_per_block=8, scales=scales_iq4_xs, quants=quants_iq4_xs)
+register(T.MXFP4, units_per_block=1, scales=scales_mxfp4, quants=quants_mxfp4, same_d=True)
+register(T.IQ4_NL, units_per_block=1, scales=scales_iq4_nl, quants=quants_iq4_nl, same_d=True)
+register(T.IQ4_XS, units_per_block=8, scales=scales_iq4_xs, quants=quants_iq4_xs, same_d=True)

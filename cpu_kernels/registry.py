@@ -5,11 +5,12 @@ Every supported type contributes a *unit decoder*: two Numba functions that desc
 
     w[j] = d * v[j] + m0   (j < 16)        w[j] = d * v[j] + m1   (16 <= j < 32)
 
-``scales(w, ob) -> (d, m0, m1)``: three tuples of float32, one entry per unit of the block
-at byte offset ``ob`` of the raw bytes ``w`` (decoded once per block: K-quant scales are
-packed, and unpacking them per unit costs as much as the dot product itself);
+``scales(w, ob) -> (vd, vm)``: two 16-lane vectors for the block at byte offset ``ob`` of
+the raw bytes ``w``, lanes ``2k`` and ``2k + 1`` holding (d, m) of the two halves of unit
+``k`` (decoded once per block and with vector ops: K-quant scales are packed, and
+unpacking them per unit in scalar code costs as much as the dot product itself);
 ``quants(w, ob, k) -> (v0, v1)``: the two 16-lane vectors of unit ``k``.
-(Homogeneous tuples rather than one mixed tuple: LLVM keeps those in registers.)
+``same_d``: both halves of a unit always share d (one multiply per unit instead of two).
 The generic drivers (``rowdot``, ``matmul``, ``moe``) only ever see that contract, so a
 new quant type is one decoder pair and one ``register`` call. Types whose ggml block holds 256
 weights (K-quants, IQ4_XS) have 8 units per block; 32-weight types have one. Float types
@@ -48,9 +49,10 @@ class QuantKernel:
     block_size: int          # weights per block (as ggml)
     type_size: int           # bytes per block (as ggml)
     units_per_block: int     # 32-weight units per block
-    scales: Callable         # njit (w, block_byte_offset) -> (d[upb], m0[upb], m1[upb])
+    scales: Callable         # njit (w, block_byte_offset) -> (vd, vm)
     quants: Callable         # njit (w, block_byte_offset, k) -> (v0, v1)
     elem: Callable | None    # njit (w, byte_offset_of_row, col) -> float32; float types only
+    same_d: bool             # d of both 16-weight halves of a unit is always equal
     tag: "QTag"
 
 
@@ -90,7 +92,7 @@ _BY_NAME: dict[str, QuantKernel] = {}
 
 
 def register(qtype: GGMLQuantizationType, *, units_per_block: int, scales: Callable,
-             quants: Callable, elem: Callable | None = None) -> None:
+             quants: Callable, same_d: bool, elem: Callable | None = None) -> None:
     """Register the decoder pair of ``qtype`` (``elem``: scalar loader, float types only)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if elem is not None:               # float types: a 32-element pseudo-block
@@ -99,7 +101,7 @@ def register(qtype: GGMLQuantizationType, *, units_per_block: int, scales: Calla
     if block_size != 32 * units_per_block:
         raise ValueError(f"{qtype.name}: block of {block_size} is not {units_per_block} units of 32")
     k = QuantKernel(qtype, block_size, type_size, units_per_block, scales, quants, elem,
-                    QTag(qtype.name))
+                    same_d, QTag(qtype.name))
     _KERNELS[qtype] = k
     _BY_NAME[qtype.name] = k
 

@@ -4,6 +4,10 @@
 vectors held in registers, and applies it to every token in ``toks``; so a batch reads
 each weight byte once however many tokens use it. Four rows per pass load each
 activation vector once for four rows (register blocking, DESIGN "Performance notes").
+
+Per block, ``scales`` gives vectors vd, vm with (d, m) of every 16-weight half in lanes
+2k, 2k + 1 (k = unit). The m part of a dot is m * (sum of the 16 activations), so with
+the activations' 16-column sums xs the whole block's m part is one vector product vm . xs.
 """
 from __future__ import annotations
 
@@ -11,84 +15,127 @@ import numpy as np
 from numba import njit
 
 from .dispatch import elem, layout, quants, scales
-from .simd import vfma, vload, vsplat, vstore, vsum, vzero
+from .simd import vfma, vlane, vload, vsplat, vstore, vsum, vzero
 
 f32 = np.float32
 
 
 @njit(fastmath=True)
-def _spill(sc, r, ds, m0, m1):
-    """Block scales of row r into sc[r, 0..2, k]: a plain array indexed by the unit k
-    (indexing the tuples with a run-time k would compile to a switch)."""
-    for k in range(len(ds)):
-        sc[r, 0, k] = ds[k]
-        sc[r, 1, k] = m0[k]
-        sc[r, 2, k] = m1[k]
+def _unit(a, v0, v1, x0, x1, sc, i, same_d):
+    """a + d0 * (v0 . x0) + d1 * (v1 . x1) lane-wise, d0 = sc[i], d1 = sc[i + 1]."""
+    if same_d:
+        return vfma(vfma(v1, x1, v0 * x0), vsplat(sc[i]), a)
+    return vfma(v1 * x1, vsplat(sc[i + 1]), vfma(v0 * x0, vsplat(sc[i]), a))
+
+
+@njit(fastmath=True)
+def _unit1(a, v0, v1, x0, x1, vd, same_d):
+    """As _unit for one-unit blocks, with d0, d1 in lanes 0, 1 of vd."""
+    if same_d:
+        return vfma(vfma(v1, x1, v0 * x0), vsplat(vlane(vd, 0)), a)
+    return vfma(v1 * x1, vsplat(vlane(vd, 1)), vfma(v0 * x0, vsplat(vlane(vd, 0)), a))
 
 
 @njit(fastmath=True)
 def _one(tag, w, ro0, ro1, ro2, ro3, n_units, xf, xo, xs, sc):
     """Four row dots with one token whose activations start at xf[xo] and whose 16-column
-    sums are xs; the accumulators stay in registers."""
-    bb, upb = layout(tag)
+    sums are xs; the accumulators stay in registers. sc: float32 scratch [>= 64]."""
+    bb, upb, same_d = layout(tag)
     a0 = vzero()
     a1 = vzero()
     a2 = vzero()
     a3 = vzero()
-    c0 = f32(0)
-    c1 = f32(0)
-    c2 = f32(0)
-    c3 = f32(0)
+    c0 = vzero()        # m parts: vectors for multi-unit blocks, scalars z for one-unit
+    c1 = vzero()
+    c2 = vzero()
+    c3 = vzero()
+    z0 = f32(0)
+    z1 = f32(0)
+    z2 = f32(0)
+    z3 = f32(0)
     for b in range(n_units // upb):
         ob = b * bb
-        d0, p0, q0 = scales(tag, w, ro0 + ob)
-        _spill(sc, 0, d0, p0, q0)
-        d1, p1, q1 = scales(tag, w, ro1 + ob)
-        _spill(sc, 1, d1, p1, q1)
-        d2, p2, q2 = scales(tag, w, ro2 + ob)
-        _spill(sc, 2, d2, p2, q2)
-        d3, p3, q3 = scales(tag, w, ro3 + ob)
-        _spill(sc, 3, d3, p3, q3)
-        for k in range(upb):
-            u = b * upb + k
-            x0 = vload(xf, xo + 32 * u)
-            x1 = vload(xf, xo + 32 * u + 16)
-            s0 = xs[2 * u]
-            s1 = xs[2 * u + 1]
-            v0, v1 = quants(tag, w, ro0 + ob, k)
-            a0 = vfma(vfma(v1, x1, v0 * x0), vsplat(sc[0, 0, k]), a0)
-            c0 += sc[0, 1, k] * s0 + sc[0, 2, k] * s1
-            v0, v1 = quants(tag, w, ro1 + ob, k)
-            a1 = vfma(vfma(v1, x1, v0 * x0), vsplat(sc[1, 0, k]), a1)
-            c1 += sc[1, 1, k] * s0 + sc[1, 2, k] * s1
-            v0, v1 = quants(tag, w, ro2 + ob, k)
-            a2 = vfma(vfma(v1, x1, v0 * x0), vsplat(sc[2, 0, k]), a2)
-            c2 += sc[2, 1, k] * s0 + sc[2, 2, k] * s1
-            v0, v1 = quants(tag, w, ro3 + ob, k)
-            a3 = vfma(vfma(v1, x1, v0 * x0), vsplat(sc[3, 0, k]), a3)
-            c3 += sc[3, 1, k] * s0 + sc[3, 2, k] * s1
-    return vsum(a0) + c0, vsum(a1) + c1, vsum(a2) + c2, vsum(a3) + c3
+        d0, m0 = scales(tag, w, ro0 + ob)
+        d1, m1 = scales(tag, w, ro1 + ob)
+        d2, m2 = scales(tag, w, ro2 + ob)
+        d3, m3 = scales(tag, w, ro3 + ob)
+        if upb == 1:
+            x0 = vload(xf, xo + 32 * b)
+            x1 = vload(xf, xo + 32 * b + 16)
+            s0 = xs[2 * b]
+            s1 = xs[2 * b + 1]
+            v0, v1 = quants(tag, w, ro0 + ob, 0)
+            a0 = _unit1(a0, v0, v1, x0, x1, d0, same_d)
+            z0 += vlane(m0, 0) * s0 + vlane(m0, 1) * s1
+            v0, v1 = quants(tag, w, ro1 + ob, 0)
+            a1 = _unit1(a1, v0, v1, x0, x1, d1, same_d)
+            z1 += vlane(m1, 0) * s0 + vlane(m1, 1) * s1
+            v0, v1 = quants(tag, w, ro2 + ob, 0)
+            a2 = _unit1(a2, v0, v1, x0, x1, d2, same_d)
+            z2 += vlane(m2, 0) * s0 + vlane(m2, 1) * s1
+            v0, v1 = quants(tag, w, ro3 + ob, 0)
+            a3 = _unit1(a3, v0, v1, x0, x1, d3, same_d)
+            z3 += vlane(m3, 0) * s0 + vlane(m3, 1) * s1
+        else:
+            xsv = vload(xs, 16 * b)
+            c0 = vfma(m0, xsv, c0)
+            c1 = vfma(m1, xsv, c1)
+            c2 = vfma(m2, xsv, c2)
+            c3 = vfma(m3, xsv, c3)
+            vstore(sc, 0, d0)
+            vstore(sc, 16, d1)
+            vstore(sc, 32, d2)
+            vstore(sc, 48, d3)
+            for k in range(upb):
+                u = b * upb + k
+                x0 = vload(xf, xo + 32 * u)
+                x1 = vload(xf, xo + 32 * u + 16)
+                v0, v1 = quants(tag, w, ro0 + ob, k)
+                a0 = _unit(a0, v0, v1, x0, x1, sc, 2 * k, same_d)
+                v0, v1 = quants(tag, w, ro1 + ob, k)
+                a1 = _unit(a1, v0, v1, x0, x1, sc, 16 + 2 * k, same_d)
+                v0, v1 = quants(tag, w, ro2 + ob, k)
+                a2 = _unit(a2, v0, v1, x0, x1, sc, 32 + 2 * k, same_d)
+                v0, v1 = quants(tag, w, ro3 + ob, k)
+                a3 = _unit(a3, v0, v1, x0, x1, sc, 48 + 2 * k, same_d)
+    return (vsum(a0) + vsum(c0) + z0, vsum(a1) + vsum(c1) + z1,
+            vsum(a2) + vsum(c2) + z2, vsum(a3) + vsum(c3) + z3)
 
 
 @njit(fastmath=True)
 def _many(tag, w, ro0, ro1, ro2, ro3, n_units, xf, cols, xs16, toks, n_t, acc, cacc, res, sc):
     """Several tokens: decode a unit of the four rows once, then apply it to each token;
     the per-token accumulators live in small scratch arrays (L1)."""
-    bb, upb = layout(tag)
+    bb, upb, same_d = layout(tag)
     for i in range(n_t * 64):
         acc[i] = 0
     for i in range(n_t * 4):
         cacc[i] = 0
     for b in range(n_units // upb):
         ob = b * bb
-        d0, p0, q0 = scales(tag, w, ro0 + ob)
-        _spill(sc, 0, d0, p0, q0)
-        d1, p1, q1 = scales(tag, w, ro1 + ob)
-        _spill(sc, 1, d1, p1, q1)
-        d2, p2, q2 = scales(tag, w, ro2 + ob)
-        _spill(sc, 2, d2, p2, q2)
-        d3, p3, q3 = scales(tag, w, ro3 + ob)
-        _spill(sc, 3, d3, p3, q3)
+        d0, m0 = scales(tag, w, ro0 + ob)
+        d1, m1 = scales(tag, w, ro1 + ob)
+        d2, m2 = scales(tag, w, ro2 + ob)
+        d3, m3 = scales(tag, w, ro3 + ob)
+        vstore(sc, 0, d0)
+        vstore(sc, 16, d1)
+        vstore(sc, 32, d2)
+        vstore(sc, 48, d3)
+        for i in range(n_t):
+            t = toks[i]
+            if upb == 1:
+                s0 = xs16[t, 2 * b]
+                s1 = xs16[t, 2 * b + 1]
+                cacc[4 * i] += vlane(m0, 0) * s0 + vlane(m0, 1) * s1
+                cacc[4 * i + 1] += vlane(m1, 0) * s0 + vlane(m1, 1) * s1
+                cacc[4 * i + 2] += vlane(m2, 0) * s0 + vlane(m2, 1) * s1
+                cacc[4 * i + 3] += vlane(m3, 0) * s0 + vlane(m3, 1) * s1
+            else:
+                xsv = vload(xs16[t], 16 * b)      # the block's 16 group sums
+                cacc[4 * i] += vsum(m0 * xsv)
+                cacc[4 * i + 1] += vsum(m1 * xsv)
+                cacc[4 * i + 2] += vsum(m2 * xsv)
+                cacc[4 * i + 3] += vsum(m3 * xsv)
         for k in range(upb):
             u = b * upb + k
             e0, f0 = quants(tag, w, ro0 + ob, k)
@@ -96,20 +143,14 @@ def _many(tag, w, ro0, ro1, ro2, ro3, n_units, xf, cols, xs16, toks, n_t, acc, c
             e2, f2 = quants(tag, w, ro2 + ob, k)
             e3, f3 = quants(tag, w, ro3 + ob, k)
             for i in range(n_t):
-                t = toks[i]
-                x0 = vload(xf, t * cols + 32 * u)
-                x1 = vload(xf, t * cols + 32 * u + 16)
-                s0 = xs16[t, 2 * u]
-                s1 = xs16[t, 2 * u + 1]
+                xo = toks[i] * cols + 32 * u
+                x0 = vload(xf, xo)
+                x1 = vload(xf, xo + 16)
                 j = i * 64
-                vstore(acc, j, vfma(vfma(f0, x1, e0 * x0), vsplat(sc[0, 0, k]), vload(acc, j)))
-                vstore(acc, j + 16, vfma(vfma(f1, x1, e1 * x0), vsplat(sc[1, 0, k]), vload(acc, j + 16)))
-                vstore(acc, j + 32, vfma(vfma(f2, x1, e2 * x0), vsplat(sc[2, 0, k]), vload(acc, j + 32)))
-                vstore(acc, j + 48, vfma(vfma(f3, x1, e3 * x0), vsplat(sc[3, 0, k]), vload(acc, j + 48)))
-                cacc[4 * i] += sc[0, 1, k] * s0 + sc[0, 2, k] * s1
-                cacc[4 * i + 1] += sc[1, 1, k] * s0 + sc[1, 2, k] * s1
-                cacc[4 * i + 2] += sc[2, 1, k] * s0 + sc[2, 2, k] * s1
-                cacc[4 * i + 3] += sc[3, 1, k] * s0 + sc[3, 2, k] * s1
+                vstore(acc, j, _unit(vload(acc, j), e0, f0, x0, x1, sc, 2 * k, same_d))
+                vstore(acc, j + 16, _unit(vload(acc, j + 16), e1, f1, x0, x1, sc, 16 + 2 * k, same_d))
+                vstore(acc, j + 32, _unit(vload(acc, j + 32), e2, f2, x0, x1, sc, 32 + 2 * k, same_d))
+                vstore(acc, j + 48, _unit(vload(acc, j + 48), e3, f3, x0, x1, sc, 48 + 2 * k, same_d))
     for i in range(n_t):
         for r in range(4):
             res[i, r] = vsum(vload(acc, i * 64 + r * 16)) + cacc[4 * i + r]
@@ -120,9 +161,9 @@ def dot4(tag, w, ro0, ro1, ro2, ro3, cols, X, xs16, toks, n_t, acc, cacc, res, s
     """res[i, r] = sum_c W[row r, c] * X[toks[i], c] for i < n_t, r < 4.
 
     w: raw weight bytes (any shape); ro0..ro3: byte offsets of the four rows in it.
-    X: float32 [N, cols]; xs16: float32 [N, cols // 16] sums of 16-column groups of X
+    X: float32 [N, cols]; xs16: float32 [N, >= cols // 16] sums of 16-column groups of X
     (the decoders' offsets m multiply them). Scratch: acc float32 >= n_t * 64,
-    cacc float32 >= n_t * 4, sc float32 [4, 3, 8]; output res float32 [>= n_t, 4].
+    cacc float32 >= n_t * 4, sc float32 >= 64; output res float32 [>= n_t, 4].
     """
     n_units = cols // 32
     xf = X.reshape(-1)

@@ -107,6 +107,21 @@ def vsplat(typingctx, x):
     return fvec(x), codegen
 
 
+@intrinsic
+def vset2(typingctx, a, b):
+    """Lanes (a, b, 0, 0, ...)."""
+    if not (isinstance(a, (types.Float, types.Integer)) and isinstance(b, (types.Float, types.Integer))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = ir.Constant(_VF, [0.0] * LANES)
+        for i in range(2):
+            x = context.cast(builder, args[i], sig.args[i], types.float32)
+            v = builder.insert_element(v, x, ir.Constant(_I32, i))
+        return v
+    return fvec(a, b), codegen
+
+
 # ---------------------------------------------------------------- loads
 
 @intrinsic
@@ -178,6 +193,38 @@ def vbits2(typingctx, arr, off_a, shift_a, mask_a, off_b, shift_b, mask_b, up_b)
         q = builder.or_(a, builder.shl(b, _splat(builder, up, ir.VectorType(_I8, LANES))))
         return builder.uitofp(builder.zext(q, _VI32), _VF)
     return fvec(arr, *ints), codegen
+
+
+def byte_fields(a_idx, a_shift, a_mask, b_idx=None, b_shift=None, b_mask=None, b_up=None):
+    """Make ``f(arr, off)``: lane L = ((byte[off + a_idx[L]] >> a_shift[L]) & a_mask[L]) |
+    (((byte[off + b_idx[L]] >> b_shift[L]) & b_mask[L]) << b_up[L]) as float32, from one
+    16-byte load and constant shuffles. Unpacks packed scale arrays (Q4_K's 6-bit scales
+    and mins, Q3_K's, IQ4_XS's) into one vector per block. Reads 16 bytes at ``off``."""
+    def const(vals):
+        return ir.Constant(_VI32, [int(v) for v in vals])
+    lanes = [a_idx, a_shift, a_mask] + ([b_idx, b_shift, b_mask, b_up] if b_idx is not None else [])
+    if any(len(t) != LANES for t in lanes) or max(a_idx) >= 16 or (b_idx is not None and max(b_idx) >= 16):
+        raise ValueError("byte_fields: one entry per lane, byte indices < 16")
+
+    @intrinsic
+    def fields(typingctx, arr, off):
+        if not (_is_array(arr) and _is_int(off)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            raw = _load_vec(builder, p, _I8, 16)
+            undef = ir.Constant(ir.VectorType(_I8, 16), ir.Undefined)
+
+            def field(idx, sh, mk):
+                v = builder.shuffle_vector(raw, undef, const(idx))
+                return builder.and_(builder.lshr(builder.zext(v, _VI32), const(sh)), const(mk))
+            q = field(a_idx, a_shift, a_mask)
+            if b_idx is not None:
+                q = builder.or_(q, builder.shl(field(b_idx, b_shift, b_mask), const(b_up)))
+            return builder.uitofp(q, _VF)
+        return fvec(arr, off), codegen
+    return fields
 
 
 @intrinsic

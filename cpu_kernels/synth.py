@@ -46,19 +46,45 @@ def random_blocks(qtype: T, shape: tuple[int, ...], rng: np.random.Generator,
             return v.astype(np.float16)
         bits = v.view(np.uint32)
         return ((bits + 0x8000) >> 16).astype(np.uint16).view(np.uint8).reshape(reader_shape(qtype, shape))
-    if qtype not in _F16_FIELDS and qtype not in _E8M0_FIELDS:
-        raise ValueError(f"random_blocks: no layout for {qtype.name}")
     rshape = reader_shape(qtype, shape)
     data = rng.integers(0, 256, size=rshape, dtype=np.uint8)
+    set_scales(data, qtype, rng, scale)
+    return data
+
+
+def set_scales(data: np.ndarray, qtype: T, rng: np.random.Generator, scale: float = 0.01) -> None:
+    """Overwrite the scale fields of every block in ``data`` (uint8, raw blocks, in place)
+    with sane random values, leaving the quant bytes as they are."""
+    if qtype not in _F16_FIELDS and qtype not in _E8M0_FIELDS:
+        raise ValueError(f"set_scales: no layout for {qtype.name}")
     size = GGML_QUANT_SIZES[qtype][1]
     blocks = data.reshape(-1, size)
+    n = blocks.shape[0]
     for i, off in enumerate(_F16_FIELDS.get(qtype, ())):
-        mag = rng.uniform(0.5, 1.5, blocks.shape[0]) * scale
+        mag = rng.uniform(0.5, 1.5, n).astype(np.float32) * np.float32(scale)
         if i == 0:
-            mag *= rng.choice([-1.0, 1.0], blocks.shape[0])
+            mag *= rng.choice(np.array([-1.0, 1.0], np.float32), n)
         blocks[:, off:off + 2] = mag.astype(np.float16).view(np.uint8).reshape(-1, 2)
     for off in _E8M0_FIELDS.get(qtype, ()):
         # e8m0 scale 2**(e - 128) (ggml's half scale): around `scale`.
         e0 = int(np.round(np.log2(scale))) + 128
-        blocks[:, off] = rng.integers(e0 - 2, e0 + 3, blocks.shape[0]).astype(np.uint8)
-    return data
+        blocks[:, off] = rng.integers(e0 - 2, e0 + 3, n).astype(np.uint8)
+
+
+def finite_floats(data: np.ndarray, qtype: T) -> None:
+    """Make random bytes (uint8, in place) valid F32/F16/BF16 values of magnitude about
+    1/16 by fixing each value's exponent: a fast fill for benchmarks."""
+    if qtype == T.F32:
+        v = data.view(np.uint32)
+        v &= np.uint32(0x807FFFFF)
+        v |= np.uint32(0x3D800000)
+    elif qtype == T.F16:
+        v = data.view(np.uint16)
+        v &= np.uint16(0x83FF)
+        v |= np.uint16(0x2C00)
+    elif qtype == T.BF16:
+        v = data.view(np.uint16)
+        v &= np.uint16(0x807F)
+        v |= np.uint16(0x3D80)
+    else:
+        raise ValueError(f"finite_floats: {qtype.name} is not a float type")
