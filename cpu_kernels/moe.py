@@ -86,37 +86,37 @@ class ExpertWeights:
         return self._dims[2]
 
 
+TINY = np.float32(np.finfo(np.float32).tiny)
+
+
 @njit
 def _silu_glu(g, u, act):
-    """act 0: SiLU-gated, silu(g) * u. exp() only of non-positive numbers: no overflow
-    (the kernels use fast-math, which assumes no infinities)."""
+    """act 0: SiLU-gated, silu(g) * u. exp() only of non-positive numbers (no overflow
+    under fast-math, which assumes no infinities), and results below float32's smallest
+    normal flushed to 0: subnormal activations make every FMA of the down projection take
+    a slow microcode path on x86 (seen: 8x slower with silu of large negative gates)."""
     if g >= 0:
         sg = g / (f32(1) + np.exp(-g))
-    else:
+    elif g > f32(-80):
         e = np.exp(g)
         sg = g * e / (f32(1) + e)
-    return sg * u
+    else:
+        sg = f32(0)
+    h = sg * u
+    return h if abs(h) >= TINY else f32(0)
 
 
 def _build(salt):
     @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-    def moe_kernel(gtag, gw, g0, utag, uw, u0, dtag, dw, X, xs16, slot_expert, slot_start,
-                   assign_tok, assign_w, H, Y, chunks, act):
-        """gw/uw/dw: uint8 [E, rows, row_bytes]; gate rows start at g0, up rows at u0.
-        Slots (touched, owned experts) s own assignments slot_start[s]:slot_start[s+1];
-        assignment a is token assign_tok[a] with routing weight assign_w[a].
-        H: float32 scratch [A, n_ff]. Y: float32 [B, n_embd], accumulated into."""
+    def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, slot_expert, slot_start, assign_tok,
+                      H, chunks, act):
+        """H[a] = act(gate_e . x) * (up_e . x); work items = (slot, 4 rows of n_ff)."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
-        n_slots = slot_expert.shape[0]
-        n_assign, n_ff = H.shape
-        n_embd = Y.shape[1]
+        n_ff = H.shape[1]
         ges, grs = gw.strides[0], gw.strides[1]
         ues, urs = uw.strides[0], uw.strides[1]
-        des, drs = dw.strides[0], dw.strides[1]
-
-        # Phase 1: H[a] = act(gate_e . x) * (up_e . x), work items = (slot, 4 rows of n_ff).
-        ff_groups = (n_ff + 3) // 4
-        items = n_slots * ff_groups
+        groups = (n_ff + 3) // 4
+        items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
         for ch in prange(pieces):
             acc = np.empty(TOKEN_TILE * 64, f32)
@@ -125,38 +125,34 @@ def _build(salt):
             ru = np.empty((TOKEN_TILE, 4), f32)
             sc = np.empty(64, f32)
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
-                s = it // ff_groups
-                r0 = 4 * (it % ff_groups)
+                s = it // groups
+                r0 = 4 * (it % groups)
                 e = slot_expert[s]
                 nr = min(4, n_ff - r0)
                 last = n_ff - 1
                 rr1, rr2, rr3 = min(r0 + 1, last), min(r0 + 2, last), min(r0 + 3, last)
+                gb = e * ges + g0 * grs
+                ub = e * ues + u0 * urs
                 for a0 in range(slot_start[s], slot_start[s + 1], TOKEN_TILE):
                     nt = min(TOKEN_TILE, slot_start[s + 1] - a0)
                     toks = assign_tok[a0:a0 + nt]
-                    gb = e * ges + g0 * grs
                     dot4(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
                          X.shape[1], X, xs16, toks, nt, acc, cacc, rg, sc)
-                    ub = e * ues + u0 * urs
                     dot4(utag, uw, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
                          X.shape[1], X, xs16, toks, nt, acc, cacc, ru, sc)
                     for i in range(nt):
                         for r in range(nr):
                             H[a0 + i, r0 + r] = _silu_glu(rg[i, r], ru[i, r], act)
 
-        # Sums of 16-column groups of H (the down decoders' offsets use them).
-        hs16 = np.empty((n_assign, n_ff // 16), f32)
-        for a in prange(n_assign):
-            for j in range(n_ff // 16):
-                t = f32(0)
-                for c in range(16):
-                    t += H[a, 16 * j + c]
-                hs16[a, j] = t
-
-        # Phase 2: O[a] = down_e . H[a], work items = (slot, 4 rows of n_embd).
-        out = np.empty((n_assign, n_embd), f32)
-        d_groups = (n_embd + 3) // 4
-        items = n_slots * d_groups
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+    def down_phase(dtag, dw, H, hs16, slot_expert, slot_start, out, chunks):
+        """out[a] = down_e . H[a]; work items = (slot, 4 rows of n_embd)."""
+        _salt = salt  # noqa: F841
+        n_ff = H.shape[1]
+        n_embd = out.shape[1]
+        des, drs = dw.strides[0], dw.strides[1]
+        groups = (n_embd + 3) // 4
+        items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
         for ch in prange(pieces):
             acc = np.empty(TOKEN_TILE * 64, f32)
@@ -165,12 +161,11 @@ def _build(salt):
             sc = np.empty(64, f32)
             toks = np.empty(TOKEN_TILE, np.int64)
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
-                s = it // d_groups
-                r0 = 4 * (it % d_groups)
-                e = slot_expert[s]
+                s = it // groups
+                r0 = 4 * (it % groups)
+                db = slot_expert[s] * des
                 nr = min(4, n_embd - r0)
                 last = n_embd - 1
-                db = e * des
                 for a0 in range(slot_start[s], slot_start[s + 1], TOKEN_TILE):
                     nt = min(TOKEN_TILE, slot_start[s + 1] - a0)
                     for i in range(nt):
@@ -182,16 +177,31 @@ def _build(salt):
                         for r in range(nr):
                             out[a0 + i, r0 + r] = res[i, r]
 
+    @njit(nogil=True, cache=True, fastmath=True)
+    def moe_kernel(gtag, gw, g0, utag, uw, u0, dtag, dw, X, xs16, slot_expert, slot_start,
+                   assign_tok, assign_w, H, Y, chunks, act):
+        """gw/uw/dw: uint8 [E, rows, row_bytes]; gate rows start at g0, up rows at u0.
+        Slots (touched, owned experts) s own assignments slot_start[s]:slot_start[s+1];
+        assignment a is token assign_tok[a] with routing weight assign_w[a].
+        H: float32 scratch [A, n_ff]. Y: float32 [B, n_embd], accumulated into."""
+        _salt = salt  # noqa: F841
+        n_assign, n_ff = H.shape
+        gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, slot_expert, slot_start, assign_tok,
+                      H, chunks, act)
+        # Sums of 16-column groups of H (the down decoders' offsets use them).
+        hs16 = np.zeros((n_assign, n_ff // 16), f32)
+        for a in range(n_assign):
+            for c in range(n_ff // 16 * 16):
+                hs16[a, c // 16] += H[a, c]
+        out = np.empty((n_assign, Y.shape[1]), f32)
+        down_phase(dtag, dw, H, hs16, slot_expert, slot_start, out, chunks)
         # Weighted sum per token (assignments of one token may sit in different slots).
         for a in range(n_assign):
-            t = assign_tok[a]
-            wa = assign_w[a]
-            for c in range(n_embd):
-                Y[t, c] += wa * out[a, c]
-    return moe_kernel
+            Y[assign_tok[a]] += assign_w[a] * out[a]
+    return moe_kernel, gate_up_phase, down_phase
 
 
-_moe_kernel = _build(source_digest())
+_moe_kernel, _gate_up_phase, _down_phase = _build(source_digest())
 
 
 def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act: str = "silu"):
