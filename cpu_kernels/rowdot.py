@@ -15,9 +15,19 @@ import numpy as np
 from numba import njit
 
 from .dispatch import elem, layout, quants, scales
-from .simd import vfma, vlane, vload, vsplat, vstore, vsum, vzero
+from .simd import prefetch, vfma, vlane, vload, vsplat, vstore, vsum, vzero
 
 f32 = np.float32
+
+
+@njit(fastmath=True)
+def _prefetch_next_group(w, ro0, ro1, ob, bb):
+    """Prefetch the bytes the next row group (the four rows after these: contiguous in
+    GGUF data) reads at this block: hardware prefetchers lose track of four interleaved
+    row streams that are consumed slowly, and from DRAM the kernels ran ~40% slower."""
+    nxt = ro0 + 4 * (ro1 - ro0) + 4 * ob
+    for j in range(0, 4 * bb, 64):
+        prefetch(w, nxt + j)
 
 
 @njit(fastmath=True)
@@ -55,6 +65,7 @@ def _one(tag, w, ro0, ro1, ro2, ro3, n_units, xf, xo, xs, sc):
     z3 = f32(0)
     for b in range(n_units // upb):
         ob = b * bb
+        _prefetch_next_group(w, ro0, ro1, ob, bb)
         d0, m0 = scales(tag, w, ro0 + ob)
         d1, m1 = scales(tag, w, ro1 + ob)
         d2, m2 = scales(tag, w, ro2 + ob)
@@ -113,6 +124,7 @@ def _many(tag, w, ro0, ro1, ro2, ro3, n_units, xf, cols, xs16, toks, n_t, acc, c
         cacc[i] = 0
     for b in range(n_units // upb):
         ob = b * bb
+        _prefetch_next_group(w, ro0, ro1, ob, bb)
         d0, m0 = scales(tag, w, ro0 + ob)
         d1, m1 = scales(tag, w, ro1 + ob)
         d2, m2 = scales(tag, w, ro2 + ob)

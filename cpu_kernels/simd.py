@@ -343,6 +343,25 @@ def vlut16(typingctx, arr, off, shift, table):
     return fvec(arr, off, shift, table), codegen
 
 
+@intrinsic
+def prefetch(typingctx, arr, off):
+    """Hint that byte ``off`` of ``arr`` will be read soon (llvm.prefetch: a no-op where
+    the target has none). Prefetches never fault, so ``off`` may point past the end."""
+    if not (_is_array(arr) and _is_int(off)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        arr_ = context.make_array(sig.args[0])(context, builder, args[0])
+        addr = builder.add(builder.ptrtoint(arr_.data, _I64),
+                           context.cast(builder, args[1], sig.args[1], types.intp))
+        fnty = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [builder.inttoptr(addr, _I8.as_pointer()), ir.Constant(_I32, 0),
+                          ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(arr, off), codegen
+
+
 # ---------------------------------------------------------------- scalar loads
 
 def _scalar_load(elty, nbty):
