@@ -47,6 +47,23 @@ def _unit1(a, v0, v1, x0, x1, vd, same_d):
 
 
 @njit(fastmath=True)
+def _unit4(tag, w, ro0, ro1, ro2, ro3, ob, k, xf, xo, sc, a0, a1, a2, a3, same_d):
+    """Unit k of block ob for the four rows, one token (activations at xf[xo:xo + 32],
+    d of row r's halves at sc[16 r + 2k], sc[16 r + 2k + 1])."""
+    x0 = vload(xf, xo)
+    x1 = vload(xf, xo + 16)
+    v0, v1 = quants(tag, w, ro0 + ob, k)
+    a0 = _unit(a0, v0, v1, x0, x1, sc, 2 * k, same_d)
+    v0, v1 = quants(tag, w, ro1 + ob, k)
+    a1 = _unit(a1, v0, v1, x0, x1, sc, 16 + 2 * k, same_d)
+    v0, v1 = quants(tag, w, ro2 + ob, k)
+    a2 = _unit(a2, v0, v1, x0, x1, sc, 32 + 2 * k, same_d)
+    v0, v1 = quants(tag, w, ro3 + ob, k)
+    a3 = _unit(a3, v0, v1, x0, x1, sc, 48 + 2 * k, same_d)
+    return a0, a1, a2, a3
+
+
+@njit(fastmath=True)
 def _one(tag, w, ro0, ro1, ro2, ro3, n_units, xf, xo, xs, sc):
     """Four row dots with one token whose activations start at xf[xo] and whose 16-column
     sums are xs; the accumulators stay in registers. sc: float32 scratch [>= 64]."""
@@ -97,18 +114,17 @@ def _one(tag, w, ro0, ro1, ro2, ro3, n_units, xf, xo, xs, sc):
             vstore(sc, 16, d1)
             vstore(sc, 32, d2)
             vstore(sc, 48, d3)
-            for k in range(upb):
-                u = b * upb + k
-                x0 = vload(xf, xo + 32 * u)
-                x1 = vload(xf, xo + 32 * u + 16)
-                v0, v1 = quants(tag, w, ro0 + ob, k)
-                a0 = _unit(a0, v0, v1, x0, x1, sc, 2 * k, same_d)
-                v0, v1 = quants(tag, w, ro1 + ob, k)
-                a1 = _unit(a1, v0, v1, x0, x1, sc, 16 + 2 * k, same_d)
-                v0, v1 = quants(tag, w, ro2 + ob, k)
-                a2 = _unit(a2, v0, v1, x0, x1, sc, 32 + 2 * k, same_d)
-                v0, v1 = quants(tag, w, ro3 + ob, k)
-                a3 = _unit(a3, v0, v1, x0, x1, sc, 48 + 2 * k, same_d)
+            # All units of the block unrolled: K-quant bit positions depend on k, so the
+            # shifts become constants and bytes shared by neighbouring units load once.
+            xu = xo + 32 * b * upb
+            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 0, xf, xu, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 1, xf, xu + 32, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 2, xf, xu + 64, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 3, xf, xu + 96, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 4, xf, xu + 128, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 5, xf, xu + 160, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 6, xf, xu + 192, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 7, xf, xu + 224, sc, a0, a1, a2, a3, same_d)
     return (vsum(a0) + vsum(c0) + z0, vsum(a1) + vsum(c1) + z1,
             vsum(a2) + vsum(c2) + z2, vsum(a3) + vsum(c3) + z3)
 
