@@ -7,7 +7,7 @@ from . import floats, kquants, legacy, nonlinear  # noqa: F401
 from .matmul import matmul
 from .moe import ExpertWeights, moe_ffn
 from .registry import UnsupportedQuantType, supported_types
-from .threads import set_num_threads
+from .settings import set_int8_activations, set_num_threads
 
-__all__ = ["matmul", "moe_ffn", "ExpertWeights", "set_num_threads", "supported_types",
-           "UnsupportedQuantType"]
+__all__ = ["matmul", "moe_ffn", "ExpertWeights", "set_num_threads", "set_int8_activations",
+           "supported_types", "UnsupportedQuantType"]

@@ -24,6 +24,16 @@ def quants(tag, w, ob, k):
     raise NotImplementedError("only callable from jitted code")
 
 
+def codes(tag, w, ob, k):
+    """(c0, c1) unsigned 8-bit codes of unit k (int8 path; jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def code_offset(tag):
+    """float32 offset between codes and values (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
 def layout(tag):
     """(bytes per block, units per block, same_d) (jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
@@ -66,4 +76,21 @@ def _elem(tag, w, ro, c):
         if fn is None:       # quantized rows are whole blocks: no tail ever
             return lambda tag, w, ro, c: f32(0)
         return lambda tag, w, ro, c: fn(w, ro, c)
+    return None
+
+
+@overload(codes)
+def _codes(tag, w, ob, k):
+    if isinstance(tag, QTagType):
+        fn = kernel_by_name(tag.qname).codes
+        if fn is not None:
+            return lambda tag, w, ob, k: fn(w, ob, k)
+    return None
+
+
+@overload(code_offset)
+def _code_offset(tag):
+    if isinstance(tag, QTagType):
+        off = f32(kernel_by_name(tag.qname).code_offset)
+        return lambda tag: off
     return None

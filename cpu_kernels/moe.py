@@ -14,10 +14,12 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from numba import njit, prange
 
-from . import threads
+from . import settings
 from .layout import activations, row_cols, sums16, weight_bytes
 from .registry import get_kernel, source_digest
+from .matmul import quantized_activations, use_int8
 from .rowdot import dot4
+from .rowdot8 import dot4_i8
 
 f32 = np.float32
 TOKEN_TILE = 16
@@ -107,12 +109,18 @@ def _silu_glu(g, u, act):
 
 
 def _build(salt):
+    # Each phase is written once for both activation modes: passing None for the int8
+    # arrays makes Numba prune the int8 branch at compile time (and vice versa), so each
+    # mode compiles only its own inner routine.
+
     @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-    def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, slot_expert, slot_start, assign_tok,
-                      H, chunks, act):
-        """H[a] = act(gate_e . x) * (up_e . x); work items = (slot, 4 rows of n_ff)."""
+    def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, slot_expert, slot_start,
+                      assign_tok, H, chunks, act):
+        """H[a] = act(gate_e . x) * (up_e . x); work items = (slot, 4 rows of n_ff).
+        X/xs16 (float path: xq, dx None) or xq/dx/xs16 (int8 path)."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         n_ff = H.shape[1]
+        cols = X.shape[1]
         ges, grs = gw.strides[0], gw.strides[1]
         ues, urs = uw.strides[0], uw.strides[1]
         groups = (n_ff + 3) // 4
@@ -136,17 +144,24 @@ def _build(salt):
                 for a0 in range(slot_start[s], slot_start[s + 1], TOKEN_TILE):
                     nt = min(TOKEN_TILE, slot_start[s + 1] - a0)
                     toks = assign_tok[a0:a0 + nt]
-                    dot4(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
-                         X.shape[1], X, xs16, toks, nt, acc, cacc, rg, sc)
-                    dot4(utag, uw, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
-                         X.shape[1], X, xs16, toks, nt, acc, cacc, ru, sc)
+                    if xq is not None:
+                        dot4_i8(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
+                                cols, xq, dx, xs16, toks, nt, rg)
+                        dot4_i8(utag, uw, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
+                                cols, xq, dx, xs16, toks, nt, ru)
+                    else:
+                        dot4(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
+                             cols, X, xs16, toks, nt, acc, cacc, rg, sc)
+                        dot4(utag, uw, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
+                             cols, X, xs16, toks, nt, acc, cacc, ru, sc)
                     for i in range(nt):
                         for r in range(nr):
                             H[a0 + i, r0 + r] = _silu_glu(rg[i, r], ru[i, r], act)
 
     @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-    def down_phase(dtag, dw, H, hs16, slot_expert, slot_start, out, chunks):
-        """out[a] = down_e . H[a]; work items = (slot, 4 rows of n_embd)."""
+    def down_phase(dtag, dw, H, hs16, hq, hdx, slot_expert, slot_start, out, chunks):
+        """out[a] = down_e . H[a]; work items = (slot, 4 rows of n_embd).
+        H/hs16 (float path: hq, hdx None) or hq/hdx/hs16 (int8 path)."""
         _salt = salt  # noqa: F841
         n_ff = H.shape[1]
         n_embd = out.shape[1]
@@ -166,42 +181,32 @@ def _build(salt):
                 db = slot_expert[s] * des
                 nr = min(4, n_embd - r0)
                 last = n_embd - 1
+                ro1, ro2, ro3 = min(r0 + 1, last), min(r0 + 2, last), min(r0 + 3, last)
                 for a0 in range(slot_start[s], slot_start[s + 1], TOKEN_TILE):
                     nt = min(TOKEN_TILE, slot_start[s + 1] - a0)
                     for i in range(nt):
                         toks[i] = a0 + i
-                    dot4(dtag, dw, db + r0 * drs, db + min(r0 + 1, last) * drs,
-                         db + min(r0 + 2, last) * drs, db + min(r0 + 3, last) * drs,
-                         n_ff, H, hs16, toks, nt, acc, cacc, res, sc)
+                    if hq is not None:
+                        dot4_i8(dtag, dw, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
+                                n_ff, hq, hdx, hs16, toks, nt, res)
+                    else:
+                        dot4(dtag, dw, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
+                             n_ff, H, hs16, toks, nt, acc, cacc, res, sc)
                     for i in range(nt):
                         for r in range(nr):
                             out[a0 + i, r0 + r] = res[i, r]
-
-    @njit(nogil=True, cache=True, fastmath=True)
-    def moe_kernel(gtag, gw, g0, utag, uw, u0, dtag, dw, X, xs16, slot_expert, slot_start,
-                   assign_tok, assign_w, H, Y, chunks, act):
-        """gw/uw/dw: uint8 [E, rows, row_bytes]; gate rows start at g0, up rows at u0.
-        Slots (touched, owned experts) s own assignments slot_start[s]:slot_start[s+1];
-        assignment a is token assign_tok[a] with routing weight assign_w[a].
-        H: float32 scratch [A, n_ff]. Y: float32 [B, n_embd], accumulated into."""
-        _salt = salt  # noqa: F841
-        n_assign, n_ff = H.shape
-        gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, slot_expert, slot_start, assign_tok,
-                      H, chunks, act)
-        # Sums of 16-column groups of H (the down decoders' offsets use them).
-        hs16 = np.zeros((n_assign, n_ff // 16), f32)
-        for a in range(n_assign):
-            for c in range(n_ff // 16 * 16):
-                hs16[a, c // 16] += H[a, c]
-        out = np.empty((n_assign, Y.shape[1]), f32)
-        down_phase(dtag, dw, H, hs16, slot_expert, slot_start, out, chunks)
-        # Weighted sum per token (assignments of one token may sit in different slots).
-        for a in range(n_assign):
-            Y[assign_tok[a]] += assign_w[a] * out[a]
-    return moe_kernel, gate_up_phase, down_phase
+    return gate_up_phase, down_phase
 
 
-_moe_kernel, _gate_up_phase, _down_phase = _build(source_digest())
+_gate_up_phase, _down_phase = _build(source_digest())
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _weighted_sum(out, assign_tok, assign_w, Y):
+    """Y[t] += w_a * out[a] for every assignment a of token t (one token's assignments
+    sit in different slots, so this runs after the expert phases)."""
+    for a in range(out.shape[0]):
+        Y[assign_tok[a]] += assign_w[a] * out[a]
 
 
 def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act: str = "silu"):
@@ -210,7 +215,7 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     x: float32 [B, n_embd]; expert_ids: int [B, k]; expert_weights: float32 [B, k]
     (already normalised/scaled by the router). owned: bool [E] or None (= all experts):
     experts not owned contribute nothing here (the caller adds them, e.g. GPU experts).
-    Returns float32 [B, n_embd]. The compiled part runs with the GIL released.
+    Returns float32 [B, n_embd]. The compiled phases run with the GIL released.
     """
     if act not in ACTIVATIONS:
         raise ValueError(f"{w.name}: unknown expert activation {act!r}; supported: {sorted(ACTIVATIONS)}")
@@ -247,8 +252,19 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
 
     (gk, gb, g0, _), (uk, ub, u0, _) = w._parts
     dk, db = w._down
+    n_threads = settings.apply_threads()
     H = np.empty((flat.size, w.n_ff), f32)
-    n_threads = threads.apply()
-    _moe_kernel(gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, X, sums16(X), slot_expert,
-                slot_start, tok, wsel, H, Y, n_threads, ACTIVATIONS[act])
+    if use_int8(gk) and use_int8(uk):
+        xq, dx, xs16 = quantized_activations(X)
+    else:
+        xq, dx, xs16 = None, None, sums16(X)
+    _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, xs16, xq, dx, slot_expert, slot_start,
+                   tok, H, n_threads, ACTIVATIONS[act])
+    if use_int8(dk):
+        hq, hdx, hs16 = quantized_activations(H)
+    else:
+        hq, hdx, hs16 = None, None, sums16(H)
+    out = np.empty((flat.size, w.n_embd), f32)
+    _down_phase(dk.tag, db, H, hs16, hq, hdx, slot_expert, slot_start, out, n_threads)
+    _weighted_sum(out, tok, wsel, Y)
     return Y

@@ -11,6 +11,8 @@ the raw bytes ``w``, lanes ``2k`` and ``2k + 1`` holding (d, m) of the two halve
 unpacking them per unit in scalar code costs as much as the dot product itself);
 ``quants(w, ob, k) -> (v0, v1)``: the two 16-lane vectors of unit ``k``.
 ``same_d``: both halves of a unit always share d (one multiply per unit instead of two).
+Optional, for the int8-activation path: ``codes(w, ob, k) -> (c0, c1)``, the unit's weights
+as unsigned 8-bit codes ``u`` (two ``simd8.U8x16``) with ``w = d * (u - code_offset) + m``.
 The generic drivers (``rowdot``, ``matmul``, ``moe``) only ever see that contract, so a
 new quant type is one decoder pair and one ``register`` call. Types whose ggml block holds 256
 weights (K-quants, IQ4_XS) have 8 units per block; 32-weight types have one. Float types
@@ -53,6 +55,8 @@ class QuantKernel:
     quants: Callable         # njit (w, block_byte_offset, k) -> (v0, v1)
     elem: Callable | None    # njit (w, byte_offset_of_row, col) -> float32; float types only
     same_d: bool             # d of both 16-weight halves of a unit is always equal
+    codes: Callable | None   # njit (w, block_byte_offset, k) -> (c0, c1) u8 codes; int8 path
+    code_offset: int         # codes = value + code_offset
     tag: "QTag"
 
 
@@ -92,8 +96,10 @@ _BY_NAME: dict[str, QuantKernel] = {}
 
 
 def register(qtype: GGMLQuantizationType, *, units_per_block: int, scales: Callable,
-             quants: Callable, same_d: bool, elem: Callable | None = None) -> None:
-    """Register the decoder pair of ``qtype`` (``elem``: scalar loader, float types only)."""
+             quants: Callable, same_d: bool, elem: Callable | None = None,
+             codes: Callable | None = None, code_offset: int = 0) -> None:
+    """Register the decoders of ``qtype`` (``elem``: scalar loader, float types only;
+    ``codes``: int8-path decoder, quantized types)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if elem is not None:               # float types: a 32-element pseudo-block
         type_size = type_size * 32 // block_size
@@ -101,7 +107,7 @@ def register(qtype: GGMLQuantizationType, *, units_per_block: int, scales: Calla
     if block_size != 32 * units_per_block:
         raise ValueError(f"{qtype.name}: block of {block_size} is not {units_per_block} units of 32")
     k = QuantKernel(qtype, block_size, type_size, units_per_block, scales, quants, elem,
-                    same_d, QTag(qtype.name))
+                    same_d, codes, code_offset, QTag(qtype.name))
     _KERNELS[qtype] = k
     _BY_NAME[qtype.name] = k
 
