@@ -1,7 +1,8 @@
 """Speed of the Numba CPU expert kernels against this machine's memory-read ceiling.
 
     python -m bench.cpu_kernels [--mb 1024] [--types Q4_0,Q4_K] [--moe-types Q4_K]
-                                [--threads N] [--repeat 7] [--no-compile] [--json PATH]
+                                [--activations f32,int8] [--threads N] [--repeat 7]
+                                [--no-compile] [--json PATH]
 
 Everything is measured in this run, compile time excluded (every kernel is called once
 before it is timed):
@@ -9,7 +10,8 @@ before it is timed):
 * ceiling: a Numba streaming sum over the same buffer the kernels read (GB/s), measured
   next to every type; the run's median is the reference;
 * matvec: batch-1 ``matmul`` over a weight set of ``--mb`` MB (several times the last-level
-  cache) per quant type: effective GB/s of quantized bytes read and ratio to the ceiling;
+  cache) per quant type: effective GB/s of quantized bytes read and ratio to the ceiling,
+  with float32 activations and (types with an int8 path, on a VNNI CPU) int8 activations;
 * moe: the fused expert FFN of one MoE layer (128 experts, top-8, n_embd 2048, n_ff 768,
   as Qwen3-30B-A3B) at B = 1..8 with uniform top-k routing: ms per call against the
   number of distinct experts the batch touches, plus the same batches routed to one set
@@ -17,8 +19,9 @@ before it is timed):
 * compile: first call in a fresh process with an empty Numba cache, then a second fresh
   process on the now-filled cache (``cache=True``).
 
-``--json PATH`` writes {"ceiling_gbps", "matvec": [{type, batch, gbps, ratio}],
-"moe": [{type, batch, distinct_experts, ms}], ...} (temp file + rename).
+``--json PATH`` writes {"ceiling_gbps", "matvec": [{type, batch, gbps, ratio, activations}],
+"moe": [{type, batch, distinct_experts, ms, routing, activations}], ...} (temp file +
+rename; ``activations`` is "f32" or "int8").
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from numba import njit, prange
 
 import cpu_kernels as ck
+from cpu_kernels.registry import get_kernel
+from cpu_kernels.simd8 import has_vnni
 from cpu_kernels.synth import finite_floats, set_scales
 
 FLOATS = (T.F32, T.F16, T.BF16)
@@ -84,18 +89,27 @@ def weight_view(buf: np.ndarray, qtype: T, rng) -> np.ndarray:
     return w
 
 
-def bench_matvec(buf, types, repeat, rng):
+def modes_for(qt, modes):
+    """Activation modes that apply to qt: int8 only where the type has codes and the CPU VNNI."""
+    return [m for m in modes if m == "f32" or (get_kernel(qt).codes is not None and has_vnni())]
+
+
+def bench_matvec(buf, types, modes, repeat, rng):
     rows = []
     x = rng.standard_normal((1, COLS)).astype(np.float32)
     for qt in types:
         w = weight_view(buf, qt, rng)
         nbytes = w.nbytes
         ceil = ceiling_gbps(buf, 3)
-        ck.matmul(x, w, qt)                                     # compile / warm up
-        t = _median_time(lambda: ck.matmul(x, w, qt), repeat)
-        rows.append(dict(type=qt.name, batch=1, gbps=nbytes / t / 1e9, ceiling_next=ceil))
-        r = rows[-1]
-        print(f"  {qt.name:7s} {r['gbps']:6.2f} GB/s   (ceiling measured next to it {ceil:5.1f})", flush=True)
+        for mode in modes_for(qt, modes):
+            ck.set_int8_activations(mode == "int8")
+            ck.matmul(x, w, qt)                                 # compile / warm up
+            t = _median_time(lambda: ck.matmul(x, w, qt), repeat)
+            rows.append(dict(type=qt.name, batch=1, gbps=nbytes / t / 1e9, activations=mode,
+                             ceiling_next=ceil))
+            print(f"  {qt.name:7s} {mode:4s} {rows[-1]['gbps']:6.2f} GB/s   "
+                  f"(ceiling measured next to it {ceil:5.1f})", flush=True)
+    ck.set_int8_activations(False)
     return rows
 
 
@@ -114,7 +128,7 @@ def _expert_layer(qt, rng):
     return ck.ExpertWeights(g, u, d, qt, qt, qt, name="bench")
 
 
-def bench_moe(types, repeat, rng, total_mb):
+def bench_moe(types, modes, repeat, rng, total_mb):
     E, k, D = MOE["n_expert"], MOE["k"], MOE["n_embd"]
     rows = []
     for qt in types:
@@ -123,34 +137,44 @@ def bench_moe(types, repeat, rng, total_mb):
         # Several layers, cycled, so repeated calls do not find the experts in cache.
         layers = [first] + [_expert_layer(qt, rng) for _ in range(max(0, int(total_mb // layer_mb)))]
         per_expert_mb = layer_mb / E
-        print(f"  {qt.name}: {len(layers)} layers of {layer_mb:.0f} MB, {per_expert_mb:.2f} MB per expert")
-        print(f"    {'B':>2} {'routing':>8} {'distinct':>8} {'U(B)':>6} {'ms':>8} {'ms/expert':>9} {'GB/s':>6}")
-        for B in range(1, 9):
-            for routing in ("top-k", "same-8"):
-                x = rng.standard_normal((B, D)).astype(np.float32)
-                wts = rng.random((B, k)).astype(np.float32)
-
-                def ids():
-                    if routing == "same-8":
-                        return np.tile(rng.choice(E, k, replace=False), (B, 1))
-                    return np.stack([rng.choice(E, k, replace=False) for _ in range(B)])
-                ck.moe_ffn(x, ids(), wts, layers[0])                  # compile / warm up
-                times, distinct = [], []
-                for i in range(repeat * 3):
-                    sel = ids()
-                    distinct.append(len(np.unique(sel)))
-                    layer = layers[i % len(layers)]
-                    t = time.perf_counter()
-                    ck.moe_ffn(x, sel, wts, layer)
-                    times.append(time.perf_counter() - t)
-                ms = statistics.median(times) * 1e3
-                dist = float(np.mean(distinct))
-                u = E * (1 - (1 - k / E) ** B)
-                gbps = dist * per_expert_mb / ms
-                print(f"    {B:2d} {routing:>8} {dist:8.1f} {u:6.1f} {ms:8.2f} {ms / dist:9.3f} {gbps:6.2f}", flush=True)
-                rows.append(dict(type=qt.name, batch=B, routing=routing, distinct_experts=int(round(dist)),
-                                 distinct_mean=dist, ms=ms))
+        for mode in modes_for(qt, modes):
+            ck.set_int8_activations(mode == "int8")
+            print(f"  {qt.name} ({mode} activations): {len(layers)} layers of {layer_mb:.0f} MB, "
+                  f"{per_expert_mb:.2f} MB per expert")
+            print(f"    {'B':>2} {'routing':>8} {'distinct':>8} {'U(B)':>6} {'ms':>8} {'ms/expert':>9} {'GB/s':>6}")
+            for B in range(1, 9):
+                for routing in ("top-k", "same-8"):
+                    rows.append(_moe_point(qt, mode, B, routing, layers, per_expert_mb, repeat, rng))
+    ck.set_int8_activations(False)
     return rows
+
+
+def _moe_point(qt, mode, B, routing, layers, per_expert_mb, repeat, rng):
+    """Median ms of moe_ffn for B tokens: top-k = uniform random top-8 of 128 per token;
+    same-8 = every token routed to one random set of 8 experts."""
+    E, k, D = MOE["n_expert"], MOE["k"], MOE["n_embd"]
+    x = rng.standard_normal((B, D)).astype(np.float32)
+    wts = rng.random((B, k)).astype(np.float32)
+
+    def ids():
+        if routing == "same-8":
+            return np.tile(rng.choice(E, k, replace=False), (B, 1))
+        return np.stack([rng.choice(E, k, replace=False) for _ in range(B)])
+    ck.moe_ffn(x, ids(), wts, layers[0])                          # compile / warm up
+    times, distinct = [], []
+    for i in range(repeat * 3):
+        sel = ids()
+        distinct.append(len(np.unique(sel)))
+        t = time.perf_counter()
+        ck.moe_ffn(x, sel, wts, layers[i % len(layers)])
+        times.append(time.perf_counter() - t)
+    ms = statistics.median(times) * 1e3
+    dist = float(np.mean(distinct))
+    u = E * (1 - (1 - k / E) ** B)
+    print(f"    {B:2d} {routing:>8} {dist:8.1f} {u:6.1f} {ms:8.2f} {ms / dist:9.3f} "
+          f"{dist * per_expert_mb / ms:6.2f}", flush=True)
+    return dict(type=qt.name, batch=B, routing=routing, distinct_experts=int(round(dist)),
+                distinct_mean=dist, ms=ms, activations=mode)
 
 
 _COMPILE_PROBE = """
@@ -196,6 +220,7 @@ def main(argv=None):
     ap.add_argument("--types", default=",".join(t.name for t in ck.supported_types()))
     ap.add_argument("--moe-types", default="Q4_K,Q8_0")
     ap.add_argument("--moe-mb", type=int, default=1024, help="bytes of expert layers cycled through")
+    ap.add_argument("--activations", default="f32,int8", help="f32 and/or int8 (comma list)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--no-compile", action="store_true", help="skip the fresh-process compile timing")
@@ -207,6 +232,11 @@ def main(argv=None):
     except KeyError as e:
         print(f"bench.cpu_kernels: unknown quant type {e.args[0]}", file=sys.stderr)
         return 2
+    modes = [m.strip() for m in args.activations.split(",") if m.strip()]
+    if not modes or any(m not in ("f32", "int8") for m in modes):
+        print(f"bench.cpu_kernels: --activations takes f32 and/or int8, got {args.activations!r}",
+              file=sys.stderr)
+        return 2
     ck.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     print(f"cpu_kernels bench: {numba.config.NUMBA_NUM_THREADS if args.threads is None else args.threads} "
@@ -214,17 +244,17 @@ def main(argv=None):
     buf = rng.integers(0, 256, size=args.mb << 20, dtype=np.uint8)
 
     print("matvec (batch 1):")
-    matvec = bench_matvec(buf, types, args.repeat, rng)
+    matvec = bench_matvec(buf, types, modes, args.repeat, rng)
     ceiling = statistics.median([r.pop("ceiling_next") for r in matvec] + [ceiling_gbps(buf, 3)])
     print(f"\nmemory-read ceiling (median over the run): {ceiling:.2f} GB/s")
-    print(f"  {'type':7s} {'GB/s':>6} {'ratio':>6}")
+    print(f"  {'type':7s} {'act':4s} {'GB/s':>6} {'ratio':>6}")
     for r in matvec:
         r["ratio"] = r["gbps"] / ceiling
-        print(f"  {r['type']:7s} {r['gbps']:6.2f} {r['ratio']:6.2f}")
+        print(f"  {r['type']:7s} {r['activations']:4s} {r['gbps']:6.2f} {r['ratio']:6.2f}")
     del buf
 
     print("\nmoe (fused expert FFN, per call):")
-    moe = bench_moe(moe_types, args.repeat, rng, args.moe_mb)
+    moe = bench_moe(moe_types, modes, args.repeat, rng, args.moe_mb)
     compile_rows = []
     if not args.no_compile:
         print("\ncompile time (Q4_K matmul, fresh processes):")

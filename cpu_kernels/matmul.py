@@ -58,6 +58,8 @@ def _build(salt):
         groups = (rows + 3) // 4
         chunks = max(1, min(groups, chunks))
         for ch in prange(chunks):
+            acc = np.empty(TOKEN_TILE * 64, f32)
+            cacc = np.empty(TOKEN_TILE * 4, f32)
             res = np.empty((TOKEN_TILE, 4), f32)
             toks = np.empty(TOKEN_TILE, np.int64)
             for g in range(ch * groups // chunks, (ch + 1) * groups // chunks):
@@ -69,7 +71,7 @@ def _build(salt):
                     for i in range(nt):
                         toks[i] = t0 + i
                     dot4_i8(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
-                            min(r0 + 3, last) * rs, cols, xq, dx, xs16, toks, nt, res)
+                            min(r0 + 3, last) * rs, cols, xq, dx, xs16, toks, nt, acc, cacc, res)
                     for i in range(nt):
                         for r in range(nr):
                             Y[t0 + i, r0 + r] = res[i, r]

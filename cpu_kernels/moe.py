@@ -146,9 +146,9 @@ def _build(salt):
                     toks = assign_tok[a0:a0 + nt]
                     if xq is not None:
                         dot4_i8(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
-                                cols, xq, dx, xs16, toks, nt, rg)
+                                cols, xq, dx, xs16, toks, nt, acc, cacc, rg)
                         dot4_i8(utag, uw, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
-                                cols, xq, dx, xs16, toks, nt, ru)
+                                cols, xq, dx, xs16, toks, nt, acc, cacc, ru)
                     else:
                         dot4(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
                              cols, X, xs16, toks, nt, acc, cacc, rg, sc)
@@ -188,7 +188,7 @@ def _build(salt):
                         toks[i] = a0 + i
                     if hq is not None:
                         dot4_i8(dtag, dw, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
-                                n_ff, hq, hdx, hs16, toks, nt, res)
+                                n_ff, hq, hdx, hs16, toks, nt, acc, cacc, res)
                     else:
                         dot4(dtag, dw, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
                              n_ff, H, hs16, toks, nt, acc, cacc, res, sc)
