@@ -378,7 +378,6 @@ def _scalar_load(elty, nbty):
 
 
 ld_u8 = _scalar_load(_I8, types.uint8)
-ld_i8 = _scalar_load(_I8, types.int8)
 ld_u16 = _scalar_load(_I16, types.uint16)
 ld_u32 = _scalar_load(_I32, types.uint32)
 

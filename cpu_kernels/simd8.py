@@ -130,8 +130,6 @@ def idot2(typingctx, a0, a1, b0, b1, xq, xo):
         return None
 
     def codegen(context, builder, sig, args):
-        v32 = ir.VectorType(_I8, 32)
-        v64 = ir.VectorType(_I8, 64)
         lo = builder.shuffle_vector(args[0], args[1], ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
         hi = builder.shuffle_vector(args[2], args[3], ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
         codes = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
@@ -160,7 +158,6 @@ def idot2(typingctx, a0, a1, b0, b1, xq, xo):
             parts = [builder.shuffle_vector(prod, prod, ir.Constant(v16i32, [4 * i + j for i in range(16)]))
                      for j in range(4)]
             r = builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
-        del v32, v64
         return builder.sitofp(r, _VF)
     return fvec(a0, a1, b0, b1, xq, xo), codegen
 
