@@ -11,6 +11,8 @@ slower here with a byte-table lookup than the float path's ``vpermps``.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -44,6 +46,7 @@ def _features():
     return "" if config.CPU_NAME else ll.get_host_cpu_features().flatten()
 
 
+@lru_cache(maxsize=None)
 def has_vnni() -> bool:
     """Whether the compile target has a u8 x s8 dot-product instruction (AVX512-VNNI or
     AVX-VNNI): the int8 path is only faster than the float path with one."""
