@@ -17,15 +17,21 @@ before it is timed):
   number of distinct experts the batch touches, plus the same batches routed to one set
   of 8 experts (distinct = 8 whatever B);
 * compile: first call in a fresh process with an empty Numba cache, then a second fresh
-  process on the now-filled cache (``cache=True``).
+  process on the now-filled cache (``cache=True``);
+* llama.cpp: where ``llama_cpp`` (llama-cpp-python) is installed, its bundled ggml runs the
+  same mat-vec on a copy of the same bytes (``ggml_mul_mat`` through
+  ``ggml_graph_compute_with_ctx``, same thread count; activations quantized by ggml).
 
 ``--json PATH`` writes {"ceiling_gbps", "matvec": [{type, batch, gbps, ratio, activations}],
 "moe": [{type, batch, distinct_experts, ms, routing, activations}], ...} (temp file +
-rename; ``activations`` is "f32" or "int8").
+rename; ``activations`` is "f32" or "int8"; matvec rows of llama.cpp's ggml have
+``"impl": "ggml"``, ours ``"impl": "offload"``).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib.util
 import json
 import os
 import statistics
@@ -89,12 +95,63 @@ def weight_view(buf: np.ndarray, qtype: T, rng) -> np.ndarray:
     return w
 
 
+class _Ggml:
+    """Just enough of ggml's C API (ctypes) to time one mat-vec the way llama.cpp's CPU
+    backend runs it. Loaded from llama-cpp-python's bundled libraries."""
+
+    class Params(ctypes.Structure):
+        _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p),
+                    ("no_alloc", ctypes.c_bool)]
+
+    def __init__(self):
+        spec = importlib.util.find_spec("llama_cpp")
+        lib = Path(spec.origin).parent / "lib"
+        self.base = ctypes.CDLL(str(lib / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+        self.cpu = ctypes.CDLL(str(lib / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+        vp, b, c = ctypes.c_void_p, self.base, self.cpu
+        for name, res, args in (("ggml_init", vp, [self.Params]),
+                                ("ggml_new_tensor_2d", vp, [vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
+                                ("ggml_mul_mat", vp, [vp, vp, vp]), ("ggml_new_graph", vp, [vp]),
+                                ("ggml_build_forward_expand", None, [vp, vp]), ("ggml_get_data", vp, [vp]),
+                                ("ggml_nbytes", ctypes.c_size_t, [vp]), ("ggml_free", None, [vp])):
+            getattr(b, name).restype, getattr(b, name).argtypes = res, args
+        c.ggml_graph_compute_with_ctx.restype = ctypes.c_int
+        c.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
+        if hasattr(c, "ggml_cpu_init"):
+            c.ggml_cpu_init()
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            return importlib.util.find_spec("llama_cpp") is not None
+        except (ImportError, ValueError):
+            return False
+
+    def matvec_seconds(self, qt, w_bytes: np.ndarray, x: np.ndarray, threads: int, repeat: int) -> float:
+        b = self.base
+        rows, cols = w_bytes.shape[0], x.shape[-1]
+        ctx = b.ggml_init(self.Params(w_bytes.nbytes + 4 * (rows + cols) + (64 << 20), None, False))
+        try:
+            a = b.ggml_new_tensor_2d(ctx, int(qt), cols, rows)
+            v = b.ggml_new_tensor_2d(ctx, int(T.F32), cols, 1)
+            if b.ggml_nbytes(a) != w_bytes.nbytes:
+                raise ValueError(f"ggml sizes {qt.name} differently")
+            ctypes.memmove(b.ggml_get_data(a), w_bytes.ctypes.data, w_bytes.nbytes)
+            ctypes.memmove(b.ggml_get_data(v), np.ascontiguousarray(x, np.float32).ctypes.data, 4 * cols)
+            graph = b.ggml_new_graph(ctx)
+            b.ggml_build_forward_expand(graph, b.ggml_mul_mat(ctx, a, v))
+            self.cpu.ggml_graph_compute_with_ctx(ctx, graph, threads)          # warm up
+            return _median_time(lambda: self.cpu.ggml_graph_compute_with_ctx(ctx, graph, threads), repeat)
+        finally:
+            b.ggml_free(ctx)
+
+
 def modes_for(qt, modes):
     """Activation modes that apply to qt: int8 only where the type has codes and the CPU VNNI."""
     return [m for m in modes if m == "f32" or (get_kernel(qt).codes is not None and has_vnni())]
 
 
-def bench_matvec(buf, types, modes, repeat, rng):
+def bench_matvec(buf, types, modes, repeat, rng, threads, ggml):
     rows = []
     x = rng.standard_normal((1, COLS)).astype(np.float32)
     for qt in types:
@@ -106,9 +163,15 @@ def bench_matvec(buf, types, modes, repeat, rng):
             ck.matmul(x, w, qt)                                 # compile / warm up
             t = _median_time(lambda: ck.matmul(x, w, qt), repeat)
             rows.append(dict(type=qt.name, batch=1, gbps=nbytes / t / 1e9, activations=mode,
-                             ceiling_next=ceil))
-            print(f"  {qt.name:7s} {mode:4s} {rows[-1]['gbps']:6.2f} GB/s   "
+                             impl="offload", ceiling_next=ceil))
+            print(f"  {qt.name:7s} {mode:5s} {rows[-1]['gbps']:6.2f} GB/s   "
                   f"(ceiling measured next to it {ceil:5.1f})", flush=True)
+        if ggml is not None:
+            t = ggml.matvec_seconds(qt, w.view(np.uint8), x, threads, repeat)
+            rows.append(dict(type=qt.name, batch=1, gbps=nbytes / t / 1e9, activations="ggml",
+                             impl="ggml", ceiling_next=ceil))
+            print(f"  {qt.name:7s} ggml  {rows[-1]['gbps']:6.2f} GB/s   (llama.cpp's ggml, same bytes)",
+                  flush=True)
     ck.set_int8_activations(False)
     return rows
 
@@ -227,6 +290,7 @@ def main(argv=None):
                          "is busy, each parallel region waits for the descheduled worker (~4 ms here)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--no-compile", action="store_true", help="skip the fresh-process compile timing")
+    ap.add_argument("--no-ggml", action="store_true", help="skip llama.cpp's ggml even if installed")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     try:
@@ -247,13 +311,15 @@ def main(argv=None):
     buf = rng.integers(0, 256, size=args.mb << 20, dtype=np.uint8)
 
     print("matvec (batch 1):")
-    matvec = bench_matvec(buf, types, modes, args.repeat, rng)
+    ggml = _Ggml() if _Ggml.available() and not args.no_ggml else None
+    threads = args.threads or numba.config.NUMBA_NUM_THREADS
+    matvec = bench_matvec(buf, types, modes, args.repeat, rng, threads, ggml)
     ceiling = statistics.median([r.pop("ceiling_next") for r in matvec] + [ceiling_gbps(buf, 3)])
     print(f"\nmemory-read ceiling (median over the run): {ceiling:.2f} GB/s")
-    print(f"  {'type':7s} {'act':4s} {'GB/s':>6} {'ratio':>6}")
+    print(f"  {'type':7s} {'act':5s} {'GB/s':>6} {'ratio':>6}")
     for r in matvec:
         r["ratio"] = r["gbps"] / ceiling
-        print(f"  {r['type']:7s} {r['activations']:4s} {r['gbps']:6.2f} {r['ratio']:6.2f}")
+        print(f"  {r['type']:7s} {r['activations']:5s} {r['gbps']:6.2f} {r['ratio']:6.2f}")
     del buf
 
     moe_threads = args.moe_threads or args.threads
