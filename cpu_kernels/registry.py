@@ -12,7 +12,8 @@ unpacking them per unit in scalar code costs as much as the dot product itself);
 ``quants(w, ob, k) -> (v0, v1)``: the two 16-lane vectors of unit ``k``.
 ``same_d``: both halves of a unit always share d (one multiply per unit instead of two).
 Optional, for the int8-activation path: ``codes(w, ob, k) -> (c0, c1)``, the unit's weights
-as unsigned 8-bit codes ``u`` (two ``simd8.U8x16``) with ``w = d * (u - code_offset) + m``.
+as unsigned 8-bit codes ``u`` (two ``simd8.U8x16``) with ``w = d * (u - code_offset) + m``
+(one-unit types with codes must have same_d and m0 = m1: the int8 driver uses lane 0).
 The generic drivers (``rowdot``, ``matmul``, ``moe``) only ever see that contract, so a
 new quant type is one decoder pair and one ``register`` call. Types whose ggml block holds 256
 weights (K-quants, IQ4_XS) have 8 units per block; 32-weight types have one. Float types

@@ -16,7 +16,7 @@ from .dispatch import code_offset, codes, layout, scales
 from .rowdot import _prefetch_next_group
 from .simd import vfma, vlane, vload, vstore, vsum, vzero
 from .simd8 import (idot2, spread_dx0, spread_dx1, spread_dx2, spread_dx3, spread_k0, spread_k1,
-                    spread_k2, spread_k3, spread_pair)
+                    spread_k2, spread_k3, spread_pair, vhalves)
 
 f32 = np.float32
 XQ_PAD = 64       # int8 activations past a row's end that idot2 may read (times scale 0)
@@ -62,6 +62,23 @@ def _m1(d, m, off, s0, s1):
 
 
 @njit(fastmath=True)
+def _pair1(tag, w, ro, ob_a, ob_b, keep, dxa, dxb, xq, xo, acc):
+    """One-unit blocks (their halves share d): blocks A, B of one row with scalar scales."""
+    da, ma = scales(tag, w, ro + ob_a)
+    db, mb = scales(tag, w, ro + ob_b)
+    return _pair(tag, w, ro, ob_a, 0, ob_b, 0, xq, xo,
+                 vhalves(vlane(da, 0) * dxa, vlane(db, 0) * keep * dxb), acc)
+
+
+@njit(fastmath=True)
+def _m_pair1(tag, w, ro, ob_a, ob_b, off, s, t):
+    """m parts of blocks A, B of one row (s, t: their activation sums, t = 0 for no B)."""
+    da, ma = scales(tag, w, ro + ob_a)
+    db, mb = scales(tag, w, ro + ob_b)
+    return (vlane(ma, 0) - off * vlane(da, 0)) * s + (vlane(mb, 0) - off * vlane(db, 0)) * t
+
+
+@njit(fastmath=True)
 def one_i8(tag, w, ro0, ro1, ro2, ro3, n_units, xq, xo, dx, do, xs):
     """Four row dots with one quantized token: codes at xq[xo:], unit scales at dx[do:],
     16-column sums of the dequantized activations xs (1-D)."""
@@ -82,36 +99,25 @@ def one_i8(tag, w, ro0, ro1, ro2, ro3, n_units, xq, xo, dx, do, xs):
     nb = n_units // upb
     if upb == 1:
         # Blocks in pairs (A, B) = (b, b + 1); an odd last block pairs with itself with
-        # B's scale set to 0 (after the loop, so the loop body has no branches).
-        for b in range(0, nb + 1, 2):
-            if b >= nb:
-                break
+        # B weighted 0. Scalar scales: the int8 one-unit types all have same_d (and m0 = m1).
+        for b in range(0, nb, 2):
             b2 = b + 1 if b + 1 < nb else b
             keep = f32(1) if b + 1 < nb else f32(0)
             ob_a = b * bb
             ob_b = b2 * bb
             _prefetch_next_group(w, ro0, ro1, ob_a, 2 * bb)
-            sdx = spread_dx0(vload(dx, do + b))
-            s0 = xs[2 * b]
-            s1 = xs[2 * b + 1]
-            t0 = xs[2 * b2] * keep
-            t1 = xs[2 * b2 + 1] * keep
-            da, ma = scales(tag, w, ro0 + ob_a)
-            db, mb = scales(tag, w, ro0 + ob_b)
-            z0 += _m1(da, ma, off, s0, s1) + _m1(db, mb, off, t0, t1)
-            a0 = _pair(tag, w, ro0, ob_a, 0, ob_b, 0, xq, xo + 32 * b, spread_pair(da, db * keep) * sdx, a0)
-            da, ma = scales(tag, w, ro1 + ob_a)
-            db, mb = scales(tag, w, ro1 + ob_b)
-            z1 += _m1(da, ma, off, s0, s1) + _m1(db, mb, off, t0, t1)
-            a1 = _pair(tag, w, ro1, ob_a, 0, ob_b, 0, xq, xo + 32 * b, spread_pair(da, db * keep) * sdx, a1)
-            da, ma = scales(tag, w, ro2 + ob_a)
-            db, mb = scales(tag, w, ro2 + ob_b)
-            z2 += _m1(da, ma, off, s0, s1) + _m1(db, mb, off, t0, t1)
-            a2 = _pair(tag, w, ro2, ob_a, 0, ob_b, 0, xq, xo + 32 * b, spread_pair(da, db * keep) * sdx, a2)
-            da, ma = scales(tag, w, ro3 + ob_a)
-            db, mb = scales(tag, w, ro3 + ob_b)
-            z3 += _m1(da, ma, off, s0, s1) + _m1(db, mb, off, t0, t1)
-            a3 = _pair(tag, w, ro3, ob_a, 0, ob_b, 0, xq, xo + 32 * b, spread_pair(da, db * keep) * sdx, a3)
+            dxa = dx[do + b]
+            dxb = dx[do + b2]
+            s = xs[2 * b] + xs[2 * b + 1]
+            t = (xs[2 * b2] + xs[2 * b2 + 1]) * keep
+            a0 = _pair1(tag, w, ro0, ob_a, ob_b, keep, dxa, dxb, xq, xo + 32 * b, a0)
+            z0 += _m_pair1(tag, w, ro0, ob_a, ob_b, off, s, t)
+            a1 = _pair1(tag, w, ro1, ob_a, ob_b, keep, dxa, dxb, xq, xo + 32 * b, a1)
+            z1 += _m_pair1(tag, w, ro1, ob_a, ob_b, off, s, t)
+            a2 = _pair1(tag, w, ro2, ob_a, ob_b, keep, dxa, dxb, xq, xo + 32 * b, a2)
+            z2 += _m_pair1(tag, w, ro2, ob_a, ob_b, off, s, t)
+            a3 = _pair1(tag, w, ro3, ob_a, ob_b, keep, dxa, dxb, xq, xo + 32 * b, a3)
+            z3 += _m_pair1(tag, w, ro3, ob_a, ob_b, off, s, t)
     else:
         for b in range(nb):
             ob = b * bb

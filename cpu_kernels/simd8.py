@@ -165,6 +165,20 @@ def idot2(typingctx, a0, a1, b0, b1, xq, xo):
     return fvec(a0, a1, b0, b1, xq, xo), codegen
 
 
+@intrinsic
+def vhalves(typingctx, a, b):
+    """Lanes 0..7 = a, 8..15 = b (scalars): the scales of a unit pair whose halves share d."""
+    if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        va = _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _VF)
+        vb = _splat(builder, context.cast(builder, args[1], sig.args[1], types.float32), _VF)
+        return builder.shuffle_vector(va, vb, ir.Constant(ir.VectorType(_I32, LANES),
+                                                          [i if i < 8 else LANES + i for i in range(16)]))
+    return fvec(a, b), codegen
+
+
 def _spread1(idx):
     """Make ``f(v)``: lane i <- lane idx[i] of v (a constant shuffle)."""
     mask = [int(i) for i in idx]
