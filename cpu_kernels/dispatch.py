@@ -1,0 +1,96 @@
+"""Compile-time dispatch from a ``QTag`` to the registered decoder of its quant type.
+
+Inside a jitted driver ``scales(tag, ...)`` / ``quants(tag, ...)`` resolve, while Numba types the driver, to the
+decoders registered for ``tag``'s type, so every driver is specialised per quant type and
+nothing is looked up at run time.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba.extending import overload
+
+from .registry import QTagType, kernel_by_name
+
+f32 = np.float32
+
+
+def scales(tag, w, ob):
+    """(vd, vm) of the block at byte ob (see registry; jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def quants(tag, w, ob, k):
+    """(v0, v1) of unit k of the block at byte ob (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def codes(tag, w, ob, k):
+    """(c0, c1) unsigned 8-bit codes of unit k (int8 path; jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def code_offset(tag):
+    """float32 offset between codes and values (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def layout(tag):
+    """(bytes per block, units per block, same_d) (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def elem(tag, w, ro, c):
+    """Weight at column c of the row at byte ro, float types only (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(scales)
+def _scales(tag, w, ob):
+    if isinstance(tag, QTagType):
+        fn = kernel_by_name(tag.qname).scales
+        return lambda tag, w, ob: fn(w, ob)
+    return None
+
+
+@overload(quants)
+def _quants(tag, w, ob, k):
+    if isinstance(tag, QTagType):
+        fn = kernel_by_name(tag.qname).quants
+        return lambda tag, w, ob, k: fn(w, ob, k)
+    return None
+
+
+@overload(layout)
+def _layout(tag):
+    if isinstance(tag, QTagType):
+        kern = kernel_by_name(tag.qname)
+        type_size, upb, same_d = kern.type_size, kern.units_per_block, kern.same_d
+        return lambda tag: (type_size, upb, same_d)
+    return None
+
+
+@overload(elem)
+def _elem(tag, w, ro, c):
+    if isinstance(tag, QTagType):
+        fn = kernel_by_name(tag.qname).elem
+        if fn is None:       # quantized rows are whole blocks: no tail ever
+            return lambda tag, w, ro, c: f32(0)
+        return lambda tag, w, ro, c: fn(w, ro, c)
+    return None
+
+
+@overload(codes)
+def _codes(tag, w, ob, k):
+    if isinstance(tag, QTagType):
+        fn = kernel_by_name(tag.qname).codes
+        if fn is not None:
+            return lambda tag, w, ob, k: fn(w, ob, k)
+    return None
+
+
+@overload(code_offset)
+def _code_offset(tag):
+    if isinstance(tag, QTagType):
+        off = f32(kernel_by_name(tag.qname).code_offset)
+        return lambda tag: off
+    return None

@@ -1,0 +1,143 @@
+"""Decoders for ggml's 32-weight "legacy" quants: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+
+Contract (see ``registry``): ``scales(w, ob) -> (vd, vm)`` with (d, m) of the block's two
+16-weight halves in lanes 0 and 1, ``quants(w, ob, k) -> (v0, v1)``; weights ``d * v + m``
+for the block at byte offset ``ob`` of the raw bytes ``w`` (one unit per block: k = 0).
+Offsets like Q4_0's "-8" go into ``m``, which the driver multiplies by the activations'
+16-column sums.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from numba import njit
+
+from .registry import register
+from .simd import ld_f16, ld_u32, vbit_lanes, vbits, vi8, vset2
+from .simd8 import cbits, cflip, cnib5
+
+f32 = np.float32
+_jit = njit(fastmath=True)
+
+
+@_jit
+def _nibbles(w, q):
+    """Low nibbles of 16 bytes at q (weights 0..15), then their high nibbles (16..31)."""
+    return vbits(w, q, 0, 15), vbits(w, q, 4, 15)
+
+
+@_jit
+def _nibbles5(w, qh_at, q):
+    """As _nibbles plus the 5th bit of weight j from bit j of the u32 at qh_at."""
+    qh = ld_u32(w, qh_at)
+    return (vbits(w, q, 0, 15) + vbit_lanes(qh, 0) * f32(16),
+            vbits(w, q, 4, 15) + vbit_lanes(qh, 16) * f32(16))
+
+
+@_jit
+def _codes4(w, q):
+    return cbits(w, q, 0, 15), cbits(w, q, 4, 15)
+
+
+@_jit
+def _codes5(w, qh_at, q):
+    qh = ld_u32(w, qh_at)
+    return cnib5(w, q, 0, qh, 0), cnib5(w, q, 4, qh, 16)
+
+
+@_jit
+def codes_q4_0(w, ob, k):
+    return _codes4(w, ob + 2)
+
+
+@_jit
+def codes_q4_1(w, ob, k):
+    return _codes4(w, ob + 4)
+
+
+@_jit
+def codes_q5_0(w, ob, k):
+    return _codes5(w, ob + 2, ob + 6)
+
+
+@_jit
+def codes_q5_1(w, ob, k):
+    return _codes5(w, ob + 4, ob + 8)
+
+
+@_jit
+def codes_q8_0(w, ob, k):
+    return cflip(w, ob + 2), cflip(w, ob + 18)
+
+
+@_jit
+def _d_m(d, m):
+    return vset2(d, d), vset2(m, m)
+
+
+# block_q4_0 { ggml_half d; uint8_t qs[16]; }  18 bytes
+# w[j] = d * ((qs[j] & 15) - 8),  w[j + 16] = d * ((qs[j] >> 4) - 8)
+@_jit
+def scales_q4_0(w, ob):
+    d = ld_f16(w, ob)
+    return _d_m(d, f32(-8) * d)
+
+
+@_jit
+def quants_q4_0(w, ob, k):
+    return _nibbles(w, ob + 2)
+
+
+# block_q4_1 { ggml_half d; ggml_half m; uint8_t qs[16]; }  20 bytes;  w = d * q + m
+@_jit
+def scales_q4_1(w, ob):
+    return _d_m(ld_f16(w, ob), ld_f16(w, ob + 2))
+
+
+@_jit
+def quants_q4_1(w, ob, k):
+    return _nibbles(w, ob + 4)
+
+
+# block_q5_0 { ggml_half d; uint8_t qh[4]; uint8_t qs[16]; }  22 bytes
+# q[j] = nibble | (bit j of qh) << 4;  w = d * (q - 16)
+@_jit
+def scales_q5_0(w, ob):
+    d = ld_f16(w, ob)
+    return _d_m(d, f32(-16) * d)
+
+
+@_jit
+def quants_q5_0(w, ob, k):
+    return _nibbles5(w, ob + 2, ob + 6)
+
+
+# block_q5_1 { ggml_half d; ggml_half m; uint8_t qh[4]; uint8_t qs[16]; }  24 bytes;  w = d * q + m
+@_jit
+def scales_q5_1(w, ob):
+    return _d_m(ld_f16(w, ob), ld_f16(w, ob + 2))
+
+
+@_jit
+def quants_q5_1(w, ob, k):
+    return _nibbles5(w, ob + 4, ob + 8)
+
+
+# block_q8_0 { ggml_half d; int8_t qs[32]; }  34 bytes;  w = d * q
+@_jit
+def scales_q8_0(w, ob):
+    return _d_m(ld_f16(w, ob), f32(0))
+
+
+@_jit
+def quants_q8_0(w, ob, k):
+    return vi8(w, ob + 2), vi8(w, ob + 18)
+
+
+register(T.Q4_0, units_per_block=1, scales=scales_q4_0, quants=quants_q4_0, same_d=True, codes=codes_q4_0)
+register(T.Q4_1, units_per_block=1, scales=scales_q4_1, quants=quants_q4_1, same_d=True, codes=codes_q4_1)
+register(T.Q5_0, units_per_block=1, scales=scales_q5_0, quants=quants_q5_0, same_d=True, codes=codes_q5_0)
+register(T.Q5_1, units_per_block=1, scales=scales_q5_1, quants=quants_q5_1, same_d=True, codes=codes_q5_1)
+# int8 codes of Q8_0 are the signed values + 128 (the instruction multiplies u8 x s8).
+register(T.Q8_0, units_per_block=1, scales=scales_q8_0, quants=quants_q8_0, same_d=True, codes=codes_q8_0,
+         code_offset=128)

@@ -1,0 +1,146 @@
+"""The kernel registry, keyed by ``gguf.GGMLQuantizationType``.
+
+Every supported type contributes a *unit decoder*: two Numba functions that describe
+32 consecutive weights of a row (one "unit") as
+
+    w[j] = d * v[j] + m0   (j < 16)        w[j] = d * v[j] + m1   (16 <= j < 32)
+
+``scales(w, ob) -> (vd, vm)``: two 16-lane vectors for the block at byte offset ``ob`` of
+the raw bytes ``w``, lanes ``2k`` and ``2k + 1`` holding (d, m) of the two halves of unit
+``k`` (decoded once per block and with vector ops: K-quant scales are packed, and
+unpacking them per unit in scalar code costs as much as the dot product itself);
+``quants(w, ob, k) -> (v0, v1)``: the two 16-lane vectors of unit ``k``.
+``same_d``: both halves of a unit always share d (one multiply per unit instead of two).
+Optional, for the int8-activation path: ``codes(w, ob, k) -> (c0, c1)``, the unit's weights
+as unsigned 8-bit codes ``u`` (two ``simd8.U8x16``) with ``w = d * (u - code_offset) + m``
+(one-unit types with codes must have same_d and m0 = m1: the int8 driver uses lane 0).
+The generic drivers (``rowdot``, ``matmul``, ``moe``) only ever see that contract, so a
+new quant type is one decoder pair and one ``register`` call. Types whose ggml block holds 256
+weights (K-quants, IQ4_XS) have 8 units per block; 32-weight types have one. Float types
+use a 32-element pseudo-block and a scalar tail for rows that are not a multiple of 32.
+
+A ``QTag`` value (one per type) is passed into the compiled drivers: its Numba type names
+the quant type, so each driver is specialised per type at compile time.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from numba import types
+from numba.extending import NativeValue, models, register_model, typeof_impl, unbox
+
+
+class UnsupportedQuantType(TypeError):
+    """A tensor's quant type has no CPU kernel. The message names the type and tensor."""
+
+    def __init__(self, qtype, name: str = ""):
+        tname = getattr(qtype, "name", str(qtype))
+        where = f" (tensor {name!r})" if name else ""
+        supported = ", ".join(t.name for t in supported_types())
+        super().__init__(f"no CPU kernel for quant type {tname}{where}; supported: {supported}")
+        self.qtype = qtype
+        self.tensor_name = name
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    qtype: GGMLQuantizationType
+    block_size: int          # weights per block (as ggml)
+    type_size: int           # bytes per block (as ggml)
+    units_per_block: int     # 32-weight units per block
+    scales: Callable         # njit (w, block_byte_offset) -> (vd, vm)
+    quants: Callable         # njit (w, block_byte_offset, k) -> (v0, v1)
+    elem: Callable | None    # njit (w, byte_offset_of_row, col) -> float32; float types only
+    same_d: bool             # d of both 16-weight halves of a unit is always equal
+    codes: Callable | None   # njit (w, block_byte_offset, k) -> (c0, c1) u8 codes; int8 path
+    code_offset: int         # codes = value + code_offset
+    tag: "QTag"
+
+
+class QTag:
+    """Run-time token for one quant type; its Numba type carries the type's name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return f"QTag({self.name})"
+
+
+class QTagType(types.Dummy):
+    def __init__(self, qname: str):
+        self.qname = qname
+        super().__init__(name=f"QTag[{qname}]")
+
+
+@typeof_impl.register(QTag)
+def _typeof_qtag(val, c):
+    return QTagType(val.name)
+
+
+register_model(QTagType)(models.OpaqueModel)
+
+
+@unbox(QTagType)
+def _unbox_qtag(typ, obj, c):
+    # The tag's information is all in its type; nothing to carry at run time.
+    return NativeValue(c.context.get_dummy_value())
+
+_KERNELS: dict[GGMLQuantizationType, QuantKernel] = {}
+_BY_NAME: dict[str, QuantKernel] = {}
+
+
+def register(qtype: GGMLQuantizationType, *, units_per_block: int, scales: Callable,
+             quants: Callable, same_d: bool, elem: Callable | None = None,
+             codes: Callable | None = None, code_offset: int = 0) -> None:
+    """Register the decoders of ``qtype`` (``elem``: scalar loader, float types only;
+    ``codes``: int8-path decoder, quantized types)."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if elem is not None:               # float types: a 32-element pseudo-block
+        type_size = type_size * 32 // block_size
+        block_size = 32
+    if block_size != 32 * units_per_block:
+        raise ValueError(f"{qtype.name}: block of {block_size} is not {units_per_block} units of 32")
+    k = QuantKernel(qtype, block_size, type_size, units_per_block, scales, quants, elem,
+                    same_d, codes, code_offset, QTag(qtype.name))
+    _KERNELS[qtype] = k
+    _BY_NAME[qtype.name] = k
+
+
+def supported_types() -> tuple[GGMLQuantizationType, ...]:
+    """Quant types that have a CPU kernel, in enum order."""
+    return tuple(sorted(_KERNELS, key=int))
+
+
+def get_kernel(qtype, name: str = "") -> QuantKernel:
+    """The kernel for ``qtype``; ``UnsupportedQuantType`` (naming ``name``) if none."""
+    try:
+        qtype = GGMLQuantizationType(qtype)
+    except ValueError:
+        raise UnsupportedQuantType(qtype, name) from None
+    k = _KERNELS.get(qtype)
+    if k is None:
+        raise UnsupportedQuantType(qtype, name)
+    return k
+
+
+def kernel_by_name(qname: str) -> QuantKernel:
+    """Used at Numba typing time, where only the tag's name is known."""
+    return _BY_NAME[qname]
+
+
+def source_digest() -> str:
+    """Hash of this package's sources. Numba's on-disk cache only notices edits to the file
+    that defines a cached function; the drivers inline decoders from other files, so they
+    carry this digest as a closure variable, which Numba does put in its cache key."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,41 @@
+"""Process-wide kernel settings: thread count and the int8-activation mode.
+
+Numba's thread count is per calling thread, so the drivers re-apply ours on every call
+(the runtime may call from a worker thread).
+"""
+from __future__ import annotations
+
+import numba
+
+_threads: int | None = None
+_int8 = False
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads the kernels use; None restores Numba's default (NUMBA_NUM_THREADS)."""
+    global _threads
+    if n is not None:
+        n = int(n)
+        if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
+            raise ValueError(f"thread count {n} outside 1..{numba.config.NUMBA_NUM_THREADS}")
+    _threads = n
+
+
+def apply_threads() -> int:
+    """Make the calling thread use the configured count; returns it."""
+    n = _threads if _threads is not None else numba.config.NUMBA_NUM_THREADS
+    numba.set_num_threads(n)
+    return n
+
+
+def set_int8_activations(on: bool) -> None:
+    """Quantize activations to int8 per 32 values (llama.cpp's Q8_0 activations) and use
+    integer dot products for quantized weights. Only takes effect where the CPU has a
+    u8 x s8 dot instruction (AVX512-VNNI / AVX-VNNI); elsewhere the float path runs.
+    Error: |y - y_float| <= sum_c |w_c| * dx_c / 2, dx = max |x| over the 32 / 127."""
+    global _int8
+    _int8 = bool(on)
+
+
+def int8_activations() -> bool:
+    return _int8
