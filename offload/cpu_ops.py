@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from offload._standins import ExpertWeights, matmul, moe_ffn
+from cpu_kernels import ExpertWeights, matmul, moe_ffn
 from offload.profile import Profile
 
 

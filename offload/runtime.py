@@ -13,7 +13,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from offload._standins import set_num_threads
+from cpu_kernels import set_num_threads
 from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError

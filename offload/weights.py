@@ -20,16 +20,16 @@ from typing import Mapping
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from cpu_kernels import ExpertWeights
 from gpu.dequant import dequantize_numpy, to_torch
 from gpu.experts import TorchExperts
 from gpu.linear import Embedding, Linear
 from gpu.quant import QuantTensor, supported
-from offload._standins import ExpertWeights
-from offload.errors import OffloadError
 from offload.cpu_ops import CpuExperts, RawEmbedding, RawLinear, prefault, release
 from offload.devices import CPU, DeviceMap
-from offload.moe import StagedExperts
+from offload.errors import OffloadError
 from offload.gguf_model import ModelFile
+from offload.moe import StagedExperts
 from offload.profile import Profile
 from placement.memory import attention_device
 
