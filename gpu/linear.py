@@ -22,10 +22,6 @@ class Linear:
         self.compute_dtype = compute_dtype
         self.name = name
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         home = x.device
         y = self.weight.linear(x.to(self.device), self.compute_dtype).float()

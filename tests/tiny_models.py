@@ -8,7 +8,7 @@ whatever they dequantize to *is* the weight.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -126,16 +126,12 @@ class TinySpec:
     def n_vocab(self) -> int:
         return len(tiny_vocab()[0])
 
-    def with_(self, **kw) -> "TinySpec":
-        return replace(self, **kw)
-
 
 @dataclass
 class TinyModel:
     path: Path
     spec: TinySpec
     weights: dict[str, np.ndarray] = field(repr=False)   # dequantized float32, numpy order
-    types: dict[str, Q] = field(repr=False)
 
 
 def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel:
@@ -175,7 +171,7 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel
     w.add_bos_token_id(len(tokens) - 1)
     w.add_eos_token_id(len(tokens) - 1)
 
-    weights, qtypes = {}, {}
+    weights = {}
 
     def put(name, shape, qtype, std, mean=0.0):
         data, raw_dtype, deq = random_tensor(rng, shape, qtype, std)
@@ -183,7 +179,7 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel
             data = data + np.float32(mean)
             deq = data
         w.add_tensor(name, data, raw_dtype=raw_dtype)
-        weights[name], qtypes[name] = deq, qtype
+        weights[name] = deq
 
     d, hd = spec.n_embd, spec.head_dim
     lin = lambda name, out, inp, qt=spec.dense_type: put(name, (out, inp), qt, inp ** -0.5)  # noqa: E731
@@ -235,4 +231,4 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return TinyModel(path, spec, weights, qtypes)
+    return TinyModel(path, spec, weights)
