@@ -1,0 +1,131 @@
+"""``offload run``: load a model by placement and generate.
+
+    offload run [MODEL.gguf] [placement flags as for offload plan] [-p TEXT | -f FILE] [-n N] ...
+
+Every ``offload plan`` flag works here (plan on the fly), or ``--placement plan.yaml``.
+stdout carries only the generated text (pipe it); progress, notices and the llama.cpp-style
+timings go to stderr; ``--stats-json`` writes the same numbers as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from offload.commands.plan import add_placement_arguments, plan_from_args
+from offload.errors import ArgumentParser, OffloadError, write_atomic
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
+DEFAULT_PROMPT = "def fibonacci(n):"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="offload run", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL),
+                   help="GGUF file (default: the shipped tiny glm4moe model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    src.add_argument("-f", "--prompt-file", help="read the prompt from this file")
+    p.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=128,
+                   help="tokens to generate (default 128)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--stats-json", metavar="PATH", help="write timings/counters as JSON here")
+    p.add_argument("--virtual-gpus", action="store_true",
+                   help="back the plan's CUDA devices with the CPU (testing without a GPU)")
+    p.add_argument("--gpu-dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
+                   help="compute dtype GPU-resident weights are dequantized into per call "
+                        "(they stay quantized in memory); auto = bf16 on CUDA, f32 on virtual GPUs")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="threads for the CPU expert kernels (default: numba's, all cores)")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "
+                        "small, and spare cores belong to the expert kernels)")
+    add_placement_arguments(p)
+    return p
+
+
+class TextStream:
+    """Prints the text of a growing token sequence as it becomes valid UTF-8: re-decodes a
+    short tail and holds back an incomplete multi-byte character."""
+
+    def __init__(self, detokenize, out):
+        self.detokenize, self.out = detokenize, out
+        self.ids: list[int] = []
+        self.start = 0          # ids before this are flushed and never re-decoded
+        self.printed = ""       # text of ids[start:] already written
+
+    def push(self, tok: int) -> None:
+        self.ids.append(tok)
+        text = self.detokenize(self.ids[self.start:])
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[len(self.printed):])
+        self.out.flush()
+        self.start, self.printed = len(self.ids), ""
+
+    def close(self) -> None:
+        tail = self.detokenize(self.ids[self.start:])
+        self.out.write(tail[len(self.printed):])
+        self.out.flush()
+
+
+def quiet_openmp() -> None:
+    """Idle OpenMP threads sleep instead of spinning. torch and the Numba kernels share the
+    process and take turns every layer; spinning teams burn the cores the other side needs
+    (measured on a loaded 2-core box: a 256x256 mat-vec 37 µs passive vs 768 µs spinning,
+    tiny-model decode 278 vs 50 tokens/s). Only effective before torch/numba load OpenMP,
+    so the CLI calls it first; embedders can export OMP_WAIT_POLICY=PASSIVE themselves."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_openmp()
+    import torch                  # imported only when a command needs it
+
+    from offload import runtime
+    from offload.gguf_model import open_model
+
+    if args.prompt_file:
+        try:
+            prompt = Path(args.prompt_file).read_text()
+        except OSError as e:
+            raise OffloadError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from None
+    else:
+        prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if args.n_predict < 1:
+        raise OffloadError(f"-n must be >= 1, got {args.n_predict}")
+    if args.torch_threads < 1:
+        raise OffloadError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    torch.set_num_threads(args.torch_threads)
+    if not Path(args.model).is_file():
+        raise OffloadError(f"model file not found: {args.model}")
+    model = open_model(args.model)
+    plan, model, _ = plan_from_args(args, model)
+    session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
+                                progress=True, threads=args.threads)
+    with session:
+        print(f"offload: {session.devices.describe()}", file=sys.stderr)
+        session.warmup()
+        stream = TextStream(session.detokenize, sys.stdout)
+        for tok in session.generate(prompt, max_tokens=args.n_predict, temperature=args.temp,
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                    stop_at_eos=not args.ignore_eos):
+            stream.push(tok)
+        stream.close()
+        sys.stdout.write("\n")
+        stats = session.stats
+        print("", file=sys.stderr)
+        for line in stats.lines():
+            print(f"offload: {line}", file=sys.stderr)
+        if args.stats_json:
+            payload = stats.as_dict() | {"plan": plan.to_dict() | {"tensors": None}}
+            write_atomic(args.stats_json, json.dumps(payload, indent=2) + "\n")
+    return 0
