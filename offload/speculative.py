@@ -67,8 +67,9 @@ class DraftHead(Protocol):
 
     def new_cache(self): ...          # an object with ``length`` and ``truncate(n)``
 
-    def __call__(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                 cache) -> tuple[torch.Tensor, torch.Tensor]: ...   # logits (T, V), h (T, n_embd)
+    def __call__(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache, *,
+                 logits: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]: ...
+        # logits (T, V) / last row (1, V) / None, and the head's hidden states (T, n_embd)
 
 
 def judge(logits: np.ndarray, draft: int, q: np.ndarray | None, sampler: Sampler) -> int | None:
@@ -106,17 +107,19 @@ class _Drafter:
         trunk state pending for the token the prompt's logits will choose."""
         n = len(ids)
         if n > 1:
-            self._run(list(ids[1:]), hidden[:n - 1], 1)
+            self._run(list(ids[1:]), hidden[:n - 1], 1, logits=False)
         self.valid = n - 1
         self.pend_h, self.pend_tok = hidden[n - 1:], []
 
-    def _run(self, tokens: list[int], hidden: torch.Tensor, pos0: int):
-        """Head over pairs in ubatch chunks → (last row's logits (V,), last h_mtp (1, n_embd))."""
+    def _run(self, tokens: list[int], hidden: torch.Tensor, pos0: int, *, logits: bool = True):
+        """Head over pairs in ubatch chunks → (last row's logits (V,) or None, last h_mtp (1, n_embd))."""
         for s in range(0, len(tokens), self.ubatch):
             t = tokens[s:s + self.ubatch]
-            logits, h = self.head(torch.as_tensor(t), hidden[s:s + self.ubatch],
-                                  torch.arange(pos0 + s, pos0 + s + len(t)), self.cache)
-        return logits[-1], h[-1:]
+            last = logits and s + self.ubatch >= len(tokens)
+            out, h = self.head(torch.as_tensor(t), hidden[s:s + self.ubatch],
+                               torch.arange(pos0 + s, pos0 + s + len(t)), self.cache,
+                               logits="last" if last else "none")
+        return (out[-1] if logits else None), h[-1:]
 
     def _confident(self, logits: np.ndarray, q: np.ndarray | None) -> bool:
         """p_min against the draft's top probability: of q when sampling; of softmax(logits)
@@ -152,8 +155,9 @@ class _Drafter:
             if j + 1 == n_cap:
                 break
             # chained step: pair Q+j = (h_mtp of the last draft step, that draft) at position Q+j+1
-            out, h = self.head(torch.as_tensor([d]), h, torch.tensor([q_len + j + 1]), self.cache)
-            logits, h = out[-1], h[-1:]
+            out, h = self.head(torch.as_tensor([d]), h, torch.tensor([q_len + j + 1]), self.cache,
+                               logits="last")
+            logits = out[-1]
         return drafts, qs
 
     def accept(self, q_len: int, x_q: int, hidden: torch.Tensor, accepted: list[int]) -> None:
@@ -277,5 +281,5 @@ def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: Spe
     n_acc = len(out) - 1
     if drafter is not None:
         drafter.accept(q_len, x_q, torch.cat(rows), out[:n_acc])
-    stats.record_step(len(drafts), n_acc)
+    stats.record_step(len(drafts), n_acc, n_cap if drafter is not None else 0)
     return out

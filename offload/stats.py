@@ -15,6 +15,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
 
 
+def per_position(accepted: list[int], drafted: list[int]) -> list[float]:
+    return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+
+
+def conditional(accepted: list[int], reached: list[int]) -> list[float]:
+    return [a / r if r else 0.0 for a, r in zip(accepted, reached)]
+
+
 @dataclass
 class RunStats:
     n_prompt: int = 0
@@ -33,21 +41,27 @@ class RunStats:
     accepted: int = 0
     drafted_per_position: list = field(default_factory=list)    # [j] steps that drafted position j+1
     accepted_per_position: list = field(default_factory=list)   # [j] steps that accepted it
+    reached_per_position: list = field(default_factory=list)    # [j] steps that could draft it with
+    #                                   positions 1..j accepted (the token budget allowing it)
     draft_s: float = 0.0      # draft-head passes and draft sampling
     verify_s: float = 0.0     # target passes over the pending token + drafts
 
-    def record_step(self, n_drafted: int, n_accepted: int) -> None:
+    def record_step(self, n_drafted: int, n_accepted: int, n_cap: int) -> None:
+        """One verify step: ``n_drafted`` drafts (at most ``n_cap``: n_max or the tokens
+        still wanted), of which the first ``n_accepted`` were kept."""
         self.n_steps += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
-        grow = n_drafted - len(self.drafted_per_position)
+        grow = n_cap - len(self.drafted_per_position)
         if grow > 0:
-            self.drafted_per_position += [0] * grow
-            self.accepted_per_position += [0] * grow
+            for counts in (self.drafted_per_position, self.accepted_per_position, self.reached_per_position):
+                counts += [0] * grow
         for j in range(n_drafted):
             self.drafted_per_position[j] += 1
         for j in range(n_accepted):
             self.accepted_per_position[j] += 1
+        for j in range(min(n_accepted + 1, n_cap)):
+            self.reached_per_position[j] += 1
 
     @property
     def prompt_tps(self) -> float:
@@ -70,17 +84,14 @@ class RunStats:
     def acceptance_per_position(self) -> list[float]:
         """llama.cpp's per-position rate: accepted / drafted at draft position j. With p_min = 0
         every step drafts every position, so this is P(the first j drafts are accepted)."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        return per_position(self.accepted_per_position, self.drafted_per_position)
 
     @property
     def acceptance_conditional(self) -> list[float]:
         """The cost model's a_j = P(position j accepted | positions < j accepted), a position
-        not drafted counting as not accepted (``placement.acceptance``)."""
-        prev, out = self.n_steps, []
-        for a in self.accepted_per_position:
-            out.append(a / prev if prev else 0.0)
-            prev = a
-        return out
+        not drafted under p_min counting as not accepted (``placement.acceptance``); steps
+        whose token budget did not reach position j do not count."""
+        return conditional(self.accepted_per_position, self.reached_per_position)
 
     @property
     def mean_accepted_length(self) -> float:

@@ -85,12 +85,13 @@ class MarkovHead:
     def new_cache(self):
         return Cache()
 
-    def __call__(self, tokens, hidden, positions, cache):
+    def __call__(self, tokens, hidden, positions, cache, *, logits="all"):
         self.calls += 1
         assert len(tokens) == len(hidden) == len(positions)
         assert positions.tolist() == list(range(cache.length + 1, cache.length + 1 + len(tokens)))
         cache.tokens += tokens.tolist()
-        return self.table[tokens], hidden
+        z = self.table[tokens]
+        return (z if logits == "all" else z[-1:] if logits == "last" else None), hidden
 
 
 def generate(prompt, n, *, n_max, temperature=1.0, top_k=0, seed=0, head=None, verify="batched", p_min=0.0,
@@ -233,3 +234,20 @@ def test_bad_options_are_refused():
                      ({"verify": "lazy"}, "--spec-verify")):
         with pytest.raises(OffloadError, match=flag):
             SpecOptions(**kw)
+
+
+def test_stats_per_position_and_conditional_acceptance():
+    """llama.cpp's per-position rate (accepted/drafted at j) and the cost model's conditional
+    a_j, where a step whose token budget stopped short of position j does not count."""
+    s = RunStats()
+    s.record_step(3, 1, 3)      # drafts 1-3, first accepted
+    s.record_step(3, 3, 3)      # all accepted
+    s.record_step(2, 2, 2)      # budget allowed two: both accepted
+    s.record_step(0, 0, 3)      # p_min stopped drafting at once
+    assert s.drafted_per_position == [3, 3, 2] and s.accepted_per_position == [3, 2, 1]
+    assert s.reached_per_position == [4, 3, 1]
+    assert s.acceptance_per_position == pytest.approx([1.0, 2 / 3, 0.5])
+    assert s.acceptance_conditional == pytest.approx([3 / 4, 2 / 3, 1.0])
+    assert s.mean_accepted_length == pytest.approx(1 + 6 / 4) and s.acceptance == pytest.approx(6 / 8)
+    d = s.as_dict()
+    assert d["drafted"] == 8 and d["accepted"] == 6 and d["acceptance_per_position"] == s.acceptance_per_position

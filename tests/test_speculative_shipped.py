@@ -84,13 +84,14 @@ class TargetAsHead:
     def new_cache(self):
         return _TrunkCache(self.model, self.first)
 
-    def __call__(self, tokens, hidden, positions, cache):
+    def __call__(self, tokens, hidden, positions, cache, *, logits="all"):
         rows, hs = [], []
         for tok in tokens.tolist():
-            logits, h = self.model.forward(torch.tensor([tok]), cache.state, logits="last")
-            rows.append(logits)
+            z, h = self.model.forward(torch.tensor([tok]), cache.state, logits="last")
+            rows.append(z)
             hs.append(h)
-        return torch.cat(rows), torch.cat(hs)
+        z = torch.cat(rows)
+        return (z if logits == "all" else z[-1:] if logits == "last" else None), torch.cat(hs)
 
 
 class _TrunkCache:
@@ -163,6 +164,21 @@ def test_rollback_leaves_caches_as_a_fresh_run(session, verify):
                     assert (a.float() - b.float()).abs().max() <= 2e-3 * b.float().abs().max()
 
 
+def test_multi_device_plan_drafts_and_verifies(session):
+    """Trunk blocks on two (CPU-backed) GPUs, some experts on the CPU, the head on CUDA1:
+    exact verify still equals that placement's plain greedy output, and the head's cache
+    lives on the head's device."""
+    prompt = PROMPTS[2]
+    with rt.load(SHIPPED, devices="CUDA0=8GiB,CUDA1=8GiB,CPU=8GiB", tensor_split="1,1", n_cpu_moe=2,
+                 virtual_gpus=True, quiet=True) as s:
+        assert s.model.nextn.block.device_name == "CUDA1"
+        plain = list(s.generate(prompt, max_tokens=32, stop_at_eos=False))
+        exact = list(s.generate(prompt, max_tokens=32, stop_at_eos=False, n_max=3, verify="exact"))
+        assert exact == plain and s.stats.accepted > 0
+        list(s.generate(prompt, max_tokens=32, stop_at_eos=False, n_max=3))
+        assert s.stats.accepted > 0 and s.stats.memory["kv"]["CUDA1"] > 0
+
+
 @pytest.fixture(scope="module")
 def split_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("nextn_split")
@@ -229,6 +245,11 @@ def test_run_with_a_separate_draft_file(capsys, split_files, tmp_path):
                      "--spec-n-max", "2", "--stats-json", stats)
     assert rc == 0, err
     assert f"the NextN head of {draft}" in err and json.loads(stats.read_text())["drafted"] > 0
+    # a plan file remembers the draft and its model: `run --placement` needs neither again
+    plan = tmp_path / "plan.yaml"
+    assert cli(capsys, "plan", trunk, "--draft", draft, "--devices", "CPU=16GiB", "-o", plan)[0] == 0
+    rc, _, err = cli(capsys, "run", "--placement", plan, "-n", "8", "--spec-n-max", "2")
+    assert rc == 0 and f"the NextN head of {draft}" in err, err
 
 
 def test_speculative_bad_input_is_one_line_and_status_2(capsys, split_files, tmp_path):

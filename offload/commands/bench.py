@@ -23,8 +23,9 @@ from pathlib import Path
 
 from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args
-from offload.commands.run import DEFAULT_MODEL, quiet_openmp
+from offload.commands.run import open_cli_model, quiet_openmp
 from offload.errors import ArgumentParser, OffloadError, write_atomic
+from offload.stats import conditional, per_position
 
 WARMUP_TOKENS = 16
 
@@ -42,8 +43,8 @@ def _int_list(text: str, what: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="offload bench", description=__doc__.split("\n\n")[0].replace("``", ""),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL),
-                   help="GGUF file (default: the shipped tiny glm4moe model)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF file (default: the --placement plan's model, else the shipped tiny glm4moe model)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of tasks (default {','.join(TASKS)})")
     p.add_argument("--n-max", default="1,2,3,4", help="draft lengths to run beside the baseline (default 1,2,3,4)")
     p.add_argument("--repeat", type=int, default=3, help="runs per task and stage (default 3)")
@@ -80,6 +81,7 @@ def run_once(session, prompt_ids: list[int], n_max: int, args) -> tuple[dict, li
             "target_passes": s.n_eval, "steps": s.n_steps, "drafted": s.drafted, "accepted": s.accepted,
             "drafted_per_position": list(s.drafted_per_position),
             "accepted_per_position": list(s.accepted_per_position),
+            "reached_per_position": list(s.reached_per_position),
             "draft_s": s.draft_s, "verify_s": s.verify_s}, out
 
 
@@ -91,20 +93,16 @@ def summarize(task: str, stage: str, n_max: int, runs: list[dict], base_mean: fl
     accepted = sum(r["accepted"] for r in runs)
     steps = sum(r["steps"] for r in runs)
     width = max((len(r["drafted_per_position"]) for r in runs), default=0)
-    dpp = [sum(r["drafted_per_position"][j] for r in runs if j < len(r["drafted_per_position"])) for j in range(width)]
-    app = [sum(r["accepted_per_position"][j] for r in runs if j < len(r["accepted_per_position"])) for j in range(width)]
-    cond, prev = [], steps
-    for a in app:
-        cond.append(a / prev if prev else 0.0)
-        prev = a
+    total = lambda key: [sum(r[key][j] for r in runs if j < len(r[key])) for j in range(width)]  # noqa: E731
+    dpp, app, rpp = total("drafted_per_position"), total("accepted_per_position"), total("reached_per_position")
     return {"kind": "summary", "task": task, "stage": stage, "n_max": n_max, "runs": len(runs),
             "tokens_per_second_mean": mean, "tokens_per_second_std": std,
             "change": (mean / base_mean - 1.0) if base_mean and n_max else None,
             "drafted": drafted, "accepted": accepted,
             "acceptance": accepted / drafted if drafted else None,
             "mean_accepted_length": 1.0 + accepted / steps if steps else None,
-            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(app, dpp)],
-            "acceptance_conditional": cond,
+            "acceptance_per_position": per_position(app, dpp),
+            "acceptance_conditional": conditional(app, rpp),
             "same_text_as_baseline": (sum(r["same_as_baseline"] for r in runs)
                                       if all(r["same_as_baseline"] is not None for r in runs) else None),
             "draft_s": sum(r["draft_s"] for r in runs), "verify_s": sum(r["verify_s"] for r in runs),
@@ -150,9 +148,7 @@ def main(argv=None) -> int:
     if not 0.0 <= args.spec_p_min < 1.0:
         raise OffloadError(f"--spec-p-min must be in [0, 1), got {args.spec_p_min}")
     torch.set_num_threads(args.torch_threads)
-    if not Path(args.model).is_file():
-        raise OffloadError(f"model file not found: {args.model}")
-    model = open_model(args.model)
+    model = open_cli_model(args)
     plan, model, _ = plan_from_args(args, model)
     if plan.drafting == "none":
         raise OffloadError(f"{plan.model_path} has no NextN (MTP) block to draft with; give --draft MTP.gguf")

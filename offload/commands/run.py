@@ -29,8 +29,8 @@ DEFAULT_PROMPT = "def fibonacci(n):"
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="offload run", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL),
-                   help="GGUF file (default: the shipped tiny glm4moe model)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF file (default: the --placement plan's model, else the shipped tiny glm4moe model)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     src.add_argument("-f", "--prompt-file", help="read the prompt from this file")
@@ -135,6 +135,19 @@ class TextStream:
         self.out.flush()
 
 
+def open_cli_model(args: argparse.Namespace):
+    """The positional model, or None with ``--placement`` (the plan names its model), or the
+    shipped model."""
+    from offload.gguf_model import open_model
+
+    if args.model is None and args.placement:
+        return None
+    path = args.model if args.model is not None else str(DEFAULT_MODEL)
+    if not Path(path).is_file():
+        raise OffloadError(f"model file not found: {path}")
+    return open_model(path)
+
+
 def quiet_openmp() -> None:
     """Idle OpenMP threads sleep instead of spinning. torch and the Numba kernels share the
     process and take turns every layer; spinning teams burn the cores the other side needs
@@ -164,9 +177,7 @@ def main(argv=None) -> int:
     if args.torch_threads < 1:
         raise OffloadError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     torch.set_num_threads(args.torch_threads)
-    if not Path(args.model).is_file():
-        raise OffloadError(f"model file not found: {args.model}")
-    model = open_model(args.model)
+    model = open_cli_model(args)
     plan, model, _ = plan_from_args(args, model)
     spec, account = spec_settings(args, plan)
     session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,

@@ -121,14 +121,17 @@ class NextN:
         return self._cache(self.block.device)
 
     def __call__(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                 cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+                 cache: KVCache, *, logits: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]:
         """tokens: (T,) ids of t+1; hidden: (T, n_embd) trunk states at t; positions: (T,)
-        RoPE positions (those of the tokens, t+1) → logits (T, n_vocab), h_mtp (T, n_embd)."""
+        RoPE positions (those of the tokens, t+1) → logits ((T, n_vocab) for "all", (1, n_vocab)
+        for "last", None for "none") and h_mtp (T, n_embd), the pre-norm state that chains."""
         dev = self.block.device
         e = self.enorm(self.embed(tokens).to(dev))
         x = self.eh_proj(torch.cat([e, self.hnorm(hidden.to(dev))], dim=-1))
         h = self.block(x, positions, cache)
-        return self.head(self.norm(h)).float(), h
+        if logits == "none":
+            return None, h
+        return self.head(self.norm(h if logits == "all" else h[-1:])).float(), h
 
 
 @dataclass
