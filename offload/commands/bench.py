@@ -134,7 +134,6 @@ def main(argv=None) -> int:
     import torch
 
     from offload import runtime
-    from offload.gguf_model import open_model
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]

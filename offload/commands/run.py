@@ -2,6 +2,7 @@
 
     offload run [MODEL.gguf] [placement flags as for offload plan] [-p TEXT | -f FILE] [-n N] ...
                 [--spec-type mtp|none] [--spec-n-max N] [--spec-p-min P] [--spec-verify batched|exact]
+                [--draft MTP.gguf] [--spec-diagnose]
 
 Every ``offload plan`` flag works here (plan on the fly), or ``--placement plan.yaml``.
 stdout carries only the generated text (pipe it); progress, notices and the llama.cpp-style
@@ -9,7 +10,9 @@ timings go to stderr; ``--stats-json`` writes the same numbers as JSON.
 
 Speculative decoding drafts with the model's NextN (MTP) head, or with the NextN block of a
 ``--draft`` GGUF. Its draft length defaults to the plan's ``speculative.n_max`` (``offload
-plan`` predicts one, ``offload tune`` measures one), else 0 = plain decoding.
+plan`` predicts one, ``offload tune`` measures one), else 0 = plain decoding. The stats add
+drafted/accepted, acceptance per position, mean accepted length and the draft/verify/rest
+time split; ``--spec-diagnose`` measures how far batched verification drifts numerically.
 """
 from __future__ import annotations
 
@@ -163,7 +166,6 @@ def main(argv=None) -> int:
     import torch                  # imported only when a command needs it
 
     from offload import runtime
-    from offload.gguf_model import open_model
 
     if args.prompt_file:
         try:
