@@ -149,12 +149,12 @@ class RunStats:
         pos = " ".join(f"{a:.3f}" for a in self.acceptance_per_position) or "-"
         cond = " ".join(f"{a:.3f}" for a in self.acceptance_conditional) or "-"
         return [
-            f"speculative      = {s.get('type', 'mtp')}, n_max {s.get('n_max')}, p_min {s.get('p_min', 0.0):.2f}, "
+            f"speculative           = {s.get('type', 'mtp')}, n_max {s.get('n_max')}, p_min {s.get('p_min', 0.0):.2f}, "
             f"verify {s.get('verify', 'batched')}",
-            f"draft acceptance = {self.acceptance:.5f} ({self.accepted:5d} accepted / {self.drafted:5d} drafted), "
+            f"draft acceptance rate = {self.acceptance:.5f} ({self.accepted:5d} accepted / {self.drafted:5d} drafted), "
             f"mean accepted length {self.mean_accepted_length:.3f} (1 + accepted / {self.n_steps} steps)",
-            f"acceptance/pos   = {pos}  (accepted / drafted at draft position 1, 2, ...)",
-            f"conditional a_j  = {cond}  (P(j accepted | 1..j-1 accepted): the cost model's a_j)",
-            f"spec time split  = draft {ms(self.draft_s):.1f} ms ({pct(self.draft_s):.0f}%), "
+            f"acceptance/pos        = {pos}  (accepted / drafted at draft position 1, 2, ...)",
+            f"conditional a_j       = {cond}  (P(j accepted | 1..j-1 accepted): the cost model's a_j)",
+            f"spec time split       = draft {ms(self.draft_s):.1f} ms ({pct(self.draft_s):.0f}%), "
             f"verify {ms(self.verify_s):.1f} ms ({pct(self.verify_s):.0f}%), rest {ms(rest):.1f} ms ({pct(rest):.0f}%)",
         ]
