@@ -4,12 +4,14 @@ spec-bench tasks (code / extract / story).
 The shipped model is trained only on the Python standard library, so every prompt is
 Python source, and each task keeps the character its name has in spec-bench:
 
-- ``code``: continue a function — ordinary code completion;
-- ``extract``: a docstring holds a table of facts and the code below starts turning it into
-  a dict — the continuation mostly copies spans from the prompt, as extraction and
-  summarisation do (the easiest text to draft);
-- ``story``: free prose, as a module docstring of notes and history — the least
-  predictable text.
+- ``code``: continue a function in the middle of a statement — code completion;
+- ``extract``: a docstring holds a table of facts and the code below starts turning it
+  into a dict — structured, table-like output that leans on the prompt, as extraction does;
+- ``story``: free prose, as a class docstring describing what the class is about.
+
+(What the under-trained shipped model makes of them: code, then docstring prose for
+``code``; rows of a string table for ``extract``; docstring prose for ``story``. Greedy
+decoding of it drifts into loops after a few dozen tokens, which drafts easily.)
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ def find_modules(top, suffix=".py"):
     found = []
     for dirpath, dirnames, filenames in os.walk(top):
         for name in filenames:
-''',
+            if name.endswith(suffix):
+                found.append(''',
     "extract": '''"""HTTP status codes and their reason phrases.
 
     100 Continue
@@ -44,8 +47,9 @@ def find_modules(top, suffix=".py"):
 REASONS = {
     100: 'Continue',
 ''',
-    "story": '''"""Notes on the history of this module.
+    "story": '''class Mailbox:
+    """A group of messages in a particular place.
 
-This module began as a small helper that read configuration files for the mail
-tools. Over the years it grew, one request at a time, until it''',
+    A mailbox keeps its messages in a file or a directory. When a message is
+    added, it''',
 }

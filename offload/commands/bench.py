@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="top-k (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p (1 = off)")
-    p.add_argument("--seed", type=int, default=42, help="sampling seed of every run (default 42)")
+    p.add_argument("--seed", type=int, default=42,
+                   help="sampling seed of the first repeat; repeat r uses seed + r (default 42)")
     p.add_argument("--spec-p-min", type=float, default=0.0, metavar="P", help="draft p_min (default 0)")
     p.add_argument("--spec-verify", choices=("batched", "exact"), default="batched",
                    help="verify mode of the MTP stages (default batched)")
@@ -72,9 +73,10 @@ def _stages(n_maxes: list[int]) -> list[tuple[str, int]]:
     return [("baseline", 0)] + [(f"mtp n={n}", n) for n in n_maxes]
 
 
-def run_once(session, prompt_ids: list[int], n_max: int, args) -> tuple[dict, list[int]]:
+def run_once(session, prompt_ids: list[int], n_max: int, args, rep: int = 0) -> tuple[dict, list[int]]:
+    """One generation; repeat ``rep`` samples with seed ``--seed + rep`` (independent repeats)."""
     out = list(session.generate(prompt_ids, max_tokens=args.n_predict, temperature=args.temp,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_at_eos=False,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed + rep, stop_at_eos=False,
                                 n_max=n_max, p_min=args.spec_p_min, verify=args.spec_verify))
     s = session.stats
     return {"tokens": s.n_gen, "tokens_per_second": s.eval_tps, "eval_s": s.eval_s,
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
         for rep in range(args.repeat):
             for task in tasks:
                 for stage, n_max in stages:
-                    rec, out = run_once(session, prompts[task], n_max, args)
+                    rec, out = run_once(session, prompts[task], n_max, args, rep)
                     if n_max == 0:
                         baseline_out.setdefault(task, out)
                     rec |= {"kind": "run", "task": task, "stage": stage, "n_max": n_max, "repeat": rep,
