@@ -122,9 +122,9 @@ class _Drafter:
         return (out[-1] if logits else None), h[-1:]
 
     def _confident(self, logits: np.ndarray, q: np.ndarray | None) -> bool:
-        """p_min against the draft's top probability: of q when sampling; of softmax(logits)
-        when greedy (llama.cpp's draft top-p). Decided before drawing, so when a draft is
-        made it is drawn from exactly q."""
+        """p_min against the draft's top probability: of q when sampling, of softmax(logits)
+        when greedy (there it is the drafted token's probability, as in llama.cpp). Decided
+        before drawing, so a draft that is made is a sample of exactly q."""
         p_min = self.options.p_min
         if p_min <= 0.0:
             return True
