@@ -3,7 +3,7 @@
 Per step with draft length n (DESIGN.md "Break-even model"):
 
     E(n) = 1 + Σ_{i≤n} Π_{j≤i} a_j                        expected tokens per step
-    T(n) = n·T_draft + T_verify(n+1)                       step time (p_min = 0)
+    T(n) = n·T_draft + T_verify(n+1) + T_step(n)           step time (p_min = 0)
     S(n) = E(n)·T(0) / T(n)                                speedup over plain decode
 
 ``T_verify(B)`` and ``T_draft`` are the time of one forward pass of B tokens (resp. one token
@@ -13,6 +13,8 @@ dense weights once per pass; routed experts once per *distinct* expert the B tok
 hidden-state copies host<->device wherever the pass changes device; fixed costs per layer
 and per pass. Every term is linear in one ``HardwareProfile.linear_params`` entry, so one
 feature vector serves prediction and the least-squares fit that ``offload tune`` runs.
+``T_step(n)`` is the decode loop's own per-step work outside the passes (sampling,
+acceptance, rollback, Python): ``step`` for every step plus ``spec_step`` when n > 0.
 """
 from __future__ import annotations
 
@@ -347,11 +349,12 @@ def _dot(features: Mapping[str, float], params: Mapping[str, float]) -> float:
 
 # How T(0) is split when printed: parameter name (before any ":device") -> category.
 _CATEGORY = {"cpu_read": "CPU", "cpu_compute": "CPU", "gpu_read": "GPU", "link": "copies",
-             "link_latency": "copies", "cpu_layer": "fixed", "gpu_layer": "fixed", "forward": "fixed"}
+             "link_latency": "copies", "cpu_layer": "fixed", "gpu_layer": "fixed", "forward": "fixed",
+             "step": "step", "spec_step": "step"}
 
 
 def _breakdown(features: Mapping[str, float], params: Mapping[str, float]) -> dict[str, float]:
-    out = dict.fromkeys(("CPU", "GPU", "copies", "fixed"), 0.0)
+    out = dict.fromkeys(("CPU", "GPU", "copies", "fixed", "step"), 0.0)
     for k, c in features.items():
         out[_CATEGORY[k.split(":", 1)[0]]] += c * params[k]
     return out
@@ -366,8 +369,9 @@ def forward_time(fp: ForwardFootprint, batch: int, hw: HardwareProfile, *, n_emb
 
 def predicted_decode_tps(fp: DecodeFootprint, hw: HardwareProfile, *,
                          routing: RoutingProfile | None = None) -> float:
-    """Plain decode tokens/s (no drafting): 1 / T_verify(1). Needs no draft head."""
-    return 1.0 / forward_time(fp.target, 1, hw, n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
+    """Plain decode tokens/s (no drafting): 1 / (T_verify(1) + T_step(0)). Needs no draft head."""
+    verify = forward_time(fp.target, 1, hw, n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
+    return 1.0 / (verify + hw.linear_params()["step"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +396,7 @@ class SpecRow:
 class SpecTable:
     rows: tuple[SpecRow, ...]
     draft_s: float                         # T_draft: one draft-head pass
-    verify_breakdown: dict[str, float]     # T_verify(1) = T(0) by category (CPU, GPU, copies, fixed)
+    verify_breakdown: dict[str, float]     # T(0) = T_verify(1) + T_step(0) by category (CPU, GPU, copies, fixed, step)
     acceptance: AcceptanceProfile
     routing: str                           # "uniform" or the routing profile's source
 
@@ -442,15 +446,17 @@ class SpecTable:
         return "\n".join(lines)
 
 
-def step_time(n: int, *, draft_s: float, verify_s: Sequence[float], acceptance: AcceptanceProfile) -> float:
-    """T(n) with ``verify_s[b-1]`` = T_verify(b).
+def step_time(n: int, *, draft_s: float, verify_s: Sequence[float], acceptance: AcceptanceProfile,
+              step_s: float = 0.0, spec_step_s: float = 0.0) -> float:
+    """T(n) with ``verify_s[b-1]`` = T_verify(b); ``step_s`` / ``spec_step_s``: the loop's own
+    work per step / extra per drafting step (``HardwareProfile.step_us`` / ``spec_step_us``).
 
-    With p_min = 0 this is n·T_draft + T_verify(n+1). Under p_min the drafter stops after
-    D < n tokens (the pass that fell below p_min still ran), so the expectation runs over D.
+    With p_min = 0 this is n·T_draft + T_verify(n+1) + T_step. Under p_min the drafter stops
+    after D < n tokens (the pass that fell below p_min still ran), so the expectation runs over D.
     """
     if n == 0:
-        return verify_s[0]
-    total = 0.0
+        return verify_s[0] + step_s
+    total = step_s + spec_step_s
     for d, p in enumerate(acceptance.drafted_distribution(n)):
         if p > 0:
             total += p * (min(d + 1, n) * draft_s + verify_s[d])
@@ -473,9 +479,10 @@ def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
     rows = []
     for n in range(max_n + 1):
         e = acceptance.expected_tokens(n)
-        t = step_time(n, draft_s=draft, verify_s=verify, acceptance=acceptance)
-        rows.append(SpecRow(n, e, t, e / t, e * verify[0] / t))
-    return SpecTable(tuple(rows), draft, _breakdown(feats[0], params), acceptance,
+        t = step_time(n, draft_s=draft, verify_s=verify, acceptance=acceptance,
+                      step_s=params["step"], spec_step_s=params["spec_step"])
+        rows.append(SpecRow(n, e, t, e / t, e * rows[0].step_s / t if rows else 1.0))
+    return SpecTable(tuple(rows), draft, _breakdown({**feats[0], "step": 1.0}, params), acceptance,
                      "uniform" if routing is None else routing.source)
 
 
