@@ -60,10 +60,13 @@ class Decode:
         return self.eval_s / self.steps if self.steps else 0.0
 
 
-def decode(session, prompt: Sequence[int], *, n_tokens: int, n_max: int = 0, p_min: float = 0.0) -> Decode:
-    """Greedy generation of exactly ``n_tokens`` (end-of-sequence ignored), as ``offload run``."""
+def decode(session, prompt: Sequence[int], *, n_tokens: int, n_max: int = 0, p_min: float = 0.0,
+           **generate) -> Decode:
+    """Greedy generation of exactly ``n_tokens`` (end-of-sequence ignored), as ``offload run``
+    does it (batched verify); ``generate``: further ``Session.generate`` keywords (``head``,
+    ``verify``, ``ubatch``)."""
     out = list(session.generate(list(prompt), max_tokens=n_tokens, stop_at_eos=False,
-                                n_max=n_max, p_min=p_min, verify="batched"))
+                                n_max=n_max, p_min=p_min, **{"verify": "batched", **generate}))
     s = session.stats
     return Decode(list(prompt), out, n_max, s.eval_s, s.n_steps, s.drafted, s.accepted, s.draft_s, s.verify_s,
                   list(s.accepted_per_position), list(s.drafted_per_position), list(s.reached_per_position))
@@ -296,7 +299,7 @@ def acceptance_from(runs: Sequence[Decode], n_max: int, p_min: float) -> Accepta
 
 
 def measure_acceptance(session, prompts: Sequence[Sequence[int]], *, n_max: int, p_min: float,
-                       n_tokens: int) -> tuple[AcceptanceProfile, list[Decode]]:
+                       n_tokens: int, **generate) -> tuple[AcceptanceProfile, list[Decode]]:
     """Greedy speculative decoding at ``n_max`` on each prompt → ``AcceptanceProfile``."""
-    runs = [decode(session, p, n_tokens=n_tokens, n_max=n_max, p_min=p_min) for p in prompts]
+    runs = [decode(session, p, n_tokens=n_tokens, n_max=n_max, p_min=p_min, **generate) for p in prompts]
     return acceptance_from(runs, n_max, p_min), runs

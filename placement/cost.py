@@ -525,6 +525,7 @@ class SpecProfile:
 # ---------------------------------------------------------------------------------------------
 
 DEFAULT_FREE = ("cpu_read", "forward")
+_BANDWIDTHS = ("cpu_read", "gpu_read", "link")        # inverse bandwidths: must stay > 0
 
 
 @dataclass(frozen=True)
@@ -581,6 +582,15 @@ def fit_profile(fp: DecodeFootprint, base: HardwareProfile, *, verify_s: Mapping
                            "measurements; fix some of them")
     x = _nnls(a_n, y) / scale
     fitted = dict(zip(free, (float(v) for v in x)))
+    # A bandwidth cannot be infinite: one fitted to no cost at all stays at ``base`` and the
+    # others are fitted again without it (cpu_compute = 0 is allowed: "free next to reads").
+    stuck = [p for p, v in fitted.items() if v == 0.0 and p.split(":", 1)[0] in _BANDWIDTHS]
+    if stuck:
+        rest = [p for p in free if p not in stuck]
+        if not rest:
+            raise ProfileError(f"fit: {', '.join(stuck)} fitted to no cost at all; the measurements "
+                               "do not show it")
+        return fit_profile(fp, base, verify_s=verify_s, draft_s=draft_s, free=rest, routing=routing)
     try:
         profile = base.with_linear_params(fitted, source="measured")
     except ProfileError as e:

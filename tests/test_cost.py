@@ -592,3 +592,34 @@ def test_table_dict_and_text():
     yaml.safe_dump(d)    # plain types only
     text = tab.format()
     assert text.count("\n") == 3 + 5 and "break-even n_max" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode loop's own per-step time (measured by offload tune).
+# ---------------------------------------------------------------------------------------------
+
+def test_step_overheads_enter_every_step_hand_computed():
+    # T_verify = 1 s for any B, T_draft = 0.5 s (as in test_break_even_and_best_crafted), plus
+    # 0.2 s per step and 0.3 s more per drafting step. a = (1, 1, 0): E = 1, 2, 3.
+    # T(0) = 1.2; T(1) = 0.5 + 1 + 0.5 = 2.0; T(2) = 1 + 1 + 0.5 = 2.5.
+    hw = _hand_profile(forward_us=5e5, gpu_layer_us=5e5, step_us=2e5, spec_step_us=3e5)
+    tab = speculation_table(_flat_footprint(), hw, max_n=2, acceptance=AcceptanceProfile(accept=(1.0, 1.0, 0.0)))
+    assert [r.step_s for r in tab.rows] == pytest.approx([1.2, 2.0, 2.5], rel=1e-12)
+    assert [r.speedup for r in tab.rows] == pytest.approx([1.0, 2 * 1.2 / 2.0, 3 * 1.2 / 2.5], rel=1e-12)
+    assert tab.verify_breakdown["step"] == pytest.approx(0.2, rel=1e-12)
+    assert predicted_decode_tps(_flat_footprint(), hw) == pytest.approx(1 / 1.2, rel=1e-12)
+    back = HardwareProfile.from_dict(yaml.safe_load(yaml.safe_dump(hw.to_dict())))
+    assert (back.step_us, back.spec_step_us) == (2e5, 3e5)
+    assert hw.with_linear_params({"step": 1e-3}, source="m").step_us == pytest.approx(1000.0)
+    with pytest.raises(ProfileError, match="step_us"):
+        HardwareProfile(step_us=-1.0)
+
+
+def test_fit_keeps_a_bandwidth_the_data_show_no_cost_for():
+    # Times with no CPU-read cost at all: cpu_read would fit to 1/0 GB/s; it keeps the base
+    # value and the other parameters are fitted without it.
+    fp = _hand_footprint()
+    base = _hand_profile()
+    verify = {b: 0.05 + 0.001 * b for b in range(1, 5)}
+    r = fit_profile(fp, base, verify_s=verify, free=("cpu_read", "cpu_compute", "forward"))
+    assert "cpu_read" not in r.fitted and r.profile.cpu_read_gbps == base.cpu_read_gbps

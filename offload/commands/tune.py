@@ -175,6 +175,19 @@ def _check_plan_model(args) -> None:
         raise OffloadError(f"{args.placement} is a plan for {pf.model_path}, not {args.model}")
 
 
+def _file_notes(path: str | None, plan) -> tuple[str, ...]:
+    """The plan file's own notes (loading a plan file does not carry them; writing it back
+    must not drop them)."""
+    if not path:
+        return tuple(plan.notes)
+    import yaml
+    try:
+        notes = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}).get("notes") or []
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return tuple(plan.notes)
+    return tuple(str(n) for n in notes) if isinstance(notes, list) else tuple(plan.notes)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     clock = Clock(_budget(args.budget))
@@ -216,7 +229,7 @@ def main(argv=None) -> int:
         result = tune(session, plan, model, draft, prompts, names, args, p_mins, clock)
     from placement.plan_file import plan_to_yaml
 
-    tuned = dataclasses.replace(plan, speculative=result["section"])
+    tuned = dataclasses.replace(plan, speculative=result["section"], notes=_file_notes(args.placement, plan))
     print(format_report(result))
     if out_path:
         write_atomic(out_path, plan_to_yaml(tuned))
