@@ -3,23 +3,28 @@
     offload tune [MODEL.gguf] --placement PLAN.yaml [--prompts FILE] [--max-n 6] [--budget 120s]
                  [-n 128] [--spec-p-min 0[,P...]] [-o OUT.yaml] [--json PATH] [placement flags]
 
-Phases (progress on stderr; each bounded by its share of --budget, wall time from start):
+Phases (progress on stderr; --budget is wall time from the start, load included):
 
-  1. calibrate (10 %)  greedy plain decoding of every prompt (-n tokens): the text the timed
-                       passes feed, and the plain loop's step time
-  2. passes    (15 %)  T_verify(B), B = 1..max-n+1 (target over B tokens after prompt + half
-                       the text, KV rolled back) and T_draft (one chained head step),
-                       interleaved rounds, median per kind
+  1. calibrate         greedy plain decoding of every prompt (-n tokens): the text the timed
+                       passes feed (real tokens route like real decoding)
+  2. passes (15 %)     T_verify(B), B = 1..max-n+1 (the target over B tokens after prompt +
+                       half the text, all logits, KV rolled back), T_draft (one chained head
+                       step), and short runs of the real decode loop, plain and drafting at
+                       max-n, from the same position: interleaved rounds, medians
      routing           distinct routed experts per CPU-resident MoE layer in B-token windows
-  3. acceptance(15 %)  speculative decoding at n_max = max-n on every prompt, per p_min:
+  3. acceptance        speculative decoding at n_max = max-n on every prompt, per p_min:
                        conditional acceptance a_j per draft position (and c_j under p_min)
-     fit               placement.cost.fit_profile (cpu_read, cpu_compute, cpu_layer, forward) on
-                       the pass times; per-step loop overhead = measured step − its passes
-                       (plain run → step_us, drafting run → spec_step_us); predicted n_max table
-  4. runs      (rest)  baseline and n_max = 1..min(4, max-n) plus the predicted best and its
+     fit               placement.cost.fit_profile (cpu_read, cpu_compute, cpu_layer, forward)
+                       on the pass medians; the loop's own time per step = loop step − its
+                       passes (plain → step_us, drafting → spec_step_us); the n_max table
+  4. runs (the rest)   baseline and n_max = 1..min(4, max-n) plus the predicted best and its
                        neighbours, on every prompt, interleaved (round-robin over n, order
-                       reversed every other repeat), as many repeats as the budget allows;
+                       reversed every other repeat); repeats while the budget left holds one
+                       more (at least one, so a tight budget can overrun by up to a repeat);
                        measured speedup = tokens/s(n) / tokens/s(0) of the same repeat
+
+Phases 1 and 3 are one generation per prompt each, so their time follows -n and the
+number of prompts; the pass timings take 15 % of the budget; the runs take what is left.
 
 Choice: the predicted best n_max, unless a measured n_max beats it by more than twice the
 standard error of the paired per-repeat difference (and by 1 %); then the best measured one.
@@ -50,7 +55,7 @@ from pathlib import Path
 
 from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args
-from offload.commands.run import DEFAULT_MODEL, quiet_openmp
+from offload.commands.run import quiet_openmp
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 
 DEFAULT_MAX_N = 6
@@ -58,7 +63,7 @@ DEFAULT_BUDGET_S = 120.0
 DEFAULT_TOKENS = 128
 MIN_BUDGET_S = 20.0          # below this not even one repeat of baseline vs one n_max fits
 MIN_TOKENS = 16
-SHARES = {"calibrate": 0.10, "passes": 0.15, "acceptance": 0.15}   # the rest: runs
+PASSES_SHARE = 0.15         # of --budget for the pass timings; the runs get what is left
 FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")
 RUN_ALL_UP_TO = 4            # run every n_max 1..min(4, max-n) when the budget allows
 
@@ -208,8 +213,6 @@ def main(argv=None) -> int:
     from offload.commands.run import open_cli_model
 
     torch.set_num_threads(args.torch_threads)
-    if args.model is None and not args.placement:
-        args.model = str(DEFAULT_MODEL)
     model = open_cli_model(args)
     plan, model, draft = plan_from_args(args, model)
     if plan.drafting == "none":
@@ -226,7 +229,10 @@ def main(argv=None) -> int:
             if len(ids) < 2:
                 raise OffloadError(f"{name}: a prompt needs at least 2 tokens")
         session.warmup()
-        result = tune(session, plan, model, draft, prompts, names, args, p_mins, clock)
+        try:
+            result = tune(session, plan, model, draft, prompts, names, args, p_mins, clock)
+        except ValueError as e:          # a measurement that got no sample (too short a text)
+            raise OffloadError(f"tune: {e}") from None
     from placement.plan_file import plan_to_yaml
 
     tuned = dataclasses.replace(plan, speculative=result["section"], notes=_file_notes(args.placement, plan))
@@ -270,7 +276,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     longest = max(calib, key=lambda c: len(c.tokens))
     if len(longest.tokens) < 2 * (max_n + 1):
         raise OffloadError(f"-n {n_tok} is too short for --max-n {max_n}: needs at least {2 * (max_n + 1)} tokens")
-    seconds = max(budget * SHARES["passes"] - 0.5, 0.5)
+    seconds = max(budget * PASSES_SHARE - 0.5, 0.5)
     passes = measure.time_passes(session, longest, max_batch=max_n + 1, seconds=seconds,
                                  loop_tokens=2 * (max_n + 1) + 1)
     verify_s, draft_s = passes.verify_s(), passes.draft_s()
@@ -336,7 +342,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         rep += 1
         row = _measured_rows(records, stages)
         say(f"runs: repeat {rep} ({rep_times[-1]:.1f}s): speedup "
-            + " ".join(f"n{m['n_max']} {m['speedup_mean']:.3f}" for m in row if m["n_max"]))
+            + " ".join(f"n{m['n_max']} {m['speedups'][-1]:.3f}" for m in row if m["n_max"]))
     measured = _measured_rows(records, stages)
     chosen, rule = choose(table.best.n, measured)
     load1 = os.getloadavg()[0]
