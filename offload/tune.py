@@ -79,7 +79,7 @@ def decode(session, prompt: Sequence[int], *, n_tokens: int, n_max: int = 0, p_m
 @dataclass
 class PassTimes:
     verify: dict[int, list[float]] = field(default_factory=dict)   # B -> seconds of each pass
-    draft: list[float] = field(default_factory=list)
+    draft: dict[int, list[float]] = field(default_factory=dict)    # B -> seconds of a head pass
     plain: list[Decode] = field(default_factory=list)               # short plain decoding runs
     spec: list[Decode] = field(default_factory=list)                # short drafting runs at max_n
     rounds: int = 0
@@ -87,8 +87,8 @@ class PassTimes:
     def verify_s(self) -> dict[int, float]:
         return {b: statistics.median(ts) for b, ts in sorted(self.verify.items())}
 
-    def draft_s(self) -> float:
-        return statistics.median(self.draft)
+    def draft_s(self) -> dict[int, float]:
+        return {b: statistics.median(ts) for b, ts in sorted(self.draft.items())}
 
     def spread(self) -> dict[str, float]:
         """Relative half-width of the middle 50 % per kind (how stable the medians are)."""
@@ -96,29 +96,21 @@ class PassTimes:
             q = np.percentile(ts, [25, 75])
             return float((q[1] - q[0]) / 2 / np.median(ts))
         out = {f"verify B={b}": iqr(ts) for b, ts in sorted(self.verify.items())}
-        out["draft"] = iqr(self.draft)
+        out |= {f"draft B={b}": iqr(ts) for b, ts in sorted(self.draft.items())}
         return out
 
     def loop_overheads(self) -> tuple[float, float]:
-        """(seconds per plain step outside its pass, extra seconds per drafting step outside
-        its passes): medians over the short runs, against the median pass times."""
-        verify, draft = self.verify_s(), self.draft_s()
-        step = max(statistics.median(r.step_s for r in self.plain) - verify[1], 0.0)
-        extra = [(r.eval_s - passes_in(r, verify, draft)) / r.steps - step for r in self.spec if r.steps]
-        return step, max(statistics.median(extra), 0.0) if extra else 0.0
+        """(seconds per plain step outside its passes, extra seconds per drafting step): the
+        loop's own time ``RunStats`` books neither to drafting nor to verifying (rollback,
+        bookkeeping, the generator), per step, median over the short runs.
 
-
-def passes_in(r: Decode, verify_s: dict[int, float], draft_s: float, p_min: float = 0.0) -> float:
-    """Seconds of forward passes a run made, from its per-position draft counts: a step that
-    drafted D tokens ran D head passes (one more when p_min stopped it early) and a verify
-    pass of D + 1 tokens."""
-    at_least = [r.steps] + list(r.drafted_per_position)     # steps that drafted >= d tokens
-    total = 0.0
-    for d in range(len(at_least)):
-        n_d = at_least[d] - (at_least[d + 1] if d + 1 < len(at_least) else 0)
-        heads = d + (1 if p_min > 0 and d < r.n_max else 0)
-        total += n_d * (heads * draft_s + verify_s[min(d + 1, max(verify_s))])
-    return total
+        Measured directly rather than as "step time − the timed passes": on a shared box that
+        difference of two noisy numbers came out anywhere between 0 and 6 ms per step."""
+        def rest(r: Decode) -> float:
+            return (r.eval_s - r.draft_s - r.verify_s) / r.steps
+        step = statistics.median(rest(r) for r in self.plain if r.steps)
+        extra = [rest(r) - step for r in self.spec if r.steps]
+        return max(step, 0.0), max(statistics.median(extra), 0.0) if extra else 0.0
 
 
 def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_rounds: int = 5,
@@ -131,8 +123,9 @@ def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_r
 
     The target sits after the prompt and the first half of ``calib``'s text; each round feeds
     the next B tokens of that text (logits for all B rows, as a verify pass computes them,
-    one row for B = 1, as plain decoding does) and truncates the cache back. The draft pass is
-    one chained head step: one token and the head's previous hidden state, logits of its row.
+    one row for B = 1, as plain decoding does) and truncates the cache back. A draft pass of B
+    tokens is the first head pass of a step after B - 1 accepted drafts (the B pairs of trunk
+    state and next token, logits of the last row); B = 1 is also what each chained step costs.
 
     Why the median over interleaved rounds: on a shared box a pass is sometimes preempted,
     which lengthens a few samples by a lot; the median ignores them, and interleaving spreads
@@ -146,15 +139,16 @@ def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_r
     ahead = seq[start:start + max_batch]
     if len(ahead) < max_batch:
         raise ValueError(f"calibration text too short for a verify batch of {max_batch}")
-    out = PassTimes({b: [] for b in range(1, max_batch + 1)})
+    out = PassTimes({b: [] for b in range(1, max_batch + 1)},
+                    {b: [] for b in range(1, max_batch + 1)} if head is not None else {})
     with torch.inference_mode():
         state = model.new_state(head)
         _, hidden = model.forward(torch.as_tensor(seq[:start]), state, logits="none")   # (start, n_embd)
         if head is not None:
-            # head cache entry t = (h_t, x_{t+1}); the timed chained step is entry start-1
+            # head cache entry t = (h_t, x_{t+1}); it holds entries 0..start-2, and a pass of B
+            # pairs recomputes entries start-B..start-1
             cache = state.nextn_cache
             head(torch.as_tensor(seq[1:start]), hidden[:start - 1], torch.arange(1, start), cache, logits="none")
-            h_prev = hidden[start - 1:start]
         t_end = clock() + seconds
         while out.rounds < min_rounds or clock() < t_end:
             for b in range(1, max_batch + 1):
@@ -164,11 +158,13 @@ def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_r
                 logits.float().numpy()
                 out.verify[b].append(clock() - t0)
                 state.truncate(start)
-            if head is not None:
+            for b in out.draft:
+                cache.truncate(start - b)
                 t0 = clock()
-                z, _ = head(torch.as_tensor(ahead[:1]), h_prev, torch.tensor([start]), cache, logits="last")
+                z, _ = head(torch.as_tensor(seq[start - b + 1:start + 1]), hidden[start - b:start],
+                            torch.arange(start - b + 1, start + 1), cache, logits="last")
                 int(np.argmax(z[-1].numpy()))
-                out.draft.append(clock() - t0)
+                out.draft[b].append(clock() - t0)
                 cache.truncate(start - 1)
             if loop_tokens:
                 out.plain.append(decode(session, seq[:start], n_tokens=loop_tokens))

@@ -4,6 +4,9 @@ Per step with draft length n (DESIGN.md "Break-even model"):
 
     E(n) = 1 + Σ_{i≤n} Π_{j≤i} a_j                        expected tokens per step
     T(n) = n·T_draft + T_verify(n+1) + T_step(n)           step time (p_min = 0)
+
+(With per-batch draft times the first draft pass of a step runs the previous step's 1 +
+accepted tokens through the head, as the chained MTP loop does: ``step_time``.)
     S(n) = E(n)·T(0) / T(n)                                speedup over plain decode
 
 ``T_verify(B)`` and ``T_draft`` are the time of one forward pass of B tokens (resp. one token
@@ -446,20 +449,28 @@ class SpecTable:
         return "\n".join(lines)
 
 
-def step_time(n: int, *, draft_s: float, verify_s: Sequence[float], acceptance: AcceptanceProfile,
-              step_s: float = 0.0, spec_step_s: float = 0.0) -> float:
+def step_time(n: int, *, draft_s: float | Sequence[float], verify_s: Sequence[float],
+              acceptance: AcceptanceProfile, step_s: float = 0.0, spec_step_s: float = 0.0) -> float:
     """T(n) with ``verify_s[b-1]`` = T_verify(b); ``step_s`` / ``spec_step_s``: the loop's own
     work per step / extra per drafting step (``HardwareProfile.step_us`` / ``spec_step_us``).
 
-    With p_min = 0 this is n·T_draft + T_verify(n+1) + T_step. Under p_min the drafter stops
-    after D < n tokens (the pass that fell below p_min still ran), so the expectation runs over D.
+    ``draft_s``: one draft pass, or ``draft_s[b-1]`` = a head pass over b tokens. The first
+    pass of a step runs the pairs the previous step produced (1 + its accepted drafts; their
+    distribution follows from a_j), the chained ones one token each; a scalar is used for all.
+    With p_min = 0 and a scalar this is n·T_draft + T_verify(n+1) + T_step. Under p_min the
+    drafter stops after D < n tokens (the pass that fell below p_min still ran), so the
+    expectation runs over D.
     """
     if n == 0:
         return verify_s[0] + step_s
+    per_b = [float(draft_s)] if isinstance(draft_s, (int, float)) else [float(x) for x in draft_s]
+    one = per_b[0]
+    first = sum(p * per_b[min(m, len(per_b) - 1)] for m, p in enumerate(acceptance.accepted_distribution(n)))
     total = step_s + spec_step_s
     for d, p in enumerate(acceptance.drafted_distribution(n)):
         if p > 0:
-            total += p * (min(d + 1, n) * draft_s + verify_s[d])
+            passes = min(d + 1, n)
+            total += p * (first + (passes - 1) * one + verify_s[d])
     return total
 
 
@@ -475,11 +486,12 @@ def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
     kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
     feats = [forward_features(fp.target, b, **kw) for b in range(1, max_n + 2)]
     verify = [_dot(f, params) for f in feats]
-    draft = _dot(forward_features(fp.draft, 1, **kw), params)
+    drafts = [_dot(forward_features(fp.draft, b, **kw), params) for b in range(1, max_n + 2)]
+    draft = drafts[0]
     rows = []
     for n in range(max_n + 1):
         e = acceptance.expected_tokens(n)
-        t = step_time(n, draft_s=draft, verify_s=verify, acceptance=acceptance,
+        t = step_time(n, draft_s=drafts, verify_s=verify, acceptance=acceptance,
                       step_s=params["step"], spec_step_s=params["spec_step"])
         rows.append(SpecRow(n, e, t, e / t, e * rows[0].step_s / t if rows else 1.0))
     return SpecTable(tuple(rows), draft, _breakdown({**feats[0], "step": 1.0}, params), acceptance,
@@ -540,11 +552,12 @@ class FitResult:
 
 
 def fit_profile(fp: DecodeFootprint, base: HardwareProfile, *, verify_s: Mapping[int, float],
-                draft_s: float | None = None, free: Sequence[str] = DEFAULT_FREE,
+                draft_s: float | Mapping[int, float] | None = None, free: Sequence[str] = DEFAULT_FREE,
                 routing: RoutingProfile | None = None) -> FitResult:
     """Least squares (non-negative, on relative error) for the ``free`` linear parameters.
 
-    ``verify_s`` maps batch B -> measured T_verify(B); ``draft_s`` is a measured draft pass.
+    ``verify_s`` maps batch B -> measured T_verify(B); ``draft_s`` is a measured draft pass
+    (one token), or a mapping batch B -> a measured head pass over B tokens.
     The other parameters stay at ``base``. Terms that are constant in B (per-layer and
     per-pass costs, dense reads) cannot be told apart by T_verify alone: free at most one of
     them unless the draft pass, with its different mix, is measured too.
@@ -562,7 +575,8 @@ def fit_profile(fp: DecodeFootprint, base: HardwareProfile, *, verify_s: Mapping
     if draft_s is not None:
         if fp.draft is None:
             raise FootprintError("fit: draft time given but the footprint has no draft head")
-        samples.append(("draft", forward_features(fp.draft, 1, **kw), float(draft_s)))
+        drafts = {1: draft_s} if isinstance(draft_s, (int, float)) else dict(draft_s)
+        samples += [(f"draft B={b}", forward_features(fp.draft, b, **kw), float(t)) for b, t in sorted(drafts.items())]
     if any(not (math.isfinite(t) and t > 0) for _, _, t in samples):
         raise ProfileError("fit: measured times must be positive")
     if len(samples) < len(free):

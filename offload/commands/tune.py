@@ -8,15 +8,17 @@ Phases (progress on stderr; --budget is wall time from the start, load included)
   1. calibrate         greedy plain decoding of every prompt (-n tokens): the text the timed
                        passes feed (real tokens route like real decoding)
   2. passes (15 %)     T_verify(B), B = 1..max-n+1 (the target over B tokens after prompt +
-                       half the text, all logits, KV rolled back), T_draft (one chained head
-                       step), and short runs of the real decode loop, plain and drafting at
-                       max-n, from the same position: interleaved rounds, medians
+                       half the text, all logits, KV rolled back), T_draft(B) (the head over
+                       the B pairs a step's first draft pass runs; B = 1 is a chained step),
+                       and short runs of the real decode loop, plain and drafting at max-n,
+                       from the same position: interleaved rounds, medians
      routing           distinct routed experts per CPU-resident MoE layer in B-token windows
   3. acceptance        speculative decoding at n_max = max-n on every prompt, per p_min:
                        conditional acceptance a_j per draft position (and c_j under p_min)
      fit               placement.cost.fit_profile (cpu_read, cpu_compute, cpu_layer, forward)
-                       on the pass medians; the loop's own time per step = loop step − its
-                       passes (plain → step_us, drafting → spec_step_us); the n_max table
+                       on the pass medians; the loop's own time per step (what the run stats
+                       book to neither drafting nor verifying: plain → step_us, drafting →
+                       spec_step_us); the n_max table
   4. runs (the rest)   baseline and n_max = 1..min(4, max-n) plus the predicted best and its
                        neighbours, on every prompt, interleaved (round-robin over n, order
                        reversed every other repeat); repeats while the budget left holds one
@@ -281,7 +283,8 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
                                  loop_tokens=2 * (max_n + 1) + 1)
     verify_s, draft_s = passes.verify_s(), passes.draft_s()
     say("passes: T_verify(B) " + " ".join(f"{b}:{t * 1e3:.2f}" for b, t in verify_s.items())
-        + f" ms, T_draft {draft_s * 1e3:.2f} ms, decode loop {statistics.median(r.step_s for r in passes.plain) * 1e3:.2f}"
+        + " ms, T_draft(B) " + " ".join(f"{b}:{t * 1e3:.2f}" for b, t in draft_s.items())
+        + f" ms, decode loop {statistics.median(r.step_s for r in passes.plain) * 1e3:.2f}"
         f" ms/step ({passes.rounds} rounds, {clock.elapsed() - t_phase:.1f}s)")
     routing, layers = measure.measure_routing(session, [c.prompt + c.tokens for c in calib], max_n + 1)
     cfg = session.config
@@ -372,7 +375,8 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         "calibration_step_ms": plain_step * 1e3,
         "plain_step_ms": statistics.median(r.step_s for r in passes.plain) * 1e3,
         "loop_ms": {"step": step_us / 1e3, "spec_step": spec_step_us / 1e3},
-        "verify_ms": {b: t * 1e3 for b, t in verify_s.items()}, "draft_ms": draft_s * 1e3,
+        "verify_ms": {b: t * 1e3 for b, t in verify_s.items()}, "draft_ms": {b: t * 1e3 for b, t in draft_s.items()},
+        "terms": _terms(fp, hw, routing, table.acceptance, measured),
         "pass_spread": passes.spread(), "pass_rounds": passes.rounds,
         "routing": routing.to_dict(), "routing_layers": layers, "routing_uniform": uniform,
         "acceptance": {str(p): a.to_dict() for p, a in accept.items()},
@@ -384,6 +388,29 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         "chosen_n_max": chosen, "choice": rule, "section": section, "table_text": table.format(),
         "break_even_n_max": table.break_even_n, "best_n_max": table.best.n,
     }
+
+
+def _terms(fp, hw, routing, acceptance, measured: list[dict]) -> list[dict]:
+    """Per run n_max: the predicted step split into draft passes, verify pass and the loop's
+    own time, beside what the runs' stats booked to each — which term a misprediction is in."""
+    from placement.cost import forward_time
+
+    kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
+    params = hw.linear_params()
+    out = []
+    for m in measured:
+        n = m["n_max"]
+        verify = [forward_time(fp.target, b, hw, **kw) for b in range(1, n + 2)]
+        draft = [forward_time(fp.draft, b, hw, **kw) for b in range(1, n + 2)]
+        first = sum(p * draft[k] for k, p in enumerate(acceptance.accepted_distribution(n)))
+        dist = acceptance.drafted_distribution(n)
+        d_pred = sum(p * (first + (min(d + 1, n) - 1) * draft[0]) for d, p in enumerate(dist) if p and n)
+        v_pred = sum(p * verify[d] for d, p in enumerate(dist))
+        loop = params["step"] + (params["spec_step"] if n else 0.0)
+        out.append({"n_max": n, "draft_pred": d_pred * 1e3, "draft_meas": m["draft_ms"],
+                    "verify_pred": v_pred * 1e3, "verify_meas": m["verify_ms"],
+                    "loop_pred": loop * 1e3, "loop_meas": m["step_ms"] - m["draft_ms"] - m["verify_ms"]})
+    return out
 
 
 def _fit_summary(fit) -> str:
@@ -462,7 +489,8 @@ def format_report(r: dict) -> str:
         f"offload tune: {r['model']} on {r['devices']}; {r['seconds']:.0f}s of a {r['budget_s']:g}s budget, "
         f"load average {r['load_average'][0]:.2f} -> {r['load_average'][1]:.2f}",
         "measured passes: T_verify(B) " + ", ".join(f"B={b} {t:.2f}" for b, t in r["verify_ms"].items())
-        + f" ms; T_draft {r['draft_ms']:.2f} ms; plain loop step {r['plain_step_ms']:.2f} ms (loop's own "
+        + " ms; T_draft(B) " + ", ".join(f"B={b} {t:.2f}" for b, t in r["draft_ms"].items())
+        + f" ms; plain loop step {r['plain_step_ms']:.2f} ms (loop's own "
         f"{r['loop_ms']['step']:.2f} ms, +{r['loop_ms']['spec_step']:.2f} ms when drafting)",
         "routing (distinct experts/layer, B=1..): measured " + " ".join(f"{d:.2f}" for d in r["routing"]["distinct"])
         + ", uniform " + " ".join(f"{u:.2f}" for u in r["routing_uniform"]),
@@ -483,6 +511,12 @@ def format_report(r: dict) -> str:
         lines.append(f"{n:>5} {p['expected_tokens']:>7.2f} {m['expected_tokens']:>7.2f} {p['step_ms']:>7.2f} "
                      f"{m['step_ms']:>7.2f} {p['speedup']:>7.3f} {m['speedup_mean']:>7.3f} ± {m['speedup_std']:.3f} "
                      f"{diff:>+6.1f}%")
+    lines += ["", "per-step terms, predicted / measured in the runs (ms; draft: head passes and draft "
+              "sampling, verify: the target pass and acceptance, loop: the rest):",
+              f"{'n_max':>5} {'draft':>15} {'verify':>15} {'loop':>13}"]
+    for t in r["terms"]:
+        lines.append(f"{t['n_max']:>5} {t['draft_pred']:>7.2f}/{t['draft_meas']:<7.2f} "
+                     f"{t['verify_pred']:>7.2f}/{t['verify_meas']:<7.2f} {t['loop_pred']:>6.2f}/{t['loop_meas']:<6.2f}")
     best_meas = max(r["measured"], key=lambda m: m["speedup_mean"])
     lines += [
         "",
