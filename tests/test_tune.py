@@ -24,7 +24,7 @@ import offload.runtime as rt
 from offload import tune as measure
 from offload.bench_tasks import TASKS
 from offload.commands.tune import FIT_FREE, choose, read_prompts
-from placement.cost import distinct_experts_uniform, fit_profile
+from placement.cost import fit_profile
 from placement.hardware import HardwareProfile
 from placement.speculative import plan_footprint
 from tests.nextn_split import split_nextn
@@ -116,8 +116,6 @@ def test_routing_profile_is_consistent(session):
     assert routing.n_expert == cfg.n_expert and routing.n_expert_used == cfg.n_expert_used
     # the routers are the model's own again
     assert all(not isinstance(session.model.blocks[i].ffn.router, measure._RecordingRouter) for i in layers)
-    # uniform routing is an upper bound here only in expectation; just report both exist
-    assert len([distinct_experts_uniform(cfg.n_expert, cfg.n_expert_used, b) for b in range(1, 7)]) == 6
 
 
 def test_distinct_per_batch_matches_brute_force():
