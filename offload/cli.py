@@ -14,6 +14,7 @@ COMMANDS = {
     "plan": ("offload.commands.plan", "where each tensor goes: devices, rules, auto-fit, plan YAML"),
     "run": ("offload.commands.run", "load a model by placement and generate text"),
     "bench": ("offload.commands.bench", "speculative-decoding benchmark: baseline vs MTP n_max per task"),
+    "tune": ("offload.commands.tune", "measure this box, fit the cost model, run, choose n_max for a plan"),
 }
 
 USAGE = "usage: offload COMMAND [ARGS...]\n\ncommands:\n" + "".join(

@@ -62,6 +62,13 @@ class AcceptanceProfile:
             total += run
         return total
 
+    def accepted_distribution(self, n: int) -> list[float]:
+        """P(A = m) for m = 0..n: drafts a step with cap n accepts (so it yields m + 1 tokens)."""
+        reach = [1.0]                         # P(A >= m)
+        for j in range(1, n + 1):
+            reach.append(reach[-1] * self.a(j))
+        return [reach[m] - (reach[m + 1] if m < n else 0.0) for m in range(n + 1)]
+
     def drafted_distribution(self, n: int) -> list[float]:
         """P(D = d) for d = 0..n: tokens actually drafted when the cap is n."""
         at_least = [1.0]                      # P(D >= d)

@@ -3,7 +3,10 @@
 Per step with draft length n (DESIGN.md "Break-even model"):
 
     E(n) = 1 + Σ_{i≤n} Π_{j≤i} a_j                        expected tokens per step
-    T(n) = n·T_draft + T_verify(n+1)                       step time (p_min = 0)
+    T(n) = n·T_draft + T_verify(n+1) + T_step(n)           step time (p_min = 0)
+
+(With per-batch draft times the first draft pass of a step runs the previous step's 1 +
+accepted tokens through the head, as the chained MTP loop does: ``step_time``.)
     S(n) = E(n)·T(0) / T(n)                                speedup over plain decode
 
 ``T_verify(B)`` and ``T_draft`` are the time of one forward pass of B tokens (resp. one token
@@ -13,6 +16,8 @@ dense weights once per pass; routed experts once per *distinct* expert the B tok
 hidden-state copies host<->device wherever the pass changes device; fixed costs per layer
 and per pass. Every term is linear in one ``HardwareProfile.linear_params`` entry, so one
 feature vector serves prediction and the least-squares fit that ``offload tune`` runs.
+``T_step(n)`` is the decode loop's own per-step work outside the passes (sampling,
+acceptance, rollback, Python): ``step`` for every step plus ``spec_step`` when n > 0.
 """
 from __future__ import annotations
 
@@ -347,11 +352,12 @@ def _dot(features: Mapping[str, float], params: Mapping[str, float]) -> float:
 
 # How T(0) is split when printed: parameter name (before any ":device") -> category.
 _CATEGORY = {"cpu_read": "CPU", "cpu_compute": "CPU", "gpu_read": "GPU", "link": "copies",
-             "link_latency": "copies", "cpu_layer": "fixed", "gpu_layer": "fixed", "forward": "fixed"}
+             "link_latency": "copies", "cpu_layer": "fixed", "gpu_layer": "fixed", "forward": "fixed",
+             "step": "step", "spec_step": "step"}
 
 
 def _breakdown(features: Mapping[str, float], params: Mapping[str, float]) -> dict[str, float]:
-    out = dict.fromkeys(("CPU", "GPU", "copies", "fixed"), 0.0)
+    out = dict.fromkeys(("CPU", "GPU", "copies", "fixed", "step"), 0.0)
     for k, c in features.items():
         out[_CATEGORY[k.split(":", 1)[0]]] += c * params[k]
     return out
@@ -366,8 +372,9 @@ def forward_time(fp: ForwardFootprint, batch: int, hw: HardwareProfile, *, n_emb
 
 def predicted_decode_tps(fp: DecodeFootprint, hw: HardwareProfile, *,
                          routing: RoutingProfile | None = None) -> float:
-    """Plain decode tokens/s (no drafting): 1 / T_verify(1). Needs no draft head."""
-    return 1.0 / forward_time(fp.target, 1, hw, n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
+    """Plain decode tokens/s (no drafting): 1 / (T_verify(1) + T_step(0)). Needs no draft head."""
+    verify = forward_time(fp.target, 1, hw, n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
+    return 1.0 / (verify + hw.linear_params()["step"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +399,7 @@ class SpecRow:
 class SpecTable:
     rows: tuple[SpecRow, ...]
     draft_s: float                         # T_draft: one draft-head pass
-    verify_breakdown: dict[str, float]     # T_verify(1) = T(0) by category (CPU, GPU, copies, fixed)
+    verify_breakdown: dict[str, float]     # T(0) = T_verify(1) + T_step(0) by category (CPU, GPU, copies, fixed, step)
     acceptance: AcceptanceProfile
     routing: str                           # "uniform" or the routing profile's source
 
@@ -442,18 +449,28 @@ class SpecTable:
         return "\n".join(lines)
 
 
-def step_time(n: int, *, draft_s: float, verify_s: Sequence[float], acceptance: AcceptanceProfile) -> float:
-    """T(n) with ``verify_s[b-1]`` = T_verify(b).
+def step_time(n: int, *, draft_s: float | Sequence[float], verify_s: Sequence[float],
+              acceptance: AcceptanceProfile, step_s: float = 0.0, spec_step_s: float = 0.0) -> float:
+    """T(n) with ``verify_s[b-1]`` = T_verify(b); ``step_s`` / ``spec_step_s``: the loop's own
+    work per step / extra per drafting step (``HardwareProfile.step_us`` / ``spec_step_us``).
 
-    With p_min = 0 this is n·T_draft + T_verify(n+1). Under p_min the drafter stops after
-    D < n tokens (the pass that fell below p_min still ran), so the expectation runs over D.
+    ``draft_s``: one draft pass, or ``draft_s[b-1]`` = a head pass over b tokens. The first
+    pass of a step runs the pairs the previous step produced (1 + its accepted drafts; their
+    distribution follows from a_j), the chained ones one token each; a scalar is used for all.
+    With p_min = 0 and a scalar this is n·T_draft + T_verify(n+1) + T_step. Under p_min the
+    drafter stops after D < n tokens (the pass that fell below p_min still ran), so the
+    expectation runs over D.
     """
     if n == 0:
-        return verify_s[0]
-    total = 0.0
+        return verify_s[0] + step_s
+    per_b = [float(draft_s)] if isinstance(draft_s, (int, float)) else [float(x) for x in draft_s]
+    one = per_b[0]
+    first = sum(p * per_b[min(m, len(per_b) - 1)] for m, p in enumerate(acceptance.accepted_distribution(n)))
+    total = step_s + spec_step_s
     for d, p in enumerate(acceptance.drafted_distribution(n)):
         if p > 0:
-            total += p * (min(d + 1, n) * draft_s + verify_s[d])
+            passes = min(d + 1, n)
+            total += p * (first + (passes - 1) * one + verify_s[d])
     return total
 
 
@@ -469,13 +486,15 @@ def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
     kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
     feats = [forward_features(fp.target, b, **kw) for b in range(1, max_n + 2)]
     verify = [_dot(f, params) for f in feats]
-    draft = _dot(forward_features(fp.draft, 1, **kw), params)
+    drafts = [_dot(forward_features(fp.draft, b, **kw), params) for b in range(1, max_n + 2)]
+    draft = drafts[0]
     rows = []
     for n in range(max_n + 1):
         e = acceptance.expected_tokens(n)
-        t = step_time(n, draft_s=draft, verify_s=verify, acceptance=acceptance)
-        rows.append(SpecRow(n, e, t, e / t, e * verify[0] / t))
-    return SpecTable(tuple(rows), draft, _breakdown(feats[0], params), acceptance,
+        t = step_time(n, draft_s=drafts, verify_s=verify, acceptance=acceptance,
+                      step_s=params["step"], spec_step_s=params["spec_step"])
+        rows.append(SpecRow(n, e, t, e / t, e * rows[0].step_s / t if rows else 1.0))
+    return SpecTable(tuple(rows), draft, _breakdown({**feats[0], "step": 1.0}, params), acceptance,
                      "uniform" if routing is None else routing.source)
 
 
@@ -518,6 +537,7 @@ class SpecProfile:
 # ---------------------------------------------------------------------------------------------
 
 DEFAULT_FREE = ("cpu_read", "forward")
+_BANDWIDTHS = ("cpu_read", "gpu_read", "link")        # inverse bandwidths: must stay > 0
 
 
 @dataclass(frozen=True)
@@ -532,11 +552,12 @@ class FitResult:
 
 
 def fit_profile(fp: DecodeFootprint, base: HardwareProfile, *, verify_s: Mapping[int, float],
-                draft_s: float | None = None, free: Sequence[str] = DEFAULT_FREE,
+                draft_s: float | Mapping[int, float] | None = None, free: Sequence[str] = DEFAULT_FREE,
                 routing: RoutingProfile | None = None) -> FitResult:
     """Least squares (non-negative, on relative error) for the ``free`` linear parameters.
 
-    ``verify_s`` maps batch B -> measured T_verify(B); ``draft_s`` is a measured draft pass.
+    ``verify_s`` maps batch B -> measured T_verify(B); ``draft_s`` is a measured draft pass
+    (one token), or a mapping batch B -> a measured head pass over B tokens.
     The other parameters stay at ``base``. Terms that are constant in B (per-layer and
     per-pass costs, dense reads) cannot be told apart by T_verify alone: free at most one of
     them unless the draft pass, with its different mix, is measured too.
@@ -554,7 +575,8 @@ def fit_profile(fp: DecodeFootprint, base: HardwareProfile, *, verify_s: Mapping
     if draft_s is not None:
         if fp.draft is None:
             raise FootprintError("fit: draft time given but the footprint has no draft head")
-        samples.append(("draft", forward_features(fp.draft, 1, **kw), float(draft_s)))
+        drafts = {1: draft_s} if isinstance(draft_s, (int, float)) else dict(draft_s)
+        samples += [(f"draft B={b}", forward_features(fp.draft, b, **kw), float(t)) for b, t in sorted(drafts.items())]
     if any(not (math.isfinite(t) and t > 0) for _, _, t in samples):
         raise ProfileError("fit: measured times must be positive")
     if len(samples) < len(free):
@@ -574,6 +596,15 @@ def fit_profile(fp: DecodeFootprint, base: HardwareProfile, *, verify_s: Mapping
                            "measurements; fix some of them")
     x = _nnls(a_n, y) / scale
     fitted = dict(zip(free, (float(v) for v in x)))
+    # A bandwidth cannot be infinite: one fitted to no cost at all stays at ``base`` and the
+    # others are fitted again without it (cpu_compute = 0 is allowed: "free next to reads").
+    stuck = [p for p, v in fitted.items() if v == 0.0 and p.split(":", 1)[0] in _BANDWIDTHS]
+    if stuck:
+        rest = [p for p in free if p not in stuck]
+        if not rest:
+            raise ProfileError(f"fit: {', '.join(stuck)} fitted to no cost at all; the measurements "
+                               "do not show it")
+        return fit_profile(fp, base, verify_s=verify_s, draft_s=draft_s, free=rest, routing=routing)
     try:
         profile = base.with_linear_params(fitted, source="measured")
     except ProfileError as e:

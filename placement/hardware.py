@@ -76,6 +76,10 @@ DEFAULT_LINK_LATENCY_US = 15.0   # one synchronous host<->device copy of a hidde
 DEFAULT_CPU_LAYER_US = 50.0      # Numba call, thread fork/join, grouping tokens by expert
 DEFAULT_GPU_LAYER_US = 100.0     # ~20-30 eager torch ops per layer at a few us each
 DEFAULT_FORWARD_US = 1000.0      # embedding, sampling, host sync, Python per forward pass
+# Per decode step, outside the forward passes (acceptance, cache rollback, the loop itself):
+# no prior (0); `offload tune` measures it as a step's wall time minus its passes.
+DEFAULT_STEP_US = 0.0
+DEFAULT_SPEC_STEP_US = 0.0       # extra per step when drafting (draft bookkeeping)
 
 
 def cpu_read_gbps_from_memory(channels: int, mt_per_s: float, *,
@@ -116,7 +120,8 @@ def gpu_profile(nvml_name: str) -> GpuProfile:
 
 _GPU_DEVICE = re.compile(r"CUDA\d+")
 _FIELDS = ("cpu_read_gbps", "cpu_compute_gbps", "link_latency_us", "cpu_layer_us",
-           "gpu_layer_us", "forward_us", "gpus", "source")
+           "gpu_layer_us", "forward_us", "step_us", "spec_step_us", "gpus", "source")
+_FIXED_US = ("link_latency_us", "cpu_layer_us", "gpu_layer_us", "forward_us", "step_us", "spec_step_us")
 _GPU_FIELDS = ("name", "read_gbps", "link_gbps", "source")
 
 
@@ -127,6 +132,9 @@ class HardwareProfile:
     ``cpu_compute_gbps`` is weight bytes the CPU expert kernels process per second *per
     token row* (dequantize + dot); None means compute is free next to the memory read,
     which holds for the small batches of a verify step on a memory-bound box.
+    ``step_us`` is the time of one decode step outside its forward passes (sampling,
+    acceptance, cache rollback, the Python loop), ``spec_step_us`` what a step that drafts
+    adds to it (draft sampling and head-cache bookkeeping).
     """
 
     cpu_read_gbps: float = DEFAULT_CPU_READ_GBPS
@@ -136,13 +144,15 @@ class HardwareProfile:
     cpu_layer_us: float = DEFAULT_CPU_LAYER_US
     gpu_layer_us: float = DEFAULT_GPU_LAYER_US
     forward_us: float = DEFAULT_FORWARD_US
+    step_us: float = DEFAULT_STEP_US
+    spec_step_us: float = DEFAULT_SPEC_STEP_US
     source: str = "defaults"
 
     def __post_init__(self) -> None:
         _check_positive("cpu_read_gbps", self.cpu_read_gbps)
         if self.cpu_compute_gbps is not None:
             _check_positive("cpu_compute_gbps", self.cpu_compute_gbps)
-        for name in ("link_latency_us", "cpu_layer_us", "gpu_layer_us", "forward_us"):
+        for name in _FIXED_US:
             _check_non_negative(name, getattr(self, name))
         for dev, gpu in self.gpus.items():
             if not _GPU_DEVICE.fullmatch(dev):
@@ -168,6 +178,8 @@ class HardwareProfile:
             "cpu_layer": self.cpu_layer_us * 1e-6,
             "gpu_layer": self.gpu_layer_us * 1e-6,
             "forward": self.forward_us * 1e-6,
+            "step": self.step_us * 1e-6,
+            "spec_step": self.spec_step_us * 1e-6,
         }
         for dev, gpu in self.gpus.items():
             p[f"gpu_read:{dev}"] = 1.0 / (gpu.read_gbps * 1e9)
@@ -193,6 +205,8 @@ class HardwareProfile:
             cpu_layer_us=p["cpu_layer"] * 1e6,
             gpu_layer_us=p["gpu_layer"] * 1e6,
             forward_us=p["forward"] * 1e6,
+            step_us=p["step"] * 1e6,
+            spec_step_us=p["spec_step"] * 1e6,
             source=source,
         )
 
@@ -207,6 +221,8 @@ class HardwareProfile:
             "cpu_layer_us": self.cpu_layer_us,
             "gpu_layer_us": self.gpu_layer_us,
             "forward_us": self.forward_us,
+            "step_us": self.step_us,
+            "spec_step_us": self.spec_step_us,
             "gpus": {dev: gpu.to_dict() for dev, gpu in self.gpus.items()},
         }
 
@@ -218,7 +234,7 @@ class HardwareProfile:
             raise ProfileError("hardware profile: expected a mapping")
         _reject_unknown("hardware profile", d, _FIELDS)
         kw: dict = {}
-        for key in ("cpu_read_gbps", "link_latency_us", "cpu_layer_us", "gpu_layer_us", "forward_us"):
+        for key in ("cpu_read_gbps",) + _FIXED_US:
             if key in d:
                 kw[key] = _number(f"hardware profile: {key}", d[key])
         if d.get("cpu_compute_gbps") is not None:

@@ -7,6 +7,11 @@ measured one and adds what it measured. The section's keys:
     source: predicted | tune
     predicted_plain_tps, break_even_n_max, best_n_max, predicted_speedup, draft_ms, routing, rows
     profile: {hardware, acceptance, routing}     (``SpecProfile``)
+
+and, written by ``offload tune`` (kept by later refreshes): measured_speedup (of the chosen
+n_max), measured_best_n_max, choice (the rule that picked n_max), measured_rows (per n_max:
+tokens/s and speedup mean ± std over repeats, tokens per step, step / draft / verify ms),
+tune (date, budget, seconds, prompts, tokens per run, repeats, load average).
 """
 from __future__ import annotations
 

@@ -166,14 +166,19 @@ def test_speculation_table_hand_computed():
          for b, u in ((1, 2), (2, 3), (3, 3.5))]
     d = 0.043
     e = [1.0, 1.5, 1.75]                       # 1, 1 + 0.5, 1 + 0.5 + 0.25
-    t = [v[0], d + v[1], 2 * d + v[2]]
+    # The first draft pass of a step runs the 1 + accepted pairs of the previous step: a head
+    # pass over b tokens reads U(b) experts on CUDA0 (0.001 s each): 0.043, 0.044, 0.0445 for
+    # b = 1, 2, 3. Accepted drafts: n = 1 -> 0 or 1 (1/2 each); n = 2 -> 0, 1, 2 (1/2, 1/4, 1/4).
+    first1 = 0.5 * 0.043 + 0.5 * 0.044
+    first2 = 0.5 * 0.043 + 0.25 * 0.044 + 0.25 * 0.0445
+    t = [v[0], first1 + v[1], first2 + d + v[2]]
     for n, row in enumerate(tab.rows):
         assert row.expected_tokens == pytest.approx(e[n], rel=1e-12)
         assert row.step_s == pytest.approx(t[n], rel=1e-12)
         assert row.tokens_per_s == pytest.approx(e[n] / t[n], rel=1e-12)
         assert row.speedup == pytest.approx(e[n] * v[0] / t[n], rel=1e-12)
-    # S(1) = 1.5 x 0.096002 / 0.159004 = 0.906 < 1: expert reads grow faster than tokens gained.
-    assert tab.rows[1].speedup == pytest.approx(0.9056, abs=1e-4)
+    # S(1) = 1.5 x 0.096002 / 0.159504 = 0.903 < 1: expert reads grow faster than tokens gained.
+    assert tab.rows[1].speedup == pytest.approx(0.9028, abs=1e-4)
     assert tab.break_even_n == 0 and tab.best.n == 0
     assert tab.draft_s == pytest.approx(d, rel=1e-12)
 
@@ -207,6 +212,16 @@ def test_break_even_and_best_crafted():
     slow = speculation_table(_flat_footprint(), _hand_profile(forward_us=2e6, gpu_layer_us=0.0),
                              acceptance=AcceptanceProfile(accept=(0.5,)), max_n=4)
     assert slow.break_even_n == 0 and slow.best.n == 0
+
+
+def test_first_draft_pass_runs_the_previous_steps_tokens():
+    # a = (0.5, 0.5): A = 0, 1, 2 accepted with 1/2, 1/4, 1/4 at cap 2; head passes over
+    # b = 1, 2, 3 tokens cost 1, 2, 3 s: first pass 0.5 + 0.5 + 0.75 = 1.75, chained 1.
+    acc = AcceptanceProfile(accept=(0.5, 0.5))
+    assert acc.accepted_distribution(2) == pytest.approx([0.5, 0.25, 0.25])
+    assert step_time(2, draft_s=[1.0, 2.0, 3.0], verify_s=[10.0, 10.0, 10.0], acceptance=acc) == \
+        pytest.approx(1.75 + 1.0 + 10.0, rel=1e-12)
+    assert step_time(2, draft_s=1.0, verify_s=[10.0, 10.0, 10.0], acceptance=acc) == pytest.approx(12.0)
 
 
 def test_step_time_with_p_min_early_stop():
@@ -592,3 +607,34 @@ def test_table_dict_and_text():
     yaml.safe_dump(d)    # plain types only
     text = tab.format()
     assert text.count("\n") == 3 + 5 and "break-even n_max" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode loop's own per-step time (measured by offload tune).
+# ---------------------------------------------------------------------------------------------
+
+def test_step_overheads_enter_every_step_hand_computed():
+    # T_verify = 1 s for any B, T_draft = 0.5 s (as in test_break_even_and_best_crafted), plus
+    # 0.2 s per step and 0.3 s more per drafting step. a = (1, 1, 0): E = 1, 2, 3.
+    # T(0) = 1.2; T(1) = 0.5 + 1 + 0.5 = 2.0; T(2) = 1 + 1 + 0.5 = 2.5.
+    hw = _hand_profile(forward_us=5e5, gpu_layer_us=5e5, step_us=2e5, spec_step_us=3e5)
+    tab = speculation_table(_flat_footprint(), hw, max_n=2, acceptance=AcceptanceProfile(accept=(1.0, 1.0, 0.0)))
+    assert [r.step_s for r in tab.rows] == pytest.approx([1.2, 2.0, 2.5], rel=1e-12)
+    assert [r.speedup for r in tab.rows] == pytest.approx([1.0, 2 * 1.2 / 2.0, 3 * 1.2 / 2.5], rel=1e-12)
+    assert tab.verify_breakdown["step"] == pytest.approx(0.2, rel=1e-12)
+    assert predicted_decode_tps(_flat_footprint(), hw) == pytest.approx(1 / 1.2, rel=1e-12)
+    back = HardwareProfile.from_dict(yaml.safe_load(yaml.safe_dump(hw.to_dict())))
+    assert (back.step_us, back.spec_step_us) == (2e5, 3e5)
+    assert hw.with_linear_params({"step": 1e-3}, source="m").step_us == pytest.approx(1000.0)
+    with pytest.raises(ProfileError, match="step_us"):
+        HardwareProfile(step_us=-1.0)
+
+
+def test_fit_keeps_a_bandwidth_the_data_show_no_cost_for():
+    # Times with no CPU-read cost at all: cpu_read would fit to 1/0 GB/s; it keeps the base
+    # value and the other parameters are fitted without it.
+    fp = _hand_footprint()
+    base = _hand_profile()
+    verify = {b: 0.05 + 0.001 * b for b in range(1, 5)}
+    r = fit_profile(fp, base, verify_s=verify, free=("cpu_read", "cpu_compute", "forward"))
+    assert "cpu_read" not in r.fitted and r.profile.cpu_read_gbps == base.cpu_read_gbps

@@ -1,0 +1,529 @@
+"""``offload tune``: measure this box, fit the speculative cost model, run it, choose n_max.
+
+    offload tune [MODEL.gguf] --placement PLAN.yaml [--prompts FILE] [--max-n 6] [--budget 120s]
+                 [-n 128] [--spec-p-min 0[,P...]] [-o OUT.yaml] [--json PATH] [placement flags]
+
+Phases (progress on stderr; --budget is wall time from the start, load included):
+
+  1. calibrate         greedy plain decoding of every prompt (-n tokens): the text the timed
+                       passes feed (real tokens route like real decoding)
+  2. passes (15 %)     T_verify(B), B = 1..max-n+1 (the target over B tokens after prompt +
+                       half the text, all logits, KV rolled back), T_draft(B) (the head over
+                       the B pairs a step's first draft pass runs; B = 1 is a chained step),
+                       and short runs of the real decode loop, plain and drafting at max-n,
+                       from the same position: interleaved rounds, medians
+     routing           distinct routed experts per CPU-resident MoE layer in B-token windows
+  3. acceptance        speculative decoding at n_max = max-n on every prompt, per p_min:
+                       conditional acceptance a_j per draft position (and c_j under p_min)
+     fit               placement.cost.fit_profile (cpu_read, cpu_compute, cpu_layer, forward)
+                       on the pass medians; the loop's own time per step (what the run stats
+                       book to neither drafting nor verifying: plain → step_us, drafting →
+                       spec_step_us); the n_max table
+  4. runs (the rest)   baseline and n_max = 1..min(4, max-n) plus the predicted best and its
+                       neighbours, on every prompt, interleaved (round-robin over n, order
+                       reversed every other repeat); repeats while the budget left holds one
+                       more (at least one, so a tight budget can overrun by up to a repeat);
+                       measured speedup = tokens/s(n) / tokens/s(0) of the same repeat
+
+Phases 1 and 3 are one generation per prompt each, so their time follows -n and the
+number of prompts; the pass timings take 15 % of the budget; the runs take what is left.
+
+Choice: the predicted best n_max, unless a measured n_max beats it by more than twice the
+standard error of the paired per-repeat difference (and by 1 %); then the best measured one.
+With several --spec-p-min values the p_min whose predicted best is highest is run and chosen.
+
+Output: predicted vs measured per n_max on stdout; the plan's ``speculative`` section
+(n_max, p_min, source: tune, the predicted table, the measured rows, the fitted profile) is
+written to -o, else back into --placement's file (atomic; other sections untouched). Without
+--placement the plan is made on the fly from the placement flags (as ``offload run`` does)
+and is written only with -o. ``offload run --placement`` then drafts with the chosen n_max.
+
+Prompts: the bench tasks (code, extract, story) by default; --prompts FILE holds one prompt
+per paragraph (blank-line separated), or, when the file has lines that are exactly ``---``,
+the text between those lines (so prompts may contain blank lines). Decoding is greedy.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from offload.bench_tasks import TASKS
+from offload.commands.plan import add_placement_arguments, plan_from_args
+from offload.commands.run import quiet_openmp
+from offload.errors import ArgumentParser, OffloadError, write_atomic
+
+DEFAULT_MAX_N = 6
+DEFAULT_BUDGET_S = 120.0
+DEFAULT_TOKENS = 128
+MIN_BUDGET_S = 20.0          # below this not even one repeat of baseline vs one n_max fits
+MIN_TOKENS = 16
+PASSES_SHARE = 0.15         # of --budget for the pass timings; the runs get what is left
+FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")
+RUN_ALL_UP_TO = 4            # run every n_max 1..min(4, max-n) when the budget allows
+
+
+def _budget(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min)?\s*", text)
+    if not m:
+        raise OffloadError(f"--budget: {text!r} is not a duration (e.g. 120, 120s, 5m)")
+    value = float(m.group(1)) * (60.0 if m.group(2) in ("m", "min") else 1.0)
+    if value < MIN_BUDGET_S:
+        raise OffloadError(f"--budget {text} is too small to measure anything: tune needs at least "
+                           f"{MIN_BUDGET_S:g}s")
+    return value
+
+
+def _p_mins(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0.0 <= v < 1.0 for v in values):
+        raise OffloadError(f"--spec-p-min: {text!r} is not a comma list of numbers in [0, 1)")
+    return sorted(set(values))
+
+
+def read_prompts(path: str) -> list[str]:
+    """One prompt per paragraph, or the text between ``---`` lines when the file has any."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise OffloadError(f"--prompts {path}: not UTF-8 text") from None
+    except OSError as e:
+        raise OffloadError(f"--prompts {path}: {e.strerror}") from None
+    lines = text.splitlines()
+    if any(line == "---" for line in lines):
+        parts, cur = [], []
+        for line in lines:
+            if line == "---":
+                parts.append("\n".join(cur))
+                cur = []
+            else:
+                cur.append(line)
+        parts.append("\n".join(cur))
+    else:
+        parts = re.split(r"\n\s*\n", text)
+    prompts = [p.strip("\n") for p in parts if p.strip()]
+    if not prompts:
+        raise OffloadError(f"--prompts {path}: no prompt in the file")
+    return prompts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="offload tune", description=__doc__.split("\n\n")[0].replace("``", ""),
+                       epilog=__doc__.split("\n\n", 2)[2].replace("``", ""),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF file (default: the --placement plan's model, else the shipped tiny glm4moe model)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="calibration prompts: one per paragraph, or separated by '---' lines "
+                        "(default: the bench tasks code, extract, story)")
+    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, metavar="N",
+                   help=f"largest draft length measured and predicted (default {DEFAULT_MAX_N})")
+    p.add_argument("--budget", default=f"{DEFAULT_BUDGET_S:g}s", metavar="SECONDS",
+                   help=f"wall time for the whole tune, load included: 120, 120s, 5m "
+                        f"(default {DEFAULT_BUDGET_S:g}s; at least {MIN_BUDGET_S:g}s)")
+    p.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=DEFAULT_TOKENS,
+                   help=f"tokens generated per prompt in calibration, acceptance and runs (default "
+                        f"{DEFAULT_TOKENS}; acceptance depends on it, so all phases use the same)")
+    p.add_argument("--spec-p-min", default="0", metavar="P[,P...]",
+                   help="draft p_min value(s) to measure acceptance for and choose among (default 0)")
+    p.add_argument("-o", "--output", metavar="OUT.yaml",
+                   help="write the tuned plan here (default: back into --placement's file; without "
+                        "--placement nothing is written unless -o is given)")
+    p.add_argument("--json", metavar="PATH", help="write every measurement, the fit and both tables as JSON")
+    p.add_argument("--virtual-gpus", action="store_true",
+                   help="back the plan's CUDA devices with the CPU (testing without a GPU)")
+    p.add_argument("--gpu-dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
+                   help="compute dtype of GPU-resident weights (as for offload run)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads for the CPU expert kernels")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op CPU threads (default 1)")
+    add_placement_arguments(p)
+    return p
+
+
+class Clock:
+    """Wall time since the start of the command, and each phase's deadline."""
+
+    def __init__(self, budget: float):
+        self.t0, self.budget = time.perf_counter(), budget
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return self.budget - self.elapsed()
+
+
+def say(msg: str) -> None:
+    print(f"offload tune: {msg}", file=sys.stderr, flush=True)
+
+
+def _check_plan_model(args) -> None:
+    """A positional model and a plan made for another model: refuse (tune writes the plan)."""
+    if not (args.model and args.placement):
+        return
+    from placement.plan_file import load_plan_file
+    try:
+        text = Path(args.placement).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OffloadError(f"{args.placement}: cannot read plan file "
+                           f"({getattr(exc, 'strerror', None) or exc})") from None
+    pf = load_plan_file(text, args.placement)
+    if Path(pf.model_path).resolve() != Path(args.model).resolve():
+        raise OffloadError(f"{args.placement} is a plan for {pf.model_path}, not {args.model}")
+
+
+def _file_notes(path: str | None, plan) -> tuple[str, ...]:
+    """The plan file's own notes (loading a plan file does not carry them; writing it back
+    must not drop them)."""
+    if not path:
+        return tuple(plan.notes)
+    import yaml
+    try:
+        notes = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}).get("notes") or []
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return tuple(plan.notes)
+    return tuple(str(n) for n in notes) if isinstance(notes, list) else tuple(plan.notes)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    clock = Clock(_budget(args.budget))
+    if args.max_n < 1:
+        raise OffloadError(f"--max-n must be >= 1, got {args.max_n}")
+    if args.n_predict < MIN_TOKENS:
+        raise OffloadError(f"-n must be >= {MIN_TOKENS} (acceptance needs a few steps), got {args.n_predict}")
+    if args.torch_threads < 1:
+        raise OffloadError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    p_mins = _p_mins(args.spec_p_min)
+    texts = read_prompts(args.prompts) if args.prompts else list(TASKS.values())
+    names = [f"prompt {i + 1}" for i in range(len(texts))] if args.prompts else list(TASKS)
+    _check_plan_model(args)
+    quiet_openmp()
+    import torch
+
+    from offload import runtime
+    from offload.commands.run import open_cli_model
+
+    torch.set_num_threads(args.torch_threads)
+    model = open_cli_model(args)
+    plan, model, draft = plan_from_args(args, model)
+    if plan.drafting == "none":
+        raise OffloadError(f"{plan.model_path} has no NextN (MTP) block to draft with; give --draft MTP.gguf")
+    out_path = args.output or args.placement
+    session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
+                                threads=args.threads, progress=True)
+    with session:
+        prompts = [session.tokenize(t) for t in texts]
+        for name, ids in zip(names, prompts):
+            if len(ids) + args.n_predict > plan.settings.ctx:
+                raise OffloadError(f"{name}: {len(ids)} tokens + -n {args.n_predict} exceed the plan's "
+                                   f"context of {plan.settings.ctx} (shorten it or lower -n)")
+            if len(ids) < 2:
+                raise OffloadError(f"{name}: a prompt needs at least 2 tokens")
+        session.warmup()
+        try:
+            result = tune(session, plan, model, draft, prompts, names, args, p_mins, clock)
+        except ValueError as e:          # a measurement that got no sample (too short a text)
+            raise OffloadError(f"tune: {e}") from None
+    from placement.plan_file import plan_to_yaml
+
+    tuned = dataclasses.replace(plan, speculative=result["section"], notes=_file_notes(args.placement, plan))
+    print(format_report(result))
+    if out_path:
+        write_atomic(out_path, plan_to_yaml(tuned))
+        say(f"wrote n_max {result['section']['n_max']}, p_min {result['section']['p_min']:g} into {out_path}")
+    else:
+        say("no plan written (give -o PLAN.yaml, or tune a --placement file)")
+    if args.json:
+        write_atomic(args.json, json.dumps({k: v for k, v in result.items()}, indent=1, default=float) + "\n")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The phases.
+# ---------------------------------------------------------------------------------------------
+
+def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock) -> dict:
+    from offload import tune as measure
+    from placement.cost import (SpecProfile, best_over_p_min, distinct_experts_uniform, fit_profile,
+                                speculation_table)
+    from placement.speculative import default_profile, plan_footprint, predict
+
+    max_n, n_tok = args.max_n, args.n_predict
+    budget = clock.budget
+    load0 = os.getloadavg()[0]
+    say(f"{Path(plan.model_path).name}, {session.devices.describe()}; budget {budget:g}s, "
+        f"{len(prompts)} prompts x {n_tok} tokens, max-n {max_n}; load average {load0:.2f} on "
+        f"{os.cpu_count()} cores (loaded in {clock.elapsed():.1f}s)")
+
+    # 1. calibration: plain greedy decoding (the text and the plain loop's step time)
+    t_phase = clock.elapsed()
+    calib = [measure.decode(session, p, n_tokens=n_tok) for p in prompts]
+    plain_step = sum(c.eval_s for c in calib) / sum(c.steps for c in calib)
+    say(f"calibrate: plain decoding {sum(c.produced for c in calib)} tokens, {plain_step * 1e3:.2f} ms/step "
+        f"({clock.elapsed() - t_phase:.1f}s)")
+
+    # 2. pass timings and routing
+    t_phase = clock.elapsed()
+    longest = max(calib, key=lambda c: len(c.tokens))
+    if len(longest.tokens) < 2 * (max_n + 1):
+        raise OffloadError(f"-n {n_tok} is too short for --max-n {max_n}: needs at least {2 * (max_n + 1)} tokens")
+    seconds = max(budget * PASSES_SHARE - 0.5, 0.5)
+    passes = measure.time_passes(session, longest, max_batch=max_n + 1, seconds=seconds,
+                                 loop_tokens=2 * (max_n + 1) + 1)
+    verify_s, draft_s = passes.verify_s(), passes.draft_s()
+    say("passes: T_verify(B) " + " ".join(f"{b}:{t * 1e3:.2f}" for b, t in verify_s.items())
+        + " ms, T_draft(B) " + " ".join(f"{b}:{t * 1e3:.2f}" for b, t in draft_s.items())
+        + f" ms, decode loop {statistics.median(r.step_s for r in passes.plain) * 1e3:.2f}"
+        f" ms/step ({passes.rounds} rounds, {clock.elapsed() - t_phase:.1f}s)")
+    routing, layers = measure.measure_routing(session, [c.prompt + c.tokens for c in calib], max_n + 1)
+    cfg = session.config
+    uniform = [distinct_experts_uniform(cfg.n_expert, cfg.n_expert_used, b) for b in range(1, max_n + 2)]
+    say("routing: distinct experts per layer (blk " + ",".join(map(str, layers)) + ") B=1.. "
+        + " ".join(f"{d:.2f}" for d in routing.distinct) + "; uniform " + " ".join(f"{u:.2f}" for u in uniform))
+
+    # 3. acceptance per p_min (same prompts and length as the runs)
+    t_phase = clock.elapsed()
+    accept = {}
+    for p_min in p_mins:
+        accept[p_min], _ = measure.measure_acceptance(session, prompts, n_max=max_n, p_min=p_min,
+                                                      n_tokens=n_tok)
+        say(f"acceptance p_min {p_min:g}: a_j " + " ".join(f"{a:.3f}" for a in accept[p_min].accept)
+            + ("" if p_min == 0 else "; c_j " + " ".join(f"{c:.3f}" for c in accept[p_min].cont)))
+    say(f"acceptance: {clock.elapsed() - t_phase:.1f}s")
+
+    # fit: pass times → hardware profile; loop overheads from the decode runs
+    fp = plan_footprint(plan, model, draft)
+    old = plan.speculative or {}
+    base_hw = (SpecProfile.from_dict(old["profile"]).hardware if old.get("profile")
+               else default_profile(plan).hardware)
+    free = [p for p in FIT_FREE if p in base_hw.linear_params()]
+    fit = fit_profile(fp, base_hw, verify_s=verify_s, draft_s=draft_s, free=free, routing=routing)
+    step_s, spec_step_s = passes.loop_overheads()
+    step_us, spec_step_us = step_s * 1e6, spec_step_s * 1e6
+    hw = fit.profile.with_linear_params({"step": step_us * 1e-6, "spec_step": spec_step_us * 1e-6},
+                                        source=f"measured by offload tune ({time.strftime('%Y-%m-%d')})")
+    say(f"fit: {_fit_summary(fit)}; per step: loop {step_us / 1e3:.2f} ms, +{spec_step_us / 1e3:.2f} ms drafting")
+    tables = {p: speculation_table(fp, hw, acceptance=accept[p], max_n=max_n, routing=routing) for p in p_mins}
+    table = best_over_p_min(tables.values())
+    p_min = table.acceptance.p_min
+
+    # 4. runs: baseline and n_max values, interleaved
+    best = table.best.n
+    wanted = {0, best, best - 1, best + 1} | set(range(1, min(RUN_ALL_UP_TO, max_n) + 1))
+    stages = sorted(n for n in wanted if 0 <= n <= max_n)
+    core = sorted(n for n in {0, best, best - 1, best + 1, 1} if 0 <= n <= max_n)
+    per_rep = {n: len(prompts) * (n_tok - 1) / table.rows[n].tokens_per_s for n in range(max_n + 1)}
+    if sum(per_rep[n] for n in stages) > clock.left():
+        stages = core
+    say(f"runs: n_max {', '.join(map(str, stages))}; about {sum(per_rep[n] for n in stages):.1f}s per repeat, "
+        f"{clock.left():.1f}s left")
+    records: list[dict] = []
+    rep_times: list[float] = []
+    rep = 0
+    # one repeat always; another while the budget left holds one more of the repeats so far
+    while rep == 0 or clock.left() > max(rep_times):
+        t_rep = clock.elapsed()
+        order = stages if rep % 2 == 0 else stages[::-1]
+        for i, ids in enumerate(prompts):
+            for n in order:
+                r = measure.decode(session, ids, n_tokens=n_tok, n_max=n, p_min=p_min if n else 0.0)
+                records.append({"repeat": rep, "prompt": names[i], "n_max": n, "tokens": r.produced,
+                                "eval_s": r.eval_s, "steps": r.steps, "drafted": r.drafted, "accepted": r.accepted,
+                                "draft_s": r.draft_s, "verify_s": r.verify_s})
+        rep_times.append(clock.elapsed() - t_rep)
+        rep += 1
+        row = _measured_rows(records, stages)
+        say(f"runs: repeat {rep} ({rep_times[-1]:.1f}s): speedup "
+            + " ".join(f"n{m['n_max']} {m['speedups'][-1]:.3f}" for m in row if m["n_max"]))
+    measured = _measured_rows(records, stages)
+    chosen, rule = choose(table.best.n, measured)
+    load1 = os.getloadavg()[0]
+
+    # the plan section: predict()'s shape with the measured profile, then tune's choice
+    profile = SpecProfile(hw, table.acceptance, routing)
+    plan_in = dataclasses.replace(plan, speculative={k: v for k, v in old.items()
+                                                     if k not in ("n_max", "p_min", "source")} or None)
+    _, section = predict(plan_in, model, draft, profile=profile, max_n=max_n)
+    by_n = {m["n_max"]: m for m in measured}
+    section.update({
+        "n_max": chosen, "p_min": p_min, "source": "tune",
+        "measured_speedup": round(by_n[chosen]["speedup_mean"], 4) if chosen in by_n else None,
+        "measured_best_n_max": max(measured, key=lambda m: m["speedup_mean"])["n_max"],
+        "choice": rule,
+        "measured_rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k != "speedups"}
+                          for m in measured],
+        "tune": {"date": time.strftime("%Y-%m-%d %H:%M"), "budget_s": budget, "seconds": round(clock.elapsed(), 1),
+                 "prompts": len(prompts), "tokens_per_run": n_tok, "repeats": rep,
+                 "load_average": [round(load0, 2), round(load1, 2)], "cores": os.cpu_count()},
+    })
+    # the profile last, where predict() puts it
+    section["profile"] = section.pop("profile")
+    return {
+        "model": plan.model_path, "devices": session.devices.describe(), "budget_s": budget,
+        "seconds": clock.elapsed(), "load_average": [load0, load1], "tokens_per_run": n_tok,
+        "calibration_step_ms": plain_step * 1e3,
+        "plain_step_ms": statistics.median(r.step_s for r in passes.plain) * 1e3,
+        "loop_ms": {"step": step_us / 1e3, "spec_step": spec_step_us / 1e3},
+        "verify_ms": {b: t * 1e3 for b, t in verify_s.items()}, "draft_ms": {b: t * 1e3 for b, t in draft_s.items()},
+        "terms": _terms(fp, hw, routing, table.acceptance, measured),
+        "pass_spread": passes.spread(), "pass_rounds": passes.rounds,
+        "routing": routing.to_dict(), "routing_layers": layers, "routing_uniform": uniform,
+        "acceptance": {str(p): a.to_dict() for p, a in accept.items()},
+        "fit": {"free": free, "fitted": fit.fitted, "rows": [list(r) for r in fit.rows],
+                "max_rel_error": fit.max_rel_error},
+        "hardware": hw.to_dict(),
+        "predicted": {str(p): t.to_dict() for p, t in tables.items()},
+        "p_min": p_min, "stages": stages, "repeats": rep, "runs": records, "measured": measured,
+        "chosen_n_max": chosen, "choice": rule, "section": section, "table_text": table.format(),
+        "break_even_n_max": table.break_even_n, "best_n_max": table.best.n,
+    }
+
+
+def _terms(fp, hw, routing, acceptance, measured: list[dict]) -> list[dict]:
+    """Per run n_max: the predicted step split into draft passes, verify pass and the loop's
+    own time, beside what the runs' stats booked to each — which term a misprediction is in."""
+    from placement.cost import forward_time
+
+    kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
+    params = hw.linear_params()
+    out = []
+    for m in measured:
+        n = m["n_max"]
+        verify = [forward_time(fp.target, b, hw, **kw) for b in range(1, n + 2)]
+        draft = [forward_time(fp.draft, b, hw, **kw) for b in range(1, n + 2)]
+        first = sum(p * draft[k] for k, p in enumerate(acceptance.accepted_distribution(n)))
+        dist = acceptance.drafted_distribution(n)
+        d_pred = sum(p * (first + (min(d + 1, n) - 1) * draft[0]) for d, p in enumerate(dist) if p and n)
+        v_pred = sum(p * verify[d] for d, p in enumerate(dist))
+        loop = params["step"] + (params["spec_step"] if n else 0.0)
+        out.append({"n_max": n, "draft_pred": d_pred * 1e3, "draft_meas": m["draft_ms"],
+                    "verify_pred": v_pred * 1e3, "verify_meas": m["verify_ms"],
+                    "loop_pred": loop * 1e3, "loop_meas": m["step_ms"] - m["draft_ms"] - m["verify_ms"]})
+    return out
+
+
+def _fit_summary(fit) -> str:
+    parts = []
+    for k, v in fit.fitted.items():
+        if k in ("cpu_read", "cpu_compute") or k.startswith(("gpu_read", "link:")):
+            parts.append(f"{k} {1 / v / 1e9:.2f} GB/s" if v > 0 else f"{k} free (0)")
+        else:
+            parts.append(f"{k} {v * 1e6:.0f} us")
+    return ", ".join(parts) + f"; largest pass error {100 * fit.max_rel_error:.1f}%"
+
+
+def _measured_rows(records: list[dict], stages: list[int]) -> list[dict]:
+    """Per n_max: tokens/s over all prompts per repeat; speedup = that / the baseline's of the
+    same repeat; mean ± std over repeats; measured tokens per step and step time."""
+    reps = sorted({r["repeat"] for r in records})
+    tps: dict[int, list[float]] = {n: [] for n in stages}
+    for rep in reps:
+        for n in stages:
+            rs = [r for r in records if r["repeat"] == rep and r["n_max"] == n]
+            if rs:
+                tps[n].append(sum(r["tokens"] for r in rs) / sum(r["eval_s"] for r in rs))
+    out = []
+    for n in stages:
+        rs = [r for r in records if r["n_max"] == n]
+        k = min(len(tps[n]), len(tps[0]))
+        sp = [tps[n][i] / tps[0][i] for i in range(k)]
+        steps = sum(r["steps"] for r in rs)
+        out.append({
+            "n_max": n, "repeats": k,
+            "tokens_per_s_mean": statistics.fmean(tps[n]),
+            "tokens_per_s_std": statistics.stdev(tps[n]) if len(tps[n]) > 1 else 0.0,
+            "speedup_mean": statistics.fmean(sp), "speedup_std": statistics.stdev(sp) if k > 1 else 0.0,
+            "speedups": sp,
+            "expected_tokens": sum(r["tokens"] for r in rs) / steps,
+            "step_ms": 1e3 * sum(r["eval_s"] for r in rs) / steps,
+            "draft_ms": 1e3 * sum(r["draft_s"] for r in rs) / steps,
+            "verify_ms": 1e3 * sum(r["verify_s"] for r in rs) / steps,
+        })
+    return out
+
+
+def choose(predicted_best: int, measured: list[dict]) -> tuple[int, str]:
+    """The predicted best, unless a measured n_max is clearly better: its paired per-repeat
+    speedup difference exceeds twice its standard error and 0.01. Then the best measured."""
+    by_n = {m["n_max"]: m for m in measured}
+    base = by_n.get(predicted_best)
+    if base is None:
+        return predicted_best, "predicted best (not run)"
+    better = []
+    for m in measured:
+        d = [a - b for a, b in zip(m["speedups"], base["speedups"])]
+        if len(d) < 2 or m["n_max"] == predicted_best:
+            continue
+        mean = statistics.fmean(d)
+        se = statistics.stdev(d) / math.sqrt(len(d))
+        if mean > max(2 * se, 0.01):
+            better.append(m)
+    if not better:
+        return predicted_best, ("predicted best; no measured n_max beats it by more than 2 standard "
+                                "errors of the paired difference")
+    pick = max(better, key=lambda m: m["speedup_mean"])
+    return pick["n_max"], (f"measured: n_max {pick['n_max']} beats the predicted best {predicted_best} by "
+                           "more than 2 standard errors of the paired difference")
+
+
+# ---------------------------------------------------------------------------------------------
+# The report.
+# ---------------------------------------------------------------------------------------------
+
+def format_report(r: dict) -> str:
+    pred = r["predicted"][str(r["p_min"])]
+    rows = {row["n_max"]: row for row in pred["rows"]}
+    meas = {m["n_max"]: m for m in r["measured"]}
+    lines = [
+        f"offload tune: {r['model']} on {r['devices']}; {r['seconds']:.0f}s of a {r['budget_s']:g}s budget, "
+        f"load average {r['load_average'][0]:.2f} -> {r['load_average'][1]:.2f}",
+        "measured passes: T_verify(B) " + ", ".join(f"B={b} {t:.2f}" for b, t in r["verify_ms"].items())
+        + " ms; T_draft(B) " + ", ".join(f"B={b} {t:.2f}" for b, t in r["draft_ms"].items())
+        + f" ms; plain loop step {r['plain_step_ms']:.2f} ms (loop's own "
+        f"{r['loop_ms']['step']:.2f} ms, +{r['loop_ms']['spec_step']:.2f} ms when drafting)",
+        "routing (distinct experts/layer, B=1..): measured " + " ".join(f"{d:.2f}" for d in r["routing"]["distinct"])
+        + ", uniform " + " ".join(f"{u:.2f}" for u in r["routing_uniform"]),
+        "fitted profile: " + ", ".join(f"{k} {v:.4g}" for k, v in r["hardware"].items()
+                                       if k not in ("gpus", "source") and v is not None)
+        + f" (largest pass error {100 * r['fit']['max_rel_error']:.1f}%)",
+        "",
+        r["table_text"],
+        "",
+        f"predicted vs measured (p_min {r['p_min']:g}, {r['repeats']} repeats x {r['tokens_per_run']} tokens "
+        "per prompt; measured E = tokens/step, T = ms/step):",
+        f"{'n_max':>5} {'E pred':>7} {'E meas':>7} {'T pred':>7} {'T meas':>7} {'S pred':>7} "
+        f"{'S measured':>15} {'diff':>7}",
+    ]
+    for n in sorted(meas):
+        p, m = rows[n], meas[n]
+        diff = (p["speedup"] / m["speedup_mean"] - 1) * 100
+        lines.append(f"{n:>5} {p['expected_tokens']:>7.2f} {m['expected_tokens']:>7.2f} {p['step_ms']:>7.2f} "
+                     f"{m['step_ms']:>7.2f} {p['speedup']:>7.3f} {m['speedup_mean']:>7.3f} ± {m['speedup_std']:.3f} "
+                     f"{diff:>+6.1f}%")
+    lines += ["", "per-step terms, predicted / measured in the runs (ms; draft: head passes and draft "
+              "sampling, verify: the target pass and acceptance, loop: the rest):",
+              f"{'n_max':>5} {'draft':>15} {'verify':>15} {'loop':>13}"]
+    for t in r["terms"]:
+        lines.append(f"{t['n_max']:>5} {t['draft_pred']:>7.2f}/{t['draft_meas']:<7.2f} "
+                     f"{t['verify_pred']:>7.2f}/{t['verify_meas']:<7.2f} {t['loop_pred']:>6.2f}/{t['loop_meas']:<6.2f}")
+    best_meas = max(r["measured"], key=lambda m: m["speedup_mean"])
+    lines += [
+        "",
+        f"break-even n_max (predicted): {r['break_even_n_max']}"
+        f"{' (or more: the table ends at --max-n)' if r['break_even_n_max'] == max(rows) else ''}; "
+        f"best n_max: predicted {r['best_n_max']}, "
+        f"measured {best_meas['n_max']} ({best_meas['speedup_mean']:.3f}x)",
+        f"chosen n_max: {r['chosen_n_max']} (p_min {r['p_min']:g}): {r['choice']}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,301 @@
+"""Measurements behind ``offload tune``: what one decode step costs on this box, how the
+router spreads a verify batch over experts, and how many drafts the head gets accepted.
+
+Each function measures one thing on a loaded ``Session`` and returns plain numbers (or a
+``placement`` profile); the command (``offload.commands.tune``) sequences them within the
+budget, fits ``placement.cost`` and runs the real decode loop to compare.
+
+- ``Calibration``: greedy plain decoding of the calibration prompts. Its text is what the
+  timed passes feed (real tokens route like real decoding), its step time is the plain
+  loop's, and a state after prompt + half the text puts the timed passes at a realistic
+  context position.
+- ``time_passes``: T_verify(B) (the target over B tokens, all logits, cache rolled back) and
+  T_draft (the head over one chained token) in interleaved rounds; the median per kind.
+- ``measure_routing``: distinct routed experts per MoE layer for windows of B tokens.
+- ``measure_acceptance``: speculative decoding at n_max → conditional a_j (and c_j).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from offload.moe import MoE
+from placement.acceptance import AcceptanceProfile
+from placement.cost import RoutingProfile
+
+
+def _clock() -> float:
+    return time.perf_counter()
+
+
+@dataclass
+class Decode:
+    """One generation: the tokens and what ``RunStats`` counted."""
+
+    prompt: list[int]
+    tokens: list[int]
+    n_max: int
+    eval_s: float
+    steps: int
+    drafted: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+    accepted_per_position: list[int]
+    drafted_per_position: list[int]
+    reached_per_position: list[int]
+
+    @property
+    def produced(self) -> int:
+        """Tokens the timed steps produced (all but the prompt's one)."""
+        return max(len(self.tokens) - 1, 0)
+
+    @property
+    def step_s(self) -> float:
+        return self.eval_s / self.steps if self.steps else 0.0
+
+
+def decode(session, prompt: Sequence[int], *, n_tokens: int, n_max: int = 0, p_min: float = 0.0,
+           **generate) -> Decode:
+    """Greedy generation of exactly ``n_tokens`` (end-of-sequence ignored), as ``offload run``
+    does it (batched verify); ``generate``: further ``Session.generate`` keywords (``head``,
+    ``verify``, ``ubatch``)."""
+    out = list(session.generate(list(prompt), max_tokens=n_tokens, stop_at_eos=False,
+                                n_max=n_max, p_min=p_min, **{"verify": "batched", **generate}))
+    s = session.stats
+    return Decode(list(prompt), out, n_max, s.eval_s, s.n_steps, s.drafted, s.accepted, s.draft_s, s.verify_s,
+                  list(s.accepted_per_position), list(s.drafted_per_position), list(s.reached_per_position))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass timings.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class PassTimes:
+    verify: dict[int, list[float]] = field(default_factory=dict)   # B -> seconds of each pass
+    draft: dict[int, list[float]] = field(default_factory=dict)    # B -> seconds of a head pass
+    plain: list[Decode] = field(default_factory=list)               # short plain decoding runs
+    spec: list[Decode] = field(default_factory=list)                # short drafting runs at max_n
+    rounds: int = 0
+
+    def verify_s(self) -> dict[int, float]:
+        return {b: statistics.median(ts) for b, ts in sorted(self.verify.items())}
+
+    def draft_s(self) -> dict[int, float]:
+        return {b: statistics.median(ts) for b, ts in sorted(self.draft.items())}
+
+    def spread(self) -> dict[str, float]:
+        """Relative half-width of the middle 50 % per kind (how stable the medians are)."""
+        def iqr(ts: list[float]) -> float:
+            q = np.percentile(ts, [25, 75])
+            return float((q[1] - q[0]) / 2 / np.median(ts))
+        out = {f"verify B={b}": iqr(ts) for b, ts in sorted(self.verify.items())}
+        out |= {f"draft B={b}": iqr(ts) for b, ts in sorted(self.draft.items())}
+        return out
+
+    def loop_overheads(self) -> tuple[float, float]:
+        """(seconds per plain step outside its passes, extra seconds per drafting step): the
+        loop's own time ``RunStats`` books neither to drafting nor to verifying (rollback,
+        bookkeeping, the generator), per step, median over the short runs.
+
+        Measured directly rather than as "step time − the timed passes": on a shared box that
+        difference of two noisy numbers came out anywhere between 0 and 6 ms per step."""
+        def rest(r: Decode) -> float:
+            return (r.eval_s - r.draft_s - r.verify_s) / r.steps
+        step = statistics.median(rest(r) for r in self.plain if r.steps)
+        extra = [rest(r) - step for r in self.spec if r.steps]
+        return max(step, 0.0), max(statistics.median(extra), 0.0) if extra else 0.0
+
+
+def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_rounds: int = 5,
+                loop_tokens: int = 0, clock: Callable[[], float] = _clock) -> PassTimes:
+    """T_verify(B) for B = 1..max_batch and T_draft, interleaved round by round until
+    ``seconds`` are spent (at least ``min_rounds`` rounds). With ``loop_tokens``, each round
+    also runs the real decode loop for that many tokens from the same position, plain and
+    drafting at n_max = max_batch - 1: the loop's own per-step time is measured under the
+    same conditions as the passes it is added to (``PassTimes.loop_overheads``).
+
+    The target sits after the prompt and the first half of ``calib``'s text; each round feeds
+    the next B tokens of that text (logits for all B rows, as a verify pass computes them,
+    one row for B = 1, as plain decoding does) and truncates the cache back. A draft pass of B
+    tokens is the first head pass of a step after B - 1 accepted drafts (the B pairs of trunk
+    state and next token, logits of the last row); B = 1 is also what each chained step costs.
+
+    Why the median over interleaved rounds: on a shared box a pass is sometimes preempted,
+    which lengthens a few samples by a lot; the median ignores them, and interleaving spreads
+    slow phases of the machine over every B alike (the minimum, tried first, was the least
+    stable of the three from run to run).
+    """
+    model = session.model
+    head = model.nextn
+    seq = calib.prompt + calib.tokens
+    start = len(calib.prompt) + max(len(calib.tokens) // 2 - max_batch, 0)
+    ahead = seq[start:start + max_batch]
+    if len(ahead) < max_batch:
+        raise ValueError(f"calibration text too short for a verify batch of {max_batch}")
+    out = PassTimes({b: [] for b in range(1, max_batch + 1)},
+                    {b: [] for b in range(1, max_batch + 1)} if head is not None else {})
+    with torch.inference_mode():
+        state = model.new_state(head)
+        _, hidden = model.forward(torch.as_tensor(seq[:start]), state, logits="none")   # (start, n_embd)
+        if head is not None:
+            # head cache entry t = (h_t, x_{t+1}); it holds entries 0..start-2, and a pass of B
+            # pairs recomputes entries start-B..start-1
+            cache = state.nextn_cache
+            head(torch.as_tensor(seq[1:start]), hidden[:start - 1], torch.arange(1, start), cache, logits="none")
+        t_end = clock() + seconds
+        while out.rounds < min_rounds or clock() < t_end:
+            for b in range(1, max_batch + 1):
+                ids = torch.as_tensor(ahead[:b])
+                t0 = clock()
+                logits, _ = model.forward(ids, state, logits="all" if b > 1 else "last")
+                logits.float().numpy()
+                out.verify[b].append(clock() - t0)
+                state.truncate(start)
+            for b in out.draft:
+                cache.truncate(start - b)
+                t0 = clock()
+                z, _ = head(torch.as_tensor(seq[start - b + 1:start + 1]), hidden[start - b:start],
+                            torch.arange(start - b + 1, start + 1), cache, logits="last")
+                int(np.argmax(z[-1].numpy()))
+                out.draft[b].append(clock() - t0)
+                cache.truncate(start - 1)
+            if loop_tokens:
+                out.plain.append(decode(session, seq[:start], n_tokens=loop_tokens))
+                if head is not None:
+                    out.spec.append(decode(session, seq[:start], n_tokens=loop_tokens, n_max=max_batch - 1))
+            out.rounds += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing.
+# ---------------------------------------------------------------------------------------------
+
+class _RecordingRouter:
+    """Wraps a layer's router for the routing measurement: same outputs, ids kept."""
+
+    def __init__(self, router):
+        self.router, self.ids = router, []
+
+    def __call__(self, x):
+        ids, w = self.router(x)
+        self.ids.append(ids.detach().cpu().numpy())
+        return ids, w
+
+
+def moe_layers(session, devices: set[str] | None = None) -> list[int]:
+    """Trunk blocks with a routed MoE; with ``devices``, those whose experts live there."""
+    out = []
+    for i, block in enumerate(session.model.blocks):
+        if not isinstance(block.ffn, MoE):
+            continue
+        if devices is not None:
+            where = {dev for name, dev in session.plan.tensors.items()
+                     if name.startswith(f"blk.{i}.ffn_") and "_exps" in name}
+            if not where & devices:
+                continue
+        out.append(i)
+    return out
+
+
+def routed_ids(session, texts: Sequence[Sequence[int]], layers: Sequence[int]) -> dict[int, list[np.ndarray]]:
+    """Top-k expert ids (T, k) per layer for each token sequence, from one batched pass each."""
+    blocks = session.model.blocks
+    recorders = {i: _RecordingRouter(blocks[i].ffn.router) for i in layers}
+    out: dict[int, list[np.ndarray]] = {i: [] for i in layers}
+    try:
+        for i, r in recorders.items():
+            blocks[i].ffn.router = r
+        with torch.inference_mode():
+            for ids in texts:
+                state = session.model.new_state(None)
+                ubatch = session.plan.settings.ubatch
+                for r in recorders.values():
+                    r.ids.clear()
+                for s in range(0, len(ids), ubatch):
+                    session.model.forward(torch.as_tensor(list(ids[s:s + ubatch])), state, logits="none")
+                for i, r in recorders.items():
+                    out[i].append(np.concatenate(r.ids))
+    finally:
+        for i, r in recorders.items():
+            blocks[i].ffn.router = r.router
+    return out
+
+
+def distinct_per_batch(ids: Sequence[np.ndarray], max_batch: int) -> list[float]:
+    """Mean distinct experts in windows of B = 1..max_batch consecutive tokens.
+
+    The same window starts serve every B (each B+1 window contains its B window), so the
+    means are non-decreasing in B; each is at most min(E, B·k).
+    """
+    counts = np.zeros(max_batch)
+    n = 0
+    for a in ids:                                          # (T, k)
+        for s in range(0, a.shape[0] - max_batch + 1):
+            seen: set[int] = set()
+            for b in range(max_batch):
+                seen.update(int(e) for e in a[s + b])
+                counts[b] += len(seen)
+            n += 1
+    if n == 0:
+        raise ValueError(f"no window of {max_batch} tokens in the routing text")
+    return [float(c / n) for c in counts]
+
+
+def measure_routing(session, texts: Sequence[Sequence[int]], max_batch: int) -> tuple[RoutingProfile, list[int]]:
+    """``RoutingProfile`` (measured) over the MoE layers whose experts are on the CPU (all MoE
+    layers when none is), averaged over those layers; and the layers used."""
+    cfg = session.config
+    layers = moe_layers(session, {"CPU"}) or moe_layers(session)
+    if not layers:
+        raise ValueError("the model has no routed MoE layer")
+    ids = routed_ids(session, texts, layers)
+    per_layer = [distinct_per_batch(ids[i], max_batch) for i in layers]
+    mean = [float(np.mean(col)) for col in zip(*per_layer)]
+    # averages of per-layer non-decreasing sequences stay non-decreasing; clip float noise
+    for b in range(1, len(mean)):
+        mean[b] = max(mean[b], mean[b - 1])
+    return RoutingProfile(tuple(mean), cfg.n_expert, cfg.n_expert_used, source="measured"), layers
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance.
+# ---------------------------------------------------------------------------------------------
+
+def acceptance_from(runs: Sequence[Decode], n_max: int, p_min: float) -> AcceptanceProfile:
+    """Pooled per-position counts → conditional a_j = accepted_j / reached_j and, under
+    p_min, c_j = P(position j drafted | position j-1 drafted). Positions no step reached are
+    left out (the profile reuses its last value past its end)."""
+    acc, reach, drafted = np.zeros(n_max), np.zeros(n_max), np.zeros(n_max)
+    steps = 0
+    for r in runs:
+        for arr, src in ((acc, r.accepted_per_position), (reach, r.reached_per_position),
+                         (drafted, r.drafted_per_position)):
+            arr[:len(src)] += src[:n_max]
+        steps += r.steps
+    m = int(np.count_nonzero(reach))
+    if m == 0:
+        raise ValueError("no draft position was reached")
+    accept = tuple(float(acc[j] / reach[j]) for j in range(m))
+    cont: tuple[float, ...] = (1.0,)
+    if p_min > 0:
+        # position 1: steps that drafted / steps that could (reached_1 counts every step
+        # whose budget allowed a draft); later: drafted_j / drafted_{j-1}
+        prev = np.concatenate([[reach[0]], drafted[:-1]])
+        k = int(np.count_nonzero(prev))
+        cont = tuple(float(min(drafted[j] / prev[j], 1.0)) for j in range(k)) or (0.0,)
+    return AcceptanceProfile(accept=accept, cont=cont, p_min=p_min, source="measured")
+
+
+def measure_acceptance(session, prompts: Sequence[Sequence[int]], *, n_max: int, p_min: float,
+                       n_tokens: int, **generate) -> tuple[AcceptanceProfile, list[Decode]]:
+    """Greedy speculative decoding at ``n_max`` on each prompt → ``AcceptanceProfile``."""
+    runs = [decode(session, p, n_tokens=n_tokens, n_max=n_max, p_min=p_min, **generate) for p in prompts]
+    return acceptance_from(runs, n_max, p_min), runs
