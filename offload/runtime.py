@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from cpu_kernels import set_num_threads
+from gpu.kv_cache import KVCache
 from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
@@ -23,6 +24,7 @@ from offload.models.common import BuildContext, CausalLM
 from offload.profile import Profile
 from offload.progress import Progress
 from offload.sampling import Sampler
+from offload.speculative import SpecOptions, generate_step
 from offload.stats import RunStats, peak_rss_bytes
 from offload.tokenizer import Tokenizer
 from offload.weights import WeightStore
@@ -72,18 +74,27 @@ class Session:
         return out.cpu().numpy()
 
     def warmup(self) -> None:
-        """One throw-away token so kernel loading/compilation stays out of the timings."""
+        """Throw-away passes (one token, and a 2-token batch, through the trunk and the draft
+        head) so kernel loading/compilation stays out of the timings."""
         t0 = time.perf_counter()
         with torch.inference_mode():
-            self.model.forward(torch.as_tensor([0]), self.model.new_state(), logits="last")
+            state = self.model.new_state()
+            _, h = self.model.forward(torch.as_tensor([0]), state, logits="last")
+            _, h2 = self.model.forward(torch.as_tensor([0, 0]), state, logits="all")
+            if self.model.nextn is not None:
+                self.model.nextn(torch.as_tensor([0, 0]), h2, torch.arange(1, 3), state.nextn_cache)
+                self.model.nextn(torch.as_tensor([0]), h, torch.arange(3, 4), state.nextn_cache)
         self.load_s += time.perf_counter() - t0
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, ubatch: int | None = None,
-                 stop_at_eos: bool = True) -> Iterator[int]:
+                 stop_at_eos: bool = True, n_max: int = 0, p_min: float = 0.0, verify: str = "batched",
+                 head=None) -> Iterator[int]:
         """Yield generated token ids for a fresh sequence. The prompt is processed in
-        batches of ``ubatch`` tokens (default: the plan's), then one token per step.
-        ``self.stats`` (RunStats) is filled as it goes."""
+        batches of ``ubatch`` tokens (default: the plan's), then one step at a time: plain
+        decoding with ``n_max = 0``, else speculative decoding with the draft head (``head``,
+        default the model's NextN / ``--draft`` head) drafting up to ``n_max`` tokens per step
+        (see ``offload.speculative``). ``self.stats`` (RunStats) is filled as it goes."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         ubatch = self.plan.settings.ubatch if ubatch is None else ubatch
         ctx = self.plan.settings.ctx
@@ -94,36 +105,23 @@ class Session:
         if len(ids) + max_tokens > ctx:
             raise OffloadError(f"{len(ids)} prompt tokens + {max_tokens} to generate exceed the "
                                f"context of {ctx} (raise --ctx)")
-        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        stats = self.stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
-        state = self.model.new_state()
-        eos = self.tokenizer.eos_ids if stop_at_eos else frozenset()
-        self.profile.reset()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for s in range(0, len(ids), ubatch):
-                last = s + ubatch >= len(ids)
-                logits, _ = self.model.forward(torch.as_tensor(ids[s:s + ubatch]), state,
-                                               logits="last" if last else "none")
-            with self.profile.time("sampling"):
-                tok = sampler(logits[-1].cpu().numpy())
-        stats.prompt_s, stats.prompt_profile = time.perf_counter() - t0, self.profile.snapshot()
-        self.profile.reset()
+        options = SpecOptions(n_max=n_max, p_min=p_min, verify=verify)
+        head = head if head is not None else self.model.nextn
+        if n_max and head is None:
+            raise OffloadError(f"speculative decoding (n_max {n_max}): the {self.config.arch} model has no "
+                               "NextN (MTP) head; give --draft MTP.gguf or --spec-n-max 0")
         try:
-            while True:
-                stats.n_gen += 1
-                yield tok
-                if tok in eos or stats.n_gen >= max_tokens:
-                    break
-                t1 = time.perf_counter()
-                with torch.inference_mode():
-                    logits, _ = self.model.forward(torch.as_tensor([tok]), state, logits="last")
-                    with self.profile.time("sampling"):
-                        tok = sampler(logits[-1].cpu().numpy())
-                stats.eval_s += time.perf_counter() - t1
-                stats.n_eval += 1
+            sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        except ValueError as exc:
+            raise OffloadError(f"sampling: {exc}") from None
+        stats = self.stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
+        state = self.model.new_state(head if n_max else None)
+        eos = self.tokenizer.eos_ids if stop_at_eos else frozenset()
+        try:
+            yield from generate_step(self.model, ids, state=state, sampler=sampler,
+                                     head=head if n_max else None, options=options, ubatch=ubatch,
+                                     max_tokens=max_tokens, eos=eos, stats=stats, profile=self.profile)
         finally:
-            stats.eval_profile = self.profile.snapshot()
             stats.memory = self.memory(state)
 
     def memory(self, state=None) -> dict:
@@ -132,6 +130,9 @@ class Session:
         if state is not None:
             for block, cache in zip(self.model.blocks, state.caches):
                 kv[block.device_name] += cache.nbytes
+            nextn = self.model.nextn
+            if nextn is not None and isinstance(state.nextn_cache, KVCache):
+                kv[nextn.block.device_name] += state.nextn_cache.nbytes
         return {"peak_rss": peak_rss_bytes(), "weights": dict(self.allocated), "kv": dict(kv)}
 
     def close(self) -> None:
@@ -202,28 +203,41 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     if plan.settings.cache_type not in KV_DTYPES:
         raise OffloadError(f"the runtime keeps its KV cache in f32, f16 or bf16, not "
                            f"--cache-type {plan.settings.cache_type}")
-    devices = resolve(set(plan.tensors.values()), virtual_gpus=virtual_gpus)
+    devices = resolve(set(plan.tensors.values()) | set(plan.draft_tensors.values()), virtual_gpus=virtual_gpus)
     if devices.virtual and not quiet:
         print(f"offload: note: {', '.join(devices.virtual)} backed by the CPU (--virtual-gpus); "
               "no CUDA is used", file=sys.stderr)
-    if plan.draft_path and not quiet:
-        print(f"offload: note: the draft model {plan.draft_path} is not used by plain decoding",
-              file=sys.stderr)
     cfg = arch.config_from_gguf(model.spec, model.metadata)
+    draft = open_model(plan.draft_path) if plan.draft_path else None
+    # with a --draft file its NextN block replaces the model's own (which stays unloaded)
+    tensors = [t for t in model.tensors if not (draft is not None and t.nextn)]
+    tensors += list(draft.tensors) if draft is not None else []
     profile = Profile()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
-    bar = Progress(len(model.tensors), sum(t.n_bytes for t in model.tensors)) if progress else None
-    weights = WeightStore(model, plan.tensors, devices, compute_dtype=compute_dtypes(devices, gpu_dtype),
-                          profile=profile, progress=bar)
+    bar = Progress(len(tensors), sum(t.n_bytes for t in tensors)) if progress else None
+    dtypes = compute_dtypes(devices, gpu_dtype)
+    weights = WeightStore(model, plan.tensors, devices, compute_dtype=dtypes, profile=profile, progress=bar)
+    draft_weights = (WeightStore(draft, plan.draft_tensors, devices, compute_dtype=dtypes, profile=profile,
+                                 progress=bar) if draft is not None else None)
     ctx = BuildContext(profile=profile, pool=pool, kv_dtype=KV_DTYPES[plan.settings.cache_type])
     with torch.inference_mode():
-        net = arch.build(cfg, weights, ctx)
+        net = arch.build(cfg, weights, ctx, draft=draft_weights)
     if bar is not None:
         bar.close()
     if not quiet:
-        for name in weights.unused():
+        unused = weights.unused()
+        if draft is not None:
+            replaced = [n for n in unused if model.tensor(n).nextn]
+            if replaced:
+                print(f"offload: note: the model's own NextN block ({len(replaced)} tensors) is not used: "
+                      f"--draft {plan.draft_path} replaces it", file=sys.stderr)
+            unused = [n for n in unused if n not in replaced] + (draft_weights.unused())
+        for name in unused:
             print(f"offload: note: tensor {name} is not used by the {model.spec.arch} runtime", file=sys.stderr)
     session = Session(model=net, tokenizer=Tokenizer.from_gguf(model.metadata), devices=devices,
                       weights=weights, profile=profile, pool=pool, meta=model.metadata, plan=plan)
+    if draft_weights is not None:
+        for dev, n in draft_weights.allocated.items():
+            session.allocated[dev] = session.allocated.get(dev, 0) + n
     session.load_s = time.perf_counter() - t0
     return session

@@ -1,7 +1,8 @@
 """One module per architecture; the module name is the registry key (``general.architecture``).
 
 Each module provides ``config_from_gguf(spec, metadata) -> ModelConfig`` and
-``build(config, weights, ctx) -> CausalLM``.
+``build(config, weights, ctx, draft=None) -> CausalLM`` (``draft``: the WeightStore of a
+``--draft`` file whose NextN block replaces the model's own as the draft head).
 """
 from __future__ import annotations
 

@@ -83,6 +83,10 @@ def common_config(spec: ModelSpec, meta: Mapping, *,
 
 # -- runtime structure ------------------------------------------------------------------
 
+def kv_cache(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> KVCache:
+    return KVCache(cfg.n_head_kv, cfg.head_dim, device=device, dtype=dtype)
+
+
 class Block:
     """Pre-norm decoder block: x + attn(norm(x)); h + ffn(norm(h)). Runs on ``device``;
     the hidden state moves only here, at the block boundary."""
@@ -107,26 +111,36 @@ class NextN:
     pre-norm hidden state (which feeds the next chained draft step)."""
 
     def __init__(self, *, embed, enorm: RMSNorm, hnorm: RMSNorm, eh_proj, block: Block,
-                 norm: RMSNorm, head):
+                 norm: RMSNorm, head, cache: Callable[[torch.device], KVCache]):
         self.embed, self.enorm, self.hnorm, self.eh_proj = embed, enorm, hnorm, eh_proj
         self.block, self.norm, self.head = block, norm, head
+        self._cache = cache
+
+    def new_cache(self) -> KVCache:
+        """The head's own KV cache (entry t holds the pair (h_t, token t+1)), on its device."""
+        return self._cache(self.block.device)
 
     def __call__(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                 cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+                 cache: KVCache, *, logits: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]:
         """tokens: (T,) ids of t+1; hidden: (T, n_embd) trunk states at t; positions: (T,)
-        RoPE positions (those of the tokens, t+1) → logits (T, n_vocab), h_mtp (T, n_embd)."""
+        RoPE positions (those of the tokens, t+1) → logits ((T, n_vocab) for "all", (1, n_vocab)
+        for "last", None for "none") and h_mtp (T, n_embd), the pre-norm state that chains."""
         dev = self.block.device
         e = self.enorm(self.embed(tokens).to(dev))
         x = self.eh_proj(torch.cat([e, self.hnorm(hidden.to(dev))], dim=-1))
         h = self.block(x, positions, cache)
-        return self.head(self.norm(h)).float(), h
+        if logits == "none":
+            return None, h
+        return self.head(self.norm(h if logits == "all" else h[-1:])).float(), h
 
 
 @dataclass
 class State:
-    """One sequence's caches. ``truncate(n)`` rolls the trunk back to n positions."""
+    """One sequence's caches. ``truncate(n)`` rolls the trunk back to n positions; the draft
+    head's cache (``nextn_cache``: anything with ``length`` and ``truncate``) is rolled back
+    by the speculative loop, which knows how far it is valid."""
     caches: list[KVCache]
-    nextn_cache: KVCache | None = None
+    nextn_cache: object | None = None
 
     @property
     def n_past(self) -> int:
@@ -145,12 +159,13 @@ class CausalLM:
         self.kv_dtype = kv_dtype
 
     def _cache(self, device: torch.device) -> KVCache:
-        c = self.config
-        return KVCache(c.n_head_kv, c.head_dim, device=device, dtype=self.kv_dtype)
+        return kv_cache(self.config, device, self.kv_dtype)
 
-    def new_state(self) -> State:
+    def new_state(self, head=None) -> State:
+        """Fresh caches for the trunk and for ``head`` (default: the model's NextN head)."""
+        head = head if head is not None else self.nextn
         return State([self._cache(b.device) for b in self.blocks],
-                     self._cache(self.nextn.block.device) if self.nextn is not None else None)
+                     head.new_cache() if head is not None else None)
 
     def forward(self, ids: torch.Tensor, state: State, *, logits: str = "all"
                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -246,3 +261,29 @@ def build_trunk(w, cfg: ModelConfig, ctx: BuildContext, *, ffn_norm: str,
               w.linear("token_embd.weight", on=out_dev))
     output_norm = RMSNorm(w.vector("output_norm.weight").to(output.device), cfg.rms_eps)
     return embed, blocks, output_norm, output
+
+
+def nextn_layer(w) -> int:
+    """The block index of the (first) NextN block among ``w``'s tensors."""
+    layers = sorted({t.layer for t in w.tensors.values() if t.nextn and t.layer is not None})
+    if not layers:
+        raise OffloadError(f"{w.model.path}: no NextN (MTP) block")
+    return layers[0]
+
+
+def build_nextn(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str,
+                make_router: Callable, embed, output) -> NextN:
+    """The NextN block ``blk.{i}`` of ``w`` (the model's own, or a ``--draft`` file's) as a
+    draft head: a full decoder block plus ``nextn.{eh_proj,enorm,hnorm,shared_head_norm}``;
+    ``nextn.embed_tokens`` / ``nextn.shared_head_head`` when the file has them, else the
+    trunk's ``embed`` / ``output``."""
+    p = f"blk.{i}"
+    block = build_block(w, cfg, i, ctx, ffn_norm=ffn_norm, make_router=make_router)
+    norm = lambda n: RMSNorm(w.vector(f"{p}.nextn.{n}.weight").to(block.device), cfg.rms_eps)  # noqa: E731
+    own_embed, own_head = f"{p}.nextn.embed_tokens.weight", f"{p}.nextn.shared_head_head.weight"
+    return NextN(embed=w.embedding(own_embed) if w.has(own_embed) else embed,
+                 enorm=norm("enorm"), hnorm=norm("hnorm"),
+                 eh_proj=w.linear(f"{p}.nextn.eh_proj.weight"), block=block,
+                 norm=norm("shared_head_norm"),
+                 head=w.linear(own_head) if w.has(own_head) else output,
+                 cache=lambda dev: kv_cache(cfg, dev, ctx.kv_dtype))

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from gguf import ExpertGatingFuncType, Keys
 
-from gpu.norm import RMSNorm
 from gpu.router import SigmoidRouter
 from offload.errors import OffloadError
-from offload.models.common import (BuildContext, CausalLM, ModelConfig, NextN, build_block,
-                                   build_trunk, common_config, meta_value)
+from offload.models.common import (BuildContext, CausalLM, ModelConfig, build_nextn, build_trunk,
+                                   common_config, meta_value, nextn_layer)
 from placement.tensors import ModelSpec
 
 FFN_NORM = "post_attention_norm"
@@ -25,25 +24,24 @@ def config_from_gguf(spec: ModelSpec, meta) -> ModelConfig:
     return common_config(spec, meta)
 
 
-def build(cfg: ModelConfig, w, ctx: BuildContext) -> CausalLM:
-    def router(p, home):
-        bias = f"{p}.exp_probs_b.bias"
-        return SigmoidRouter(w.linear(f"{p}.ffn_gate_inp.weight", float32=True),
-                             w.vector(bias).to(home) if w.has(bias) else None,
-                             k=cfg.n_expert_used, norm=cfg.expert_weights_norm,
-                             scale=cfg.expert_weights_scale)
+def build(cfg: ModelConfig, w, ctx: BuildContext, draft=None) -> CausalLM:
+    """The trunk from ``w``; the draft head from ``draft`` (a ``--draft`` file's weights)
+    when given, else the model's own NextN block if it has one."""
+    def router_of(store):
+        def router(p, home):
+            bias = f"{p}.exp_probs_b.bias"
+            return SigmoidRouter(store.linear(f"{p}.ffn_gate_inp.weight", float32=True),
+                                 store.vector(bias).to(home) if store.has(bias) else None,
+                                 k=cfg.n_expert_used, norm=cfg.expert_weights_norm,
+                                 scale=cfg.expert_weights_scale)
+        return router
 
-    embed, blocks, output_norm, output = build_trunk(w, cfg, ctx, ffn_norm=FFN_NORM, make_router=router)
+    embed, blocks, output_norm, output = build_trunk(w, cfg, ctx, ffn_norm=FFN_NORM, make_router=router_of(w))
     nextn = None
-    if cfg.n_nextn:
-        p = f"blk.{cfg.n_layer}"
-        block = build_block(w, cfg, cfg.n_layer, ctx, ffn_norm=FFN_NORM, make_router=router)
-        norm = lambda n: RMSNorm(w.vector(f"{p}.nextn.{n}.weight").to(block.device), cfg.rms_eps)  # noqa: E731
-        own_embed, own_head = f"{p}.nextn.embed_tokens.weight", f"{p}.nextn.shared_head_head.weight"
-        nextn = NextN(embed=w.embedding(own_embed) if w.has(own_embed) else embed,
-                      enorm=norm("enorm"), hnorm=norm("hnorm"),
-                      eh_proj=w.linear(f"{p}.nextn.eh_proj.weight"), block=block,
-                      norm=norm("shared_head_norm"),
-                      head=w.linear(own_head) if w.has(own_head) else output)
+    if draft is not None or cfg.n_nextn:
+        store = draft if draft is not None else w
+        i = nextn_layer(draft) if draft is not None else cfg.n_layer
+        nextn = build_nextn(store, cfg, i, ctx, ffn_norm=FFN_NORM, make_router=router_of(store),
+                            embed=embed, output=output)
     return CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output,
                     nextn=nextn, kv_dtype=ctx.kv_dtype)

@@ -19,7 +19,9 @@ def config_from_gguf(spec: ModelSpec, meta) -> ModelConfig:
     return common_config(spec, meta, expert_weights_norm_default=True)
 
 
-def build(cfg: ModelConfig, w, ctx: BuildContext) -> CausalLM:
+def build(cfg: ModelConfig, w, ctx: BuildContext, draft=None) -> CausalLM:
+    if draft is not None:
+        raise OffloadError("qwen3moe has no NextN (MTP) head: a --draft file cannot be used with it")
     def router(p, home):
         return SoftmaxRouter(w.linear(f"{p}.ffn_gate_inp.weight", float32=True),
                              k=cfg.n_expert_used, norm=cfg.expert_weights_norm,
