@@ -1,21 +1,26 @@
 """``offload run`` on one model under three plans — all on the CPU, experts on the CPU with
 the rest on a (virtual) GPU, and layers over virtual CUDA0+CUDA1 — printing the text, t/s,
 what each device holds vs the plan, and the process's peak RSS growth against the planner's
-estimate of host RAM for the same plan: weights + KV + compute buffers of the CPU and of the
-virtual GPUs (which live in host RAM here; the plan is re-totalled with them as
-``MemorySettings.host_backed``, so their compute is torch-on-the-CPU's, and the joint compute
-is the largest step of one forward pass summed over those devices).
+estimate of host RAM for the same plan: weights + KV + compute of the CPU and of the virtual
+GPUs, which live in host RAM here (the plan is re-totalled with them as
+``MemorySettings.host_backed``: their compute is torch-on-the-CPU's, and the joint compute is
+the largest step of one forward pass summed over those devices).
 
     python -m bench.runtime_plans [MODEL.gguf] [-n 64] [-c 512] [--json out.jsonl]
 
-The prompt is ``ctx - n`` tokens, processed as one ubatch of that size (the plan's
+The prompt is ``ctx - n`` tokens of code, processed as one ubatch of that size (the plan's
 ``--ubatch``), so the largest step the planner counts — a full ubatch attending to (nearly)
-the whole context — really runs. Each plan runs in a fresh process. Before measuring, a tiny
-model with the same architecture and quant types runs the same plan shape, so Numba kernels,
-torch's thread pool and the allocator's arenas are set up outside the measurement (a tiny
-model, so that the memory it frees and the allocator keeps is small). RSS growth = peak RSS
-(VmHWM, reset through /proc/self/clear_refs) during load + generation minus the RSS just
-before loading. CPU weights are memory-mapped and made resident at load, so they count.
+the whole context — really runs. Each plan runs in a fresh process, twice: with the
+allocator as ``offload run`` sets it (``offload.host_memory``: glibc's mmap threshold fixed at
+64 KiB) and with glibc's default dynamic threshold, to show what that keeps resident.
+
+In each process a first load + prompt of the same plan sets up what a process pays once
+(Numba kernels loaded from cache, torch's thread pool and per-op buffers); it is closed,
+``malloc_trim`` returns what the allocator kept, and then RSS growth = peak RSS (VmHWM,
+reset through /proc/self/clear_refs) during the second load + generation minus the RSS just
+before it. CPU weights are memory-mapped and made resident at load, so they count.
+``load extra`` is RSS after loading minus the weights loaded: the runtime's objects that no
+plan describes (mostly the tokenizer; also the parsed header and the module objects).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ PLANS = {
     "experts-cpu+CUDA0": dict(devices="CUDA0=8GiB,CPU=16GiB", cpu_moe=True),
     "CUDA0+CUDA1+CPU": dict(devices="CUDA0=8GiB,CUDA1=8GiB,CPU=16GiB", tensor_split="1,1", n_cpu_moe=2),
 }
+ALLOCATORS = ("offload", "glibc default")
 MIB = 2 ** 20
 
 
@@ -52,19 +58,20 @@ def prompt_ids(session, n: int) -> list[int]:
     return (one * (n // len(one) + 1))[:n]
 
 
-def one(model_path: str, plan: str, n: int, ctx: int) -> dict:
+def one(model_path: str, plan: str, n: int, ctx: int, allocator: str) -> dict:
+    if allocator == "offload":
+        from offload.host_memory import return_freed_memory
+        if not return_freed_memory():
+            raise SystemExit("mallopt is not available (not glibc)")
     import torch
 
     import offload.runtime as rt
     from offload.gguf_model import open_model
-    from placement.compute import live_peak_of_group
-    from placement.memory import forward_steps
-    from placement.plan import host_footprint, kv_blocks, replan
+    from placement.plan import host_footprint, replan
 
     torch.set_num_threads(1)
     n_prompt = ctx - n
     options = dict(PLANS[plan], ctx=ctx, ubatch=n_prompt)
-    start = _status("VmRSS")
     with rt.load(model_path, virtual_gpus=True, quiet=True, **options) as s:    # the first pass
         list(s.generate(prompt_ids(s, n_prompt), max_tokens=2, stop_at_eos=False))
     del s
@@ -82,27 +89,16 @@ def one(model_path: str, plan: str, n: int, ctx: int) -> dict:
         model = open_model(model_path)
         host_plan = replan(s.plan, model, replace(s.plan.settings, host_backed=tuple(s.devices.virtual)))
         host = host_footprint(host_plan, model)
-        moments = forward_steps(model.spec, list(model.tensors), host_plan.tensors, host_plan.settings,
-                                kv_blocks=kv_blocks(model, host_plan.drafting == "in-model NextN"))
         return {
-            "plan": plan, "text": text, "prompt_tps": st.prompt_tps, "eval_tps": st.eval_tps,
+            "plan": plan, "allocator": allocator, "text": text,
+            "prompt_tps": st.prompt_tps, "eval_tps": st.eval_tps,
             "n_prompt": len(ids), "ubatch": s.plan.settings.ubatch,
-            "allocated": dict(s.allocated),
+            "allocated": dict(s.allocated), "kv_held": sum(st.memory["kv"].values()),
             "planned_weights": {t.name: t.weights_bytes for t in host_plan.totals},
             "planned_compute": {t.name: t.compute_bytes for t in host_plan.totals},
             "host": [host.weights_bytes, host.kv_bytes, host.compute_bytes],
-            "live": live_peak_of_group(moments, {"CPU", *s.devices.virtual}),
-            "kv_held": sum(st.memory["kv"].values()),
-            "first_pass_kept": before - start, "rss_loaded": loaded, "rss_growth": growth,
+            "rss_loaded": loaded, "rss_growth": growth,
         }
-
-
-ALLOCATORS = {
-    "glibc default": {},
-    # a fixed threshold: blocks of 64 KiB and more come from mmap and go back to the system
-    # when freed, so RSS follows the live allocations (no heap slack, no per-thread arena)
-    "mmap >= 64 KiB": {"MALLOC_MMAP_THRESHOLD_": "65536"},
-}
 
 
 def main() -> int:
@@ -112,51 +108,48 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-c", "--ctx", type=int, default=512)
     ap.add_argument("--json", help="also write one JSON line per plan and allocator here")
-    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=2, metavar=("PLAN", "ALLOCATOR"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(one(a.model, a.one, a.n, a.ctx)))
+        plan, alloc = a.one
+        print(json.dumps(one(a.model, plan, a.n, a.ctx, alloc)))
         return 0
     runs: dict[tuple[str, str], dict] = {}
     for plan in PLANS:
-        for alloc, env in ALLOCATORS.items():
+        for alloc in ALLOCATORS:
             out = subprocess.run([sys.executable, "-m", "bench.runtime_plans", a.model, "-n", str(a.n),
-                                  "-c", str(a.ctx), "--one", plan], cwd=ROOT, capture_output=True,
-                                 text=True, env={**os.environ, **env})
+                                  "-c", str(a.ctx), "--one", plan, alloc], cwd=ROOT, capture_output=True,
+                                 text=True)
             if out.returncode:
                 sys.stderr.write(out.stderr)
                 return out.returncode
-            runs[plan, alloc] = json.loads(out.stdout.strip().splitlines()[-1]) | {"allocator": alloc}
+            runs[plan, alloc] = json.loads(out.stdout.strip().splitlines()[-1])
     first = next(iter(runs.values()))
     print(f"model {a.model}: a {first['n_prompt']}-token prompt as one ubatch of {first['ubatch']}, "
           f"then {a.n} tokens greedy; ctx {a.ctx}; torch threads 1")
     print("peak RSS growth (load + run) vs the planner's host estimate for the plan "
-          "(weights + KV + compute of CPU and virtual GPUs)\n")
-    allocs = list(ALLOCATORS)
-    print(f"{'plan':<20} {'prompt t/s':>10} {'decode t/s':>10} {'planned host':>13}  "
-          + "  ".join(f"{x:>22}" for x in allocs))
-    print(f"{'':<20} {'':>10} {'':>10} {'W + KV + C (MiB)':>13}  "
-          + "  ".join(f"{'growth':>13} {'ratio':>8}" for _ in allocs))
+          "(weights + KV + compute of the CPU and the virtual GPUs), MiB\n")
+    print(f"{'plan':<18} {'planned host = W + KV + C':>30}  {'allocator':<13} {'prompt t/s':>10} "
+          f"{'decode t/s':>10} {'RSS growth':>10} {'ratio':>6} {'load extra':>10}")
     for plan in PLANS:
-        r = runs[plan, allocs[0]]
-        w, kv, comp = r["host"]
+        w, kv, comp = runs[plan, ALLOCATORS[0]]["host"]
         planned = w + kv + comp
-        cells = "  ".join(f"{runs[plan, x]['rss_growth'] / MIB:11.2f}Mi {runs[plan, x]['rss_growth'] / planned:8.3f}"
-                          for x in allocs)
-        print(f"{plan:<20} {r['prompt_tps']:10.1f} {r['eval_tps']:10.1f} {planned / MIB:11.2f}Mi  {cells}")
-        print(f"{'':<20} {'':>10} {'':>10} {f'{w / MIB:.2f}+{kv / MIB:.2f}+{comp / MIB:.2f}':>13}")
-    print("\nper plan: weights held / planned per device (MiB), planned compute per device; the "
-          "model's live peak (no arena); RSS after loading; the first pass's lasting RSS")
+        for i, alloc in enumerate(ALLOCATORS):
+            r = runs[plan, alloc]
+            terms = f"{planned / MIB:.2f} = {w / MIB:.2f} + {kv / MIB:.2f} + {comp / MIB:.2f}" if i == 0 else ""
+            extra = r["rss_loaded"] - sum(r["allocated"].values())
+            print(f"{plan if i == 0 else '':<18} {terms:>30}  {alloc:<13} {r['prompt_tps']:10.1f} "
+                  f"{r['eval_tps']:10.1f} {r['rss_growth'] / MIB:10.2f} {r['rss_growth'] / planned:6.3f} "
+                  f"{extra / MIB:10.2f}")
+    print("\nper plan: weights held / planned per device (+ planned compute), MiB; KV held")
     for plan in PLANS:
-        r = runs[plan, allocs[-1]]
+        r = runs[plan, ALLOCATORS[0]]
         held = ", ".join(f"{d} {b / MIB:.2f}/{r['planned_weights'].get(d, 0) / MIB:.2f} "
                          f"(+{r['planned_compute'].get(d, 0) / MIB:.2f})"
                          for d, b in sorted(r["allocated"].items()))
-        print(f"  {plan:<20} {held}; live {r['live'] / MIB:.2f}; loaded "
-              + ", ".join(f"{runs[plan, x]['rss_loaded'] / MIB:.2f}" for x in allocs)
-              + "; first pass " + ", ".join(f"{runs[plan, x]['first_pass_kept'] / MIB:.1f}" for x in allocs))
+        print(f"  {plan:<18} {held}; KV {r['kv_held'] / MIB:.2f}")
     for plan in PLANS:
-        print(f"--- {plan} text:\n{runs[plan, allocs[0]]['text']}")
+        print(f"--- {plan} text:\n{runs[plan, ALLOCATORS[0]]['text']}")
     if a.json:
         Path(a.json).write_text("".join(json.dumps(r) + "\n" for r in runs.values()))
     return 0

@@ -37,10 +37,6 @@ Moment = dict[str, int]     # bytes live on each device at one point of the pass
 
 F32 = 4
 INT64 = 8
-# The CPU experts' worker thread (offload.moe: one ThreadPoolExecutor worker) allocates from
-# its own malloc arena, which keeps what it frees for that thread: its peak stays resident
-# beside the main thread's. Its bytes are booked under this key and added to the CPU's.
-CPU_WORKER = "CPU (experts thread)"
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 CHUNK_VALUES = 16 << 20     # gpu.quant._CHUNK_ELEMS: values dequantized per step of a matrix
 ROUTING_BYTES = 64          # moe_ffn / group_by_expert index arrays, per (token, expert) pair
@@ -287,8 +283,8 @@ class ForwardModel:
             # of x/ids/weights first when home is a GPU
             worker = te + A * n_ff * f + A * E * f + (T * E // 16 + A * n_ff // 16) * f + A * ROUTING_BYTES
             copies = {CPU: te + T * k * (INT64 + f)} if h != CPU else {}
-            return [_plus(copies, {CPU_WORKER: worker}),
-                    {CPU_WORKER: te, h: te}], True     # Y, and Y moved home
+            moved = {h: te} if h != CPU else {}        # Y moved home (a view on the CPU)
+            return [_plus(copies, {CPU: worker}), _plus({CPU: te}, moved)], True
         if len(devs) == 1:
             # gpu.experts.TorchExperts on g: gathered inputs xs and outputs ys (A, E) in c, one
             # touched expert at a time (≤ T tokens: gate/up/silu/product in c + one expert
@@ -421,30 +417,18 @@ class ForwardModel:
 
 
 def peak_per_device(moments: Iterable[Moment]) -> dict[str, int]:
-    """compute(device) = its largest moment; the CPU adds the experts thread's largest."""
+    """compute(device) = its largest moment."""
     out: dict[str, int] = {}
     for m in moments:
         for k, v in m.items():
             if v > out.get(k, 0):
                 out[k] = v
-    worker = out.pop(CPU_WORKER, 0)
-    if worker:
-        out[CPU] = out.get(CPU, 0) + worker
     return out
 
 
 def peak_of_group(moments: Sequence[Moment], group: Iterable[str]) -> int:
     """The compute of devices that share one memory (the CPU and GPUs backed by host RAM):
     the largest moment of their *sum* (they peak at the same moments, not one after
-    another), plus the experts thread's largest when the CPU is among them."""
+    another)."""
     group = set(group)
-    main = max((sum(v for d, v in m.items() if d in group) for m in moments), default=0)
-    worker = max((m.get(CPU_WORKER, 0) for m in moments), default=0) if CPU in group else 0
-    return main + worker
-
-
-def live_peak_of_group(moments: Sequence[Moment], group: Iterable[str]) -> int:
-    """The most bytes live at once on ``group`` (the experts thread's counted at the moment
-    it runs): what RSS follows when freed memory goes straight back to the system."""
-    group = set(group) | ({CPU_WORKER} if CPU in group else set())
     return max((sum(v for d, v in m.items() if d in group) for m in moments), default=0)

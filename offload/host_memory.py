@@ -1,0 +1,38 @@
+"""Freed activation memory goes back to the system, so the process's RSS is what the plan counts.
+
+The runtime allocates no compute buffer up front: torch, numpy and the Numba kernels
+allocate each activation through the C allocator when it is computed and free it when done
+(``placement.compute`` models the bytes live at each step). glibc's default *dynamic* mmap
+threshold breaks the link between live bytes and RSS: after the first large block (≥ 128 KiB)
+is freed, the threshold rises to that block's size (up to 32 MiB), later blocks of that size
+come from the heap or a per-thread arena, and what is freed there stays resident. Measured on
+the shipped model (``bench/runtime_plans.py``): 3–12 MiB above the live peak, more than the
+whole compute estimate, and it depends on the order of allocations, not on the plan.
+
+A fixed threshold (``mallopt(M_MMAP_THRESHOLD)``, which also switches the dynamic adjustment
+off) serves every block of ``MMAP_THRESHOLD`` bytes or more with its own mapping, returned to
+the system on free: RSS then follows the live bytes, and the planner's host estimate
+describes it. The cost is a fresh mapping (page faults on first touch) per large
+activation; decode-time activations are a few KiB, and the prompt speed is printed beside
+the default allocator's by the benchmark. ``offload run`` / ``offload bench`` set it first
+thing, as they set ``OMP_WAIT_POLICY``; embedders call ``return_freed_memory()`` themselves
+or export ``MALLOC_MMAP_THRESHOLD_=65536``. Elsewhere than glibc it does nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+MMAP_THRESHOLD = 64 << 10    # bytes: blocks this large get their own mapping (glibc's default: 128 KiB, dynamic)
+_M_MMAP_THRESHOLD = -3       # glibc <malloc.h>
+
+
+def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes. True when set (glibc), else False."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
