@@ -1,10 +1,13 @@
 """offload's compute buffers: what one forward pass of a ubatch allocates, device by device.
 
 The runtime (``offload.runtime`` over ``gpu/`` and ``cpu_kernels``) allocates no graph
-buffer up front: torch and numpy allocate each activation when it is computed and free it
-when the last reference goes. So the compute buffer of a device is the **largest number of
-bytes live on it at any moment of one forward pass** of ``T = ubatch`` tokens attending to
-``L = ctx`` keys (the last prompt chunk of a full context; decoding, T = 1, needs less).
+buffer up front: torch, numpy and the Numba kernels allocate each activation when it is
+computed and free it when the last reference goes (and with ``offload.host_memory``'s fixed
+mmap threshold, freed blocks leave RSS). So the compute buffer of a device is the **largest
+number of bytes live on it at any moment of one forward pass** of ``T = ubatch`` tokens
+attending to ``L = ctx`` keys (the last prompt chunk of a full context; decoding, T = 1,
+needs less). The CPU experts' worker thread counts at the moments it runs (beside the
+shared expert), like any other allocation on the CPU.
 
 The pass is modelled as the code runs it: the embedding lookup, each block's attention and
 FFN, the output layer — each a list of *moments*, a moment being the bytes live on each
@@ -52,10 +55,25 @@ DEQUANT_BYTES: dict[Q, float] = {
     Q.IQ4_NL: 13.125, Q.MXFP4: 13.125, Q.Q2_K: 12.8125, Q.Q3_K: 13.5, Q.Q4_K: 12.375,
     Q.Q5_K: 13.375, Q.Q6_K: 18.375, Q.IQ4_XS: 13.625,
 }
-# The same for gguf.quants.dequantize (numpy), which the CPU embedding lookup runs on the
-# gathered rows: per value, incl. the gathered raw rows and the float32 result.
-NUMPY_DEQUANT_BYTES = {Q.F32: 4.0, Q.F16: 6.0}
-NUMPY_DEQUANT_OTHER = 10.25
+# gguf.quants.dequantize (numpy), which the CPU embedding lookup runs on the gathered rows,
+# works over groups of 16–31 rows (_apply_over_grouped_rows): a float32 result per group, all
+# kept until they are concatenated into the float32 output, and one group's temporaries at a
+# time — at most NUMPY_GROUP_SCRATCH bytes per value (the largest of gguf's dequantizers,
+# Q5_K's, is 11.5; checked for every type in tests/test_memory_runtime.py).
+NUMPY_GROUP_ROWS = 31
+NUMPY_GROUP_SCRATCH = 12
+
+
+def cpu_lookup_bytes(embd: TensorInfo, n: int) -> int:
+    """Peak bytes of offload.cpu_ops.RawEmbedding looking up ``n`` rows of ``embd``: the
+    gathered raw rows, then (unless F32, used as gathered) gguf's numpy dequantization."""
+    cols = embd.shape[-1]
+    raw = n * embd.n_bytes // embd.shape[0]
+    if embd.ggml_type == Q.F32:
+        return raw
+    if embd.ggml_type == Q.F16:
+        return raw + n * cols * F32                                # .astype(float32)
+    return raw + 2 * n * cols * F32 + min(n, NUMPY_GROUP_ROWS) * cols * NUMPY_GROUP_SCRATCH
 
 
 def dequant_bytes_per_value(qtype: Q, dtype: str) -> float:
@@ -206,10 +224,9 @@ class ForwardModel:
         """offload.cpu_ops.RawEmbedding (CPU: gathered rows + numpy dequantize) or
         gpu.linear.Embedding (gathered raw rows + torch dequantize to float32)."""
         T, E = self.T, self.spec.n_embd
-        rows = T * embd.n_bytes // max(1, embd.shape[0])
         if dev == CPU:
-            per = NUMPY_DEQUANT_BYTES.get(embd.ggml_type, NUMPY_DEQUANT_OTHER)
-            return [{dev: int(T * E * per)}]
+            return [{dev: cpu_lookup_bytes(embd, T)}]
+        rows = T * embd.n_bytes // max(1, embd.shape[0])
         return [{dev: int(rows + T * E * max(F32, dequant_bytes_per_value(embd.ggml_type, "f32")))}]
 
     def attention(self, i: int, b: BlockTensors, h: str, device_of) -> list[Moment]:

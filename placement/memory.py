@@ -21,46 +21,61 @@ attention tensor)::
 
 **Compute buffer** — what *offload's runtime* allocates beyond weights and KV during one
 forward pass of ``T = ubatch`` tokens attending to ``L = ctx`` keys (the last prompt chunk of
-a full context), per device: the largest number of bytes live there at any moment
-(``placement.compute`` models the pass step by step, as the code runs it)::
+a full context), per device: the most bytes live there at any moment. The runtime has no
+graph buffer: torch, numpy and the Numba kernels allocate each activation when it is
+computed and free it after its last use, and ``offload run`` fixes glibc's mmap threshold
+(``offload.host_memory``) so that freed blocks leave the process's RSS. ``placement.compute``
+walks the pass as the code runs it and gives the bytes live on each device at each step::
 
-    compute(device) = max over the steps of the pass of the bytes live on the device
-    steps: embedding; per block: attention, FFN; output (logits of the last row)
+    compute(device) = max over the steps of one pass of the bytes live on the device
 
-    attention (block's home)  = 2·T·E·4 (x, attn_norm(x)) + T·(Q + K + V)·4 (q, k, v)
-                                + max(rope copy T·(H·R + Q)·4,
-                                      SDPA: T·L (bool mask) + T·L·4 (its float form)
-                                            + L·(K + V)·4 (cache upcast, CPU-side, non-f32 cache)
-                                            + T·Q·4 (output),
-                                      each projection's own peak, the o-projection's input)
-    FFN (block's home)        = 3·T·E·4 (x, h, ffn_norm(h))
-                                + dense: 3·T·n_ff·4 (silu(g), u, product)
-                                + MoE:   router 2·T·n_expert·4; routed experts on the CPU
-                                         (Numba, in a worker thread, concurrently with the
-                                         shared expert): T·E·4 + A·n_ff_exp·4 + A·E·4
-                                         + A·64 (routing indices), A = T·n_expert_used;
-                                         on a GPU: 2·A·E·c + 3·T·n_ff_exp·c + one expert
-                                         matrix dequantized, then A·E·4 (weighted copy)
-                                         + shared expert 3·T·n_ff_shexp·4
-    output                    = 2·T·E·4 + the output projection of one row
-    projection on a GPU       = chunk·cols·dequant(type) + n·rows·(c + 4) (+ n·rows·4 bias)
-                                chunk = min(rows, 16 Mi values // cols) rows: the raw GGUF
-                                bytes are dequantized per call, a chunk at a time, into c
-    projection on the CPU     = n·rows·4 + n·cols/16·4 (Numba over the mapped bytes)
+    embedding, CPU     = T·row_bytes(token_embd) + 2·T·E·4 + min(T, 31)·E·12
+                         (gathered raw rows; gguf's numpy dequantize: group results + output,
+                         one 16–31-row group's temporaries)
+    attention, home    = 2·T·E·4 + T·(Q + K + V)·4             x, attn_norm(x), q, k, v
+                         + the largest of: each projection's own peak;
+                           RoPE  T·(H·R + Q)·4;
+                           KV append  T·(K + V)·cache_bytes + kv(block)/2  (storage doubling);
+                           SDPA on the CPU  T·L + (T + L)·8 (bool mask, index vectors)
+                               + T·L·4 (mask as a float bias) + L·(K + V)·4 (f16/bf16 cache
+                               upcast) + T·Q·4 (output);
+                           SDPA on CUDA  mask + T·Q·2·cb + T·L·cb  (cb = cache bytes/value)
+    FFN, home          = 3·T·E·4 (x, h, ffn_norm(h)) + T·k·12 (expert ids, weights)
+                         + dense FFN / shared expert: 3·T·n_ff·4 beside one projection;
+                         router: 2·T·n_expert·4;
+                         routed experts on the CPU (cpu_kernels.moe_ffn in a worker thread,
+                           at the same time as the shared expert): T·E·4 + A·n_ff_exp·4
+                           + A·E·4 + (T·E + A·n_ff_exp)/16·4 + A·64 (routing indices),
+                           + host copies T·E·4 + T·k·12 when the home is a GPU;  A = T·k
+                         routed experts on a GPU: 2·A·E·c + 3·T·n_ff_exp·c + one expert
+                           matrix dequantized, then A·E·4
+    output, its device = 2·T·E·4 + the output projection of the last row (logits="last")
+    projection on a GPU = n·cols·(c + 4 if moved) + max(chunk·cols·dq(type) + n·rows·c
+                            (+ n·chunk·c if chunked),  n·rows·(c + 4) (+ n·rows·4 bias))
+                          chunk = min(rows, 16 Mi values // cols): raw GGUF bytes are
+                          dequantized per call, a chunk of rows at a time, into c
+    projection on the CPU = n·rows·4 + n·cols/16·4      (Numba over the mapped bytes)
 
 with E = n_embd, Q = n_head·head_dim_k, K/V = n_head_kv·head_dim_k/v, R = rotary dims,
-c = bytes of the GPU compute dtype (``MemorySettings.gpu_dtype``; "auto": bf16 on CUDA,
-f32 on a GPU backed by host RAM), dequant(type) = the torch dequantizer's peak bytes per
-value (``placement.compute.DEQUANT_BYTES``: 8.1 for Q8_0 … 18.4 for Q6_K; 4 for F16 → f32).
-A GPU device listed in ``MemorySettings.host_backed`` (``--virtual-gpus``) computes like the
-CPU (torch on the host); the memory the CPU and such devices share peaks at one moment, so
-their joint compute is the largest step of their *sum* (``placement.compute.peak_of_group``),
-not the sum of their peaks.
+c = bytes of the GPU compute dtype (``MemorySettings.gpu_dtype``; "auto": bf16 on CUDA, f32
+on a GPU backed by host RAM), dq(type) = the torch dequantizer's peak bytes per value
+(``placement.compute.DEQUANT_BYTES``: 8.1 for Q8_0 … 18.4 for Q6_K; 4 for F16 → f32). A block
+computes on its home (the device of its largest attention tensor); the hidden state handed
+over by the previous block stays referenced on that block's home meanwhile. A GPU listed in
+``MemorySettings.host_backed`` (``--virtual-gpus``) computes like the CPU (torch on the
+host); the CPU and such devices share one memory and peak at the same moments, so their
+joint compute is the largest step of their *sum* (``placement.compute.peak_of_group``).
+Every per-value constant is checked against the allocators (torch profiler, tracemalloc) in
+``tests/test_memory_runtime.py``.
 
-Not counted (measured in ``bench/runtime_plans.py``): per-thread scratch of torch's CPU
-attention kernel (≤ 0.25 MiB per torch thread) and of the Numba kernels (a few KiB), the
-allocator's slack, the tokenizer, Python objects. Speculative verify batches compute logits
-for B ≤ n_max + 1 rows (B·n_vocab·4), the NextN head for the rows it is given.
+Not counted: what loading adds beyond the weights and no placement changes — the tokenizer
+(1.3 MiB for the shipped model's 4,096 tokens + 3,839 merges, about 170 B per entry; it
+grows with the vocabulary), the parsed header, Python objects; per-thread scratch of torch's and Numba's
+kernels; the int8-activation mode of ``cpu_kernels`` (off in the runtime), which would add
+about 1.1·(T·E + A·n_ff_exp) bytes. Speculative verify batches of B ≤ n_max + 1 tokens compute
+B rows of logits (B·n_vocab·(c + 4)), covered while the ubatch's 2·T·E·4 is larger. Without
+the fixed mmap threshold (an embedder that skips ``offload.host_memory``), glibc keeps freed
+blocks: measured 3–12 MiB above this estimate on the shipped model.
 
 This is offload's runtime, not llama.cpp's: ``--emit llama.cpp`` gives the same tensor map,
 and llama.cpp's graph buffers (an f32 logits row per token of the ubatch, the full score

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from gpu.linear import Linear
 from gpu.quant import DEQUANTIZERS, QuantTensor
-from placement.compute import Devices, projection
+from offload.cpu_ops import RawEmbedding
+from placement.compute import Devices, cpu_lookup_bytes, projection
 from placement.tensors import Role, TensorInfo
 from tests.tiny_models import TinySpec, random_tensor, write_tiny_model
 
@@ -68,6 +70,45 @@ def test_projection_bound_matches_torch_allocations(qtype):
         # rounded up to 1/8 B per value, and it adds the (n, rows) output to the scratch's
         # peak rather than to the dequantized matrix's (which outlives the scratch): ≤ 3.5%
         assert measured >= 0.965 * planned, (qtype.name, n, measured, planned)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, *TYPES], ids=[t.name for t in [Q.F32, *TYPES]])
+def test_cpu_embedding_lookup_bound_matches_numpy_allocations(qtype):
+    """offload.cpu_ops.RawEmbedding (gathered raw rows → gguf.quants.dequantize in numpy):
+    its peak, from tracemalloc (numpy reports its buffers there), is bounded by
+    ``placement.compute.cpu_lookup_bytes`` for one token, a group of 16–31 rows, and a
+    ubatch."""
+    rng = np.random.default_rng(100 + int(qtype))
+    n_vocab, cols = 64, 2048
+    raw, _, _ = random_tensor(rng, (n_vocab, cols), qtype, 0.02)
+    raw = np.ascontiguousarray(raw)
+    lookup = RawEmbedding(raw, qtype, cols)
+    info = TensorInfo("token_embd.weight", (n_vocab, cols), qtype, raw.nbytes, None, Role.EMBEDDING)
+    for n in (1, 20, 47, 512):
+        ids = torch.from_numpy(rng.integers(0, n_vocab, n))
+        tracemalloc.start()
+        try:
+            lookup(ids)
+            measured = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        planned = cpu_lookup_bytes(info, n)
+        # + the objects of the call (array headers, the list of group results: ≤ 10 KiB,
+        # whatever n), which no plan counts
+        assert measured <= planned + 16 * 1024, (qtype.name, n, measured, planned)
+        if n == 512:
+            # tight at a ubatch: the group scratch is one bound for all types (12 B/value vs
+            # 4–11.5 measured) on ≤ 31 of the 512 rows, a few % of the whole
+            assert measured >= 0.9 * planned, (qtype.name, n, measured, planned)
+
+
+def test_placement_imports_neither_torch_numba_nor_offload():
+    code = ("import sys, placement.plan, placement.fit, placement.report, placement.plan_file, "
+            "placement.compute, placement.cost\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numba', 'offload', 'gpu', "
+            "'cpu_kernels'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 PROBE = r"""
