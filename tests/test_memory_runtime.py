@@ -3,13 +3,16 @@
 1. One GPU-resident projection (gpu.linear.Linear over raw GGUF bytes on torch's CPU
    device, the way a --virtual-gpus device runs): the torch allocator's peak, from the
    profiler's allocation events, is bounded by ``placement.compute.projection`` — for every
-   quant type with a torch dequantizer — and the bound is tight.
+   quant type with a torch dequantizer — and the bound is tight. Likewise the CPU embedding
+   lookup (gguf's numpy dequantize, traced by tracemalloc) and ``cpu_lookup_bytes``.
 2. A whole run, with the allocator as ``offload run`` sets it (``offload.host_memory``): a tiny
    model is loaded — RSS grows by at least the host's planned weights — and runs a prompt of a
    full ubatch; the peak RSS above the loaded state stays under the planner's KV + compute of
    the host (the CPU and the virtual GPUs) for the same plan. An upper-bound check: it is
    memory, not time. What loading adds beyond the weights (the tokenizer, parsed header,
    Python objects) is no plan's business and is left out by measuring from the loaded state.
+3. ``offload.host_memory.return_freed_memory`` really gives freed blocks back (glibc's
+   default, the control, keeps them); ``placement`` imports neither torch, numba nor offload.
 """
 from __future__ import annotations
 
@@ -180,3 +183,37 @@ def test_peak_rss_growth_stays_under_the_host_estimate(tmp_path, plan):
     # uploaded to a virtual GPU) are in RSS
     assert load >= r["weights"]
     assert run <= r["kv"] + r["compute"]
+
+
+FREED = r"""
+import json, sys
+import numpy as np
+from offload.host_memory import return_freed_memory
+fixed = return_freed_memory() if sys.argv[1] == "fixed" else False
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+n = 4 << 20
+a = np.ones(n, np.uint8); del a        # glibc's dynamic threshold rises past 4 MiB here
+b = np.ones(n, np.uint8)               # ... so this block comes from the heap
+held = rss(); del b
+print(json.dumps({"fixed": fixed, "returned": held - rss(), "n": n}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_return_freed_memory_gives_freed_blocks_back():
+    """With offload.host_memory's fixed mmap threshold a freed 4 MiB block leaves RSS; under
+    glibc's default (the control) the same block stays resident in the heap; a user's own
+    MALLOC_MMAP_THRESHOLD_ is left alone."""
+    def probe(mode, **env):
+        out = subprocess.run([sys.executable, "-c", FREED, mode], cwd=ROOT, capture_output=True, text=True,
+                             env={"PATH": "/usr/bin:/bin", **env}, check=True)
+        return json.loads(out.stdout)
+    fixed, default = probe("fixed"), probe("default")
+    assert fixed["fixed"] and fixed["returned"] >= 0.9 * fixed["n"]
+    assert default["returned"] < 0.1 * default["n"]
+    assert not probe("fixed", MALLOC_MMAP_THRESHOLD_="65536")["fixed"]
