@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from cpu_kernels import ExpertWeights
+from cpu_kernels import ExpertWeights, supported_types
 from gpu.dequant import dequantize_numpy, to_torch
 from gpu.experts import TorchExperts
 from gpu.linear import Embedding, Linear
@@ -120,6 +120,17 @@ class WeightStore:
             prefault(data)
         return data, t.ggml_type
 
+    def _cpu_matrix(self, name: str):
+        """``_raw`` for a matrix the CPU kernels will multiply: refuse, at load and naming the
+        tensor, a quant type that has no kernel (instead of failing mid-generation)."""
+        qtype = self.tensors[name].ggml_type if name in self.tensors else None
+        if qtype is not None and qtype not in supported_types():
+            raise OffloadError(
+                f"{name} is {qtype.name}, which has no CPU kernel (CPU kernels: "
+                f"{', '.join(q.name for q in supported_types())}); place it on a GPU with -ot or "
+                "use a file quantized to a supported type")
+        return self._raw(name)
+
     def _dtype(self, dev_name: str) -> torch.dtype:
         return self.compute_dtype[dev_name]
 
@@ -139,7 +150,7 @@ class WeightStore:
         b = self.vector(bias) if bias is not None and self.has(bias) else None
         dev_name = on or self.device_of[name]
         if dev_name == CPU:
-            data, qtype = self._raw(name)
+            data, qtype = self._cpu_matrix(name)
             return RawLinear(data, qtype, bias=b, name=name)
         w = self._upload(name, dev_name)
         return Linear(w, None if b is None else b.to(w.device),
@@ -158,7 +169,7 @@ class WeightStore:
         stages = ("gate_up", "down") if self.has(names["gate_up"]) else ("gate", "up", "down")
         homes = {self.device_of[names[s]] for s in stages}
         if homes == {CPU}:
-            raw = {s: self._raw(names[s]) for s in stages}
+            raw = {s: self._cpu_matrix(names[s]) for s in stages}
             none = (None, None)
             ew = ExpertWeights(gate=raw.get("gate", none)[0], up=raw.get("up", none)[0],
                                down=raw["down"][0], gate_type=raw.get("gate", none)[1],
@@ -174,7 +185,7 @@ class WeightStore:
     def _per_expert(self, name: str):
         """Expert e → a projection over ``name[e]`` where the plan put ``name``."""
         if self.device_of[name] == CPU:
-            data, qtype = self._raw(name)
+            data, qtype = self._cpu_matrix(name)
             return lambda e: RawLinear(data[e], qtype, name=name)
         w, dtype = self._upload(name), self._dtype(self.device_of[name])
         return lambda e: Linear(w[e], compute_dtype=dtype, name=name)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType as Q, GGUFWriter
 
 import offload.runtime as rt
 from tests.tiny_models import TinySpec, write_tiny_model
@@ -93,3 +93,11 @@ def test_unsupported_cache_type_and_tiny_context_are_refused(tiny, capsys):
     assert p.returncode == 2 and "--cache-type q8_0" in p.stderr.strip().splitlines()[-1]
     p = run_here(capsys, tiny.path, "-c", "8", "-p", "def the def the def the", "-n", "4")
     assert p.returncode == 2 and "exceed the context of 8" in p.stderr.strip().splitlines()[-1]
+
+
+def test_experts_of_a_type_without_cpu_kernel_are_refused_at_load(tmp_path, capsys):
+    iq2 = write_tiny_model(tmp_path / "iq2.gguf", TinySpec(expert_type=Q.IQ2_XXS, seed=5))
+    p = run_here(capsys, iq2.path, "-n", "2")
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stdout == ""
+    assert "ffn_gate_exps.weight is IQ2_XXS" in last and "no CPU kernel" in last

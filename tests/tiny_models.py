@@ -22,6 +22,7 @@ _F16_FIELDS = {
     Q.Q8_0: ((0,), 64.0), Q.IQ4_NL: ((0,), 64.0), Q.IQ4_XS: ((0,), 1024.0),
     Q.Q2_K: ((80, 82), 20.0), Q.Q3_K: ((108,), 64.0), Q.Q4_K: ((0, 2), 256.0),
     Q.Q5_K: ((0, 2), 512.0), Q.Q6_K: ((208,), 1024.0),
+    Q.IQ2_XXS: ((0,), 4.0),      # no CPU kernel: for the tests that such a file is refused
 }
 
 
