@@ -1,27 +1,37 @@
 """``offload run`` on one model under three plans — all on the CPU, experts on the CPU with
 the rest on a (virtual) GPU, and layers over virtual CUDA0+CUDA1 — printing the text, t/s,
 what each device holds vs the plan, and the process's peak RSS growth against the planner's
-estimate for the host: the CPU's total plus those of the virtual GPUs (which live in host
-RAM here), each weights + KV + compute buffers.
+estimate of host RAM for the same plan: weights + KV + compute of the CPU and of the virtual
+GPUs, which live in host RAM here (the plan is re-totalled with them as
+``MemorySettings.host_backed``: their compute is torch-on-the-CPU's, and the joint compute is
+the largest step of one forward pass summed over those devices).
 
     python -m bench.runtime_plans [MODEL.gguf] [-n 64] [-c 512] [--json out.jsonl]
 
-Each plan runs in a fresh process. RSS growth = peak RSS during load + generation minus the
-RSS just before loading (after imports and a kernel warm-up on another model), so the
-interpreter/torch baseline, which no plan accounts for, is left out; the peak is reset via
-/proc/self/clear_refs first. CPU weights are memory-mapped and made resident at load;
-``vs W+KV`` compares the growth with the plan's weights + KV alone, since the planner's
-compute-buffer term is llama.cpp's graph buffers, which this runtime does not allocate
-(torch allocates activations per call; they are small).
+The prompt is ``ctx - n`` tokens of code, processed as one ubatch of that size (the plan's
+``--ubatch``), so the largest step the planner counts — a full ubatch attending to (nearly)
+the whole context — really runs. Each plan runs in a fresh process, twice: with the
+allocator as ``offload run`` sets it (``offload.host_memory``: glibc's mmap threshold fixed at
+64 KiB) and with glibc's default dynamic threshold, to show what that keeps resident.
+
+In each process a first load + prompt of the same plan sets up what a process pays once
+(Numba kernels loaded from cache, torch's thread pool and per-op buffers); it is closed,
+``malloc_trim`` returns what the allocator kept, and then RSS growth = peak RSS (VmHWM,
+reset through /proc/self/clear_refs) during the second load + generation minus the RSS just
+before it. CPU weights are memory-mapped and made resident at load, so they count.
+``load extra`` is RSS after loading minus the weights loaded: the runtime's objects that no
+plan describes (mostly the tokenizer; also the parsed header and the module objects).
 """
 from __future__ import annotations
 
 import argparse
-import os
+import ctypes
+import gc
 import json
+import os
 import subprocess
 import sys
-import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +41,8 @@ PLANS = {
     "experts-cpu+CUDA0": dict(devices="CUDA0=8GiB,CPU=16GiB", cpu_moe=True),
     "CUDA0+CUDA1+CPU": dict(devices="CUDA0=8GiB,CUDA1=8GiB,CPU=16GiB", tensor_split="1,1", n_cpu_moe=2),
 }
+ALLOCATORS = ("offload", "glibc default")
+MIB = 2 ** 20
 
 
 def _status(field: str) -> int:
@@ -40,29 +52,52 @@ def _status(field: str) -> int:
     raise RuntimeError(field)
 
 
-def one(model: str, plan: str, n: int, ctx: int, warm: str) -> dict:
+def prompt_ids(session, n: int) -> list[int]:
+    """``n`` token ids of code: PROMPT repeated."""
+    one = session.tokenize(PROMPT)
+    return (one * (n // len(one) + 1))[:n]
+
+
+def one(model_path: str, plan: str, n: int, ctx: int, allocator: str) -> dict:
+    if allocator == "offload":
+        from offload.host_memory import return_freed_memory
+        if not return_freed_memory():
+            raise SystemExit("mallopt is not available (not glibc)")
     import torch
 
     import offload.runtime as rt
+    from offload.gguf_model import open_model
+    from placement.plan import host_footprint, replan
+
     torch.set_num_threads(1)
-    with rt.load(warm, devices="CPU=16GiB", quiet=True) as s:   # kernels compiled/loaded
-        s.logits(list(range(1, 9)))
+    n_prompt = ctx - n
+    options = dict(PLANS[plan], ctx=ctx, ubatch=n_prompt)
+    with rt.load(model_path, virtual_gpus=True, quiet=True, **options) as s:    # the first pass
+        list(s.generate(prompt_ids(s, n_prompt), max_tokens=2, stop_at_eos=False))
+    del s
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)          # what the allocator kept from it goes back
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")                 # reset the peak (VmHWM)
-    with rt.load(model, virtual_gpus=True, quiet=True, ctx=ctx, **PLANS[plan]) as s:
+    with rt.load(model_path, virtual_gpus=True, quiet=True, **options) as s:
+        loaded = _status("VmRSS") - before
         s.warmup()
-        text = s.detokenize(s.generate(PROMPT, max_tokens=n, stop_at_eos=False))
+        ids = prompt_ids(s, n_prompt)
+        text = s.detokenize(s.generate(ids, max_tokens=n, stop_at_eos=False))
+        growth = _status("VmHWM") - before
         st = s.stats
-        host = [t for t in s.plan.totals if t.name == "CPU" or t.name in s.devices.virtual]
+        model = open_model(model_path)
+        host_plan = replan(s.plan, model, replace(s.plan.settings, host_backed=tuple(s.devices.virtual)))
+        host = host_footprint(host_plan, model)
         return {
-            "plan": plan, "text": text, "prompt_tps": st.prompt_tps, "eval_tps": st.eval_tps,
-            "allocated": dict(s.allocated),
-            "planned_weights": {t.name: t.weights_bytes for t in s.plan.totals},
-            "planned_host": sum(t.used_bytes for t in host),
-            "planned_host_parts": [sum(t.weights_bytes for t in host), sum(t.kv_bytes for t in host),
-                                   sum(t.compute_bytes for t in host)],
-            "rss_growth": _status("VmHWM") - before,
-            "profile": st.eval_profile,
+            "plan": plan, "allocator": allocator, "text": text,
+            "prompt_tps": st.prompt_tps, "eval_tps": st.eval_tps,
+            "n_prompt": len(ids), "ubatch": s.plan.settings.ubatch,
+            "allocated": dict(s.allocated), "kv_held": sum(st.memory["kv"].values()),
+            "planned_weights": {t.name: t.weights_bytes for t in host_plan.totals},
+            "planned_compute": {t.name: t.compute_bytes for t in host_plan.totals},
+            "host": [host.weights_bytes, host.kv_bytes, host.compute_bytes],
+            "rss_loaded": loaded, "rss_growth": growth,
         }
 
 
@@ -72,39 +107,51 @@ def main() -> int:
     ap.add_argument("model", nargs="?", default=str(ROOT / "models" / "tiny-glm4moe-mtp.gguf"))
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-c", "--ctx", type=int, default=512)
-    ap.add_argument("--json", help="also write one JSON line per plan here")
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    ap.add_argument("--warm", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="also write one JSON line per plan and allocator here")
+    ap.add_argument("--one", nargs=2, metavar=("PLAN", "ALLOCATOR"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(one(a.model, a.one, a.n, a.ctx, a.warm)))
+        plan, alloc = a.one
+        print(json.dumps(one(a.model, plan, a.n, a.ctx, alloc)))
         return 0
-    from tests.tiny_models import TinySpec, write_tiny_model
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        warm = write_tiny_model(Path(tmp) / "warm.gguf", TinySpec(seed=99)).path
-        for plan in PLANS:
+    runs: dict[tuple[str, str], dict] = {}
+    for plan in PLANS:
+        for alloc in ALLOCATORS:
             out = subprocess.run([sys.executable, "-m", "bench.runtime_plans", a.model, "-n", str(a.n),
-                                  "-c", str(a.ctx), "--one", plan, "--warm", str(warm)],
-                                 cwd=ROOT, capture_output=True, text=True, check=True)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    mib = lambda b: b / 2**20  # noqa: E731
-    print(f"model {a.model}: {a.n} tokens greedy after a {len(PROMPT)}-char prompt, ctx {a.ctx}")
-    print(f"{'plan':<20} {'prompt t/s':>10} {'decode t/s':>10} {'RSS growth':>11} {'planned host':>12} "
-          f"{'ratio':>6} {'vs W+KV':>7}  weights held / planned per device (MiB)")
-    for r in rows:
-        held = ", ".join(f"{d} {mib(b):.2f}/{mib(r['planned_weights'].get(d, 0)):.2f}"
+                                  "-c", str(a.ctx), "--one", plan, alloc], cwd=ROOT, capture_output=True,
+                                 text=True)
+            if out.returncode:
+                sys.stderr.write(out.stderr)
+                return out.returncode
+            runs[plan, alloc] = json.loads(out.stdout.strip().splitlines()[-1])
+    first = next(iter(runs.values()))
+    print(f"model {a.model}: a {first['n_prompt']}-token prompt as one ubatch of {first['ubatch']}, "
+          f"then {a.n} tokens greedy; ctx {a.ctx}; torch threads 1")
+    print("peak RSS growth (load + run) vs the planner's host estimate for the plan "
+          "(weights + KV + compute of the CPU and the virtual GPUs), MiB\n")
+    print(f"{'plan':<18} {'planned host = W + KV + C':>30}  {'allocator':<13} {'prompt t/s':>10} "
+          f"{'decode t/s':>10} {'RSS growth':>10} {'ratio':>6} {'load extra':>10}")
+    for plan in PLANS:
+        w, kv, comp = runs[plan, ALLOCATORS[0]]["host"]
+        planned = w + kv + comp
+        for i, alloc in enumerate(ALLOCATORS):
+            r = runs[plan, alloc]
+            terms = f"{planned / MIB:.2f} = {w / MIB:.2f} + {kv / MIB:.2f} + {comp / MIB:.2f}" if i == 0 else ""
+            extra = r["rss_loaded"] - sum(r["allocated"].values())
+            print(f"{plan if i == 0 else '':<18} {terms:>30}  {alloc:<13} {r['prompt_tps']:10.1f} "
+                  f"{r['eval_tps']:10.1f} {r['rss_growth'] / MIB:10.2f} {r['rss_growth'] / planned:6.3f} "
+                  f"{extra / MIB:10.2f}")
+    print("\nper plan: weights held / planned per device (+ planned compute), MiB; KV held")
+    for plan in PLANS:
+        r = runs[plan, ALLOCATORS[0]]
+        held = ", ".join(f"{d} {b / MIB:.2f}/{r['planned_weights'].get(d, 0) / MIB:.2f} "
+                         f"(+{r['planned_compute'].get(d, 0) / MIB:.2f})"
                          for d, b in sorted(r["allocated"].items()))
-        w, kv, _ = r["planned_host_parts"]
-        ratio = r["rss_growth"] / r["planned_host"] if r["planned_host"] else float("nan")
-        print(f"{r['plan']:<20} {r['prompt_tps']:10.1f} {r['eval_tps']:10.1f} {mib(r['rss_growth']):9.1f}Mi "
-              f"{mib(r['planned_host']):10.1f}Mi {ratio:6.2f} {r['rss_growth'] / (w + kv):7.2f}  {held}")
-    print("planned host = weights + KV + compute (MiB): " + "; ".join(
-        f"{r['plan']}: " + " + ".join(f"{mib(x):.1f}" for x in r["planned_host_parts"]) for r in rows))
-    for r in rows:
-        print(f"--- {r['plan']} text:\n{r['text']}")
+        print(f"  {plan:<18} {held}; KV {r['kv_held'] / MIB:.2f}")
+    for plan in PLANS:
+        print(f"--- {plan} text:\n{runs[plan, ALLOCATORS[0]]['text']}")
     if a.json:
-        Path(a.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        Path(a.json).write_text("".join(json.dumps(r) + "\n" for r in runs.values()))
     return 0
 
 

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from placement.devices import CPU, Device, format_bytes
 from placement.errors import PlacementError
 from placement.layers import LayerLayout, output_slot_member
-from placement.memory import MemorySettings, compute_bytes_from_roles, kv_bytes, tied_output
+from placement.memory import MemorySettings, forward_model, kv_bytes, tied_output
 from placement.plan import Placement, Plan, PlannedModel, build_plan, kv_blocks
 from placement.rules import EXPERTS_REGEX, Rule, layers_regex
 from placement.tensors import Role, TensorInfo
@@ -63,41 +63,73 @@ def expert_block_key(t: TensorInfo) -> str:
     return stem if suffix in ("weight", "bias", "scale") else t.name
 
 
+class _Forward:
+    """memory.py's compute model of the model (and draft) at one setting, asked what one GPU
+    holding some of the tensors would need. Per-block answers are cached by what the GPU
+    holds of the block: the fit asks the same questions many times."""
+
+    def __init__(self, model: PlannedModel, draft: PlannedModel | None, s: MemorySettings):
+        self.parts = [(False, forward_model(model.spec, model.tensors, s),
+                       kv_blocks(model, draft is None and model.spec.n_nextn > 0))]
+        if draft is not None:
+            self.parts.append((True, forward_model(draft.spec, draft.tensors, s),
+                               sorted({t.layer for t in draft.tensors if t.layer is not None})))
+        self.parts = [(d, fm, fm.run_order(order)) for d, fm, order in self.parts]
+        self._cache: dict[tuple, int] = {}
+
+    def peak_on(self, gpu: str, placed: Mapping[tuple[bool, int | None], frozenset[str]]) -> int:
+        """Compute bytes on ``gpu`` when it holds ``placed`` (names per (is_draft, block),
+        block None for global tensors) and everything else is elsewhere (which device does
+        not change what ``gpu`` holds)."""
+        best = 0
+        none: frozenset[str] = frozenset()
+        for is_draft, fm, order in self.parts:
+            def dev_of(t: TensorInfo, d=is_draft) -> str:
+                return gpu if t.name in placed.get((d, t.layer), none) else CPU
+            prevs, trunk_home = fm.homes(dev_of, order)
+            key = (gpu, is_draft, None, placed.get((is_draft, None), none), trunk_home == gpu)
+            if key not in self._cache:
+                self._cache[key] = max((m.get(gpu, 0) for m in fm.global_steps(dev_of, trunk_home)), default=0)
+            best = max(best, self._cache[key])
+            for i, prev in prevs.items():
+                mine = placed.get((is_draft, i), none)
+                if not mine and prev != gpu:
+                    continue
+                key = (gpu, is_draft, i, mine, prev == gpu, trunk_home == gpu)
+                if key not in self._cache:
+                    self._cache[key] = max((m.get(gpu, 0) for m in fm.block_steps(i, dev_of, prev, trunk_home)),
+                                           default=0)
+                best = max(best, self._cache[key])
+        return best
+
+
 class _Ledger:
     """Exact running memory of one GPU: weights + KV + compute (memory.py's formula)."""
 
-    def __init__(self, device: Device, target: int, model: PlannedModel,
-                 draft: PlannedModel | None, s: MemorySettings):
+    def __init__(self, device: Device, target: int, forward: _Forward):
         self.name = device.name
         self.room = device.budget_bytes - target
-        self.model, self.draft, self.s = model, draft, s
+        self.forward = forward
         self.weights = 0
         self.kv = 0
-        self.roles: dict[tuple[bool, int | None], set[Role]] = {}   # (is_draft, block) → roles
-
-    def _compute(self, roles: Mapping[tuple[bool, int | None], set[Role]]) -> int:
-        total = 0
-        for is_draft, m in ((False, self.model), (True, self.draft)):
-            blocks = [r for (d, layer), r in roles.items() if d == is_draft and layer is not None]
-            globals_ = roles.get((is_draft, None), set())
-            if m is not None and (blocks or globals_):
-                total += compute_bytes_from_roles(m.spec, blocks, globals_, self.s)
-        return total
+        self.compute = 0
+        self.placed: dict[tuple[bool, int | None], frozenset[str]] = {}   # (is_draft, block) → names
 
     @property
     def used(self) -> int:
-        return self.weights + self.kv + self._compute(self.roles)
+        return self.weights + self.kv + self.compute
 
     def try_add(self, items: Sequence[tuple[TensorInfo, bool]], kv: int = 0, *,
                 force: bool = False) -> bool:
         """Add (tensor, is_draft) items and KV bytes if they fit above the target (or ``force``)."""
-        roles = {k: set(v) for k, v in self.roles.items()}
+        placed = dict(self.placed)
         for t, is_draft in items:
-            roles.setdefault((is_draft, t.layer), set()).add(t.role)
+            placed[is_draft, t.layer] = placed.get((is_draft, t.layer), frozenset()) | {t.name}
         weights = self.weights + sum(t.n_bytes for t, _ in items)
-        if not force and weights + self.kv + kv + self._compute(roles) > self.room:
+        compute = self.forward.peak_on(self.name, placed)
+        if not force and weights + self.kv + kv + compute > self.room:
             return False
-        self.weights, self.kv, self.roles = weights, self.kv + kv, roles
+        self.weights, self.kv, self.compute, self.placed = weights, self.kv + kv, compute, placed
         return True
 
 
@@ -146,11 +178,11 @@ def _slots(model: PlannedModel, draft: PlannedModel | None, s: MemorySettings) -
     return _Slots(dense, kv, order)
 
 
-def _partition(gpus, targets, model, draft, s, slots: _Slots):
+def _partition(gpus, targets, forward: _Forward, slots: _Slots):
     """Contiguous slot ranges per GPU and their ledgers: proportional to the GPUs' room, else
     greedy. None when the non-expert part cannot fit."""
     def ledgers_for(groups):
-        ledgers = [_Ledger(g, targets.get(g.name, 0), model, draft, s) for g in gpus]
+        ledgers = [_Ledger(g, targets.get(g.name, 0), forward) for g in gpus]
         for ledger, group in zip(ledgers, groups):
             for slot in group:
                 ledger.try_add(slots.dense[slot], slots.kv[slot], force=True)
@@ -171,7 +203,7 @@ def _partition(gpus, targets, model, draft, s, slots: _Slots):
     ledgers = ledgers_for(groups)
     if ledgers is not None:
         return groups, ledgers
-    ledgers = [_Ledger(g, targets.get(g.name, 0), model, draft, s) for g in gpus]
+    ledgers = [_Ledger(g, targets.get(g.name, 0), forward) for g in gpus]
     groups = [[] for _ in gpus]
     g = 0
     for slot in range(len(slots.dense)):    # greedy: fill GPU 0, then GPU 1, ...
@@ -185,7 +217,7 @@ def _partition(gpus, targets, model, draft, s, slots: _Slots):
 
 def _dense_need(model, draft, s, slots, gpus, targets) -> str:
     """The refusal's numbers: what the non-expert part needs vs the GPUs' room."""
-    lg = _Ledger(Device("all GPUs", 1 << 62), 0, model, draft, s)
+    lg = _Ledger(Device("all GPUs", 1 << 62), 0, _Forward(model, draft, s))
     for slot in range(len(slots.dense)):
         lg.try_add(slots.dense[slot], slots.kv[slot], force=True)
     room = ", ".join(f"{g.name} {format_bytes(g.budget_bytes - targets.get(g.name, 0))}" for g in gpus)
@@ -248,9 +280,9 @@ def fit(model: PlannedModel, devices: Sequence[Device], targets: Mapping[str, in
                                    draft=draft, notes=["no GPU: everything on the CPU"]))
 
     def attempt(ctx: int):
-        s = MemorySettings(ctx, settings.cache_type, settings.ubatch)
+        s = replace(settings, ctx=ctx)
         slots = _slots(model, draft, s)
-        return s, slots, _partition(gpus, targets, model, draft, s, slots)
+        return s, slots, _partition(gpus, targets, _Forward(model, draft, s), slots)
 
     s, slots, part = attempt(settings.ctx)
     if part is None and ctx_floor is not None and ctx_floor < settings.ctx:
@@ -269,8 +301,7 @@ def fit(model: PlannedModel, devices: Sequence[Device], targets: Mapping[str, in
             s, slots, part = best
     if part is None:
         at = f" even at context {ctx_floor}" if ctx_floor is not None and ctx_floor < settings.ctx else ""
-        s_min = MemorySettings(min(settings.ctx, ctx_floor or settings.ctx), settings.cache_type,
-                               settings.ubatch)
+        s_min = replace(settings, ctx=min(settings.ctx, ctx_floor or settings.ctx))
         raise PlacementError(
             f"cannot fit the non-expert part on the GPUs{at}: "
             f"{_dense_need(model, draft, s_min, _slots(model, draft, s_min), gpus, targets)}; "

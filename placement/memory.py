@@ -19,23 +19,68 @@ attention tensor)::
   over the whole context). A ``--draft`` GGUF's blocks likewise.
 * ``row_bytes(t, n) = n / block_size(t) × type_size(t)`` (ggml_row_size).
 
-**Compute buffer** — f32 activations for ``ubatch`` tokens through the widest block part
-placed on the device (the buffer is reused block to block, so the widest one sizes it)::
+**Compute buffer** — what *offload's runtime* allocates beyond weights and KV during one
+forward pass of ``T = ubatch`` tokens attending to ``L = ctx`` keys (the last prompt chunk of
+a full context), per device: the most bytes live there at any moment. The runtime has no
+graph buffer: torch, numpy and the Numba kernels allocate each activation when it is
+computed and free it after its last use, and ``offload run`` fixes glibc's mmap threshold
+(``offload.host_memory``) so that freed blocks leave the process's RSS. ``placement.compute``
+walks the pass as the code runs it and gives the bytes live on each device at each step::
 
-    compute = 4 B × ubatch × (max over blocks on the device of width(block part)
-                              + n_vocab + n_embd  if it holds the output layer (logits)
-                              + n_embd    if it holds token_embd)
-    width = 4·n_embd                                          (residual, norms, in/out)
-          + [attention here]  n_head·head_dim_k + n_head_kv·(head_dim_k + head_dim_v)
-                              + n_head·256                    (one flash-attention score tile)
-          + [routed experts   3·n_expert_used·n_ff_exp        (gate, up, activation; the
-             or the router]                                   router's device gathers them)
-          + [shared experts]  3·n_expert_shared·n_ff_shexp
-          + [dense FFN]       3·n_ff
-          + [NextN glue]      2·n_embd                        (concat[enorm(e), hnorm(h)])
+    compute(device) = max over the steps of one pass of the bytes live on the device
 
-This is an estimate of the activations, not of a particular backend's allocator; the fit
-target (default 1 GiB per GPU) is the margin that absorbs the difference.
+    embedding, CPU     = T·row_bytes(token_embd) + 2·T·E·4 + min(T, 31)·E·12
+                         (gathered raw rows; gguf's numpy dequantize: group results + output,
+                         one 16–31-row group's temporaries)
+    attention, home    = 2·T·E·4 + T·(Q + K + V)·4             x, attn_norm(x), q, k, v
+                         + the largest of: each projection's own peak;
+                           RoPE  T·(H·R + Q)·4;
+                           KV append  T·(K + V)·cache_bytes + kv(block)/2  (storage doubling);
+                           SDPA on the CPU  T·L + (T + L)·8 (bool mask, index vectors)
+                               + T·L·4 (mask as a float bias) + L·(K + V)·4 (f16/bf16 cache
+                               upcast) + T·Q·4 (output);
+                           SDPA on CUDA  mask + T·Q·2·cb + T·L·cb  (cb = cache bytes/value)
+    FFN, home          = 3·T·E·4 (x, h, ffn_norm(h)) + T·k·12 (expert ids, weights)
+                         + dense FFN / shared expert: 3·T·n_ff·4 beside one projection;
+                         router: 2·T·n_expert·4;
+                         routed experts on the CPU (cpu_kernels.moe_ffn in a worker thread,
+                           at the same time as the shared expert): T·E·4 + A·n_ff_exp·4
+                           + A·E·4 + (T·E + A·n_ff_exp)/16·4 + A·64 (routing indices),
+                           + host copies T·E·4 + T·k·12 when the home is a GPU;  A = T·k
+                         routed experts on a GPU: 2·A·E·c + 3·T·n_ff_exp·c + one expert
+                           matrix dequantized, then A·E·4
+    output, its device = 2·T·E·4 + the output projection of the last row (logits="last")
+    projection on a GPU = n·cols·(c + 4 if moved) + max(chunk·cols·dq(type) + n·rows·c
+                            (+ n·chunk·c if chunked),  n·rows·(c + 4) (+ n·rows·4 bias))
+                          chunk = min(rows, 16 Mi values // cols): raw GGUF bytes are
+                          dequantized per call, a chunk of rows at a time, into c
+    projection on the CPU = n·rows·4 + n·cols/16·4      (Numba over the mapped bytes)
+
+with E = n_embd, Q = n_head·head_dim_k, K/V = n_head_kv·head_dim_k/v, R = rotary dims,
+c = bytes of the GPU compute dtype (``MemorySettings.gpu_dtype``; "auto": bf16 on CUDA, f32
+on a GPU backed by host RAM), dq(type) = the torch dequantizer's peak bytes per value
+(``placement.compute.DEQUANT_BYTES``: 8.1 for Q8_0 … 18.4 for Q6_K; 4 for F16 → f32). A block
+computes on its home (the device of its largest attention tensor); the hidden state handed
+over by the previous block stays referenced on that block's home meanwhile. A GPU listed in
+``MemorySettings.host_backed`` (``--virtual-gpus``) computes like the CPU (torch on the
+host); the CPU and such devices share one memory and peak at the same moments, so their
+joint compute is the largest step of their *sum* (``placement.compute.peak_of_group``).
+Every per-value constant is checked against the allocators (torch profiler, tracemalloc) in
+``tests/test_memory_runtime.py``.
+
+Not counted: what loading adds beyond the weights and no placement changes — the tokenizer
+(1.3 MiB for the shipped model's 4,096 tokens + 3,839 merges, about 170 B per entry; it
+grows with the vocabulary), the parsed header, Python objects; per-thread scratch of torch's and Numba's
+kernels; the int8-activation mode of ``cpu_kernels`` (off in the runtime), which would add
+about 1.1·(T·E + A·n_ff_exp) bytes. Speculative verify batches of B ≤ n_max + 1 tokens compute
+B rows of logits (B·n_vocab·(c + 4)), covered while the ubatch's 2·T·E·4 is larger. Without
+the fixed mmap threshold (an embedder that skips ``offload.host_memory``), glibc keeps freed
+blocks: measured 3–12 MiB above this estimate on the shipped model.
+
+This is offload's runtime, not llama.cpp's: ``--emit llama.cpp`` gives the same tensor map,
+and llama.cpp's graph buffers (an f32 logits row per token of the ubatch, the full score
+matrix of non-flash attention) are larger; the fit target (default 1 GiB per GPU) is the
+margin to leave for them.
 """
 from __future__ import annotations
 
@@ -45,14 +90,13 @@ from dataclasses import dataclass, replace
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from placement.compute import Devices, ForwardModel, peak_per_device
 from placement.devices import Device
 from placement.errors import PlacementError
 from placement.layers import output_slot_member
 from placement.tensors import ModelSpec, Role, TensorInfo
 
-F32_BYTES = 4
 CACHE_PAD = 256          # llama.cpp pads the KV cache to a multiple of 256 cells
-FLASH_ATTN_TILE = 256    # keys per flash-attention score tile
 
 # The KV cache types llama.cpp's -ctk/-ctv accept.
 CACHE_TYPES: dict[str, GGMLQuantizationType] = {
@@ -82,16 +126,23 @@ def pad(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+GPU_DTYPES = ("auto", "f32", "f16", "bf16")
+
+
 @dataclass(frozen=True)
 class MemorySettings:
     ctx: int
     cache_type: str = "f16"
     ubatch: int = 512
+    gpu_dtype: str = "auto"              # what GPU-resident weights are dequantized into
+    host_backed: tuple[str, ...] = ()    # GPU devices backed by host RAM (--virtual-gpus)
 
     def __post_init__(self) -> None:
         cache_type(self.cache_type)
         if self.ctx < 1 or self.ubatch < 1:
             raise PlacementError(f"context and ubatch must be >= 1 (got {self.ctx}, {self.ubatch})")
+        if self.gpu_dtype not in GPU_DTYPES:
+            raise PlacementError(f"unknown GPU compute dtype {self.gpu_dtype!r} (one of {', '.join(GPU_DTYPES)})")
 
 
 def kv_cells(spec: ModelSpec, layer: int, s: MemorySettings) -> int:
@@ -111,46 +162,22 @@ def kv_bytes(spec: ModelSpec, layer: int, s: MemorySettings) -> int:
     return kv_cells(spec, layer, s) * per_cell
 
 
-def block_width(spec: ModelSpec, roles: set[Role]) -> int:
-    """f32 values per token of one block's part that holds tensors of ``roles``."""
-    width = 0
-    if Role.ATTENTION in roles:
-        width += (spec.n_head * spec.head_dim_k
-                  + spec.n_head_kv[0] * (spec.head_dim_k + spec.head_dim_v)
-                  + spec.n_head * FLASH_ATTN_TILE)
-    if Role.ROUTED_EXPERTS in roles or Role.ROUTER in roles:
-        # the router's device gathers the k expert outputs, wherever the experts ran
-        width += 3 * spec.n_expert_used * spec.n_ff_exp
-    if Role.SHARED_EXPERTS in roles:
-        width += 3 * max(spec.n_expert_shared, 1) * (spec.n_ff_shexp or spec.n_ff_exp)
-    if Role.DENSE_FFN in roles:
-        width += 3 * spec.n_ff
-    if Role.NEXTN in roles:
-        width += 2 * spec.n_embd
-    return width + 4 * spec.n_embd if width else 0
+def cache_value_bytes(s: MemorySettings) -> float:
+    """Bytes per cached K/V value (a q8_0 cache: 34 / 32)."""
+    block, size = GGML_QUANT_SIZES[cache_type(s.cache_type)]
+    return size / block
 
 
-def compute_bytes_from_roles(spec: ModelSpec, block_roles: Iterable[set[Role]],
-                             global_roles: set[Role], s: MemorySettings) -> int:
-    """The compute formula, from the roles each block has on the device (and the global ones)."""
-    width = max((block_width(spec, roles) for roles in block_roles), default=0)
-    if Role.OUTPUT in global_roles:
-        width += spec.n_vocab + spec.n_embd
-    if Role.EMBEDDING in global_roles:
-        width += spec.n_embd
-    return F32_BYTES * s.ubatch * width
+def forward_model(spec: ModelSpec, tensors: Sequence[TensorInfo], s: MemorySettings) -> ForwardModel:
+    return ForwardModel(spec, tensors, s.ubatch, s.ctx, cache_value_bytes(s),
+                        Devices(s.gpu_dtype, s.host_backed), lambda layer: kv_bytes(spec, layer, s))
 
 
-def compute_bytes(spec: ModelSpec, tensors: Iterable[TensorInfo], s: MemorySettings) -> int:
-    """Compute buffer for a device holding ``tensors`` of a model with ``spec``."""
-    roles_by_block: dict[int, set[Role]] = defaultdict(set)
-    global_roles: set[Role] = set()
-    for t in tensors:
-        if t.layer is None:
-            global_roles.add(t.role)
-        else:
-            roles_by_block[t.layer].add(t.role)
-    return compute_bytes_from_roles(spec, roles_by_block.values(), global_roles, s)
+def forward_steps(spec: ModelSpec, tensors: Sequence[TensorInfo], placement: Mapping[str, str],
+                  s: MemorySettings, *, kv_blocks: Iterable[int]) -> list[dict[str, int]]:
+    """The steps of one forward pass (bytes per device each) under ``placement``; the blocks
+    that run are those that keep a KV cache."""
+    return forward_model(spec, tensors, s).steps(lambda t: placement[t.name], sorted(kv_blocks))
 
 
 def attention_device(block_tensors: Iterable[TensorInfo], placement: Mapping[str, str]) -> str | None:
@@ -186,18 +213,15 @@ def footprint(spec: ModelSpec, tensors: list[TensorInfo], placement: Mapping[str
     drafting with them).
     """
     weights: dict[str, int] = defaultdict(int)
-    on_device: dict[str, list[TensorInfo]] = defaultdict(list)
     by_block: dict[int, list[TensorInfo]] = defaultdict(list)
     for t in tensors:
         dev = placement[t.name]
         weights[dev] += t.n_bytes
-        on_device[dev].append(t)
         if t.layer is not None:
             by_block[t.layer].append(t)
     tied = tied_output(tensors)
     out_dev = next((placement[t.name] for t in tensors if output_slot_member(t)), None)
     if tied is not None and out_dev is not None:
-        on_device[out_dev].append(tied)                  # the logits are computed there
         if out_dev != placement["token_embd.weight"]:
             weights[out_dev] += tied.n_bytes             # a second copy, off token_embd's device
     kv: dict[str, int] = defaultdict(int)
@@ -205,18 +229,20 @@ def footprint(spec: ModelSpec, tensors: list[TensorInfo], placement: Mapping[str
         dev = attention_device(by_block.get(layer, ()), placement)
         if dev is not None:
             kv[dev] += kv_bytes(spec, layer, s)
+    compute = peak_per_device(forward_steps(spec, tensors, placement, s, kv_blocks=kv_blocks))
     devices = set(weights) | set(kv)
-    return {d: Footprint(weights[d], kv[d], compute_bytes(spec, on_device[d], s)) for d in devices}
+    return {d: Footprint(weights[d], kv[d], compute.get(d, 0)) for d in devices}
 
 
 def add_footprints(*parts: Mapping[str, Footprint]) -> dict[str, Footprint]:
-    """Sum per-device footprints (model + a separate draft model, which has its own buffers)."""
+    """Model + a separate draft model: weights and KV add up; the draft runs between the
+    model's passes with the same allocator, so a device's compute is the larger of the two."""
     out: dict[str, Footprint] = {}
     for part in parts:
         for dev, f in part.items():
             o = out.get(dev, Footprint())
             out[dev] = Footprint(o.weights_bytes + f.weights_bytes, o.kv_bytes + f.kv_bytes,
-                                 o.compute_bytes + f.compute_bytes)
+                                 max(o.compute_bytes, f.compute_bytes))
     return out
 
 

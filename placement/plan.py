@@ -17,8 +17,9 @@ from typing import Any, Protocol
 from placement.devices import CPU, Device, format_bytes
 from placement.errors import PlacementError
 from placement.layers import LayerLayout
-from placement.memory import (DeviceTotals, MemorySettings, add_footprints, device_totals,
-                              footprint)
+from placement.compute import peak_of_group
+from placement.memory import (DeviceTotals, Footprint, MemorySettings, add_footprints, device_totals,
+                              footprint, forward_steps)
 from placement.rules import Rule, assign, check_devices
 from placement.tensors import ModelSpec, TensorInfo
 
@@ -141,3 +142,25 @@ def build_plan(model: PlannedModel, placement: Placement, settings: MemorySettin
                 tuple(device_totals(devices, targets, use)), mode,
                 draft_path=draft.path if draft is not None else None,
                 draft_tensors=draft_tensors, drafting=drafting, notes=tuple(notes))
+
+
+def replan(plan: Plan, model: PlannedModel, settings: MemorySettings,
+           draft: PlannedModel | None = None) -> Plan:
+    """The same placement totalled under other settings (e.g. GPUs backed by host RAM)."""
+    return build_plan(model, plan.placement, settings, plan.devices, plan.targets, mode=plan.mode,
+                      draft=draft, notes=plan.notes)
+
+
+def host_footprint(plan: Plan, model: PlannedModel, draft: PlannedModel | None = None) -> Footprint:
+    """What the plan puts in host RAM: weights and KV of the CPU and of the GPUs backed by
+    host RAM (``settings.host_backed``), and their joint compute — the largest step of one
+    forward pass summed over those devices (they peak together, not one after another)."""
+    host = {CPU, *plan.settings.host_backed}
+    rows = [t for t in plan.totals if t.name in host]
+    steps = forward_steps(model.spec, list(model.tensors), plan.tensors, plan.settings,
+                          kv_blocks=kv_blocks(model, plan.drafting == "in-model NextN"))
+    if draft is not None:
+        steps += forward_steps(draft.spec, list(draft.tensors), plan.draft_tensors, plan.settings,
+                               kv_blocks=sorted({t.layer for t in draft.tensors if t.layer is not None}))
+    return Footprint(sum(t.weights_bytes for t in rows), sum(t.kv_bytes for t in rows),
+                     peak_of_group(steps, host))

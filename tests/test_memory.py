@@ -6,7 +6,7 @@ import pytest
 from placement.devices import parse_devices
 from placement.errors import PlacementError
 from placement.layers import LayerLayout
-from placement.memory import MemorySettings, compute_bytes, kv_bytes, row_bytes
+from placement.memory import MemorySettings, kv_bytes, row_bytes
 from placement.plan import Placement, build_plan
 from placement.rules import cpu_moe_rules
 from gguf import GGMLQuantizationType
@@ -35,15 +35,62 @@ def test_kv_gpt_oss_sliding_window(models):
     assert kv_bytes(spec, 0, s) == 768 * 2048                    # window 128 + ubatch 512, padded to 256
 
 
-def test_compute_formula_qwen3(models):
+MIB = 2**20
+T, E = 512, 2048                         # ubatch, Qwen3-30B-A3B's n_embd
+TE = T * E * 4                           # one (T, n_embd) float32 activation: 4 MiB
+
+
+def _qwen3_cpu_moe(models, settings):
     m = models["qwen3-30b-a3b"]
-    s = MemorySettings(8192, ubatch=512)
-    on_gpu = [t for t in m.tensors if t.name != "token_embd.weight" and "_exps" not in t.name]
-    # widest block: 4*2048 + attention (32*128 + 4*(128+128) + 32*256) + routed (3*8*768, gathered
-    # where the router is) = 39936; output layer adds n_vocab + n_embd = 153984
-    assert compute_bytes(m.spec, on_gpu, s) == 4 * 512 * (39936 + 153984)
-    on_cpu = [t for t in m.tensors if t.name == "token_embd.weight" or "_exps" in t.name]
-    assert compute_bytes(m.spec, on_cpu, s) == 4 * 512 * (4 * 2048 + 3 * 8 * 768 + 2048)
+    devices = parse_devices("CUDA0=24GiB,CPU=64GiB")
+    placement = Placement(tuple(cpu_moe_rules()), LayerLayout(48, ("CUDA0",), 49, (49.0,)))
+    return m, build_plan(m, placement, settings, devices, {"CUDA0": 1 << 30}, mode="flags")
+
+
+def test_compute_formula_qwen3(models):
+    """--cpu-moe on one CUDA GPU at ubatch 512, ctx 8192, f16 cache, by hand.
+
+    GPU (bf16, c = 2): the largest moment is the output layer: x and output_norm(x) (2 TE)
+    while output.weight (Q6_K, 151936 x 2048) is dequantized for the last row, a chunk of
+    16 Mi values = 8192 rows at a time, 18.375 B per value; the attention's largest is the
+    o-projection (Q4_K 2048 x 4096, whole, 12.375 B/value) beside q/k/v, mask and output.
+    CPU: block 0's routed experts: the embedding's output (block 0's input, still referenced
+    on the CPU where the lookup ran), the host copies of x, ids and weights for the experts
+    thread, and moe_ffn's buffers in that thread (A = T·k = 4096 pairs).
+    """
+    _, plan = _qwen3_cpu_moe(models, MemorySettings(8192, ubatch=512))
+    gpu, cpu = plan.totals
+    out_chunk = 8192 * 2048 * 18.375                              # 294 MiB of dequant scratch
+    out_proj = 1 * 2048 * 2 + max(out_chunk + 151936 * 2 + 8192 * 2,   # x.to(bf16); chunk + out + chunk out
+                                  151936 * 2 + 151936 * 4)              # or out + float copy
+    output = 2 * TE + out_proj
+    o_proj = T * 4096 * 2 + max(2048 * 4096 * 12.375 + T * 2048 * 2, T * 2048 * (2 + 4))
+    qkv = 2 * TE + T * (4096 + 512 + 512) * 4                      # x, attn_norm(x), q, k, v
+    mask = T * 8192 + (T + 8192) * 8                               # bool mask + index vectors
+    attention = qkv + mask + T * 4096 * 4 + o_proj                 # ... + SDPA output, o-projection
+    assert attention == 141_627_392 and output == 316_994_304
+    assert gpu.compute_bytes == max(output, attention)
+    A, n_ff = T * 8, 768
+    worker = TE + A * n_ff * 4 + A * E * 4 + (T * E // 16 + A * n_ff // 16) * 4 + A * 64
+    copies = TE + T * 8 * (8 + 4)                                  # x, ids (int64), weights (f32)
+    assert worker == 51_642_368
+    assert cpu.compute_bytes == TE + copies + worker == 60_080_128  # 57.3 MiB
+
+
+def test_compute_host_backed_gpu_computes_like_the_cpu(models):
+    """The same plan with CUDA0 backed by host RAM (--virtual-gpus): f32 dequantization, the
+    f16 cache upcast to float32 for the CPU's attention kernel; the host's joint compute is
+    the largest moment of CUDA0 + CPU, not the sum of their peaks."""
+    from placement.plan import host_footprint
+    m, cuda = _qwen3_cpu_moe(models, MemorySettings(8192))
+    _, host = _qwen3_cpu_moe(models, MemorySettings(8192, host_backed=("CUDA0",)))
+    assert host.totals[0].compute_bytes != cuda.totals[0].compute_bytes
+    # the output layer in f32: 8192 rows x 2048 x 18.375 B, out 151936 x 4 (no cast, no float copy)
+    out_proj = max(8192 * 2048 * 18.375 + 151936 * 4 + 8192 * 4, 151936 * 4)
+    assert host.totals[0].compute_bytes == 2 * TE + out_proj
+    joint = host_footprint(host, m).compute_bytes
+    separate = sum(t.compute_bytes for t in host.totals)
+    assert max(t.compute_bytes for t in host.totals) <= joint < separate
 
 
 def test_plan_totals_qwen3_cpu_moe(models):
@@ -60,7 +107,7 @@ def test_plan_totals_qwen3_cpu_moe(models):
     assert cpu.weights_bytes == experts + embd
     assert gpu.weights_bytes == sum(t.n_bytes for t in m.tensors) - experts - embd
     assert gpu.kv_bytes == 48 * 8192 * 4 * 128 * 2 * 2 and cpu.kv_bytes == 0
-    assert gpu.compute_bytes == 4 * 512 * (39936 + 153984)
+    assert gpu.compute_bytes == 316_994_304                           # test_compute_formula_qwen3
     assert gpu.free_after_bytes == 24 * 2**30 - gpu.weights_bytes - gpu.kv_bytes - gpu.compute_bytes
     assert gpu.above_target_bytes == gpu.free_after_bytes - 2**30
 
@@ -87,6 +134,8 @@ def test_settings_reject():
         MemorySettings(4096, "q3")
     with pytest.raises(PlacementError, match="must be >= 1"):
         MemorySettings(0)
+    with pytest.raises(PlacementError, match="unknown GPU compute dtype 'fp8'"):
+        MemorySettings(4096, gpu_dtype="fp8")
 
 
 def test_tied_embeddings_pay_a_copy_on_the_output_device(models):
@@ -111,6 +160,7 @@ def test_tied_embeddings_pay_a_copy_on_the_output_device(models):
     gpu = plan.totals[0]
     assert plan.tensors["token_embd.weight"] == CPU
     assert gpu.weights_bytes == sum(t.n_bytes for t in m.tensors if t.name != "token_embd.weight") + embd
-    assert gpu.compute_bytes == 4 * 512 * (39936 + 151936 + 2048)      # the logits are computed there
+    # the logits are computed there: token_embd (Q4_K) dequantized 8192 rows at a time
+    assert gpu.compute_bytes == 2 * TE + 2048 * 2 + 8192 * 2048 * 12.375 + 151936 * 2 + 8192 * 2
     fitted = fit(m, parse_devices("CUDA0=10GiB,CPU=64GiB"), {"CUDA0": 1 << 30}, MemorySettings(4096))
     assert fitted.totals[0].above_target_bytes >= 0   # the fit's own accounting includes the copy

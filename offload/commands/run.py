@@ -24,6 +24,7 @@ from pathlib import Path
 
 from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.errors import ArgumentParser, OffloadError, write_atomic
+from offload.host_memory import return_freed_memory
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
 DEFAULT_PROMPT = "def fibonacci(n):"
@@ -163,6 +164,7 @@ def quiet_openmp() -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     quiet_openmp()
+    return_freed_memory()         # RSS follows live memory (offload.host_memory)
     import torch                  # imported only when a command needs it
 
     from offload import runtime

@@ -1,0 +1,451 @@
+"""offload's compute buffers: what one forward pass of a ubatch allocates, device by device.
+
+The runtime (``offload.runtime`` over ``gpu/`` and ``cpu_kernels``) allocates no graph
+buffer up front: torch, numpy and the Numba kernels allocate each activation when it is
+computed and free it when the last reference goes (and with ``offload.host_memory``'s fixed
+mmap threshold, freed blocks leave RSS). So the compute buffer of a device is the **largest
+number of bytes live on it at any moment of one forward pass** of ``T = ubatch`` tokens
+attending to ``L = ctx`` keys (the last prompt chunk of a full context; decoding, T = 1,
+needs less). The CPU experts' worker thread counts at the moments it runs (beside the
+shared expert), like any other allocation on the CPU.
+
+The pass is modelled as the code runs it: the embedding lookup, each block's attention and
+FFN, the output layer — each a list of *moments*, a moment being the bytes live on each
+device at one point (what the code holds there, in exact products of the shapes it
+allocates; the methods below cite the code). ``compute(device)`` = the largest moment on
+it; devices sharing one memory (the CPU and GPUs backed by host RAM) peak together, so their
+joint compute is the largest moment of their sum.
+
+Device kinds: ``CPU`` runs CPU-resident matrices and experts in Numba (float32 results,
+nothing dequantized) and its blocks' attention in torch on the CPU; a GPU device keeps raw
+GGUF bytes and dequantizes each matrix per call, at most ``CHUNK_VALUES`` values at a time,
+into its compute dtype ``c`` (the dequantizer's temporaries: ``DEQUANT_BYTES`` per value); a
+GPU device in ``MemorySettings.host_backed`` (``--virtual-gpus``) is torch on the CPU: ``c``
+= f32 under ``gpu_dtype="auto"``, and attention upcasts the cache to float32 as on the CPU.
+CUDA attention is assumed to run torch's memory-efficient kernel (the bool mask becomes a
+bias in the cache dtype); that branch is not measured here (no CUDA on the development box).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType as Q
+
+from placement.devices import CPU
+from placement.tensors import ModelSpec, Role, TensorInfo
+
+Moment = dict[str, int]     # bytes live on each device at one point of the pass
+
+F32 = 4
+INT64 = 8
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+CHUNK_VALUES = 16 << 20     # gpu.quant._CHUNK_ELEMS: values dequantized per step of a matrix
+ROUTING_BYTES = 64          # moe_ffn / group_by_expert index arrays, per (token, expert) pair
+                            # (flat, tok, order, first: int64; weights f32; keep bool; ≤ 53 B)
+
+# Peak bytes per value while gpu.quant dequantizes raw blocks (its float32 intermediates and
+# float32 result; a conversion to f16/bf16 afterwards stays below it). From the code, e.g.
+# Q8_0: int8 copy → float (4) × f16 scale → product (4) + per-block scale = 8.125; Q6_K keeps
+# ql/qh unpacked, the 6-bit values, scales and the product alive. Checked against the torch
+# profiler for every type in tests/test_memory_runtime.py.
+DEQUANT_BYTES: dict[Q, float] = {
+    Q.BF16: 8.0, Q.Q8_0: 8.125, Q.Q4_0: 8.125, Q.Q4_1: 8.125, Q.Q5_0: 8.125, Q.Q5_1: 8.125,
+    Q.IQ4_NL: 13.125, Q.MXFP4: 13.125, Q.Q2_K: 12.8125, Q.Q3_K: 13.5, Q.Q4_K: 12.375,
+    Q.Q5_K: 13.375, Q.Q6_K: 18.375, Q.IQ4_XS: 13.625,
+}
+# gguf.quants.dequantize (numpy), which the CPU embedding lookup runs on the gathered rows,
+# works over groups of 16–31 rows (_apply_over_grouped_rows): a float32 result per group, all
+# kept until they are concatenated into the float32 output, and one group's temporaries at a
+# time — at most NUMPY_GROUP_SCRATCH bytes per value (the largest of gguf's dequantizers,
+# Q5_K's, is 11.5; checked for every type in tests/test_memory_runtime.py).
+NUMPY_GROUP_ROWS = 31
+NUMPY_GROUP_SCRATCH = 12
+
+
+def cpu_lookup_bytes(embd: TensorInfo, n: int) -> int:
+    """Peak bytes of offload.cpu_ops.RawEmbedding looking up ``n`` rows of ``embd``: the
+    gathered raw rows, then (unless F32, used as gathered) gguf's numpy dequantization."""
+    cols = embd.shape[-1]
+    raw = n * embd.n_bytes // embd.shape[0]
+    if embd.ggml_type == Q.F32:
+        return raw
+    if embd.ggml_type == Q.F16:
+        return raw + n * cols * F32                                # .astype(float32)
+    return raw + 2 * n * cols * F32 + min(n, NUMPY_GROUP_ROWS) * cols * NUMPY_GROUP_SCRATCH
+
+
+def dequant_bytes_per_value(qtype: Q, dtype: str) -> float:
+    """Scratch per value of a GPU matrix dequantized into ``dtype`` (0: used as stored)."""
+    if qtype == Q.F32:
+        return 0.0 if dtype == "f32" else DTYPE_BYTES[dtype]
+    if qtype == Q.F16:
+        return 0.0 if dtype == "f16" else DTYPE_BYTES[dtype]
+    return max(DEQUANT_BYTES.get(qtype, 0.0), F32 + DTYPE_BYTES[dtype])
+
+
+class Devices:
+    """What kind each device is: the CPU, a CUDA GPU, or a GPU backed by host RAM."""
+
+    def __init__(self, gpu_dtype: str, host_backed: Iterable[str]):
+        self.gpu_dtype = gpu_dtype
+        self.host_backed = frozenset(host_backed)
+
+    def torch_cpu(self, dev: str) -> bool:
+        return dev == CPU or dev in self.host_backed
+
+    def dtype(self, dev: str) -> str:
+        """Compute dtype of GPU-resident weights (offload.runtime.compute_dtypes)."""
+        if self.gpu_dtype != "auto":
+            return self.gpu_dtype
+        return "f32" if self.torch_cpu(dev) else "bf16"
+
+
+def _mat(t: TensorInfo) -> tuple[int, int]:
+    """(rows, cols) of one projection: a 2-D tensor, or one expert of a stacked one."""
+    return t.shape[-2], t.shape[-1]
+
+
+def projection(t: TensorInfo, dev: str, home: str, n: int, kinds: Devices, *,
+               bias: bool = False, f32: bool = False) -> Moment:
+    """Peak bytes per device while ``n`` tokens go through the matrix ``t`` on ``dev``,
+    called from ``home``, *including* its float32 result on ``home``.
+
+    CPU (offload.cpu_ops.RawLinear → cpu_kernels.matmul): sums16 of the input (n·cols/16),
+    the result Y (n·rows), and a host copy of the input when home is elsewhere.
+    GPU (gpu.linear.Linear → QuantTensor.linear): the input moved to ``dev`` and cast to c;
+    the dequantized chunk (``min(rows, CHUNK_VALUES // cols)`` rows × cols values × the
+    type's scratch); the output (n·rows·c) and, when chunked, one chunk's output; then the
+    float32 copy (c ≠ f32) and ``+ bias`` (a new tensor); the result moved home.
+    """
+    rows, cols = _mat(t)
+    if dev == CPU:
+        if home == CPU:
+            return {CPU: n * (cols // 16) * F32 + n * rows * F32}
+        return {CPU: n * (cols // 16 + cols + rows) * F32, home: n * rows * F32}
+    dtype = "f32" if f32 else kinds.dtype(dev)
+    c = DTYPE_BYTES[dtype]
+    x_in = (n * cols * F32 if dev != home else 0) + (n * cols * c if c != F32 else 0)
+    per_value = dequant_bytes_per_value(t.ggml_type, dtype)
+    if per_value:
+        chunk = min(rows, max(1, CHUNK_VALUES // cols))
+        linear = chunk * cols * per_value + n * rows * c + (n * chunk * c if chunk < rows else 0)
+    else:
+        linear = n * rows * c
+    y = n * rows * F32
+    after = (n * rows * c if c != F32 else 0) + y + (y if bias else 0)   # .float(), + bias
+    if dev == home:
+        return {dev: int(x_in + max(linear, after))}
+    return {dev: int(x_in + max(linear, after)), home: y}
+
+
+def _plus(*parts: Moment) -> Moment:
+    out: Moment = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+@dataclass
+class BlockTensors:
+    """One block's tensors by job (GGUF names), each with its device."""
+
+    attn: dict[str, TensorInfo]           # "attn_q" → tensor (2-D matrices only)
+    attn_bias: set[str]
+    q_norm: bool
+    router: TensorInfo | None
+    experts: list[TensorInfo]             # ffn_{gate,up,gate_up,down}_exps
+    shared: dict[str, TensorInfo]         # "gate"/"up"/"down" of the shared expert
+    dense: dict[str, TensorInfo]          # "gate"/"up"/"down" of the dense FFN
+    nextn: dict[str, TensorInfo]          # "eh_proj", "shared_head_head", "embed_tokens"
+
+    @classmethod
+    def of(cls, tensors: Iterable[TensorInfo]) -> "BlockTensors":
+        b = cls({}, set(), False, None, [], {}, {}, {})
+        for t in tensors:
+            kind = t.name.split(".")[2] if t.name.count(".") >= 3 else ""
+            if t.role is Role.ATTENTION and len(t.shape) == 2:
+                b.attn[kind] = t
+            elif t.role is Role.ATTENTION and t.name.endswith(".bias"):
+                b.attn_bias.add(kind)
+            elif t.name.endswith("attn_q_norm.weight"):
+                b.q_norm = True
+            elif t.role is Role.ROUTER and len(t.shape) == 2:
+                b.router = t
+            elif t.role is Role.ROUTED_EXPERTS and len(t.shape) == 3:
+                b.experts.append(t)
+            elif t.role is Role.SHARED_EXPERTS and len(t.shape) == 2:
+                b.shared[kind.removeprefix("ffn_").removesuffix("_shexp")] = t
+            elif t.role is Role.DENSE_FFN and len(t.shape) == 2:
+                b.dense[kind.removeprefix("ffn_")] = t
+            elif t.role is Role.NEXTN and len(t.shape) == 2:
+                b.nextn[t.name.split(".")[3]] = t
+        return b
+
+
+class ForwardModel:
+    """The moments of one forward pass of a model (see the module docstring). Methods take
+    ``device_of(tensor) → device`` (the placement) and return lists of moments."""
+
+    def __init__(self, spec: ModelSpec, tensors: Sequence[TensorInfo], T: int, L: int,
+                 cache_bytes: float, kinds: Devices, kv_block_bytes: Callable[[int], int]):
+        self.spec, self.kinds = spec, kinds
+        self.T, self.L, self.kvb = T, L, cache_bytes
+        self.kv_block_bytes = kv_block_bytes
+        by_block: dict[int, list[TensorInfo]] = defaultdict(list)
+        self.globals: dict[str, TensorInfo] = {}
+        for t in tensors:
+            if t.layer is None:
+                self.globals[t.name] = t
+            else:
+                by_block[t.layer].append(t)
+        self.block_tensors = dict(by_block)
+        self.blocks = {i: BlockTensors.of(ts) for i, ts in by_block.items()}
+        # a block computes with its largest attention tensor (placement.memory.attention_device)
+        self.anchor = {i: max((t for t in ts if t.role is Role.ATTENTION), key=lambda t: t.n_bytes)
+                       for i, ts in by_block.items() if any(t.role is Role.ATTENTION for t in ts)}
+
+    # -- helpers ------------------------------------------------------------------------
+    def home(self, block: int, device_of) -> str | None:
+        """Where a block computes: with its largest attention tensor (placement.memory)."""
+        anchor = self.anchor.get(block)
+        return device_of(anchor) if anchor is not None else None
+
+    def _proj(self, t: TensorInfo | None, home: str, n: int, device_of, **kw) -> Moment:
+        return {} if t is None else projection(t, device_of(t), home, n, self.kinds, **kw)
+
+    # -- moments ------------------------------------------------------------------------
+    # Each method returns the moments of one part of the pass: the bytes live on
+    # each device at that moment (the caller adds what it holds meanwhile).
+
+    def embedding(self, embd: TensorInfo, dev: str) -> list[Moment]:
+        """offload.cpu_ops.RawEmbedding (CPU: gathered rows + numpy dequantize) or
+        gpu.linear.Embedding (gathered raw rows + torch dequantize to float32)."""
+        T, E = self.T, self.spec.n_embd
+        if dev == CPU:
+            return [{dev: cpu_lookup_bytes(embd, T)}]
+        rows = T * embd.n_bytes // max(1, embd.shape[0])
+        return [{dev: int(rows + T * E * max(F32, dequant_bytes_per_value(embd.ggml_type, "f32")))}]
+
+    def attention(self, i: int, b: BlockTensors, h: str, device_of) -> list[Moment]:
+        """gpu.attention.Attention on home ``h`` after attn_norm; x and n1 live throughout."""
+        s, T, L = self.spec, self.T, self.L
+        H, Dk, Dv, Hkv = s.n_head, s.head_dim_k, s.head_dim_v, s.n_head_kv[i]
+        Qw, Kw, Vw = H * Dk, Hkv * Dk, Hkv * Dv
+        R = s.n_rot or Dk
+        f = F32
+        te = T * s.n_embd * f
+        base = {h: 2 * te}                             # x, attn_norm(x)
+        proj = lambda name: self._proj(b.attn.get(name), h, T, device_of,  # noqa: E731
+                                       bias=name in b.attn_bias)
+        q, k, v = ({h: T * w * f} for w in (Qw, Kw, Vw))
+        qkv = _plus(base, q, k, v)
+        moments = [{h: 3 * te},                        # x + RMSNorm's float copy and result
+                   _plus(base, proj("attn_q")),
+                   _plus(base, q, proj("attn_k")),
+                   _plus(base, q, k, proj("attn_v"))]
+        # other attention matrices (MLA's low-rank pairs, …: architectures offload does not
+        # run yet) — bounded as one more projection beside q, k, v
+        moments += [_plus(qkv, proj(name)) for name in b.attn
+                    if name not in ("attn_q", "attn_k", "attn_v", "attn_output")]
+        if b.q_norm:                                            # RMSNorm over (T, H, D): copy + result
+            moments.append(_plus(qkv, {h: 2 * T * Qw * f}))
+        # NeoX rope of q (gpu.rope): the rotated halves, then the cat'd copy, beside the old q
+        moments.append(_plus(qkv, {h: T * (H * R + max(H * R, Qw)) * f}))
+        # KVCache.append: k, v cast to the cache dtype; growing storage holds the old copy too
+        moments.append(_plus(qkv, {h: int(T * (Kw + Vw) * self.kvb) + self.kv_block_bytes(i) // 2}))
+        mask = T * L + (T + L) * INT64                          # bool (T, L) mask + its index vectors
+        if self.kinds.torch_cpu(h):
+            # CPU SDPA (flash kernel): the bool mask as a float (T, L) bias; a non-f32 cache
+            # upcast to float32 for the product (K and V of L keys); output (T, H·D)
+            sdpa = mask + T * L * f + (0 if self.kvb == F32 else L * (Kw + Vw) * f) + T * Qw * f
+            after = mask + 2 * T * Qw * f                       # SDPA output + its (T, H·D) copy
+        else:
+            # CUDA: q cast to the cache dtype; the mask as a bias in that dtype; output in it
+            sdpa = mask + int(T * Qw * self.kvb * 2 + T * L * self.kvb)
+            after = mask + int(T * Qw * self.kvb) + T * Qw * (f + int(self.kvb))
+        moments += [_plus(qkv, {h: sdpa}), _plus(qkv, {h: after}),
+                    _plus(qkv, {h: mask + T * Qw * f}, proj("attn_output")),
+                    {h: 3 * te}]                       # x, attn output, x + attn → h
+        return moments
+
+    def swiglu(self, mats: Mapping[str, TensorInfo], h: str, device_of) -> list[Moment]:
+        """gpu.ffn.SwiGLU: down(silu(gate(x)) * up(x)) over ``mats`` (n_ff wide); ends with
+        its (T, E) output on ``h``."""
+        T, f = self.T, F32
+        gate, up, down = mats.get("gate"), mats.get("up"), mats.get("down")
+        if gate is None or up is None or down is None:
+            return []
+        tf = T * gate.shape[0] * f
+        return [self._proj(gate, h, T, device_of),
+                {h: 2 * tf},                           # g, silu(g)
+                _plus({h: tf}, self._proj(up, h, T, device_of)),
+                {h: 3 * tf},                           # silu(g), u, product
+                _plus({h: tf}, self._proj(down, h, T, device_of))]
+
+    def routed(self, b: BlockTensors, h: str, device_of) -> tuple[list[Moment], bool]:
+        """The routed experts' moments, and whether they run in the CPU worker thread
+        (concurrently with the shared expert). They end with the (T, E) sum on ``h``
+        (the CPU worker's result array stays referenced until it is added)."""
+        s, T, f = self.spec, self.T, F32
+        E, k = s.n_embd, max(1, s.n_expert_used)
+        A, n_ff = T * k, s.n_ff_exp
+        te = T * E * f
+        devs = {device_of(t) for t in b.experts}
+        if devs == {CPU}:
+            # cpu_kernels.moe_ffn in the worker thread: Y (T, E), H (A, n_ff), out (A, E),
+            # sums16 of X and H, the routing index arrays; the main thread made host copies
+            # of x/ids/weights first when home is a GPU
+            worker = te + A * n_ff * f + A * E * f + (T * E // 16 + A * n_ff // 16) * f + A * ROUTING_BYTES
+            copies = {CPU: te + T * k * (INT64 + f)} if h != CPU else {}
+            moved = {h: te} if h != CPU else {}        # Y moved home (a view on the CPU)
+            return [_plus(copies, {CPU: worker}), _plus({CPU: te}, moved)], True
+        if len(devs) == 1:
+            # gpu.experts.TorchExperts on g: gathered inputs xs and outputs ys (A, E) in c, one
+            # touched expert at a time (≤ T tokens: gate/up/silu/product in c + one expert
+            # matrix dequantized), then the float32 ys·w and the (T, E) sum
+            g = devs.pop()
+            c = DTYPE_BYTES[self.kinds.dtype(g)]
+            own = {g: (te + A * (INT64 + f) if g != h else 0) + A * ROUTING_BYTES + 2 * A * E * c}
+            mats = max((projection(t, g, g, T, self.kinds)[g] for t in b.experts), default=0)
+            return [_plus(own, {g: 3 * T * n_ff * c + mats}),
+                    _plus(own, {g: te + A * E * f + (A * E * f if c != F32 else 0)}),
+                    {g: te, h: te}], False
+        # offload.moe.StagedExperts (stages on several devices): inputs/outputs gathered at
+        # home, each stage a projection of ≤ T tokens on its device
+        own = {h: 3 * A * E * f + te + 3 * T * n_ff * f + A * ROUTING_BYTES}
+        return [_plus(own, projection(t, device_of(t), h, T, self.kinds)) for t in b.experts], False
+
+    def ffn(self, i: int, b: BlockTensors, h: str, device_of) -> list[Moment]:
+        """The block's FFN on home ``h``: x and h = x + attn live, plus ffn_norm(h)."""
+        s, T, f = self.spec, self.T, F32
+        te = T * s.n_embd * f
+        base = {h: 3 * te}                             # x, h, ffn_norm(h)
+        moments = [{h: 4 * te}]                        # the norm's float copy and result
+        if b.router is None:
+            moments += [_plus(base, m) for m in self.swiglu(b.dense, h, device_of)]
+            return moments + [{h: 5 * te}]             # + FFN output, + residual sum
+        n_exp, k = max(1, s.n_expert), max(1, s.n_expert_used)
+        # router: logits, scores, choice (T, n_expert) float32; ids/weights (T, k)
+        moments.append(_plus(base, self._proj(b.router, h, T, device_of, f32=True), {h: 2 * T * n_exp * f}))
+        base = _plus(base, {h: T * k * (INT64 + f)})
+        routed, concurrent = self.routed(b, h, device_of)
+        # no shared expert: offload.moe.MoE starts y as zeros (T, E)
+        shared = self.swiglu(b.shared, h, device_of) or [{h: te}]
+        if concurrent:          # offload.moe.MoE: the CPU worker's peak meets each shared-expert moment
+            busy = routed[0]
+            moments += [_plus(base, busy, m) for m in shared]
+            moments += [_plus(base, {h: te}, routed[-1])]       # y, Y, Y on h (+ their sum below)
+        else:                   # routed first, then the shared expert beside their sum y
+            moments += [_plus(base, m) for m in routed]
+            moments += [_plus(base, {h: te}, m) for m in shared]
+        moments.append(_plus(base, {h: 3 * te}))                # y, routed, y + routed
+        return moments
+
+    def output(self, out_t: TensorInfo | None, norm_dev: str, last_home: str, device_of) -> list[Moment]:
+        """output_norm over all T rows, then logits of the last row (logits="last")."""
+        te = self.T * self.spec.n_embd * F32
+        base = {last_home: te}
+        moments = [_plus(base, {norm_dev: 2 * te})]
+        if out_t is not None:
+            moments.append(_plus(base, {norm_dev: te}, self._proj(out_t, norm_dev, 1, device_of)))
+        return moments
+
+    def nextn_glue(self, b: BlockTensors, h: str, device_of) -> list[Moment]:
+        """offload.models.common.NextN before its block: enorm(embed(t)), hnorm(h), their
+        (T, 2E) concatenation and eh_proj (the trunk's hidden state is held by the caller)."""
+        te = self.T * self.spec.n_embd * F32
+        base = {h: 3 * te}                             # e, enorm(e), hnorm(h)
+        return [_plus(base, {h: 2 * te}),                        # cat
+                _plus(base, {h: 2 * te}, self._proj(b.nextn.get("eh_proj"), h, self.T, device_of))]
+
+    def run_order(self, blocks: Iterable[int]) -> list[int]:
+        """The blocks of ``blocks`` that exist, in the order the pass runs them."""
+        return sorted(i for i in blocks if i in self.blocks)
+
+    def embedding_device(self, device_of) -> str:
+        embd = self.globals.get("token_embd.weight")
+        return device_of(embd) if embd is not None else CPU
+
+    def block_steps(self, i: int, device_of, prev: str, trunk_home: str) -> list[Moment]:
+        """Block ``i``'s steps. ``prev``: the device holding the hidden state handed over
+        (the previous block's home, or the embedding's), still referenced there during the
+        block; ``trunk_home``: the last trunk block's home (a NextN block reads its state)."""
+        b, h = self.blocks[i], self.home(i, device_of)
+        if h is None:
+            return []
+        te = self.T * self.spec.n_embd * F32
+        carry = {prev: te} if prev != h else {}
+        moments = []
+        if self.spec.is_nextn_layer(i):
+            carry = _plus(carry, {trunk_home: te})
+            moments += self.nextn_glue(b, h, device_of)
+        moments += self.attention(i, b, h, device_of) + self.ffn(i, b, h, device_of)
+        out = [_plus(carry, m) for m in moments]
+        if self.spec.is_nextn_layer(i):
+            head = b.nextn.get("shared_head_head") or self.globals.get("output.weight")
+            out += self.output(head, h, h, device_of)
+        return out
+
+    def global_steps(self, device_of, trunk_home: str) -> list[Moment]:
+        """The embedding lookup and the output layer (``output.weight``, or ``token_embd``
+        on the output layer's device for tied embeddings)."""
+        out = []
+        embd = self.globals.get("token_embd.weight")
+        if embd is not None:
+            out += self.embedding(embd, device_of(embd))
+        norm = self.globals.get("output_norm.weight")
+        if norm is not None:
+            out_t = self.globals.get("output.weight")
+            if out_t is not None:     # the norm runs where the output matrix is (build_trunk)
+                out += self.output(out_t, device_of(out_t), trunk_home, device_of)
+            else:
+                dev = device_of(norm)
+                out += self.output(embd, dev, trunk_home, lambda _t: dev)
+        return out
+
+    def homes(self, device_of, order: Sequence[int]) -> tuple[dict[int, str], str]:
+        """Per block of ``order``: the device handing it the hidden state; and the last
+        trunk block's home."""
+        prev = trunk_home = self.embedding_device(device_of)
+        prevs = {}
+        for i in order:
+            h = self.home(i, device_of)
+            if h is None:
+                continue
+            prevs[i] = prev
+            if not self.spec.is_nextn_layer(i):
+                trunk_home = h
+            prev = h
+        return prevs, trunk_home
+
+    def steps(self, device_of, blocks: Iterable[int]) -> list[Moment]:
+        """Every step of one forward pass: embedding, each block's attention and FFN (NextN
+        blocks that run add their glue and head), output."""
+        order = self.run_order(blocks)
+        prevs, trunk_home = self.homes(device_of, order)
+        out = self.global_steps(device_of, trunk_home)
+        for i in order:
+            if i in prevs:
+                out += self.block_steps(i, device_of, prevs[i], trunk_home)
+        return out
+
+
+def peak_per_device(moments: Iterable[Moment]) -> dict[str, int]:
+    """compute(device) = its largest moment."""
+    out: dict[str, int] = {}
+    for m in moments:
+        for k, v in m.items():
+            if v > out.get(k, 0):
+                out[k] = v
+    return out
+
+
+def peak_of_group(moments: Sequence[Moment], group: Iterable[str]) -> int:
+    """The compute of devices that share one memory (the CPU and GPUs backed by host RAM):
+    the largest moment of their *sum* (they peak at the same moments, not one after
+    another)."""
+    group = set(group)
+    return max((sum(v for d, v in m.items() if d in group) for m in moments), default=0)
