@@ -23,9 +23,8 @@ from pathlib import Path
 
 from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args
-from offload.commands.run import open_cli_model, quiet_openmp
+from offload.commands.run import open_cli_model, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
-from offload.host_memory import return_freed_memory
 from offload.stats import conditional, per_position
 
 WARMUP_TOKENS = 16
@@ -133,8 +132,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    quiet_openmp()
-    return_freed_memory()         # RSS follows live memory (offload.host_memory)
+    runtime_process_settings()
     import torch
 
     from offload import runtime

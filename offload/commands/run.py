@@ -152,6 +152,14 @@ def open_cli_model(args: argparse.Namespace):
     return open_model(path)
 
 
+def runtime_process_settings() -> None:
+    """What every command that runs the model sets first (before torch/numba load): idle
+    OpenMP threads sleep (``quiet_openmp``) and freed activation memory leaves RSS
+    (``offload.host_memory``). Both yield to the user's own environment settings."""
+    quiet_openmp()
+    return_freed_memory()
+
+
 def quiet_openmp() -> None:
     """Idle OpenMP threads sleep instead of spinning. torch and the Numba kernels share the
     process and take turns every layer; spinning teams burn the cores the other side needs
@@ -163,8 +171,7 @@ def quiet_openmp() -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    quiet_openmp()
-    return_freed_memory()         # RSS follows live memory (offload.host_memory)
+    runtime_process_settings()
     import torch                  # imported only when a command needs it
 
     from offload import runtime

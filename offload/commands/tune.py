@@ -57,7 +57,7 @@ from pathlib import Path
 
 from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args
-from offload.commands.run import quiet_openmp
+from offload.commands.run import runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 
 DEFAULT_MAX_N = 6
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     texts = read_prompts(args.prompts) if args.prompts else list(TASKS.values())
     names = [f"prompt {i + 1}" for i in range(len(texts))] if args.prompts else list(TASKS)
     _check_plan_model(args)
-    quiet_openmp()
+    runtime_process_settings()     # the same process settings as offload run: measure what run does
     import torch
 
     from offload import runtime
