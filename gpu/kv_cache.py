@@ -2,6 +2,8 @@
 
 Storage grows by doubling, so appending one token is a slice copy, not a re-allocation;
 ``truncate`` only moves the length (the stale tail is overwritten by the next append).
+Doubling stops at ``max_cells`` (the planner's cell count for the context), so the cache never
+holds more than the plan counted.
 """
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ import torch
 
 class KVCache:
     def __init__(self, n_head_kv: int, head_dim: int, *, device: torch.device,
-                 dtype: torch.dtype = torch.float32, capacity: int = 256):
+                 dtype: torch.dtype = torch.float32, capacity: int = 256, max_cells: int | None = None):
+        if max_cells is not None:
+            capacity = min(capacity, max_cells)
+        self.max_cells = max_cells
         self.k = torch.empty(n_head_kv, capacity, head_dim, device=device, dtype=dtype)
         self.v = torch.empty_like(self.k)
         self.length = 0
@@ -24,6 +29,8 @@ class KVCache:
         need = self.length + t
         if need > self.k.shape[1]:
             cap = max(need, 2 * self.k.shape[1])
+            if self.max_cells is not None:
+                cap = max(need, min(cap, self.max_cells))   # past max_cells only if asked to
             k_new = self.k.new_empty(self.k.shape[0], cap, self.k.shape[2])
             v_new = self.v.new_empty(k_new.shape)
             k_new[:, :self.length] = self.k[:, :self.length]

@@ -28,6 +28,7 @@ from offload.speculative import SpecOptions, generate_step
 from offload.stats import RunStats, peak_rss_bytes
 from offload.tokenizer import Tokenizer
 from offload.weights import WeightStore
+from placement.memory import CACHE_PAD, pad
 from placement.plan import Plan
 
 _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -219,7 +220,8 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     weights = WeightStore(model, plan.tensors, devices, compute_dtype=dtypes, profile=profile, progress=bar)
     draft_weights = (WeightStore(draft, plan.draft_tensors, devices, compute_dtype=dtypes, profile=profile,
                                  progress=bar) if draft is not None else None)
-    ctx = BuildContext(profile=profile, pool=pool, kv_dtype=KV_DTYPES[plan.settings.cache_type])
+    ctx = BuildContext(profile=profile, pool=pool, kv_dtype=KV_DTYPES[plan.settings.cache_type],
+                       kv_cells=pad(plan.settings.ctx, CACHE_PAD))   # what the planner counted
     with torch.inference_mode():
         net = arch.build(cfg, weights, ctx, draft=draft_weights)
     if bar is not None:

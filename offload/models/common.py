@@ -83,8 +83,8 @@ def common_config(spec: ModelSpec, meta: Mapping, *,
 
 # -- runtime structure ------------------------------------------------------------------
 
-def kv_cache(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> KVCache:
-    return KVCache(cfg.n_head_kv, cfg.head_dim, device=device, dtype=dtype)
+def kv_cache(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_cells: int | None = None) -> KVCache:
+    return KVCache(cfg.n_head_kv, cfg.head_dim, device=device, dtype=dtype, max_cells=max_cells)
 
 
 class Block:
@@ -153,13 +153,10 @@ class State:
 
 class CausalLM:
     def __init__(self, *, config: ModelConfig, embed, blocks: list[Block], output_norm: RMSNorm,
-                 output, nextn: NextN | None, kv_dtype: torch.dtype):
+                 output, nextn: NextN | None, cache: Callable[[torch.device], KVCache]):
         self.config, self.embed, self.blocks = config, embed, blocks
         self.output_norm, self.output, self.nextn = output_norm, output, nextn
-        self.kv_dtype = kv_dtype
-
-    def _cache(self, device: torch.device) -> KVCache:
-        return kv_cache(self.config, device, self.kv_dtype)
+        self._cache = cache
 
     def new_state(self, head=None) -> State:
         """Fresh caches for the trunk and for ``head`` (default: the model's NextN head)."""
@@ -195,7 +192,12 @@ class BuildContext:
     profile: Profile
     pool: ThreadPoolExecutor
     kv_dtype: torch.dtype = torch.float32
+    kv_cells: int | None = None       # the planner's cells per cache (context padded to 256)
     ropes: dict = field(default_factory=dict)
+
+    def cache(self, cfg: ModelConfig) -> Callable[[torch.device], KVCache]:
+        """A new KV cache on a device, as the plan sized it."""
+        return lambda dev: kv_cache(cfg, dev, self.kv_dtype, self.kv_cells)
 
     def rope(self, cfg: ModelConfig, device: torch.device) -> Rope:
         if device not in self.ropes:
@@ -286,4 +288,4 @@ def build_nextn(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str
                  eh_proj=w.linear(f"{p}.nextn.eh_proj.weight"), block=block,
                  norm=norm("shared_head_norm"),
                  head=w.linear(own_head) if w.has(own_head) else output,
-                 cache=lambda dev: kv_cache(cfg, dev, ctx.kv_dtype))
+                 cache=ctx.cache(cfg))
