@@ -69,4 +69,4 @@ class Rope:
         waits for the device) → rotated copy of x."""
         dim = x.shape[-1]
         c, s = self._factors(positions, dim)
-        return x * c + x.index_select(-1, self._swap(dim)) * s
+        return x * c + x[..., self._swap(dim)] * s
