@@ -21,7 +21,12 @@ from offload.profile import Profile
 
 
 def to_host(x: torch.Tensor) -> np.ndarray:
-    return np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy())
+    """x as a C-contiguous float32 numpy array; a view, no copy, when x already is one on
+    the CPU (the all-CPU decode path calls this for every projection)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
+        x = x.detach().to("cpu", torch.float32)
+    a = x.numpy()
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 class RawLinear:

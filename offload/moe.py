@@ -2,7 +2,11 @@
 the plan put them (+ the shared expert) → sum.
 
 CPU-resident experts run in a worker thread through cpu_kernels (GIL released) while the
-main thread runs the shared expert in torch; the two results meet at the end.
+main thread runs the shared expert on a GPU; the two results meet at the end. When the
+shared expert computes on the CPU too (all-CPU plans, ``--virtual-gpus``, or there is none)
+nothing would overlap — both share the same cores — so the experts run inline on the main
+thread: the hand-off (a thread wake-up per layer and token, worst on a loaded machine) costs
+more than it hides (measured with ``bench.runtime_decode`` on the shipped model).
 """
 from __future__ import annotations
 
@@ -46,11 +50,19 @@ class StagedExperts:
         return out
 
 
+def runs_off_cpu(ffn) -> bool:
+    """Whether any projection of ``ffn`` (a SwiGLU) computes on a non-CPU torch device."""
+    return any(getattr(getattr(ffn, n, None), "device", torch.device("cpu")).type != "cpu"
+               for n in ("gate", "up", "down"))
+
+
 class MoE:
     def __init__(self, *, router: Callable, experts, shared: Callable | None,
                  pool: ThreadPoolExecutor, profile: Profile):
         self.router, self.experts, self.shared = router, experts, shared
         self.pool, self.profile = pool, profile
+        # the worker thread pays off only when the shared expert runs on a GPU meanwhile
+        self.overlap = shared is not None and runs_off_cpu(shared)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, n_embd) normalised input on the layer's device → (T, n_embd)."""
@@ -58,10 +70,15 @@ class MoE:
         if isinstance(self.experts, CpuExperts):
             with self.profile.time("transfer"):
                 xh, ih, wh = to_host(x), ids.cpu().numpy(), to_host(w)
-            job = self.pool.submit(self.experts, xh, ih, wh)     # runs while torch works below
-            y = self.shared(x) if self.shared is not None else torch.zeros_like(x)
-            with self.profile.time("cpu_wait"):
-                routed = job.result()
+            if self.overlap:
+                job = self.pool.submit(self.experts, xh, ih, wh)     # runs while torch works below
+                y = self.shared(x)
+                with self.profile.time("cpu_wait"):
+                    routed = job.result()
+            else:                       # inline: the main thread waits for all of it
+                with self.profile.time("cpu_wait"):
+                    routed = self.experts(xh, ih, wh)
+                y = self.shared(x) if self.shared is not None else torch.zeros_like(x)
             with self.profile.time("transfer"):
                 return y + torch.from_numpy(routed).to(x.device)
         y = self.experts(x, ids, w)

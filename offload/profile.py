@@ -9,20 +9,32 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+
+
+class _Timer:
+    """``with profile.time(cat):`` — a plain class, not a ``@contextmanager`` generator:
+    it runs several times per layer and token, so its own cost shows at decode."""
+
+    __slots__ = ("seconds", "category", "t0")
+
+    def __init__(self, seconds: dict, category: str):
+        self.seconds, self.category = seconds, category
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds[self.category] += time.perf_counter() - self.t0
+        return False
 
 
 class Profile:
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
 
-    @contextmanager
-    def time(self, category: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[category] += time.perf_counter() - t0
+    def time(self, category: str) -> _Timer:
+        return _Timer(self.seconds, category)
 
     def add(self, category: str, seconds: float) -> None:
         self.seconds[category] += seconds

@@ -64,3 +64,22 @@ def test_matches_llama_cpp_on_the_shipped_model():
     ref = np.array(llm.scores[:len(ids)], dtype=np.float32)
     assert np.abs(ours - ref).max() < 2e-2 * np.abs(ref).max()
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_cpu_experts_thread_hand_off_matches_inline(session):
+    """The worker-thread path (taken when the shared expert runs on a GPU, so untaken on a
+    CUDA-less box) against the inline path the all-CPU plan uses: the same kernels on the
+    same inputs, so the logits must be identical, not just close."""
+    from offload.moe import MoE
+    moes = [b.ffn for b in session.model.blocks if isinstance(b.ffn, MoE)]
+    assert moes and not any(m.overlap for m in moes)   # all-CPU: inline
+    ids = session.tokenize("def quicksort(xs):\n    ")
+    inline = session.logits(ids)
+    try:
+        for m in moes:
+            m.overlap = True
+        threaded = session.logits(ids)
+    finally:
+        for m in moes:
+            m.overlap = False
+    np.testing.assert_array_equal(threaded, inline)
