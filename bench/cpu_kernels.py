@@ -148,7 +148,7 @@ class _Ggml:
 
 def modes_for(qt, modes):
     """Activation modes that apply to qt: int8 only where the type has codes and the CPU VNNI."""
-    return [m for m in modes if m == "f32" or (get_kernel(qt).codes is not None and has_vnni())]
+    return [m for m in modes if m == "f32" or (get_kernel(qt).has_int8 and has_vnni())]
 
 
 def bench_matvec(buf, types, modes, repeat, rng, threads, ggml):

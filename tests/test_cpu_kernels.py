@@ -310,7 +310,7 @@ def test_moe_input_errors():
 
 # ---------------------------------------------------------------- int8 activations
 
-INT8_TYPES = [t for t in sorted(ISSUE_TYPES, key=int) if get_kernel(t).codes is not None]
+INT8_TYPES = [t for t in sorted(ISSUE_TYPES, key=int) if get_kernel(t).has_int8]
 
 
 @pytest.fixture
