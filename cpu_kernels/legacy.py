@@ -13,9 +13,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from numba import njit
 
+from .pair8 import pair_decoder
 from .registry import register
 from .simd import ld_f16, ld_u32, vbit_lanes, vbits, vi8, vset2
-from .pair8 import pair_decoder
 
 f32 = np.float32
 _jit = njit(fastmath=True)

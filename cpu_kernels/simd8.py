@@ -6,8 +6,7 @@ two units (four halves) and 64 int8 activations and returns the 16 partial sums 
 half, as float): one ``vpdpbusd`` on AVX512-VNNI, two on AVX-VNNI, portable integer IR
 elsewhere. Codes are unsigned (u8 x s8 is what the instruction multiplies); types with
 signed values add a constant ``code_offset`` that the driver takes back out exactly.
-Types whose codes index a value table (MXFP4, IQ4_*) stay on the float path: measured
-slower here with a byte-table lookup than the float path's ``vpermps``.
+This serves the 256-weight types; 32-weight types have their own engine (``pair8``).
 """
 from __future__ import annotations
 
@@ -92,39 +91,6 @@ def cbits2(typingctx, arr, off_a, shift_a, mask_a, off_b, shift_b, mask_b, up_b)
 
 
 @intrinsic
-def cflip(typingctx, arr, off):
-    """Signed bytes as unsigned codes: ``bytes[off + l] ^ 0x80`` (= int8 + 128)."""
-    if not (_is_array(arr) and _is_int(off)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        return builder.xor(_load_vec(builder, p, _I8, 16), _c8(builder, -128))
-    return u8x16(arr, off), codegen
-
-
-@intrinsic
-def cnib5(typingctx, arr, off, shift, qh, start):
-    """Q5_0/Q5_1 codes: ``((bytes[off + l] >> shift) & 15) | ((qh >> (start + l)) & 1) << 4``
-    with qh the block's 32 high bits."""
-    if not (_is_array(arr) and _is_int(off) and _is_int(shift) and _is_int(qh) and _is_int(start)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        sh = builder.trunc(context.cast(builder, args[2], sig.args[2], types.int32), _I8)
-        lo = builder.and_(builder.lshr(_load_vec(builder, p, _I8, 16), _splat(builder, sh, _V16I8)), _c8(builder, 15))
-        v16i32 = ir.VectorType(_I32, 16)
-        word = context.cast(builder, args[3], sig.args[3], types.uint32)
-        st = context.cast(builder, args[4], sig.args[4], types.int32)
-        shifts = builder.add(_splat(builder, st, v16i32), ir.Constant(v16i32, list(range(16))))
-        bits = builder.and_(builder.lshr(_splat(builder, word, v16i32), shifts),
-                            _splat(builder, ir.Constant(_I32, 1), v16i32))
-        return builder.or_(lo, builder.shl(builder.trunc(bits, _V16I8), _c8(builder, 4)))
-    return u8x16(arr, off, shift, qh, start), codegen
-
-
-@intrinsic
 def idot2(typingctx, a0, a1, b0, b1, xq, xo):
     """Integer dots of two units with 64 int8 activations ``xq[xo : xo + 64]``: lane 4h + j
     (h = half 0..3: a0, a1, b0, b1) is the sum over 4 consecutive weights of that half
@@ -165,20 +131,6 @@ def idot2(typingctx, a0, a1, b0, b1, xq, xo):
     return fvec(a0, a1, b0, b1, xq, xo), codegen
 
 
-@intrinsic
-def vhalves(typingctx, a, b):
-    """Lanes 0..7 = a, 8..15 = b (scalars): the scales of a unit pair whose halves share d."""
-    if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        va = _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _VF)
-        vb = _splat(builder, context.cast(builder, args[1], sig.args[1], types.float32), _VF)
-        return builder.shuffle_vector(va, vb, ir.Constant(ir.VectorType(_I32, LANES),
-                                                          [i if i < 8 else LANES + i for i in range(16)]))
-    return fvec(a, b), codegen
-
-
 def _spread1(idx):
     """Make ``f(v)``: lane i <- lane idx[i] of v (a constant shuffle)."""
     mask = [int(i) for i in idx]
@@ -194,25 +146,8 @@ def _spread1(idx):
     return f
 
 
-def _spread2(idx):
-    """Make ``f(a, b)``: lane i <- lane idx[i] of a ++ b (a constant shuffle)."""
-    mask = [int(i) for i in idx]
-
-    @intrinsic
-    def f(typingctx, a, b):
-        if a != fvec or b != fvec:
-            return None
-
-        def codegen(context, builder, sig, args):
-            return builder.shuffle_vector(args[0], args[1], ir.Constant(ir.VectorType(_I32, LANES), mask))
-        return fvec(a, b), codegen
-    return f
-
-
 # Scales for idot2's lanes: 4 lanes per half, halves (A0, A1, B0, B1).
 # Units 2j, 2j + 1 of a K-block: d of their halves are lanes 4j .. 4j + 3 of vd.
 spread_k0, spread_k1, spread_k2, spread_k3 = (_spread1([4 * j + i // 4 for i in range(16)]) for j in range(4))
-# Two one-unit blocks A, B with d of their halves in lanes 0, 1 of vdA and of vdB.
-spread_pair = _spread2([i // 4 if i < 8 else LANES + (i - 8) // 4 for i in range(16)])
 # Activation scales of units 2j, 2j + 1 (lanes 2j, 2j + 1 of a loaded dx vector), 8 lanes each.
 spread_dx0, spread_dx1, spread_dx2, spread_dx3 = (_spread1([2 * j + i // 8 for i in range(16)]) for j in range(4))
