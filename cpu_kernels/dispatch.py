@@ -24,8 +24,8 @@ def quants(tag, w, ob, k):
     raise NotImplementedError("only callable from jitted code")
 
 
-def codes(tag, w, ob, k):
-    """(c0, c1) unsigned 8-bit codes of unit k (int8 path; jitted code only)."""
+def codes(tag, w, ob, j):
+    """64 unsigned 8-bit codes of units 2j, 2j + 1 (int8 path; jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
@@ -80,11 +80,11 @@ def _elem(tag, w, ro, c):
 
 
 @overload(codes)
-def _codes(tag, w, ob, k):
+def _codes(tag, w, ob, j):
     if isinstance(tag, QTagType):
         fn = kernel_by_name(tag.qname).codes
         if fn is not None:
-            return lambda tag, w, ob, k: fn(w, ob, k)
+            return lambda tag, w, ob, j: fn(w, ob, j)
     return None
 
 

@@ -1,36 +1,40 @@
-"""The int8 engine for ggml's 32-weight blocks: two blocks (64 weights) per step, one
-512-bit ``vpdpbusd`` per row (llama.cpp's Q8_0-activation trick, laid out for AVX-512).
+"""The int8 engine: 64 weights per step, one 512-bit ``vpdpbusd`` per row (llama.cpp's
+int8-activation trick, laid out for AVX-512).
 
-A *pair decoder* turns the raw bytes of blocks A, B (consecutive in a row) into
+For ggml's 32-weight blocks a *pair decoder* turns the raw bytes of blocks A, B
+(consecutive in a row) into
 
     codes  ``I8x64``: unsigned weight codes u in activation order (A 0..31, then B 0..31),
     d      f32x16: lanes 0..7 the scale of A, lanes 8..15 the scale of B,
     m      f32x16: the same for the blocks' mins (zero for types without one),
 
-with ``w = d * (u - offset) + m``. Every step is a handful of whole-register
-operations: one (masked) load of the two blocks, one byte permute that puts each block's
-16 bytes of nibbles where its low and high halves go, one word shift and one mask for the
-nibbles (``vpermb`` does the value table of MXFP4 / IQ4_NL as well), one permute + convert
-for the two scales. ``pdot`` is the dot of the 64 codes with 64 int8 activations, per
-4-weight group (16 int32 lanes, as float). The code offset is taken out once per
-activation, not per weight byte: with xs = dx * (sum of the 4 activations) per lane,
+with ``w = d * (u - offset) + m``. A step is a handful of whole-register operations
+(counted from the emitted code for Q4_0, per row: 7 vector ALU operations per 64
+weights): two 16-byte broadcast loads and one insert put each block's nibble bytes where
+its low and high halves go, one GF(2) affine instruction extracts both nibbles (or a word
+shift, and ``vpermb`` doing MXFP4's / IQ4_NL's value table), the two scales are table
+entries (ggml's f16 -> f32 table; e8m0) broadcast from memory with one insert.
+``pdot`` is the dot of the 64 codes with 64 int8 activations per 4-weight group (16
+int32 lanes, as float). The code offset is taken out once per activation, not per weight
+byte: with xs = dx * (sum of the 4 activations) per lane,
 
     acc += d * (dx * pdot - offset * xs)    [+ m * xs]
 
 (two FMAs per row and step; dx: the activations' scale per 32, spread over lanes).
+Only bytes of the row's blocks are read: an odd row's last block is decoded alone.
 
-Only blocks inside the row are read: the second block of an odd row's last step is not
-loaded (``decode1``), and masked loads never touch bytes past the two blocks.
+For 256-weight blocks (K-quants) a *unit-pair decoder* gives the codes of units 2j and
+2j + 1 the same way (their bit fields via GF(2) affine maps); their scales come from
+the types' ``scales`` decoders (``rowdot8``).
 """
 from __future__ import annotations
 
-import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from .simd import _VF, _byte_ptr, _is_array, _is_int, fvec
+from .simd import _VF, _byte_ptr, _is_array, _is_int, _table, fvec
 from .simd8 import _features
 
 _I1, _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
@@ -97,25 +101,27 @@ def _lut(builder, idx, table):
     return out
 
 
-# Scale tables: an f16's float32 value (ggml's 65,536-entry table), and MXFP4's e8m0 byte
-# as ggml's e8m0_to_fp32_half: 2**(e - 128) (subnormal for e < 2).
-_F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
-_E8M0_TABLE = np.ldexp(np.float64(1), np.arange(256) - 128).astype(np.float32)
+def _gf2_matrix(shift, width, up):
+    """The 8x8 bit matrix (as ``vgf2p8affineqb`` reads a qword: row 7 - i gives output bit
+    i) of ``((byte >> shift) & (2**width - 1)) << up``."""
+    return sum((1 << (i - up + shift)) << (8 * (7 - i)) for i in range(up, min(8, up + width)))
 
 
-def _table(module, name, values):
-    """``values`` (float32) as a constant global of ``module``; linkonce_odr, so modules
-    linked together keep one copy."""
-    try:
-        return module.get_global(name)
-    except KeyError:
-        ty = ir.ArrayType(_F32, len(values))
-        g = ir.GlobalVariable(module, ty, name)
-        g.global_constant = True
-        g.linkage = "linkonce_odr"
-        g.align = 64
-        g.initializer = ir.Constant(ty, [float(v) for v in values])
-        return g
+def _bitfields(builder, v, fields):
+    """Per byte of ``v`` (<64 x i8>): ``((b >> shift) & (2**width - 1)) << up`` with
+    ``fields[q] = (shift, width, up)`` for the bytes of qword q (8 qwords): one GF(2)
+    affine instruction where the target has GFNI and AVX-512, byte shifts elsewhere."""
+    feats = _features()
+    if "+gfni" in feats and "+avx512bw" in feats:
+        mats = [_gf2_matrix(*f) for f in fields]
+        m = ir.Constant(_V64I8, [(q >> (8 * b)) & 255 for q in mats for b in range(8)])
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V64I8, [_V64I8, _V64I8, _I8]), "llvm.x86.vgf2p8affineqb.512")
+        return builder.call(fn, [v, m, ir.Constant(_I8, 0)])
+    per = [f for f in fields for _ in range(8)]
+    v = builder.lshr(v, _const(_I8, [f[0] for f in per]))
+    v = builder.and_(v, _const(_I8, [(1 << f[1]) - 1 for f in per]))
+    return builder.shl(v, _const(_I8, [f[2] for f in per]))
 
 
 def _nibbles(builder, c, table):
@@ -123,15 +129,7 @@ def _nibbles(builder, c, table):
     first copy of each block, high nibbles in the second; through ``table`` if given."""
     feats = _features()
     if table is None and "+gfni" in feats and "+avx512bw" in feats:
-        # One GF(2) affine map per byte, its matrix per qword: "low nibble" for the first
-        # copies, "high nibble down" for the second (row 7 - i of a matrix = output bit i).
-        lo = sum((1 << i) << (8 * (7 - i)) for i in range(4))
-        hi = sum((1 << (i + 4)) << (8 * (7 - i)) for i in range(4))
-        mats = [lo, lo, hi, hi] * 2
-        m = ir.Constant(_V64I8, [(q >> (8 * b)) & 255 for q in mats for b in range(8)])
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V64I8, [_V64I8, _V64I8, _I8]), "llvm.x86.vgf2p8affineqb.512")
-        return builder.call(fn, [c, m, ir.Constant(_I8, 0)])
+        return _bitfields(builder, c, [(0, 4, 0), (0, 4, 0), (4, 4, 0), (4, 4, 0)] * 2)
     # Word shifts: 4 for the high-nibble copies (bytes 16..31 of each block).
     v16 = ir.VectorType(_I16, 32)
     c = builder.bitcast(builder.lshr(builder.bitcast(c, v16),
@@ -139,6 +137,50 @@ def _nibbles(builder, c, table):
     if table is not None:
         return _lut(builder, c, table)
     return builder.and_(c, _const(_I8, [15] * 64))
+
+
+def unit_pair_decoder(*parts):
+    """Make an intrinsic ``(w, ob, j) -> codes`` (``I8x64``) for 256-weight blocks: the
+    unsigned codes of units 2j and 2j + 1 (32 weights each) of the block at byte ``ob``,
+    in activation order. Each part is ``(at, shift, width, up)``, functions of the unit
+    k: weight l of unit k has ``((byte[ob + at(k) + l] >> shift(k)) & (2**width - 1)) <<
+    up(k)`` OR-ed over the parts. j must be a constant once inlined (the drivers unroll
+    the four pairs); for each j the bytes are one or two loads and one bit-field map."""
+    def codes_for(builder, p, j):
+        out = None
+        for at, shift, width, up in parts:
+            a0, a1 = at(2 * j), at(2 * j + 1)
+
+            def load(off, n):
+                q = builder.gep(p, [ir.Constant(_I64, off)])
+                return builder.load(builder.bitcast(q, ir.VectorType(_I8, n).as_pointer()), align=1)
+            if a1 == a0 + 32:
+                v = load(a0, 64)
+            else:
+                lo = load(a0, 32)
+                hi = lo if a1 == a0 else load(a1, 32)
+                v = builder.shuffle_vector(lo, hi, _const(_I32, range(64)))
+            f0, f1 = (shift(2 * j), width, up(2 * j)), (shift(2 * j + 1), width, up(2 * j + 1))
+            t = _bitfields(builder, v, [f0] * 4 + [f1] * 4)
+            out = t if out is None else builder.or_(out, t)
+        return out
+
+    def codegen(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        j = context.cast(builder, args[2], sig.args[2], types.int64)
+        # A select chain over the four pairs: folds to one once j is a constant.
+        out = codes_for(builder, p, 3)
+        for jj in (2, 1, 0):
+            out = builder.select(builder.icmp_signed("==", j, ir.Constant(_I64, jj)),
+                                 codes_for(builder, p, jj), out)
+        return out
+
+    @intrinsic
+    def decode(typingctx, w, ob, j):
+        if not (_is_array(w) and _is_int(ob) and _is_int(j)):
+            return None
+        return i8x64(w, ob, j), codegen
+    return decode
 
 
 def pair_decoder(*, block_bytes: int, qs: int, scale: str, scale_at: int = 0,
@@ -192,9 +234,8 @@ def pair_decoder(*, block_bytes: int, qs: int, scale: str, scale_at: int = 0,
             def scale_pair(at, kind):
                 # Each block's scale is a table entry (f16 -> f32 as ggml does; e8m0): the
                 # lanes come from two broadcast loads rather than from vector conversions.
-                ity, name, values = ((_I16, "offload_f16_to_f32", _F16_TABLE) if kind == "f16"
-                                     else (_I8, "offload_e8m0_half_to_f32", _E8M0_TABLE))
-                tab = _table(builder.module, name, values)
+                ity, name = (_I16, "offload_f16_to_f32") if kind == "f16" else (_I8, "offload_e8m0_half_to_f32")
+                tab = _table(builder.module, name)
 
                 def val(k):
                     if k == 1 and n_blocks == 1:

@@ -11,9 +11,9 @@ the raw bytes ``w``, lanes ``2k`` and ``2k + 1`` holding (d, m) of the two halve
 unpacking them per unit in scalar code costs as much as the dot product itself);
 ``quants(w, ob, k) -> (v0, v1)``: the two 16-lane vectors of unit ``k``.
 ``same_d``: both halves of a unit always share d (one multiply per unit instead of two).
-Optional, for the int8-activation path: ``codes(w, ob, k) -> (c0, c1)``, the unit's weights
-as unsigned 8-bit codes ``u`` (two ``simd8.U8x16``) with ``w = d * (u - code_offset) + m``
-(256-weight types; the int8 driver multiplies two units at a time, ``simd8.idot2``).
+Optional, for the int8-activation path: ``codes(w, ob, j)``, the weights of units 2j and
+2j + 1 as 64 unsigned 8-bit codes ``u`` (``pair8.I8x64``, from ``pair8.unit_pair_decoder``)
+with ``w = d * (u - code_offset) + m`` (256-weight types).
 Optional for 32-weight types, their int8 path: ``pair`` = (decode2, decode1) from
 ``pair8.pair_decoder`` (two blocks per step), with ``pair_offset`` (codes minus values)
 and ``pair_min`` (the decoder gives mins).
@@ -59,7 +59,7 @@ class QuantKernel:
     quants: Callable         # njit (w, block_byte_offset, k) -> (v0, v1)
     elem: Callable | None    # njit (w, byte_offset_of_row, col) -> float32; float types only
     same_d: bool             # d of both 16-weight halves of a unit is always equal
-    codes: Callable | None   # njit (w, block_byte_offset, k) -> (c0, c1) u8 codes; int8 path
+    codes: Callable | None   # intrinsic (w, block_byte_offset, j) -> 64 u8 codes of units 2j, 2j+1
     code_offset: int         # codes = value + code_offset
     tag: "QTag"
     pair: tuple | None = None     # (decode2, decode1): int8 path of 32-weight types (pair8)

@@ -1,8 +1,8 @@
 """The int8-activation variant of ``rowdot``: four weight rows against one token whose
 activations were quantized to int8 per 32 (``quantize_rows``), as llama.cpp does with
 Q8_0/Q8_K. Weight codes times activations are integer dot products; each 32's partial
-sums are scaled by d * dx in float. 256-weight types take two units per instruction
-(``simd8.idot2``), 32-weight types two blocks (``pair8``).
+sums are scaled by d * dx in float. Each step is 64 weights (one 512-bit ``vpdpbusd``,
+``pair8.pdot``): two units of a 256-weight block, or two 32-weight blocks.
 
 The result is the exact dot product of the weights with the *dequantized* activations
 dx * xq (the decoders' offsets m multiply sums of dx * xq too), so the only difference
@@ -19,7 +19,7 @@ from .pair8 import pdot
 from .registry import QTagType, kernel_by_name
 from .rowdot import _prefetch_next_group
 from .simd import vfma, vload, vstore, vsum, vzero
-from .simd8 import idot2, spread_dx0, spread_dx1, spread_dx2, spread_dx3, spread_k0, spread_k1, spread_k2, spread_k3
+from .simd8 import spread_dx0, spread_dxh, spread_k0, spread_k1, spread_k2, spread_k3
 
 f32 = np.float32
 XQ_PAD = 64       # int8 activations past a row's end that a step may read (times scale 0)
@@ -62,11 +62,9 @@ def quantize_rows(x, xq, dx, xs16, xs4, dx8):
 
 
 @njit(fastmath=True)
-def _units(tag, w, ro, ob_a, k_a, ob_b, k_b, xq, xo, scale, acc):
-    """acc + scale * idot2 of units (A, B) of one row (256-weight types)."""
-    a0, a1 = codes(tag, w, ro + ob_a, k_a)
-    b0, b1 = codes(tag, w, ro + ob_b, k_b)
-    return vfma(idot2(a0, a1, b0, b1, xq, xo), scale, acc)
+def _units(tag, w, ro, ob, j, xq, xo, scale, acc):
+    """acc + scale * (codes of units 2j, 2j + 1 of one row's block . activations)."""
+    return vfma(pdot(codes(tag, w, ro + ob, j), xq, xo), scale, acc)
 
 
 @njit(fastmath=True)
@@ -201,53 +199,50 @@ def one_i8(tag, w, ro0, ro1, ro2, ro3, n_units, xq, xo, dx, do, xs):
         c1 = vfma(m1 - d1 * off, xsv, c1)
         c2 = vfma(m2 - d2 * off, xsv, c2)
         c3 = vfma(m3 - d3 * off, xsv, c3)
+        # Scales times the activations' unit scales, per half-unit (lane g: unit g // 2).
+        dxh = spread_dxh(vdx)
+        e0 = d0 * dxh
+        e1 = d1 * dxh
+        e2 = d2 * dxh
+        e3 = d3 * dxh
         # Unit pairs (0, 1) .. (6, 7) unrolled: constant bit positions and shuffles.
-        s = spread_dx0(vdx)
-        a0 = _units(tag, w, ro0, ob, 0, ob, 1, xq, x0, spread_k0(d0) * s, a0)
-        a1 = _units(tag, w, ro1, ob, 0, ob, 1, xq, x0, spread_k0(d1) * s, a1)
-        a2 = _units(tag, w, ro2, ob, 0, ob, 1, xq, x0, spread_k0(d2) * s, a2)
-        a3 = _units(tag, w, ro3, ob, 0, ob, 1, xq, x0, spread_k0(d3) * s, a3)
-        s = spread_dx1(vdx)
-        a0 = _units(tag, w, ro0, ob, 2, ob, 3, xq, x0 + 64, spread_k1(d0) * s, a0)
-        a1 = _units(tag, w, ro1, ob, 2, ob, 3, xq, x0 + 64, spread_k1(d1) * s, a1)
-        a2 = _units(tag, w, ro2, ob, 2, ob, 3, xq, x0 + 64, spread_k1(d2) * s, a2)
-        a3 = _units(tag, w, ro3, ob, 2, ob, 3, xq, x0 + 64, spread_k1(d3) * s, a3)
-        s = spread_dx2(vdx)
-        a0 = _units(tag, w, ro0, ob, 4, ob, 5, xq, x0 + 128, spread_k2(d0) * s, a0)
-        a1 = _units(tag, w, ro1, ob, 4, ob, 5, xq, x0 + 128, spread_k2(d1) * s, a1)
-        a2 = _units(tag, w, ro2, ob, 4, ob, 5, xq, x0 + 128, spread_k2(d2) * s, a2)
-        a3 = _units(tag, w, ro3, ob, 4, ob, 5, xq, x0 + 128, spread_k2(d3) * s, a3)
-        s = spread_dx3(vdx)
-        a0 = _units(tag, w, ro0, ob, 6, ob, 7, xq, x0 + 192, spread_k3(d0) * s, a0)
-        a1 = _units(tag, w, ro1, ob, 6, ob, 7, xq, x0 + 192, spread_k3(d1) * s, a1)
-        a2 = _units(tag, w, ro2, ob, 6, ob, 7, xq, x0 + 192, spread_k3(d2) * s, a2)
-        a3 = _units(tag, w, ro3, ob, 6, ob, 7, xq, x0 + 192, spread_k3(d3) * s, a3)
+        a0 = _units(tag, w, ro0, ob, 0, xq, x0, spread_k0(e0), a0)
+        a1 = _units(tag, w, ro1, ob, 0, xq, x0, spread_k0(e1), a1)
+        a2 = _units(tag, w, ro2, ob, 0, xq, x0, spread_k0(e2), a2)
+        a3 = _units(tag, w, ro3, ob, 0, xq, x0, spread_k0(e3), a3)
+        a0 = _units(tag, w, ro0, ob, 1, xq, x0 + 64, spread_k1(e0), a0)
+        a1 = _units(tag, w, ro1, ob, 1, xq, x0 + 64, spread_k1(e1), a1)
+        a2 = _units(tag, w, ro2, ob, 1, xq, x0 + 64, spread_k1(e2), a2)
+        a3 = _units(tag, w, ro3, ob, 1, xq, x0 + 64, spread_k1(e3), a3)
+        a0 = _units(tag, w, ro0, ob, 2, xq, x0 + 128, spread_k2(e0), a0)
+        a1 = _units(tag, w, ro1, ob, 2, xq, x0 + 128, spread_k2(e1), a1)
+        a2 = _units(tag, w, ro2, ob, 2, xq, x0 + 128, spread_k2(e2), a2)
+        a3 = _units(tag, w, ro3, ob, 2, xq, x0 + 128, spread_k2(e3), a3)
+        a0 = _units(tag, w, ro0, ob, 3, xq, x0 + 192, spread_k3(e0), a0)
+        a1 = _units(tag, w, ro1, ob, 3, xq, x0 + 192, spread_k3(e1), a1)
+        a2 = _units(tag, w, ro2, ob, 3, xq, x0 + 192, spread_k3(e2), a2)
+        a3 = _units(tag, w, ro3, ob, 3, xq, x0 + 192, spread_k3(e3), a3)
     return vsum(a0) + vsum(c0), vsum(a1) + vsum(c1), vsum(a2) + vsum(c2), vsum(a3) + vsum(c3)
 
 
 @njit(fastmath=True)
-def _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob_a, k_a, ob_b, k_b, u, xqf, xqs, dxf, dxs,
-                   toks, n_t, s0, s1, s2, s3, acc):
-    """Units (A, B) = (u, u + 1) of the four rows, codes decoded once, against each token:
-    acc[64 i + 16 r:] += idot2(row r, token i) * s_r * dx. s_r: d of the pair's halves
-    spread over idot2's lanes."""
-    a0, a1 = codes(tag, w, ro0 + ob_a, k_a)
-    b0, b1 = codes(tag, w, ro0 + ob_b, k_b)
-    c0, c1 = codes(tag, w, ro1 + ob_a, k_a)
-    d0, d1 = codes(tag, w, ro1 + ob_b, k_b)
-    e0, e1 = codes(tag, w, ro2 + ob_a, k_a)
-    f0, f1 = codes(tag, w, ro2 + ob_b, k_b)
-    g0, g1 = codes(tag, w, ro3 + ob_a, k_a)
-    h0, h1 = codes(tag, w, ro3 + ob_b, k_b)
+def _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob, jp, u, xqf, xqs, dxf, dxs, toks, n_t, s0, s1, s2, s3, acc):
+    """Units (u, u + 1) = pair jp of the block at ob of the four rows, codes decoded once,
+    against each token: acc[64 i + 16 r:] += (codes . x) * s_r * dx. s_r: d of the pair's
+    halves spread over the dot's lanes (4 per 16 weights)."""
+    c0 = codes(tag, w, ro0 + ob, jp)
+    c1 = codes(tag, w, ro1 + ob, jp)
+    c2 = codes(tag, w, ro2 + ob, jp)
+    c3 = codes(tag, w, ro3 + ob, jp)
     for i in range(n_t):
         t = toks[i]
         xo = t * xqs + 32 * u
         sdx = spread_dx0(vload(dxf, t * dxs + u))
         j = 64 * i
-        vstore(acc, j, vfma(idot2(a0, a1, b0, b1, xqf, xo), s0 * sdx, vload(acc, j)))
-        vstore(acc, j + 16, vfma(idot2(c0, c1, d0, d1, xqf, xo), s1 * sdx, vload(acc, j + 16)))
-        vstore(acc, j + 32, vfma(idot2(e0, e1, f0, f1, xqf, xo), s2 * sdx, vload(acc, j + 32)))
-        vstore(acc, j + 48, vfma(idot2(g0, g1, h0, h1, xqf, xo), s3 * sdx, vload(acc, j + 48)))
+        vstore(acc, j, vfma(pdot(c0, xqf, xo), s0 * sdx, vload(acc, j)))
+        vstore(acc, j + 16, vfma(pdot(c1, xqf, xo), s1 * sdx, vload(acc, j + 16)))
+        vstore(acc, j + 32, vfma(pdot(c2, xqf, xo), s2 * sdx, vload(acc, j + 32)))
+        vstore(acc, j + 48, vfma(pdot(c3, xqf, xo), s3 * sdx, vload(acc, j + 48)))
 
 
 @njit(fastmath=True)
@@ -275,13 +270,13 @@ def many_i8(tag, w, ro0, ro1, ro2, ro3, n_units, xqf, xqs, dxf, dxs, xs16, toks,
             cacc[4 * i + 1] += vsum((m1 - d1 * off) * xsv)
             cacc[4 * i + 2] += vsum((m2 - d2 * off) * xsv)
             cacc[4 * i + 3] += vsum((m3 - d3 * off) * xsv)
-        _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob, 0, ob, 1, u, xqf, xqs, dxf, dxs, toks, n_t,
+        _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob, 0, u, xqf, xqs, dxf, dxs, toks, n_t,
                      spread_k0(d0), spread_k0(d1), spread_k0(d2), spread_k0(d3), acc)
-        _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob, 2, ob, 3, u + 2, xqf, xqs, dxf, dxs, toks, n_t,
+        _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob, 1, u + 2, xqf, xqs, dxf, dxs, toks, n_t,
                      spread_k1(d0), spread_k1(d1), spread_k1(d2), spread_k1(d3), acc)
-        _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob, 4, ob, 5, u + 4, xqf, xqs, dxf, dxs, toks, n_t,
+        _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob, 2, u + 4, xqf, xqs, dxf, dxs, toks, n_t,
                      spread_k2(d0), spread_k2(d1), spread_k2(d2), spread_k2(d3), acc)
-        _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob, 6, ob, 7, u + 6, xqf, xqs, dxf, dxs, toks, n_t,
+        _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob, 3, u + 6, xqf, xqs, dxf, dxs, toks, n_t,
                      spread_k3(d0), spread_k3(d1), spread_k3(d2), spread_k3(d3), acc)
     for i in range(n_t):
         for r in range(4):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import operator
 
+import llvmlite.binding as _ll
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -394,16 +396,45 @@ def f32_from_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
+# Scale tables: an f16's float32 value (ggml's 65,536-entry table), and MXFP4's e8m0 byte
+# as ggml's e8m0_to_fp32_half: 2**(e - 128) (subnormal for e < 2). One copy per process:
+# compiled code refers to them as external symbols (their addresses are registered with
+# the JIT's linker here, before any kernel is compiled or loaded from Numba's cache), so
+# cached kernels do not each carry 256 KB of table.
+_F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+_E8M0_TABLE = np.ldexp(np.float64(1), np.arange(256) - 128).astype(np.float32)
+_TABLES = {"offload_f16_to_f32": _F16_TABLE, "offload_e8m0_half_to_f32": _E8M0_TABLE}
+for _name, _values in _TABLES.items():
+    _ll.add_symbol(_name, _values.ctypes.data)
+
+
+def _table(module, name):
+    """The table ``name`` (see _TABLES) as an external global of ``module``."""
+    try:
+        return module.get_global(name)
+    except KeyError:
+        g = ir.GlobalVariable(module, ir.ArrayType(_F32, len(_TABLES[name])), name)
+        g.linkage = "external"
+        g.global_constant = True
+        return g
+
+
+def _ld_f16_table(builder, p):
+    """The float32 value of the IEEE half at pointer p, read from the table."""
+    tab = _table(builder.module, "offload_f16_to_f32")
+    i = builder.zext(builder.load(builder.bitcast(p, _I16.as_pointer()), align=1), _I64)
+    return builder.load(builder.gep(tab, [ir.Constant(_I64, 0), i]), align=4)
+
+
 @intrinsic
 def ld_f16(typingctx, arr, off):
-    """The IEEE half at byte ``off`` as float32."""
+    """The IEEE half at byte ``off`` as float32, through ggml's 65,536-entry table: two
+    loads instead of a conversion (and a broadcast of the result is one more load)."""
     if not (_is_array(arr) and _is_int(off)):
         return None
 
     def codegen(context, builder, sig, args):
-        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        h = builder.load(builder.bitcast(p, ir.HalfType().as_pointer()), align=1)
-        return builder.fpext(h, _F32)
+        return _ld_f16_table(builder, _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]))
     return types.float32(arr, off), codegen
 
 
