@@ -139,14 +139,22 @@ def _nibbles(builder, c, table):
     return builder.and_(c, _const(_I8, [15] * 64))
 
 
-def unit_pair_decoder(*parts):
+def unit_pair_decoder(*parts, nibbles_at: int | None = None, table=None):
     """Make an intrinsic ``(w, ob, j) -> codes`` (``I8x64``) for 256-weight blocks: the
     unsigned codes of units 2j and 2j + 1 (32 weights each) of the block at byte ``ob``,
     in activation order. Each part is ``(at, shift, width, up)``, functions of the unit
     k: weight l of unit k has ``((byte[ob + at(k) + l] >> shift(k)) & (2**width - 1)) <<
-    up(k)`` OR-ed over the parts. j must be a constant once inlined (the drivers unroll
-    the four pairs); for each j the bytes are one or two loads and one bit-field map."""
+    up(k)`` OR-ed over the parts. Or, with ``nibbles_at``, unit k is the 16 bytes at
+    ``nibbles_at + 16 k`` (low nibbles, then high) through ``table`` (IQ4_XS). j must be
+    a constant once inlined (the drivers unroll the four pairs); for each j the bytes are
+    one or two loads and one bit-field map."""
     def codes_for(builder, p, j):
+        if nibbles_at is not None:
+            v16 = ir.VectorType(_I8, 16)
+            qa, qb = (builder.load(builder.bitcast(builder.gep(p, [ir.Constant(_I64, nibbles_at + 32 * j + 16 * h)]),
+                                                   v16.as_pointer()), align=1) for h in (0, 1))
+            return _nibbles(builder, builder.shuffle_vector(qa, qb, _const(_I32, [*range(16)] * 2 + [*range(16, 32)] * 2)),
+                            table)
         out = None
         for at, shift, width, up in parts:
             a0, a1 = at(2 * j), at(2 * j + 1)
