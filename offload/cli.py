@@ -12,6 +12,8 @@ from offload.errors import OffloadError, report_user_errors
 
 COMMANDS = {
     "plan": ("offload.commands.plan", "where each tensor goes: devices, rules, auto-fit, plan YAML"),
+    "run": ("offload.commands.run", "load a model by placement and generate text"),
+    "bench": ("offload.commands.bench", "speculative-decoding benchmark: baseline vs MTP n_max per task"),
 }
 
 USAGE = "usage: offload COMMAND [ARGS...]\n\ncommands:\n" + "".join(

@@ -1,10 +1,23 @@
-"""Shared fixtures: real-shaped GGUF headers (sparse files) written once per test session."""
+"""Shared fixtures: real-shaped GGUF headers (sparse files) written once per test session.
+
+Also, for the runtime tests: OpenMP threads that sleep when idle (set before torch or
+Numba load OpenMP; see ``offload.commands.run.quiet_openmp``), and torch on one intra-op
+thread — the models are tiny, so extra threads only add barrier waits, which explode on a
+loaded 2-core box (measured: 6 ms vs 300+ ms per decode step).
+"""
 from __future__ import annotations
 
-import pytest
+import os
 
-from offload.gguf_model import open_model
-from tests.fixtures.real_models import ALL, write_fixture
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from offload.gguf_model import open_model  # noqa: E402
+from tests.fixtures.real_models import ALL, write_fixture  # noqa: E402
+
+torch.set_num_threads(1)
 
 # Qwen3 carries its (synthetic) 151936-token vocabulary so the lazy tokenizer-array path is
 # exercised; the others skip the tokenizer to keep the session quick.

@@ -1,0 +1,65 @@
+"""Routed experts held as stacked torch tensors on one device (GPU-resident experts).
+
+Assignments are sorted by expert so each touched expert's weights are read once per call
+whatever the number of tokens (the same grouping as the CPU kernels); the Python loop runs
+over touched experts, never over tokens × experts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu.quant import QuantTensor
+
+
+def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None = None):
+    """ids, weights: (T, k) → (token index, weight, expert) per assignment sorted by expert,
+    and the (expert, start, count) runs as Python ints. ``keep``: bool (E,) filter or None."""
+    t, k = ids.shape
+    flat_e = ids.reshape(-1)
+    flat_t = torch.arange(t, device=ids.device).repeat_interleave(k)
+    flat_w = weights.reshape(-1)
+    if keep is not None:
+        sel = keep[flat_e]
+        flat_e, flat_t, flat_w = flat_e[sel], flat_t[sel], flat_w[sel]
+    order = torch.argsort(flat_e, stable=True)
+    flat_e, flat_t, flat_w = flat_e[order], flat_t[order], flat_w[order]
+    experts, counts = torch.unique_consecutive(flat_e, return_counts=True)
+    runs, start = [], 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        runs.append((e, start, n))
+        start += n
+    return flat_t, flat_w, runs
+
+
+class TorchExperts:
+    """gate/up: (E, n_ff, n_embd), down: (E, n_embd, n_ff) — or fused gate_up (E, 2·n_ff, n_embd) —
+    as raw GGUF data on one device; a touched expert's matrices are dequantized per call."""
+
+    def __init__(self, *, down: QuantTensor, gate: QuantTensor | None = None,
+                 up: QuantTensor | None = None, gate_up: QuantTensor | None = None,
+                 compute_dtype: torch.dtype = torch.float32):
+        if gate_up is None and (gate is None or up is None):
+            raise ValueError("experts need gate and up, or a fused gate_up")
+        self.gate, self.up, self.gate_up, self.down = gate, up, gate_up, down
+        self.device, self.dtype = down.device, compute_dtype
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, n_embd), ids/weights: (T, k) → Σ_k w·expert(x): (T, n_embd) on x's device."""
+        home = x.device
+        x = x.to(self.device)
+        tok, w, runs = group_by_expert(ids.to(self.device), weights.to(self.device),
+                                       None if keep is None else keep.to(self.device))
+        xs = x[tok].to(self.dtype)                           # (A, n_embd), A = assignments
+        ys = torch.empty_like(xs)
+        for e, s, n in runs:
+            xe = xs[s:s + n]
+            if self.gate_up is not None:
+                g, u = self.gate_up[e].linear(xe, self.dtype).chunk(2, dim=-1)
+            else:
+                g, u = self.gate[e].linear(xe, self.dtype), self.up[e].linear(xe, self.dtype)
+            ys[s:s + n] = self.down[e].linear(F.silu(g) * u, self.dtype)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
+        out.index_add_(0, tok, ys.float() * w[:, None])
+        return out.to(home)

@@ -1,0 +1,228 @@
+"""``offload run``: load a model by placement and generate.
+
+    offload run [MODEL.gguf] [placement flags as for offload plan] [-p TEXT | -f FILE] [-n N] ...
+                [--spec-type mtp|none] [--spec-n-max N] [--spec-p-min P] [--spec-verify batched|exact]
+                [--draft MTP.gguf] [--spec-diagnose]
+
+Every ``offload plan`` flag works here (plan on the fly), or ``--placement plan.yaml``.
+stdout carries only the generated text (pipe it); progress, notices and the llama.cpp-style
+timings go to stderr; ``--stats-json`` writes the same numbers as JSON.
+
+Speculative decoding drafts with the model's NextN (MTP) head, or with the NextN block of a
+``--draft`` GGUF. Its draft length defaults to the plan's ``speculative.n_max`` (``offload
+plan`` predicts one, ``offload tune`` measures one), else 0 = plain decoding. The stats add
+drafted/accepted, acceptance per position, mean accepted length and the draft/verify/rest
+time split; ``--spec-diagnose`` measures how far batched verification drifts numerically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from offload.commands.plan import add_placement_arguments, plan_from_args
+from offload.errors import ArgumentParser, OffloadError, write_atomic
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
+DEFAULT_PROMPT = "def fibonacci(n):"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="offload run", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF file (default: the --placement plan's model, else the shipped tiny glm4moe model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    src.add_argument("-f", "--prompt-file", help="read the prompt from this file")
+    p.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=128,
+                   help="tokens to generate (default 128)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--stats-json", metavar="PATH", help="write timings/counters as JSON here")
+    p.add_argument("--virtual-gpus", action="store_true",
+                   help="back the plan's CUDA devices with the CPU (testing without a GPU)")
+    p.add_argument("--gpu-dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
+                   help="compute dtype GPU-resident weights are dequantized into per call "
+                        "(they stay quantized in memory); auto = bf16 on CUDA, f32 on virtual GPUs")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="threads for the CPU expert kernels (default: numba's, all cores)")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "
+                        "small, and spare cores belong to the expert kernels)")
+    add_spec_arguments(p)
+    p.add_argument("--spec-diagnose", action="store_true",
+                   help="after generating, print how far batched verification drifts from one-token "
+                        "decoding on the prompt + output (largest logit difference, greedy flips)")
+    add_placement_arguments(p)
+    return p
+
+
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    """Speculative-decoding flags (shared by ``offload run`` and ``offload bench``)."""
+    g = p.add_argument_group("speculative decoding (llama.cpp's --spec-type mtp:n_max=N,p_min=P)")
+    g.add_argument("--spec-type", choices=("mtp", "none"), default=None,
+                   help="mtp: draft with the NextN (MTP) head (the model's own, or --draft's); "
+                        "none: plain decoding (default: mtp when there is a head)")
+    g.add_argument("--spec-n-max", type=int, default=None, metavar="N",
+                   help="longest draft per step (default: the plan's speculative.n_max, else 0 = plain)")
+    g.add_argument("--spec-p-min", type=float, default=None, metavar="P",
+                   help="stop drafting when the draft's top probability is below P "
+                        "(default: the plan's speculative.p_min, else 0)")
+    g.add_argument("--spec-verify", choices=("batched", "exact"), default="batched",
+                   help="batched: verify all drafts in one target pass (fast; batch-shape rounding may "
+                        "flip near-tied greedy tokens, see --spec-diagnose); exact: one pass per token, "
+                        "token-identical to plain decoding")
+
+
+def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
+    """The flags and the plan's ``speculative`` section → (n_max, p_min, verify) as keywords
+    for ``Session.generate``, and a one-line account of where they came from."""
+    section = plan.speculative or {}
+    head = {"in-model NextN": "the model's NextN head", "--draft": f"the NextN head of {plan.draft_path}"}
+    if args.spec_type == "mtp" and plan.drafting == "none":
+        raise OffloadError(f"--spec-type mtp: {plan.model_path} has no NextN (MTP) block; give --draft MTP.gguf")
+    if args.spec_n_max is not None and args.spec_n_max < 0:
+        raise OffloadError(f"--spec-n-max must be >= 0, got {args.spec_n_max}")
+    if args.spec_p_min is not None and not 0.0 <= args.spec_p_min < 1.0:
+        raise OffloadError(f"--spec-p-min must be in [0, 1), got {args.spec_p_min}")
+    p_min = args.spec_p_min if args.spec_p_min is not None else float(section.get("p_min", 0.0) or 0.0)
+    if args.spec_type == "none":
+        return {"n_max": 0}, "speculative decoding off (--spec-type none)"
+    if args.spec_n_max is not None:
+        n_max, source = args.spec_n_max, "--spec-n-max"
+    elif plan.drafting != "none" and "n_max" in section:
+        n_max = int(section["n_max"])
+        source = f"the plan's speculative.n_max ({section.get('source', 'plan')})"
+    else:
+        return {"n_max": 0}, ("speculative decoding off: n_max 0 (" +
+                              ("the plan has no speculative section; --spec-n-max N drafts with "
+                               f"{head[plan.drafting]})" if plan.drafting != "none" else "no draft head)"))
+    if n_max == 0:
+        return {"n_max": 0}, f"speculative decoding off: n_max 0 from {source}"
+    if plan.drafting == "none":
+        raise OffloadError(f"--spec-n-max {n_max}: {plan.model_path} has no NextN (MTP) block; "
+                           "give --draft MTP.gguf")
+    return ({"n_max": n_max, "p_min": p_min, "verify": args.spec_verify},
+            f"speculative decoding: mtp with {head[plan.drafting]}, n_max {n_max} (from {source}), "
+            f"p_min {p_min:g}, verify {args.spec_verify}")
+
+
+class TextStream:
+    """Prints the text of a growing token sequence as it becomes valid UTF-8: re-decodes a
+    short tail and holds back an incomplete multi-byte character."""
+
+    def __init__(self, detokenize, out):
+        self.detokenize, self.out = detokenize, out
+        self.ids: list[int] = []
+        self.start = 0          # ids before this are flushed and never re-decoded
+        self.printed = ""       # text of ids[start:] already written
+
+    def push(self, tok: int) -> None:
+        self.ids.append(tok)
+        text = self.detokenize(self.ids[self.start:])
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[len(self.printed):])
+        self.out.flush()
+        self.start, self.printed = len(self.ids), ""
+
+    def close(self) -> None:
+        tail = self.detokenize(self.ids[self.start:])
+        self.out.write(tail[len(self.printed):])
+        self.out.flush()
+
+
+def open_cli_model(args: argparse.Namespace):
+    """The positional model, or None with ``--placement`` (the plan names its model), or the
+    shipped model."""
+    from offload.gguf_model import open_model
+
+    if args.model is None and args.placement:
+        return None
+    path = args.model if args.model is not None else str(DEFAULT_MODEL)
+    if not Path(path).is_file():
+        raise OffloadError(f"model file not found: {path}")
+    return open_model(path)
+
+
+def quiet_openmp() -> None:
+    """Idle OpenMP threads sleep instead of spinning. torch and the Numba kernels share the
+    process and take turns every layer; spinning teams burn the cores the other side needs
+    (measured on a loaded 2-core box: a 256x256 mat-vec 37 µs passive vs 768 µs spinning,
+    tiny-model decode 278 vs 50 tokens/s). Only effective before torch/numba load OpenMP,
+    so the CLI calls it first; embedders can export OMP_WAIT_POLICY=PASSIVE themselves."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_openmp()
+    import torch                  # imported only when a command needs it
+
+    from offload import runtime
+
+    if args.prompt_file:
+        try:
+            prompt = Path(args.prompt_file).read_text()
+        except OSError as e:
+            raise OffloadError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from None
+    else:
+        prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if args.n_predict < 1:
+        raise OffloadError(f"-n must be >= 1, got {args.n_predict}")
+    if args.torch_threads < 1:
+        raise OffloadError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    torch.set_num_threads(args.torch_threads)
+    model = open_cli_model(args)
+    plan, model, _ = plan_from_args(args, model)
+    spec, account = spec_settings(args, plan)
+    session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
+                                progress=True, threads=args.threads)
+    with session:
+        print(f"offload: {session.devices.describe()}", file=sys.stderr)
+        print(f"offload: {account}", file=sys.stderr)
+        session.warmup()
+        stream = TextStream(session.detokenize, sys.stdout)
+        ids = session.tokenize(prompt)
+        out = []
+        for tok in session.generate(ids, max_tokens=args.n_predict, temperature=args.temp,
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                    stop_at_eos=not args.ignore_eos, **spec):
+            stream.push(tok)
+            out.append(tok)
+        stream.close()
+        sys.stdout.write("\n")
+        stats = session.stats
+        print("", file=sys.stderr)
+        for line in stats.lines():
+            print(f"offload: {line}", file=sys.stderr)
+        if stats.spec.get("verify") == "batched":
+            print("offload: note: batched verify computes the drafts' target logits in one pass; float "
+                  "rounding differs from one-token passes and can flip a near-tied greedy token "
+                  "(--spec-diagnose measures it; --spec-verify exact is token-identical to plain decoding)",
+                  file=sys.stderr)
+        payload = stats.as_dict()
+        if args.spec_diagnose:
+            payload["drift"] = diagnose(session, ids + out[:-1], spec.get("n_max", 0))
+        if args.stats_json:
+            payload |= {"plan": plan.to_dict() | {"tensors": None}}
+            write_atomic(args.stats_json, json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+def diagnose(session, ids: list[int], n_max: int) -> dict:
+    """Print and return the batched-vs-one-token drift on ``ids`` for the verify batch sizes
+    2 .. n_max+1 (at least 2..5) and the whole sequence in one pass (prompt processing)."""
+    from offload.drift import format_drift, verify_drift
+
+    batches = sorted(set(range(2, max(n_max + 1, 5) + 1)) | {len(ids)})
+    margin, rows = verify_drift(session.model, ids, batches)
+    for line in format_drift(margin, rows):
+        print(f"offload: {line}", file=sys.stderr)
+    return {"min_top2_margin": margin, "rows": [r.as_dict() for r in rows]}

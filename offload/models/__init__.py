@@ -1,0 +1,26 @@
+"""One module per architecture; the module name is the registry key (``general.architecture``).
+
+Each module provides ``config_from_gguf(spec, metadata) -> ModelConfig`` and
+``build(config, weights, ctx, draft=None) -> CausalLM`` (``draft``: the WeightStore of a
+``--draft`` file whose NextN block replaces the model's own as the draft head).
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
+
+from offload.errors import OffloadError
+
+_NOT_ARCHITECTURES = {"common"}
+
+
+def supported() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(__path__)
+                  if m.name not in _NOT_ARCHITECTURES and not m.name.startswith("_"))
+
+
+def architecture(name: str) -> ModuleType:
+    if name not in supported():
+        raise OffloadError(f"unsupported architecture {name!r} (supported: {', '.join(supported())})")
+    return importlib.import_module(f"{__name__}.{name}")

@@ -1,0 +1,285 @@
+"""The generation loop: speculative decoding with a NextN (MTP) draft head, and plain
+decoding as its ``n_max = 0`` case (one loop, mlx-lm's ``speculative_generate_step`` shape).
+
+Each step the head drafts up to ``n_max`` tokens by chaining (its own hidden state and the
+token it just drafted feed the next draft step, as llama.cpp's draft-mtp does), stopping
+early when the draft's top probability falls under ``p_min``. The target then verifies the
+pending token and the drafts — in one batch (``batched``), or one token at a time
+(``exact``: the same single-token passes as plain decoding, so greedy output is
+token-identical to it). Greedy keeps the longest prefix that matches the target's argmax;
+sampling uses the standard rule (accept a draft d with probability min(1, p(d)/q(d)), else
+draw from normalize(max(0, p − q))), so the output follows the target's distribution. The
+target's token after the last accepted draft (its correction or bonus) ends the step.
+
+Cache bookkeeping, with Q the trunk cache length at a step's start and x_Q the pending token
+(sampled, not yet run through the trunk):
+
+- the trunk cache holds x_0 .. x_{Q-1};
+- head cache entry t is the pair (h_t, x_{t+1}) at RoPE position t+1, h_t the trunk's final
+  hidden state (after ``output_norm``). At a step's start it holds the pairs before Q-k, and
+  the k pending pairs (trunk states h_{Q-k..Q-1} with tokens x_{Q-k+1..Q}) run first: their
+  last row gives draft 1. Chained drafts 2..n add entries computed from the head's own
+  hidden state, so they are always rolled back (to Q); the trunk states of the accepted
+  positions become the next step's pending pairs;
+- verification appends x_Q and the drafts to the trunk; rejected ones are rolled back.
+
+A ``finally`` leaves both caches holding exactly the yielded tokens (all but the last,
+which is pending, as in plain decoding) whenever the generator stops.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from offload.errors import OffloadError
+from offload.profile import Profile
+from offload.sampling import Sampler
+from offload.stats import RunStats
+
+VERIFY_MODES = ("batched", "exact")
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    n_max: int = 0              # longest draft per step; 0 = plain decoding
+    p_min: float = 0.0          # stop drafting when the draft's top probability is below this
+    verify: str = "batched"     # "batched" (one target pass) or "exact" (one pass per token)
+
+    def __post_init__(self):
+        if isinstance(self.n_max, bool) or not isinstance(self.n_max, int) or self.n_max < 0:
+            raise OffloadError(f"--spec-n-max must be an integer >= 0, got {self.n_max!r}")
+        if not 0.0 <= self.p_min < 1.0:
+            raise OffloadError(f"--spec-p-min must be in [0, 1), got {self.p_min!r}")
+        if self.verify not in VERIFY_MODES:
+            raise OffloadError(f"--spec-verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}")
+
+    def as_dict(self) -> dict:
+        return {"type": "mtp", "n_max": self.n_max, "p_min": self.p_min, "verify": self.verify}
+
+
+class DraftHead(Protocol):
+    """What the loop needs of a draft head (``offload.models.common.NextN`` is one)."""
+
+    def new_cache(self): ...          # an object with ``length`` and ``truncate(n)``
+
+    def __call__(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache, *,
+                 logits: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]: ...
+        # logits (T, V) / last row (1, V) / None, and the head's hidden states (T, n_embd)
+
+
+def judge(logits: np.ndarray, draft: int, q: np.ndarray | None, sampler: Sampler) -> int | None:
+    """Verify one draft against the target's logits (V,) at its position. Returns None when
+    the draft is accepted, else the token that replaces it. ``q``: the draft distribution the
+    draft was sampled from (unused when greedy)."""
+    if sampler.greedy:
+        y = int(np.argmax(logits))
+        return None if y == draft else y
+    p = sampler.probs(logits)
+    if sampler.rng.random() * q[draft] < p[draft]:       # u < p(d) / q(d), q(d) > 0 as d ~ q
+        return None
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    # total > 0 whenever a rejection can happen (p(d) < q(d)); guard float round-off anyway
+    return sampler.draw(residual / total if total > 0 else p)
+
+
+def _rows(logits: torch.Tensor) -> np.ndarray:
+    return logits.detach().to("cpu", torch.float32).numpy()
+
+
+class _Drafter:
+    """The head's side of the loop: pending pairs, chaining, p_min, head-cache rollback."""
+
+    def __init__(self, head: DraftHead, cache, sampler: Sampler, options: SpecOptions, ubatch: int):
+        self.head, self.cache, self.sampler, self.options, self.ubatch = head, cache, sampler, options, ubatch
+        self.pend_h: torch.Tensor | None = None    # (k, n_embd) trunk states h_{Q-k..Q-1}
+        self.pend_tok: list[int] = []              # x_{Q-k+1..Q-1}; the pending token x_Q comes last
+        self.valid = 0                             # head entries computed from trunk states
+        self.ran = False                           # the head ran this step's pending pairs
+
+    def prime(self, hidden: torch.Tensor, ids: Sequence[int]) -> None:
+        """After the prompt: run the pairs whose token is known (0..P-2) now, keep the last
+        trunk state pending for the token the prompt's logits will choose."""
+        n = len(ids)
+        if n > 1:
+            self._run(list(ids[1:]), hidden[:n - 1], 1, logits=False)
+        self.valid = n - 1
+        self.pend_h, self.pend_tok = hidden[n - 1:], []
+
+    def _run(self, tokens: list[int], hidden: torch.Tensor, pos0: int, *, logits: bool = True):
+        """Head over pairs in ubatch chunks → (last row's logits (V,) or None, last h_mtp (1, n_embd))."""
+        for s in range(0, len(tokens), self.ubatch):
+            t = tokens[s:s + self.ubatch]
+            last = logits and s + self.ubatch >= len(tokens)
+            out, h = self.head(torch.as_tensor(t), hidden[s:s + self.ubatch],
+                               torch.arange(pos0 + s, pos0 + s + len(t)), self.cache,
+                               logits="last" if last else "none")
+        return (out[-1] if logits else None), h[-1:]
+
+    def _confident(self, logits: np.ndarray, q: np.ndarray | None) -> bool:
+        """p_min against the draft's top probability: of q when sampling, of softmax(logits)
+        when greedy (there it is the drafted token's probability, as in llama.cpp). Decided
+        before drawing, so a draft that is made is a sample of exactly q."""
+        p_min = self.options.p_min
+        if p_min <= 0.0:
+            return True
+        if q is None:
+            z = logits.astype(np.float64)
+            top = 1.0 / np.exp(z - z.max()).sum()
+        else:
+            top = float(q.max())
+        return top >= p_min
+
+    def draft(self, x_q: int, q_len: int, n_cap: int) -> tuple[list[int], list[np.ndarray | None]]:
+        """Run the pending pairs, then chain up to ``n_cap`` drafts. ``q_len``: trunk length Q."""
+        tokens = self.pend_tok + [x_q]
+        k = len(tokens)
+        assert self.cache.length == q_len - k, (self.cache.length, q_len, k)
+        logits, h = self._run(tokens, self.pend_h, q_len - k + 1)
+        self.valid, self.ran = q_len, True
+        drafts: list[int] = []
+        qs: list[np.ndarray | None] = []
+        for j in range(n_cap):
+            z = _rows(logits)
+            q = None if self.sampler.greedy else self.sampler.probs(z)
+            if not self._confident(z, q):
+                break
+            d = int(np.argmax(z)) if q is None else self.sampler.draw(q)
+            drafts.append(d)
+            qs.append(q)
+            if j + 1 == n_cap:
+                break
+            # chained step: pair Q+j = (h_mtp of the last draft step, that draft) at position Q+j+1
+            out, h = self.head(torch.as_tensor([d]), h, torch.tensor([q_len + j + 1]), self.cache,
+                               logits="last")
+            logits = out[-1]
+        return drafts, qs
+
+    def accept(self, q_len: int, x_q: int, hidden: torch.Tensor, accepted: list[int]) -> None:
+        """After verification: drop the chained entries; the trunk states of x_q and the
+        accepted drafts (``hidden``, rows 0..m) become the pending pairs. A step that did not
+        draft (no budget left) adds them to the pairs still pending."""
+        if self.ran:
+            self.cache.truncate(q_len)
+            self.pend_h, self.pend_tok = hidden, list(accepted)
+        else:
+            self.pend_h = torch.cat([self.pend_h, hidden])
+            self.pend_tok = self.pend_tok + [x_q] + list(accepted)
+        self.ran = False
+
+    def rollback(self, keep: int) -> None:
+        self.cache.truncate(min(self.cache.length, self.valid, keep))
+
+
+def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head: DraftHead | None = None,
+                  options: SpecOptions = SpecOptions(), ubatch: int = 512, max_tokens: int = 128,
+                  eos: Collection[int] = (), stats: RunStats | None = None,
+                  profile: Profile | None = None) -> Iterator[int]:
+    """Yield up to ``max_tokens`` token ids continuing ``prompt`` (token ids) on ``state``
+    (fresh caches; ``state.nextn_cache`` is the head's). ``model``: ``forward(ids, state,
+    logits="all"|"last"|"none") -> (logits, final hidden states)``. ``head`` drafts when
+    ``options.n_max > 0``. ``stats`` is filled as it goes."""
+    ids = [int(i) for i in prompt]
+    stats = stats if stats is not None else RunStats(n_prompt=len(ids))
+    profile = profile if profile is not None else Profile()
+    drafting = options.n_max > 0
+    if drafting and head is None:
+        raise OffloadError("speculative decoding needs a draft head (the model has no NextN block; give --draft)")
+    if drafting:
+        stats.spec = options.as_dict()
+    drafter = _Drafter(head, state.nextn_cache, sampler, options, ubatch) if drafting else None
+    n_prompt = len(ids)
+
+    profile.reset()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        hidden = []
+        for s in range(0, n_prompt, ubatch):
+            last = s + ubatch >= n_prompt
+            logits, h = model.forward(torch.as_tensor(ids[s:s + ubatch]), state,
+                                      logits="last" if last else "none")
+            if drafting:
+                hidden.append(h)
+        with profile.time("sampling"):
+            tok = sampler(_rows(logits[-1]))
+        if drafting:
+            drafter.prime(torch.cat(hidden), ids)
+    stats.prompt_s, stats.prompt_profile = time.perf_counter() - t0, profile.snapshot()
+    profile.reset()
+
+    emitted = [tok]
+    try:
+        while True:
+            for t in emitted:
+                stats.n_gen += 1
+                yield t
+                if t in eos or stats.n_gen >= max_tokens:
+                    return
+            t1 = time.perf_counter()
+            with torch.inference_mode():
+                emitted = _step(model, state, drafter, sampler, options, emitted[-1],
+                                n_cap=min(options.n_max, max_tokens - stats.n_gen - 1),
+                                stats=stats, profile=profile)
+            stats.eval_s += time.perf_counter() - t1
+    finally:
+        # the caches hold exactly the yielded tokens but the last (pending)
+        keep = n_prompt + stats.n_gen - 1
+        if state.n_past > keep:
+            state.truncate(keep)
+        if drafter is not None:
+            drafter.rollback(keep)
+        stats.eval_profile = profile.snapshot()
+
+
+def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: SpecOptions, x_q: int,
+          *, n_cap: int, stats: RunStats, profile: Profile) -> list[int]:
+    """One draft → verify → accept step from pending token ``x_q``; returns the tokens it
+    produced (accepted drafts, then the target's correction or bonus token)."""
+    q_len = state.n_past
+    drafts, qs = [], []
+    if drafter is not None and n_cap > 0:
+        t = time.perf_counter()
+        drafts, qs = drafter.draft(x_q, q_len, n_cap)
+        stats.draft_s += time.perf_counter() - t
+    t = time.perf_counter()
+    out: list[int] = []
+    rows: list[torch.Tensor] = []            # trunk states of x_q and the accepted drafts
+    if options.verify == "batched" or not drafts:
+        seq = [x_q] + drafts
+        logits, h = model.forward(torch.as_tensor(seq), state, logits="all" if drafts else "last")
+        stats.n_eval += 1
+        z = _rows(logits)
+        with profile.time("sampling"):
+            for i, d in enumerate(drafts):
+                fix = judge(z[i], d, qs[i], sampler)
+                if fix is not None:
+                    out.append(fix)
+                    break
+                out.append(d)
+            else:
+                out.append(sampler(z[len(drafts)]))
+        state.truncate(q_len + len(out))
+        rows.append(h[:len(out)])
+    else:                                   # exact: one target pass per token, as plain decoding
+        for i, tok in enumerate([x_q] + drafts):
+            logits, h = model.forward(torch.as_tensor([tok]), state, logits="last")
+            stats.n_eval += 1
+            rows.append(h)
+            z = _rows(logits[-1])
+            with profile.time("sampling"):
+                fix = judge(z, drafts[i], qs[i], sampler) if i < len(drafts) else sampler(z)
+            if i == len(drafts) or fix is not None:
+                out.append(fix)
+                break
+            out.append(drafts[i])
+    stats.verify_s += time.perf_counter() - t
+    n_acc = len(out) - 1
+    if drafter is not None:
+        drafter.accept(q_len, x_q, torch.cat(rows), out[:n_acc])
+    stats.record_step(len(drafts), n_acc, n_cap if drafter is not None else 0)
+    return out

@@ -1,0 +1,110 @@
+"""Tokenizer rebuilt from a GGUF's ``tokenizer.ggml.*`` keys with the ``tokenizers`` library.
+
+- ``gpt2``: byte-level BPE (tokens are GPT-2 byte-to-unicode strings, ``merges`` ranked in
+  order), split first by the regex that ``tokenizer.ggml.pre`` names (llama.cpp's names).
+- ``llama``: SentencePiece-style BPE over scores: a pair merges when the merged piece is in
+  the vocabulary, highest score first (merges derived from the scores, as llama.cpp's SPM
+  tokenizer does), ``▁`` for spaces, unknown bytes as ``<0xXX>`` tokens.
+
+Control and user-defined tokens are matched whole in the input text; control tokens (BOS,
+EOS, chat markers) decode to nothing, as in llama.cpp's default detokenization.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gguf import Keys, TokenType
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+from offload.errors import OffloadError
+from offload.gguf_header import LazyArray
+
+# tokenizer.ggml.pre → pre-tokenizer split regex (llama.cpp's llama-vocab.cpp)
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {
+    "default": _GPT2, "gpt-2": _GPT2,
+    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "glm4": _LLAMA3, "chatglm-bpe": _LLAMA3,
+    "qwen2": _QWEN2, "qwen3": _QWEN2,
+}
+
+
+class Tokenizer:
+    def __init__(self, tok: _HFTokenizer, *, bos_id: int | None, eos_ids: frozenset[int], add_bos: bool):
+        self._tok, self.bos_id, self.eos_ids, self.add_bos = tok, bos_id, eos_ids, add_bos
+
+    @property
+    def n_vocab(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    @classmethod
+    def from_gguf(cls, metadata: Mapping) -> "Tokenizer":
+        meta = {k: v.values() if isinstance(v, LazyArray) else v
+                for k, v in metadata.items() if k.startswith("tokenizer.ggml.")}
+        kind = meta.get(Keys.Tokenizer.MODEL)
+        tokens = meta.get(Keys.Tokenizer.LIST)
+        if kind is None or tokens is None:
+            raise OffloadError("the model file has no tokenizer (tokenizer.ggml.model / tokens missing)")
+        types = meta.get(Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)
+        if kind == "gpt2":
+            tok, add_bos_default = _byte_level_bpe(meta, tokens), False
+        elif kind == "llama":
+            tok, add_bos_default = _sentencepiece_bpe(meta, tokens, types), True
+        else:
+            raise OffloadError(f"unsupported tokenizer model {kind!r} (supported: gpt2, llama)")
+        tok.add_tokens([AddedToken(t, special=ty == TokenType.CONTROL, normalized=False)
+                        for t, ty in zip(tokens, types)
+                        if ty in (TokenType.CONTROL, TokenType.USER_DEFINED)])
+        eos = {meta.get(k) for k in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)}
+        return cls(tok, bos_id=meta.get(Keys.Tokenizer.BOS_ID),
+                   eos_ids=frozenset(int(i) for i in eos if i is not None),
+                   add_bos=bool(meta.get(Keys.Tokenizer.ADD_BOS, add_bos_default)))
+
+
+def _byte_level_bpe(meta: dict, tokens: list[str]) -> _HFTokenizer:
+    pre = meta.get(Keys.Tokenizer.PRE, "default")
+    if pre not in PRE_TOKENIZERS:
+        raise OffloadError(f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(sorted(PRE_TOKENIZERS))})")
+    merges = [tuple(m.split(" ", 1)) for m in meta.get(Keys.Tokenizer.MERGES) or []]
+    tok = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                  ignore_merges=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_TOKENIZERS[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(meta: dict, tokens: list[str], types: list[int]) -> _HFTokenizer:
+    scores = meta.get(Keys.Tokenizer.SCORES) or [0.0] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # every split of a vocabulary piece into two vocabulary pieces is a merge, ranked by the
+    # merged piece's score (higher first), ties by id — SentencePiece's BPE order
+    ranked = []
+    for t, i in vocab.items():
+        if types[i] != TokenType.NORMAL or len(t) < 2:
+            continue
+        for k in range(1, len(t)):
+            if t[:k] in vocab and t[k:] in vocab:
+                ranked.append((-scores[i], i, k, (t[:k], t[k:])))
+    merges = [m for *_, m in sorted(ranked)]
+    unk = next((tokens[i] for i, ty in enumerate(types) if ty == TokenType.UNKNOWN), None)
+    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True,
+                                  fuse_unk=True))
+    prefix = bool(meta.get(Keys.Tokenizer.ADD_PREFIX, True))
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if prefix else []) +
+                                          [normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()] +
+                                    ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok

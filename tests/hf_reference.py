@@ -1,0 +1,124 @@
+"""Hugging Face ``transformers`` models built from a tiny GGUF's dequantized weights — the
+independent reference the runtime's logits are checked against (test-only dependency).
+
+GGUF → HF names live in one declared table per architecture. No Q/K permutation is needed:
+llama.cpp's converter permutes Q/K only for its interleaved-RoPE archs, and glm4moe/qwen3moe
+use NeoX RoPE, so ``attn_q`` is ``q_proj`` as is.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tests.tiny_models import TinyModel
+
+# per block: GGUF suffix → HF suffix under model.layers.{i}.   (fused gate_up handled below)
+_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",   # glm4moe
+    "ffn_norm.weight": "post_attention_layernorm.weight",              # qwen3moe
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    ("ffn_gate_exps.weight", "ffn_up_exps.weight"): "mlp.experts.gate_up_proj",  # cat on dim 1
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# the NextN glue → transformers' generic MtpLayer (its decoder block is ``mtp_block``)
+_NEXTN = {
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.shared_head_norm.weight": "post_norm.weight",
+}
+
+
+def _block_state(weights, i: int, prefix: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for src, dst in _BLOCK.items():
+        names = [f"blk.{i}.{s}" for s in (src if isinstance(src, tuple) else (src,))]
+        if all(n in weights for n in names):
+            parts = [weights[n] for n in names]
+            out[prefix + dst] = torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
+    return out
+
+
+def hf_config(tiny: TinyModel, *, mtp: bool = False):
+    s = tiny.spec
+    common = dict(vocab_size=s.n_vocab, hidden_size=s.n_embd, num_attention_heads=s.n_head,
+                  num_key_value_heads=s.n_head_kv, head_dim=s.head_dim, rms_norm_eps=s.rms_eps,
+                  num_experts_per_tok=s.n_expert_used, moe_intermediate_size=s.n_ff_exp,
+                  intermediate_size=s.n_ff, tie_word_embeddings=s.tied_output,
+                  attn_implementation="eager", experts_implementation="eager")
+    if s.arch == "glm4moe":
+        from transformers import Glm4MoeConfig
+        return Glm4MoeConfig(**common, num_hidden_layers=1 if mtp else s.n_layer,
+                             first_k_dense_replace=0 if mtp else s.n_dense,
+                             n_routed_experts=s.n_expert, n_shared_experts=s.n_shared,
+                             routed_scaling_factor=s.weights_scale, norm_topk_prob=s.weights_norm,
+                             n_group=1, topk_group=1, attention_bias=True, use_qk_norm=s.qk_norm,
+                             rope_parameters={"rope_type": "default", "rope_theta": s.rope_base,
+                                              "partial_rotary_factor": s.n_rot / s.head_dim})
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(**common, num_hidden_layers=s.n_layer, num_experts=s.n_expert,
+                          norm_topk_prob=s.weights_norm, decoder_sparse_step=1,
+                          rope_parameters={"rope_type": "default", "rope_theta": s.rope_base})
+
+
+def hf_causal_lm(tiny: TinyModel):
+    """The trunk as ``Glm4MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` in float64."""
+    from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM
+    cls = Glm4MoeForCausalLM if tiny.spec.arch == "glm4moe" else Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    model = cls(hf_config(tiny)).eval()
+    state = {dst: torch.from_numpy(tiny.weights[src]) for src, dst in _GLOBAL.items() if src in tiny.weights}
+    if tiny.spec.tied_output:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    for i in range(tiny.spec.n_layer):
+        state |= _block_state(tiny.weights, i, f"model.layers.{i}.")
+    _load_exactly(model, state)
+    return model.double()
+
+
+def hf_mtp_layer(tiny: TinyModel):
+    """The NextN block as transformers' ``MtpLayer`` (float64) plus the pieces it shares
+    with the trunk: returns (mtp_layer, rotary_embedding)."""
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer, Glm4MoeRMSNorm,
+                                                                Glm4MoeRotaryEmbedding)
+    cfg = hf_config(tiny, mtp=True)
+    torch.manual_seed(0)
+    layer = MtpLayer(cfg, Glm4MoeDecoderLayer, Glm4MoeRMSNorm, 0).eval()
+    i = tiny.spec.n_layer
+    state = _block_state(tiny.weights, i, "mtp_block.")
+    state |= {dst: torch.from_numpy(tiny.weights[f"blk.{i}.{src}"]) for src, dst in _NEXTN.items()}
+    _load_exactly(layer, state)
+    return layer.double(), Glm4MoeRotaryEmbedding(cfg)
+
+
+def _load_exactly(module, state) -> None:
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    extra = sorted(set(state) - set(own))
+    assert not missing and not extra, f"reference mapping incomplete: missing {missing} extra {extra}"
+    for k, v in state.items():
+        assert own[k].shape == v.shape, f"{k}: {tuple(own[k].shape)} vs {tuple(v.shape)}"
+    module.load_state_dict(state, strict=True)

@@ -1,0 +1,51 @@
+"""Split a GGUF with a NextN block into a trunk-only GGUF and a NextN-only ``--draft`` GGUF,
+the way llama.cpp users hold them (``convert_hf_to_gguf.py --mtp`` writes the second kind):
+
+- trunk: every tensor but ``blk.N.*``; ``block_count`` = N, ``nextn_predict_layers`` = 0;
+- draft: only ``blk.N.*`` (the full decoder block and its ``nextn.*`` glue; embeddings and
+  output stay shared with the trunk); ``block_count`` and ``nextn_predict_layers`` as in
+  the source, no tokenizer.
+
+Tensor bytes are copied unchanged (quantized blocks stay quantized).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter, Keys
+
+_PLAIN = (Q.F32, Q.F16, Q.BF16)
+
+
+def _copy(reader: GGUFReader, out: Path, arch: str, overrides: dict, keep_tensor, keep_key) -> None:
+    w = GGUFWriter(str(out), arch)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == Keys.General.ARCHITECTURE or not keep_key(key):
+            continue
+        vtype = f.types[0]
+        sub = f.types[1] if vtype == GGUFValueType.ARRAY else None
+        w.add_key_value(key, overrides.get(key, f.contents()), vtype, sub_type=sub)
+    for t in reader.tensors:
+        if keep_tensor(t.name):
+            raw = None if t.tensor_type in _PLAIN else t.tensor_type
+            w.add_tensor(t.name, t.data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def split_nextn(src: str | Path, trunk: str | Path, draft: str | Path) -> int:
+    """Write the two files; returns the NextN block index N."""
+    r = GGUFReader(str(src))
+    arch = r.fields[Keys.General.ARCHITECTURE].contents()
+    blocks = r.fields[Keys.LLM.BLOCK_COUNT.format(arch=arch)].contents()
+    n_nextn = r.fields[Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch)].contents()
+    first = blocks - n_nextn
+    prefix = f"blk.{first}."
+    _copy(r, Path(trunk), arch, {Keys.LLM.BLOCK_COUNT.format(arch=arch): first,
+                                 Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch): 0},
+          lambda name: not name.startswith(prefix), lambda key: True)
+    _copy(r, Path(draft), arch, {}, lambda name: name.startswith(prefix),
+          lambda key: not key.startswith("tokenizer."))
+    return first

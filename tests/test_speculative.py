@@ -1,0 +1,253 @@
+"""The speculative loop (``offload.speculative``) on small exact cases, no model file:
+
+- the acceptance rule alone, and the whole loop (drafting, verification, rollback,
+  bonus tokens), keep the target's output distribution — chi-square on a 5-token vocabulary,
+  fixed seeds, with a check that the test would catch the draft's distribution leaking in;
+- greedy with a draft that always agrees is fully accepted; one that never agrees yields
+  the target's tokens, one per step;
+- the caches hold exactly the yielded tokens (but the last) when the generator stops.
+
+The target here is a first-order Markov chain (row ``P[x]`` of logits after token x) and
+the draft head another one (``Q``): small stand-ins for the trunk and the NextN head that
+obey the same interfaces, so every token distribution is known exactly.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from offload.errors import OffloadError
+from offload.sampling import Sampler
+from offload.speculative import SpecOptions, generate_step, judge
+from offload.stats import RunStats
+
+V = 5
+RNG = np.random.default_rng(2024)
+P_LOGITS = RNG.normal(0.0, 1.2, (V, V))       # target: logits of the next token after x
+Q_LOGITS = RNG.normal(0.0, 1.2, (V, V))       # draft head: its own guess of the same
+# chi-square critical values at p = 0.001 (a 1-in-1000 false alarm) by degrees of freedom
+CHI2_CRIT = {4: 18.47, 14: 36.12, 24: 51.18}
+
+
+class Cache:
+    """Token list with the KV-cache protocol (``length``, ``truncate``)."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def truncate(self, n: int) -> None:
+        assert 0 <= n <= self.length
+        del self.tokens[n:]
+
+
+class State:
+    def __init__(self, head_cache=None):
+        self.trunk, self.nextn_cache = Cache(), head_cache
+
+    @property
+    def n_past(self) -> int:
+        return self.trunk.length
+
+    def truncate(self, n: int) -> None:
+        self.trunk.truncate(n)
+
+
+class MarkovLM:
+    """forward(ids) → logits row i = P_LOGITS[ids[i]]; hidden = the ids (as floats)."""
+
+    def __init__(self, table=P_LOGITS):
+        self.table = torch.tensor(table, dtype=torch.float32)
+        self.passes = 0
+
+    def forward(self, ids, state, *, logits="all"):
+        self.passes += 1
+        state.trunk.tokens += ids.tolist()
+        h = ids.float()[:, None]
+        z = self.table[ids]
+        return (z if logits == "all" else z[-1:] if logits == "last" else None), h
+
+
+class MarkovHead:
+    """Draft head: on pair (h_t, x_{t+1}) returns Q_LOGITS[x_{t+1}] (a guess of x_{t+2}).
+    Checks the loop's bookkeeping: positions are the tokens' own, one head entry per pair."""
+
+    def __init__(self, table=Q_LOGITS):
+        self.table = torch.tensor(table, dtype=torch.float32)
+        self.calls = 0
+
+    def new_cache(self):
+        return Cache()
+
+    def __call__(self, tokens, hidden, positions, cache, *, logits="all"):
+        self.calls += 1
+        assert len(tokens) == len(hidden) == len(positions)
+        assert positions.tolist() == list(range(cache.length + 1, cache.length + 1 + len(tokens)))
+        cache.tokens += tokens.tolist()
+        z = self.table[tokens]
+        return (z if logits == "all" else z[-1:] if logits == "last" else None), hidden
+
+
+def generate(prompt, n, *, n_max, temperature=1.0, top_k=0, seed=0, head=None, verify="batched", p_min=0.0,
+             lm=None, stats=None):
+    head = head if head is not None else MarkovHead()
+    lm = lm if lm is not None else MarkovLM()
+    state = State(head.new_cache())
+    gen = generate_step(lm, prompt, state=state, sampler=Sampler(temperature=temperature, top_k=top_k, seed=seed),
+                        head=head, options=SpecOptions(n_max=n_max, p_min=p_min, verify=verify), ubatch=4,
+                        max_tokens=n, stats=stats if stats is not None else RunStats())
+    return list(gen), state
+
+
+def markov_probs(table, temperature=1.0, top_k=0):
+    s = Sampler(temperature=temperature, top_k=top_k)
+    return np.array([s.probs(row) for row in table])
+
+
+def chi2(counts: np.ndarray, expected: np.ndarray) -> float:
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_judge_alone_keeps_the_target_distribution():
+    """One draft d ~ q, then the rule: the output token must follow p exactly."""
+    p_s = Sampler(temperature=1.0, seed=7)
+    p, q = markov_probs(P_LOGITS)[2], markov_probs(Q_LOGITS)[2]
+    n = 40000
+    out = np.empty(n, dtype=int)
+    for i in range(n):
+        d = p_s.draw(q)
+        fix = judge(P_LOGITS[2], d, q, p_s)
+        out[i] = d if fix is None else fix
+    counts = np.bincount(out, minlength=V)
+    assert chi2(counts, n * p) < CHI2_CRIT[V - 1]
+    assert chi2(n * q, n * p) > 10 * CHI2_CRIT[V - 1]     # the draft's own distribution would fail
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3)])
+def test_loop_output_follows_the_target_chain(temperature, top_k):
+    """Tokens 2 and 3 of a generation come from speculative steps (n_max 2: drafts accepted,
+    rejected and resampled, bonus tokens): their joint distribution is the target chain's,
+    with the draft distribution q transformed by the same temperature/top-k as p."""
+    p = markov_probs(P_LOGITS, temperature, top_k)
+    q = markov_probs(Q_LOGITS, temperature, top_k)
+    n = 5000
+    counts = np.zeros((V, V))
+    drafted = accepted = 0
+    for seed in range(n):
+        stats = RunStats()
+        out, _ = generate([1, 3], 3, n_max=2, temperature=temperature, top_k=top_k, seed=seed, stats=stats)
+        counts[out[1], out[2]] += 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    # token 1 ~ p[3]; tokens 2, 3 follow the chain
+    want = np.einsum("a,ab,bc->bc", p[3], p, p)
+    draft_only = np.einsum("a,ab,bc->bc", p[3], q, q)
+    keep = want > 0                                 # top-k leaves some pairs impossible
+    assert counts[~keep].sum() == 0
+    crit = CHI2_CRIT[int(keep.sum()) - 1]
+    assert chi2(counts[keep], n * want[keep]) < crit
+    assert chi2(n * draft_only[keep], n * want[keep]) > 10 * crit
+    assert 0 < accepted < drafted                   # both branches of the rule were exercised
+
+
+def test_greedy_agreeing_draft_is_fully_accepted_and_disagreeing_one_never():
+    agree, _ = generate([0], 13, n_max=3, temperature=0.0, head=MarkovHead(P_LOGITS))
+    stats = RunStats()
+    lm = MarkovLM()
+    out, state = generate([0], 13, n_max=3, temperature=0.0, head=MarkovHead(P_LOGITS), lm=lm, stats=stats)
+    assert stats.acceptance_per_position == [1.0, 1.0, 1.0] and stats.mean_accepted_length == 4.0
+    assert lm.passes == 1 + 3                       # prompt + 3 verify passes of 4 tokens for 12 tokens
+    # greedy target chain, token by token
+    want, x = [], 0
+    for _ in range(13):
+        x = int(np.argmax(P_LOGITS[x]))
+        want.append(x)
+    assert out == agree == want
+    # a draft head that always proposes a token the target never picks
+    contrary = np.full((V, V), -10.0)
+    contrary[np.arange(V), (np.argmax(P_LOGITS, axis=1) + 1) % V] = 10.0
+    stats = RunStats()
+    out, _ = generate([0], 13, n_max=3, temperature=0.0, head=MarkovHead(contrary), stats=stats)
+    assert out == want and stats.accepted == 0 and stats.mean_accepted_length == 1.0
+
+
+def test_exact_and_batched_verify_agree_and_count_passes():
+    for verify in ("batched", "exact"):
+        stats = RunStats()
+        lm = MarkovLM()
+        out, _ = generate([0, 1], 20, n_max=2, temperature=0.0, verify=verify, lm=lm, stats=stats)
+        if verify == "batched":
+            ref = out
+            assert stats.n_eval == stats.n_steps == lm.passes - 1
+        else:
+            assert out == ref
+            assert stats.n_eval == lm.passes - 1 == stats.n_steps + stats.accepted
+
+
+def test_p_min_stops_drafting_on_an_unsure_head():
+    flat = np.zeros((V, V))                          # uniform: top probability 0.2
+    stats = RunStats()
+    out, _ = generate([0], 10, n_max=3, temperature=0.0, head=MarkovHead(flat), p_min=0.5, stats=stats)
+    assert stats.drafted == 0 and len(out) == 10
+    stats = RunStats()
+    generate([0], 10, n_max=3, temperature=0.0, head=MarkovHead(flat), p_min=0.1, stats=stats)
+    assert stats.drafted > 0
+
+
+@pytest.mark.parametrize("verify", ["batched", "exact"])
+def test_caches_hold_the_yielded_tokens_when_the_generator_stops(verify):
+    prompt = [0, 2, 4]
+    for stop_after in range(1, 9):
+        head = MarkovHead()
+        state = State(head.new_cache())
+        gen = generate_step(MarkovLM(), prompt, state=state, sampler=Sampler(temperature=1.0, seed=stop_after),
+                            head=head, options=SpecOptions(n_max=3, verify=verify), max_tokens=50)
+        got = list(itertools.islice(gen, stop_after))
+        gen.close()
+        seq = prompt + got
+        assert state.trunk.tokens == seq[:-1]
+        # head entry t is the pair (h_t, x_{t+1}): its tokens are x_1 .. x_L
+        head_tokens = state.nextn_cache.tokens
+        assert head_tokens == seq[1:1 + len(head_tokens)] and len(head_tokens) <= len(seq) - 1
+
+
+def test_n_max_0_never_calls_the_head_and_needs_none():
+    head = MarkovHead()
+    stats = RunStats()
+    lm = MarkovLM()
+    state = State()
+    out = list(generate_step(lm, [0], state=state, sampler=Sampler(), head=None, options=SpecOptions(n_max=0),
+                             max_tokens=6, stats=stats))
+    assert head.calls == 0 and lm.passes == 6 and stats.n_eval == 5 and stats.drafted == 0
+    assert len(out) == 6 and stats.spec == {}
+    with pytest.raises(OffloadError, match="draft head"):
+        list(generate_step(lm, [0], state=State(), sampler=Sampler(), head=None, options=SpecOptions(n_max=2)))
+
+
+def test_bad_options_are_refused():
+    for kw, flag in (({"n_max": -1}, "--spec-n-max"), ({"p_min": 1.0}, "--spec-p-min"),
+                     ({"verify": "lazy"}, "--spec-verify")):
+        with pytest.raises(OffloadError, match=flag):
+            SpecOptions(**kw)
+
+
+def test_stats_per_position_and_conditional_acceptance():
+    """llama.cpp's per-position rate (accepted/drafted at j) and the cost model's conditional
+    a_j, where a step whose token budget stopped short of position j does not count."""
+    s = RunStats()
+    s.record_step(3, 1, 3)      # drafts 1-3, first accepted
+    s.record_step(3, 3, 3)      # all accepted
+    s.record_step(2, 2, 2)      # budget allowed two: both accepted
+    s.record_step(0, 0, 3)      # p_min stopped drafting at once
+    assert s.drafted_per_position == [3, 3, 2] and s.accepted_per_position == [3, 2, 1]
+    assert s.reached_per_position == [4, 3, 1]
+    assert s.acceptance_per_position == pytest.approx([1.0, 2 / 3, 0.5])
+    assert s.acceptance_conditional == pytest.approx([3 / 4, 2 / 3, 1.0])
+    assert s.mean_accepted_length == pytest.approx(1 + 6 / 4) and s.acceptance == pytest.approx(6 / 8)
+    d = s.as_dict()
+    assert d["drafted"] == 8 and d["accepted"] == 6 and d["acceptance_per_position"] == s.acceptance_per_position
