@@ -34,8 +34,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from .simd import _VF, _byte_ptr, _is_array, _is_int, _table, fvec
-from .simd8 import _features
+from .simd import _VF, _byte_ptr, _is_array, _is_int, _table, fvec, target_has
 
 _I1, _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
 _F32 = ir.FloatType()
@@ -65,28 +64,19 @@ def _const(ty, vals):
     return ir.Constant(ir.VectorType(ty, len(vals)), [int(v) for v in vals])
 
 
-def _masked_load64(builder, ptr, n):
-    """The first ``n`` (<= 64) bytes at ptr, zeros after; reads nothing past ptr + n."""
-    fnty = ir.FunctionType(_V64I8, [ptr.type, _I32, ir.VectorType(_I1, 64), _V64I8])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.masked.load.v64i8.p0")
-    mask = ir.Constant(ir.VectorType(_I1, 64), [1 if i < n else 0 for i in range(64)])
-    return builder.call(fn, [ptr, ir.Constant(_I32, 1), mask, ir.Constant(_V64I8, [0] * 64)])
-
-
 def _lut(builder, idx, table):
     """table[idx & 15] for 64 byte lanes (``table``: 16 byte values)."""
-    feats = _features()
-    if "+avx512vbmi" in feats:
+    if target_has("avx512vbmi"):
         # vpermb reads 6 index bits: with the table repeated 4 times, bits 4, 5 don't matter.
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V64I8, [_V64I8] * 2),
                                             "llvm.x86.avx512.permvar.qi.512")
         return builder.call(fn, [_const(_I8, list(table) * 4), idx])
     idx = builder.and_(idx, _const(_I8, [15] * 64))
-    if "+avx512bw" in feats:
+    if target_has("avx512bw"):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V64I8, [_V64I8] * 2),
                                             "llvm.x86.avx512.pshuf.b.512")
         return builder.call(fn, [_const(_I8, list(table) * 4), idx])
-    if "+avx2" in feats:
+    if target_has("avx2"):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V32I8, [_V32I8] * 2),
                                             "llvm.x86.avx2.pshuf.b")
         tab = _const(_I8, list(table) * 2)
@@ -111,8 +101,7 @@ def _bitfields(builder, v, fields):
     """Per byte of ``v`` (<64 x i8>): ``((b >> shift) & (2**width - 1)) << up`` with
     ``fields[q] = (shift, width, up)`` for the bytes of qword q (8 qwords): one GF(2)
     affine instruction where the target has GFNI and AVX-512, byte shifts elsewhere."""
-    feats = _features()
-    if "+gfni" in feats and "+avx512bw" in feats:
+    if target_has("gfni", "avx512bw"):
         mats = [_gf2_matrix(*f) for f in fields]
         m = ir.Constant(_V64I8, [(q >> (8 * b)) & 255 for q in mats for b in range(8)])
         fn = cgutils.get_or_insert_function(
@@ -127,8 +116,7 @@ def _bitfields(builder, v, fields):
 def _nibbles(builder, c, table):
     """Nibble codes of ``c`` = (q_A, q_A, q_B, q_B) (16 bytes each): low nibbles in the
     first copy of each block, high nibbles in the second; through ``table`` if given."""
-    feats = _features()
-    if table is None and "+gfni" in feats and "+avx512bw" in feats:
+    if table is None and target_has("gfni", "avx512bw"):
         return _bitfields(builder, c, [(0, 4, 0), (0, 4, 0), (4, 4, 0), (4, 4, 0)] * 2)
     # Word shifts: 4 for the high-nibble copies (bytes 16..31 of each block).
     v16 = ir.VectorType(_I16, 32)
@@ -276,12 +264,11 @@ def pdot(typingctx, codes, xq, xo):
         p = _byte_ptr(context, builder, sig.args[1], args[1], args[2], sig.args[2])
         x = builder.load(builder.bitcast(p, _V64I8.as_pointer()), align=1)
         c, acc = args[0], ir.Constant(_V16I32, [0] * 16)
-        feats = _features()
-        if "+avx512vnni" in feats and "+avx512f" in feats:
+        if target_has("avx512vnni", "avx512f"):
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I32, [_V16I32] * 3),
                                                 "llvm.x86.avx512.vpdpbusd.512")
             r = builder.call(fn, [acc, builder.bitcast(c, _V16I32), builder.bitcast(x, _V16I32)])
-        elif "+avxvnni" in feats or "+avx512vnni" in feats:
+        elif target_has("avxvnni") or target_has("avx512vnni", "avx512vl"):
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8I32, [_V8I32] * 3),
                                                 "llvm.x86.avx512.vpdpbusd.256")
 

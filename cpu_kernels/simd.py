@@ -296,14 +296,23 @@ def vbit_lanes(typingctx, word, start):
     return fvec(word, start), codegen
 
 
-def _target_has_avx512():
-    """Whether Numba compiles for a CPU with AVX-512F (Numba targets the host CPU unless
-    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise)."""
-    from numba.core import config
-    import llvmlite.binding as ll
-    feats = config.CPU_FEATURES if config.CPU_FEATURES is not None else (
-        "" if config.CPU_NAME else ll.get_host_cpu_features().flatten())
-    return "+avx512f" in feats
+def target_features() -> str:
+    """The LLVM feature string Numba compiles for ("+avx512f,+gfni,-amx-tile,..."); the
+    intrinsics pick their instructions from it, so they always match the target:
+    NUMBA_CPU_FEATURES if set; none (portable IR only) if just NUMBA_CPU_NAME is set;
+    else the host CPU's features as Numba's own code generator sees them (which honours
+    NUMBA_ENABLE_AVX=0). Numba's on-disk cache is keyed by (triple, CPU name, this
+    string), so machine code compiled on one CPU is never loaded on another."""
+    from numba.core import codegen, config
+    if config.CPU_FEATURES is not None:
+        return config.CPU_FEATURES
+    return "" if config.CPU_NAME else codegen.get_host_cpu_features()
+
+
+def target_has(*names: str) -> bool:
+    """Whether the compile target has every feature in ``names`` ("gfni", "avx512bw")."""
+    on = {f[1:] for f in target_features().split(",") if f.startswith("+")}
+    return all(n in on for n in names)
 
 
 @intrinsic
@@ -321,7 +330,7 @@ def vlut16(typingctx, arr, off, shift, table):
         n = builder.and_(builder.lshr(builder.zext(_load_vec(builder, p, _I8), _VI32),
                                       _splat(builder, sh, _VI32)), c15)
         tab = args[3]
-        if _target_has_avx512():
+        if target_has("avx512f"):
             out = ir.Constant(_VF, ir.Undefined)
             for i in range(LANES):
                 idx = builder.extract_element(n, ir.Constant(_I32, i))

@@ -10,25 +10,16 @@ from functools import lru_cache
 from llvmlite import ir
 from numba.extending import intrinsic
 
-from .simd import LANES, fvec
+from .simd import LANES, fvec, target_has
 
 _I32 = ir.IntType(32)
-
-
-def _features():
-    from numba.core import config
-    import llvmlite.binding as ll
-    if config.CPU_FEATURES is not None:
-        return config.CPU_FEATURES
-    return "" if config.CPU_NAME else ll.get_host_cpu_features().flatten()
 
 
 @lru_cache(maxsize=None)
 def has_vnni() -> bool:
     """Whether the compile target has a u8 x s8 dot-product instruction (AVX512-VNNI or
     AVX-VNNI): the int8 path is only faster than the float path with one."""
-    f = _features()
-    return "+avx512vnni" in f or "+avxvnni" in f
+    return target_has("avx512vnni", "avx512vl") or target_has("avxvnni")
 
 
 def _spread1(idx):

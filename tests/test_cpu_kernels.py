@@ -432,27 +432,37 @@ def _features_without(*prefixes):
     return ",".join(("+" if on and not k.startswith(prefixes) else "-") + k for k, on in feats.items())
 
 
-@pytest.mark.parametrize("target", ["avx2+avxvnni", "avx2"])
-def test_kernels_compiled_for_cpus_without_avx512(target, tmp_path):
-    """A fresh process whose Numba target is a CPU without AVX-512 (NUMBA_CPU_NAME /
+@pytest.mark.parametrize("target", ["avx512+vnni", "avx2+avxvnni", "avx2"])
+def test_kernels_compiled_for_other_cpus(target, tmp_path):
+    """A fresh process whose Numba target is another CPU (NUMBA_CPU_NAME /
     NUMBA_CPU_FEATURES; this host runs the code, it has every instruction used):
-    "avx2+avxvnni" (Alder Lake class) runs the int8 path with 256-bit VNNI and byte
-    shuffles, "avx2" has no VNNI, so int8 requests run the float path (and MXFP4's table
-    lookup is a gather). Same bound as on this CPU: float rounding of the exact product
-    of the weights with the activations the path uses (1e-5 of the magnitudes)."""
+    "avx512+vnni" (Cascade Lake class: no GFNI, no VBMI) runs the int8 path with word
+    shifts for nibbles and bit fields and ``vpshufb`` for value tables; "avx2+avxvnni"
+    (Alder Lake class) with 256-bit VNNI and byte shuffles; "avx2" has no VNNI, so int8
+    requests run the float path (and MXFP4's table lookup is a gather). Same bound as on
+    this CPU: float rounding of the exact product of the weights with the activations the
+    path uses (1e-5 of the magnitudes)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
     import llvmlite.binding as ll
     host = ll.get_host_cpu_features()
-    if not all(host.get(f, False) for f in ("avx2", "fma", "f16c", "avxvnni")):
-        pytest.skip("host cannot run code compiled for an AVX2 + AVX-VNNI CPU")
-    if target == "avx2+avxvnni":
-        feats, types, want_int8 = _features_without("avx512", "amx"), ["Q4_0", "MXFP4", "Q5_1", "Q4_K"], True
+    needs = ("avx512f", "avx512bw", "avx512vl", "avx512vnni") if target == "avx512+vnni" else ("avxvnni",)
+    if not all(host.get(f, False) for f in ("avx2", "fma", "f16c") + needs):
+        pytest.skip(f"host cannot run code compiled for an {target} CPU")
+    if target == "avx512+vnni":
+        cpu = "cascadelake"
+        feats = _features_without("gfni", "avx512vbmi", "avx512bitalg", "avx512vpopcntdq", "avx512fp16",
+                                  "avx512bf16", "avx512ifma", "avxvnni", "amx", "vaes", "vpclmulqdq")
+        types, want_int8 = ["Q4_0", "MXFP4", "Q4_K", "IQ4_XS"], True
+    elif target == "avx2+avxvnni":
+        cpu, feats = "alderlake", _features_without("avx512", "amx")
+        types, want_int8 = ["Q4_0", "MXFP4", "Q5_1", "Q4_K"], True
     else:
-        feats, types, want_int8 = _features_without("avx512", "amx", "avxvnni"), ["Q4_0", "MXFP4"], False
-    env = dict(__import__("os").environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME="alderlake",
+        cpu, feats = "alderlake", _features_without("avx512", "amx", "avxvnni")
+        types, want_int8 = ["Q4_0", "MXFP4"], False
+    env = dict(__import__("os").environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME=cpu,
                NUMBA_CPU_FEATURES=feats)
     r = subprocess.run([sys.executable, "-c", _PROBE, *types], env=env, capture_output=True, text=True,
                        cwd=Path(__file__).resolve().parents[1], timeout=600)
