@@ -23,9 +23,16 @@ byte: with xs = dx * (sum of the 4 activations) per lane,
 (two FMAs per row and step; dx: the activations' scale per 32, spread over lanes).
 Only bytes of the row's blocks are read: an odd row's last block is decoded alone.
 
-For 256-weight blocks (K-quants) a *unit-pair decoder* gives the codes of units 2j and
-2j + 1 the same way (their bit fields via GF(2) affine maps); their scales come from
-the types' ``scales`` decoders (``rowdot8``).
+For 256-weight blocks (K-quants, IQ4_XS) a *unit-pair decoder* gives the codes of
+units 2j and 2j + 1 the same way (their bit fields via GF(2) affine maps; IQ4_XS's
+nibbles through its value table); their scales come from the types' ``scales``
+decoders (``rowdot8``).
+
+Instructions are chosen when Numba compiles, from ``simd.target_features()`` (the
+features Numba's code generator targets): ``vpdpbusd`` zmm with AVX512-VNNI, two ymm
+halves with AVX-VNNI, widened multiplies otherwise (the drivers only take the int8 path
+with VNNI, ``simd8.has_vnni``); GF(2) affine with GFNI + AVX512BW, word shifts
+otherwise; ``vpermb`` with AVX512-VBMI, ``vpshufb`` with AVX512BW or AVX2.
 """
 from __future__ import annotations
 
