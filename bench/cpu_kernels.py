@@ -22,7 +22,8 @@ before it is timed):
   same mat-vec on a copy of the same bytes (``ggml_mul_mat`` through
   ``ggml_graph_compute_with_ctx``, same thread count; activations quantized by ggml).
 
-``--json PATH`` writes {"ceiling_gbps", "matvec": [{type, batch, gbps, ratio, activations}],
+``--json PATH`` writes {"ceiling_gbps", "matvec": [{type, batch, gbps, ratio, activations,
+ceiling_next_gbps, ratio_next}],
 "moe": [{type, batch, distinct_experts, ms, routing, activations}], ...} (temp file +
 rename; ``activations`` is "f32" or "int8"; matvec rows of llama.cpp's ggml have
 ``"impl": "ggml"``, ours ``"impl": "offload"``).
@@ -148,7 +149,7 @@ class _Ggml:
 
 def modes_for(qt, modes):
     """Activation modes that apply to qt: int8 only where the type has codes and the CPU VNNI."""
-    return [m for m in modes if m == "f32" or (get_kernel(qt).codes is not None and has_vnni())]
+    return [m for m in modes if m == "f32" or (get_kernel(qt).has_int8 and has_vnni())]
 
 
 def bench_matvec(buf, types, modes, repeat, rng, threads, ggml):
@@ -314,12 +315,15 @@ def main(argv=None):
     ggml = _Ggml() if _Ggml.available() and not args.no_ggml else None
     threads = args.threads or numba.config.NUMBA_NUM_THREADS
     matvec = bench_matvec(buf, types, modes, args.repeat, rng, threads, ggml)
-    ceiling = statistics.median([r.pop("ceiling_next") for r in matvec] + [ceiling_gbps(buf, 3)])
+    ceiling = statistics.median([r["ceiling_next"] for r in matvec] + [ceiling_gbps(buf, 3)])
     print(f"\nmemory-read ceiling (median over the run): {ceiling:.2f} GB/s")
-    print(f"  {'type':7s} {'act':5s} {'GB/s':>6} {'ratio':>6}")
+    print(f"  {'type':7s} {'act':5s} {'GB/s':>6} {'ratio':>6} {'next':>6}   (next: to the ceiling measured "
+          f"next to that type, which tracks other load on a shared box)")
     for r in matvec:
         r["ratio"] = r["gbps"] / ceiling
-        print(f"  {r['type']:7s} {r['activations']:5s} {r['gbps']:6.2f} {r['ratio']:6.2f}")
+        r["ceiling_next_gbps"] = r.pop("ceiling_next")
+        r["ratio_next"] = r["gbps"] / r["ceiling_next_gbps"]
+        print(f"  {r['type']:7s} {r['activations']:5s} {r['gbps']:6.2f} {r['ratio']:6.2f} {r['ratio_next']:6.2f}")
     del buf
 
     moe_threads = args.moe_threads or args.threads

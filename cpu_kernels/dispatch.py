@@ -24,8 +24,8 @@ def quants(tag, w, ob, k):
     raise NotImplementedError("only callable from jitted code")
 
 
-def codes(tag, w, ob, k):
-    """(c0, c1) unsigned 8-bit codes of unit k (int8 path; jitted code only)."""
+def codes(tag, w, ob, j):
+    """64 unsigned 8-bit codes of units 2j, 2j + 1 (int8 path; jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
@@ -80,11 +80,11 @@ def _elem(tag, w, ro, c):
 
 
 @overload(codes)
-def _codes(tag, w, ob, k):
+def _codes(tag, w, ob, j):
     if isinstance(tag, QTagType):
         fn = kernel_by_name(tag.qname).codes
         if fn is not None:
-            return lambda tag, w, ob, k: fn(w, ob, k)
+            return lambda tag, w, ob, j: fn(w, ob, j)
     return None
 
 
@@ -93,4 +93,44 @@ def _code_offset(tag):
     if isinstance(tag, QTagType):
         off = f32(kernel_by_name(tag.qname).code_offset)
         return lambda tag: off
+    return None
+
+
+def pair2(tag, w, ob):
+    """(codes, d, m) of the blocks at ob and the next (pair8; jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def pair1(tag, w, ob):
+    """(codes, d, m) of the block at ob alone (pair8; jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def pair_info(tag):
+    """(offset, has_min) of the pair decoder (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(pair2)
+def _pair2(tag, w, ob):
+    if isinstance(tag, QTagType) and kernel_by_name(tag.qname).pair is not None:
+        fn = kernel_by_name(tag.qname).pair[0]
+        return lambda tag, w, ob: fn(w, ob)
+    return None
+
+
+@overload(pair1)
+def _pair1(tag, w, ob):
+    if isinstance(tag, QTagType) and kernel_by_name(tag.qname).pair is not None:
+        fn = kernel_by_name(tag.qname).pair[1]
+        return lambda tag, w, ob: fn(w, ob)
+    return None
+
+
+@overload(pair_info)
+def _pair_info(tag):
+    if isinstance(tag, QTagType):
+        kern = kernel_by_name(tag.qname)
+        off, has_min = kern.pair_offset, kern.pair_min
+        return lambda tag: (off, has_min)
     return None

@@ -13,9 +13,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from numba import njit
 
+from .pair8 import unit_pair_decoder
 from .registry import register
 from .simd import byte_fields, ld_f16, vbits, vbits2, vi8
-from .simd8 import cbits, cbits2
 
 f32 = np.float32
 _jit = njit(fastmath=True)
@@ -38,13 +38,6 @@ def quants_q2_k(w, ob, k):
     return vbits(w, q, s, 3), vbits(w, q + 16, s, 3)
 
 
-@_jit
-def codes_q2_k(w, ob, k):
-    q = ob + 16 + 32 * (k >> 2)
-    s = 2 * (k & 3)
-    return cbits(w, q, s, 3), cbits(w, q + 16, s, 3)
-
-
 # block_q3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; ggml_half d; }  110 bytes
 # unit k = 4h + s: q = ((qs[32h + l] >> 2s) & 3) - 4 * (1 - ((hmask[l] >> k) & 1));
 # w = d * (sc[g] - 32) * q with 6-bit sc[g]: low 4 bits from scales[g % 8] (nibble g // 8),
@@ -65,13 +58,6 @@ def quants_q3_k(w, ob, k):
     q = ob + 32 + 32 * (k >> 2)
     s = 2 * (k & 3)
     return vbits2(w, q, s, 3, ob, k, 1, 2), vbits2(w, q + 16, s, 3, ob + 16, k, 1, 2)
-
-
-@_jit
-def codes_q3_k(w, ob, k):
-    q = ob + 32 + 32 * (k >> 2)
-    s = 2 * (k & 3)
-    return cbits2(w, q, s, 3, ob, k, 1, 2), cbits2(w, q + 16, s, 3, ob + 16, k, 1, 2)
 
 
 # Q4_K / Q5_K 6-bit scales and mins of unit k (ggml's get_scale_min_k4), from the packed
@@ -101,13 +87,6 @@ def quants_q4_k(w, ob, k):
     return vbits(w, q, s, 15), vbits(w, q + 16, s, 15)
 
 
-@_jit
-def codes_q4_k(w, ob, k):
-    q = ob + 16 + 32 * (k >> 1)
-    s = 4 * (k & 1)
-    return cbits(w, q, s, 15), cbits(w, q + 16, s, 15)
-
-
 # block_q5_K { ggml_half d; ggml_half dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; }
 # 176 bytes; as Q4_K plus a 5th bit: q += ((qh[l] >> k) & 1) << 4
 @_jit
@@ -115,13 +94,6 @@ def quants_q5_k(w, ob, k):
     q = ob + 48 + 32 * (k >> 1)
     s = 4 * (k & 1)
     return vbits2(w, q, s, 15, ob + 16, k, 1, 4), vbits2(w, q + 16, s, 15, ob + 32, k, 1, 4)
-
-
-@_jit
-def codes_q5_k(w, ob, k):
-    q = ob + 48 + 32 * (k >> 1)
-    s = 4 * (k & 1)
-    return cbits2(w, q, s, 15, ob + 16, k, 1, 4), cbits2(w, q + 16, s, 15, ob + 32, k, 1, 4)
 
 
 # block_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; ggml_half d; }  210 bytes
@@ -143,15 +115,16 @@ def quants_q6_k(w, ob, k):
     return vbits2(w, lo, ns, 15, hi, 2 * s, 3, 4), vbits2(w, lo + 16, ns, 15, hi + 16, 2 * s, 3, 4)
 
 
-@_jit
-def codes_q6_k(w, ob, k):
-    h = k >> 2
-    s = k & 3
-    lo = ob + 64 * h + 32 * (k & 1)
-    hi = ob + 128 + 32 * h
-    ns = 4 * (s >> 1)
-    return cbits2(w, lo, ns, 15, hi, 2 * s, 3, 4), cbits2(w, lo + 16, ns, 15, hi + 16, 2 * s, 3, 4)
-
+# int8 path: the codes of unit pairs (2j, 2j + 1) as bit fields (pair8.unit_pair_decoder),
+# parts (byte offset, shift, width, up) per unit k as in the quants decoders above.
+codes_q2_k = unit_pair_decoder((lambda k: 16 + 32 * (k >> 2), lambda k: 2 * (k & 3), 2, lambda k: 0))
+codes_q3_k = unit_pair_decoder((lambda k: 32 + 32 * (k >> 2), lambda k: 2 * (k & 3), 2, lambda k: 0),
+                               (lambda k: 0, lambda k: k, 1, lambda k: 2))
+codes_q4_k = unit_pair_decoder((lambda k: 16 + 32 * (k >> 1), lambda k: 4 * (k & 1), 4, lambda k: 0))
+codes_q5_k = unit_pair_decoder((lambda k: 48 + 32 * (k >> 1), lambda k: 4 * (k & 1), 4, lambda k: 0),
+                               (lambda k: 16, lambda k: k, 1, lambda k: 4))
+codes_q6_k = unit_pair_decoder((lambda k: 64 * (k >> 2) + 32 * (k & 1), lambda k: 4 * ((k & 3) >> 1), 4, lambda k: 0),
+                               (lambda k: 128 + 32 * (k >> 2), lambda k: 2 * (k & 3), 2, lambda k: 4))
 
 register(T.Q2_K, units_per_block=8, scales=scales_q2_k, quants=quants_q2_k, same_d=False,
          codes=codes_q2_k)

@@ -4,7 +4,8 @@ Contract (see ``registry``): ``scales(w, ob) -> (vd, vm)`` with (d, m) of the bl
 16-weight halves in lanes 0 and 1, ``quants(w, ob, k) -> (v0, v1)``; weights ``d * v + m``
 for the block at byte offset ``ob`` of the raw bytes ``w`` (one unit per block: k = 0).
 Offsets like Q4_0's "-8" go into ``m``, which the driver multiplies by the activations'
-16-column sums.
+16-column sums. The int8 path decodes two blocks at a time (``pair8``): unsigned codes,
+``pair_offset`` = what the codes add to the signed values.
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from numba import njit
 
+from .pair8 import pair_decoder
 from .registry import register
 from .simd import ld_f16, ld_u32, vbit_lanes, vbits, vi8, vset2
-from .simd8 import cbits, cflip, cnib5
 
 f32 = np.float32
 _jit = njit(fastmath=True)
@@ -32,42 +33,6 @@ def _nibbles5(w, qh_at, q):
     qh = ld_u32(w, qh_at)
     return (vbits(w, q, 0, 15) + vbit_lanes(qh, 0) * f32(16),
             vbits(w, q, 4, 15) + vbit_lanes(qh, 16) * f32(16))
-
-
-@_jit
-def _codes4(w, q):
-    return cbits(w, q, 0, 15), cbits(w, q, 4, 15)
-
-
-@_jit
-def _codes5(w, qh_at, q):
-    qh = ld_u32(w, qh_at)
-    return cnib5(w, q, 0, qh, 0), cnib5(w, q, 4, qh, 16)
-
-
-@_jit
-def codes_q4_0(w, ob, k):
-    return _codes4(w, ob + 2)
-
-
-@_jit
-def codes_q4_1(w, ob, k):
-    return _codes4(w, ob + 4)
-
-
-@_jit
-def codes_q5_0(w, ob, k):
-    return _codes5(w, ob + 2, ob + 6)
-
-
-@_jit
-def codes_q5_1(w, ob, k):
-    return _codes5(w, ob + 4, ob + 8)
-
-
-@_jit
-def codes_q8_0(w, ob, k):
-    return cflip(w, ob + 2), cflip(w, ob + 18)
 
 
 @_jit
@@ -134,10 +99,14 @@ def quants_q8_0(w, ob, k):
     return vi8(w, ob + 2), vi8(w, ob + 18)
 
 
-register(T.Q4_0, units_per_block=1, scales=scales_q4_0, quants=quants_q4_0, same_d=True, codes=codes_q4_0)
-register(T.Q4_1, units_per_block=1, scales=scales_q4_1, quants=quants_q4_1, same_d=True, codes=codes_q4_1)
-register(T.Q5_0, units_per_block=1, scales=scales_q5_0, quants=quants_q5_0, same_d=True, codes=codes_q5_0)
-register(T.Q5_1, units_per_block=1, scales=scales_q5_1, quants=quants_q5_1, same_d=True, codes=codes_q5_1)
+register(T.Q4_0, units_per_block=1, scales=scales_q4_0, quants=quants_q4_0, same_d=True,
+         pair=pair_decoder(block_bytes=18, qs=2, scale="f16"), pair_offset=8)
+register(T.Q4_1, units_per_block=1, scales=scales_q4_1, quants=quants_q4_1, same_d=True,
+         pair=pair_decoder(block_bytes=20, qs=4, scale="f16", min_at=2), pair_min=True)
+register(T.Q5_0, units_per_block=1, scales=scales_q5_0, quants=quants_q5_0, same_d=True,
+         pair=pair_decoder(block_bytes=22, qs=6, scale="f16", qh=2), pair_offset=16)
+register(T.Q5_1, units_per_block=1, scales=scales_q5_1, quants=quants_q5_1, same_d=True,
+         pair=pair_decoder(block_bytes=24, qs=8, scale="f16", min_at=2, qh=4), pair_min=True)
 # int8 codes of Q8_0 are the signed values + 128 (the instruction multiplies u8 x s8).
-register(T.Q8_0, units_per_block=1, scales=scales_q8_0, quants=quants_q8_0, same_d=True, codes=codes_q8_0,
-         code_offset=128)
+register(T.Q8_0, units_per_block=1, scales=scales_q8_0, quants=quants_q8_0, same_d=True,
+         pair=pair_decoder(block_bytes=34, qs=2, scale="f16", signed8=True), pair_offset=128)

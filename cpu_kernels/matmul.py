@@ -8,7 +8,7 @@ from . import settings
 from .layout import activations, row_cols, sums16, weight_bytes
 from .registry import get_kernel, source_digest
 from .rowdot import dot4
-from .rowdot8 import DX_PAD, XQ_PAD, dot4_i8, quantize_rows
+from .rowdot8 import DX_PAD, S4_PAD, XQ_PAD, dot4_i8, quantize_rows
 from .simd8 import has_vnni
 
 f32 = np.float32
@@ -48,7 +48,7 @@ def _build(salt):
                         for r in range(nr):
                             Y[t0 + i, r0 + r] = res[i, r]
     @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-    def matmul_i8_kernel(tag, w, xq, dx, xs16, Y, chunks):
+    def matmul_i8_kernel(tag, w, xq, dx, xs16, xs4, dx8, Y, chunks):
         """As matmul_kernel with int8-quantized activations (``rowdot8``)."""
         _salt = salt  # noqa: F841
         rows = w.shape[0]
@@ -71,7 +71,7 @@ def _build(salt):
                     for i in range(nt):
                         toks[i] = t0 + i
                     dot4_i8(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
-                            min(r0 + 3, last) * rs, cols, xq, dx, xs16, toks, nt, acc, cacc, res)
+                            min(r0 + 3, last) * rs, cols, xq, dx, xs16, xs4, dx8, toks, nt, acc, cacc, res)
                     for i in range(nt):
                         for r in range(nr):
                             Y[t0 + i, r0 + r] = res[i, r]
@@ -82,17 +82,19 @@ _matmul_kernel, _matmul_i8_kernel = _build(source_digest())
 
 
 def quantized_activations(X: np.ndarray):
-    """(xq, dx, xs16) for the int8 path (see ``rowdot8.quantize_rows``)."""
+    """(xq, dx, xs16, xs4, dx8) for the int8 path (see ``rowdot8.quantize_rows``)."""
     B, cols = X.shape
     xq = np.empty((B, cols + XQ_PAD), np.int8)
     dx = np.empty((B, cols // 32 + DX_PAD), f32)
     xs16 = np.empty((B, cols // 16), f32)
-    quantize_rows(X, xq, dx, xs16)
-    return xq, dx, xs16
+    xs4 = np.empty((B, cols // 4 + S4_PAD), f32)
+    dx8 = np.empty((B, cols // 4 + S4_PAD), f32)
+    quantize_rows(X, xq, dx, xs16, xs4, dx8)
+    return xq, dx, xs16, xs4, dx8
 
 
 def use_int8(kern) -> bool:
-    return settings.int8_activations() and kern.codes is not None and has_vnni()
+    return settings.int8_activations() and kern.has_int8 and has_vnni()
 
 
 def matmul(x, w, qtype, *, name: str = "") -> np.ndarray:

@@ -114,10 +114,10 @@ def _build(salt):
     # mode compiles only its own inner routine.
 
     @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-    def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, slot_expert, slot_start,
+    def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
                       assign_tok, H, chunks, act):
         """H[a] = act(gate_e . x) * (up_e . x); work items = (slot, 4 rows of n_ff).
-        X/xs16 (float path: xq, dx None) or xq/dx/xs16 (int8 path)."""
+        X/xs16 (float path: xq, dx, xs4, dx8 None) or xq/dx/xs16/xs4/dx8 (int8 path)."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         n_ff = H.shape[1]
         cols = X.shape[1]
@@ -146,9 +146,9 @@ def _build(salt):
                     toks = assign_tok[a0:a0 + nt]
                     if xq is not None:
                         dot4_i8(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
-                                cols, xq, dx, xs16, toks, nt, acc, cacc, rg)
+                                cols, xq, dx, xs16, xs4, dx8, toks, nt, acc, cacc, rg)
                         dot4_i8(utag, uw, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
-                                cols, xq, dx, xs16, toks, nt, acc, cacc, ru)
+                                cols, xq, dx, xs16, xs4, dx8, toks, nt, acc, cacc, ru)
                     else:
                         dot4(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
                              cols, X, xs16, toks, nt, acc, cacc, rg, sc)
@@ -159,9 +159,9 @@ def _build(salt):
                             H[a0 + i, r0 + r] = _silu_glu(rg[i, r], ru[i, r], act)
 
     @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-    def down_phase(dtag, dw, H, hs16, hq, hdx, slot_expert, slot_start, out, chunks):
+    def down_phase(dtag, dw, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks):
         """out[a] = down_e . H[a]; work items = (slot, 4 rows of n_embd).
-        H/hs16 (float path: hq, hdx None) or hq/hdx/hs16 (int8 path)."""
+        H/hs16 (float path: hq, hdx, hxs4, hdx8 None) or hq/hdx/hs16/hxs4/hdx8 (int8 path)."""
         _salt = salt  # noqa: F841
         n_ff = H.shape[1]
         n_embd = out.shape[1]
@@ -188,7 +188,7 @@ def _build(salt):
                         toks[i] = a0 + i
                     if hq is not None:
                         dot4_i8(dtag, dw, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
-                                n_ff, hq, hdx, hs16, toks, nt, acc, cacc, res)
+                                n_ff, hq, hdx, hs16, hxs4, hdx8, toks, nt, acc, cacc, res)
                     else:
                         dot4(dtag, dw, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
                              n_ff, H, hs16, toks, nt, acc, cacc, res, sc)
@@ -255,16 +255,16 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     n_threads = settings.apply_threads()
     H = np.empty((flat.size, w.n_ff), f32)
     if use_int8(gk) and use_int8(uk):
-        xq, dx, xs16 = quantized_activations(X)
+        xq, dx, xs16, xs4, dx8 = quantized_activations(X)
     else:
-        xq, dx, xs16 = None, None, sums16(X)
-    _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, xs16, xq, dx, slot_expert, slot_start,
+        xq, dx, xs16, xs4, dx8 = None, None, sums16(X), None, None
+    _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
                    tok, H, n_threads, ACTIVATIONS[act])
     if use_int8(dk):
-        hq, hdx, hs16 = quantized_activations(H)
+        hq, hdx, hs16, hxs4, hdx8 = quantized_activations(H)
     else:
-        hq, hdx, hs16 = None, None, sums16(H)
+        hq, hdx, hs16, hxs4, hdx8 = None, None, sums16(H), None, None
     out = np.empty((flat.size, w.n_embd), f32)
-    _down_phase(dk.tag, db, H, hs16, hq, hdx, slot_expert, slot_start, out, n_threads)
+    _down_phase(dk.tag, db, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, n_threads)
     _weighted_sum(out, tok, wsel, Y)
     return Y

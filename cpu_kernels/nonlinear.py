@@ -9,6 +9,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from numba import njit
 
+from .pair8 import pair_decoder, unit_pair_decoder
 from .registry import register
 from .simd import byte_fields, f32_from_bits, ld_f16, ld_u8, vload, vlut16, vset2, vzero
 
@@ -77,6 +78,12 @@ def quants_iq4_xs(w, ob, k):
     return _lut_nibbles(w, ob + 8 + 16 * k, IQ4_VALUES)
 
 
-register(T.MXFP4, units_per_block=1, scales=scales_mxfp4, quants=quants_mxfp4, same_d=True)
-register(T.IQ4_NL, units_per_block=1, scales=scales_iq4_nl, quants=quants_iq4_nl, same_d=True)
-register(T.IQ4_XS, units_per_block=8, scales=scales_iq4_xs, quants=quants_iq4_xs, same_d=True)
+# int8 path: codes = table value + offset (unsigned bytes), one vpermb per 64 nibbles.
+register(T.MXFP4, units_per_block=1, scales=scales_mxfp4, quants=quants_mxfp4, same_d=True,
+         pair=pair_decoder(block_bytes=17, qs=1, scale="e8m0", table=MXFP4_VALUES.astype(int) + 12),
+         pair_offset=12)
+register(T.IQ4_NL, units_per_block=1, scales=scales_iq4_nl, quants=quants_iq4_nl, same_d=True,
+         pair=pair_decoder(block_bytes=18, qs=2, scale="f16", table=IQ4_VALUES.astype(int) + 128),
+         pair_offset=128)
+register(T.IQ4_XS, units_per_block=8, scales=scales_iq4_xs, quants=quants_iq4_xs, same_d=True,
+         codes=unit_pair_decoder(nibbles_at=8, table=IQ4_VALUES.astype(int) + 128), code_offset=128)

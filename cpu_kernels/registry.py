@@ -11,9 +11,12 @@ the raw bytes ``w``, lanes ``2k`` and ``2k + 1`` holding (d, m) of the two halve
 unpacking them per unit in scalar code costs as much as the dot product itself);
 ``quants(w, ob, k) -> (v0, v1)``: the two 16-lane vectors of unit ``k``.
 ``same_d``: both halves of a unit always share d (one multiply per unit instead of two).
-Optional, for the int8-activation path: ``codes(w, ob, k) -> (c0, c1)``, the unit's weights
-as unsigned 8-bit codes ``u`` (two ``simd8.U8x16``) with ``w = d * (u - code_offset) + m``
-(one-unit types with codes must have same_d and m0 = m1: the int8 driver uses lane 0).
+Optional, for the int8-activation path: ``codes(w, ob, j)``, the weights of units 2j and
+2j + 1 as 64 unsigned 8-bit codes ``u`` (``pair8.I8x64``, from ``pair8.unit_pair_decoder``)
+with ``w = d * (u - code_offset) + m`` (256-weight types).
+Optional for 32-weight types, their int8 path: ``pair`` = (decode2, decode1) from
+``pair8.pair_decoder`` (two blocks per step), with ``pair_offset`` (codes minus values)
+and ``pair_min`` (the decoder gives mins).
 The generic drivers (``rowdot``, ``matmul``, ``moe``) only ever see that contract, so a
 new quant type is one decoder pair and one ``register`` call. Types whose ggml block holds 256
 weights (K-quants, IQ4_XS) have 8 units per block; 32-weight types have one. Float types
@@ -56,9 +59,17 @@ class QuantKernel:
     quants: Callable         # njit (w, block_byte_offset, k) -> (v0, v1)
     elem: Callable | None    # njit (w, byte_offset_of_row, col) -> float32; float types only
     same_d: bool             # d of both 16-weight halves of a unit is always equal
-    codes: Callable | None   # njit (w, block_byte_offset, k) -> (c0, c1) u8 codes; int8 path
+    codes: Callable | None   # intrinsic (w, block_byte_offset, j) -> 64 u8 codes of units 2j, 2j+1
     code_offset: int         # codes = value + code_offset
     tag: "QTag"
+    pair: tuple | None = None     # (decode2, decode1): int8 path of 32-weight types (pair8)
+    pair_offset: int = 0          # pair codes = value + pair_offset
+    pair_min: bool = False        # the pair decoder's mins are not all zero
+
+    @property
+    def has_int8(self) -> bool:
+        """Whether the type has an int8-activation decoder (codes or pair)."""
+        return self.codes is not None or self.pair is not None
 
 
 class QTag:
@@ -98,17 +109,21 @@ _BY_NAME: dict[str, QuantKernel] = {}
 
 def register(qtype: GGMLQuantizationType, *, units_per_block: int, scales: Callable,
              quants: Callable, same_d: bool, elem: Callable | None = None,
-             codes: Callable | None = None, code_offset: int = 0) -> None:
+             codes: Callable | None = None, code_offset: int = 0, pair: tuple | None = None,
+             pair_offset: int = 0, pair_min: bool = False) -> None:
     """Register the decoders of ``qtype`` (``elem``: scalar loader, float types only;
-    ``codes``: int8-path decoder, quantized types)."""
+    ``codes``: int8-path decoder of 256-weight types; ``pair``: of 32-weight types)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if elem is not None:               # float types: a 32-element pseudo-block
         type_size = type_size * 32 // block_size
         block_size = 32
     if block_size != 32 * units_per_block:
         raise ValueError(f"{qtype.name}: block of {block_size} is not {units_per_block} units of 32")
+    if (codes is not None and units_per_block == 1) or (pair is not None and units_per_block != 1):
+        raise ValueError(f"{qtype.name}: int8 decoders are codes for 256-weight blocks, pair for 32")
     k = QuantKernel(qtype, block_size, type_size, units_per_block, scales, quants, elem,
-                    same_d, codes, code_offset, QTag(qtype.name))
+                    same_d, codes, code_offset, QTag(qtype.name), pair, pair_offset,
+                    pair_min)
     _KERNELS[qtype] = k
     _BY_NAME[qtype.name] = k
 

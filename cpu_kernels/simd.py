@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import operator
 
+import llvmlite.binding as _ll
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -294,14 +296,23 @@ def vbit_lanes(typingctx, word, start):
     return fvec(word, start), codegen
 
 
-def _target_has_avx512():
-    """Whether Numba compiles for a CPU with AVX-512F (Numba targets the host CPU unless
-    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise)."""
-    from numba.core import config
-    import llvmlite.binding as ll
-    feats = config.CPU_FEATURES if config.CPU_FEATURES is not None else (
-        "" if config.CPU_NAME else ll.get_host_cpu_features().flatten())
-    return "+avx512f" in feats
+def target_features() -> str:
+    """The LLVM feature string Numba compiles for ("+avx512f,+gfni,-amx-tile,..."); the
+    intrinsics pick their instructions from it, so they always match the target:
+    NUMBA_CPU_FEATURES if set; none (portable IR only) if just NUMBA_CPU_NAME is set;
+    else the host CPU's features as Numba's own code generator sees them (which honours
+    NUMBA_ENABLE_AVX=0). Numba's on-disk cache is keyed by (triple, CPU name, this
+    string), so machine code compiled on one CPU is never loaded on another."""
+    from numba.core import codegen, config
+    if config.CPU_FEATURES is not None:
+        return config.CPU_FEATURES
+    return "" if config.CPU_NAME else codegen.get_host_cpu_features()
+
+
+def target_has(*names: str) -> bool:
+    """Whether the compile target has every feature in ``names`` ("gfni", "avx512bw")."""
+    on = {f[1:] for f in target_features().split(",") if f.startswith("+")}
+    return all(n in on for n in names)
 
 
 @intrinsic
@@ -319,7 +330,7 @@ def vlut16(typingctx, arr, off, shift, table):
         n = builder.and_(builder.lshr(builder.zext(_load_vec(builder, p, _I8), _VI32),
                                       _splat(builder, sh, _VI32)), c15)
         tab = args[3]
-        if _target_has_avx512():
+        if target_has("avx512f"):
             out = ir.Constant(_VF, ir.Undefined)
             for i in range(LANES):
                 idx = builder.extract_element(n, ir.Constant(_I32, i))
@@ -394,16 +405,45 @@ def f32_from_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
+# Scale tables: an f16's float32 value (ggml's 65,536-entry table), and MXFP4's e8m0 byte
+# as ggml's e8m0_to_fp32_half: 2**(e - 128) (subnormal for e < 2). One copy per process:
+# compiled code refers to them as external symbols (their addresses are registered with
+# the JIT's linker here, before any kernel is compiled or loaded from Numba's cache), so
+# cached kernels do not each carry 256 KB of table.
+_F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+_E8M0_TABLE = np.ldexp(np.float64(1), np.arange(256) - 128).astype(np.float32)
+_TABLES = {"offload_f16_to_f32": _F16_TABLE, "offload_e8m0_half_to_f32": _E8M0_TABLE}
+for _name, _values in _TABLES.items():
+    _ll.add_symbol(_name, _values.ctypes.data)
+
+
+def _table(module, name):
+    """The table ``name`` (see _TABLES) as an external global of ``module``."""
+    try:
+        return module.get_global(name)
+    except KeyError:
+        g = ir.GlobalVariable(module, ir.ArrayType(_F32, len(_TABLES[name])), name)
+        g.linkage = "external"
+        g.global_constant = True
+        return g
+
+
+def _ld_f16_table(builder, p):
+    """The float32 value of the IEEE half at pointer p, read from the table."""
+    tab = _table(builder.module, "offload_f16_to_f32")
+    i = builder.zext(builder.load(builder.bitcast(p, _I16.as_pointer()), align=1), _I64)
+    return builder.load(builder.gep(tab, [ir.Constant(_I64, 0), i]), align=4)
+
+
 @intrinsic
 def ld_f16(typingctx, arr, off):
-    """The IEEE half at byte ``off`` as float32."""
+    """The IEEE half at byte ``off`` as float32, through ggml's 65,536-entry table: two
+    loads instead of a conversion (and a broadcast of the result is one more load)."""
     if not (_is_array(arr) and _is_int(off)):
         return None
 
     def codegen(context, builder, sig, args):
-        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        h = builder.load(builder.bitcast(p, ir.HalfType().as_pointer()), align=1)
-        return builder.fpext(h, _F32)
+        return _ld_f16_table(builder, _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]))
     return types.float32(arr, off), codegen
 
 

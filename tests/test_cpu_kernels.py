@@ -310,7 +310,7 @@ def test_moe_input_errors():
 
 # ---------------------------------------------------------------- int8 activations
 
-INT8_TYPES = [t for t in sorted(ISSUE_TYPES, key=int) if get_kernel(t).codes is not None]
+INT8_TYPES = [t for t in sorted(ISSUE_TYPES, key=int) if get_kernel(t).has_int8]
 
 
 @pytest.fixture
@@ -358,18 +358,117 @@ def _float_path(x, w, qt):
         ck.set_int8_activations(True)
 
 
-def test_int8_moe(int8_mode):
+INT8_MOE_CASES = [  # gate/up type, down type, fused gate_up, n_ff
+    (T.Q4_K, T.Q6_K, False, 512),     # 256-weight blocks: unit pairs (simd8.idot2)
+    (T.Q4_0, T.Q8_0, False, 480),     # pair engine; n_ff = 15 blocks: down's last block alone
+    (T.MXFP4, T.Q5_1, True, 480),     # value table and e8m0 scales; mins and 5th bits
+]
+
+
+@pytest.mark.parametrize("gt,dt,fused,n_ff", INT8_MOE_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_int8_moe(gt, dt, fused, n_ff, int8_mode):
     """Two quantization steps (x, then the expert hidden state): each adds at most
     ~1/254 of max|.| per 32 values; against the exact float64 result the error stays
-    under 3% of the same magnitude bound as the float test (observed ~0.3%)."""
-    rng = seed(11)
-    E, n_embd, n_ff, k, B = 64, 256, 512, 8, 4
-    g, u = random_blocks(T.Q4_K, (E, n_ff, n_embd), rng, 0.02), random_blocks(T.Q4_K, (E, n_ff, n_embd), rng, 0.02)
-    d = random_blocks(T.Q6_K, (E, n_embd, n_ff), rng, 0.02)
-    ew = ck.ExpertWeights(g, u, d, T.Q4_K, T.Q4_K, T.Q6_K)
-    x = rng.standard_normal((B, n_embd)).astype(np.float32)
-    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(B)])
-    wts = rng.random((B, k)).astype(np.float32)
-    y = ck.moe_ffn(x, ids, wts, ew)
-    ref, bound = moe_reference(x, ids, wts, dequant(g, T.Q4_K), dequant(u, T.Q4_K), dequant(d, T.Q6_K), None)
-    assert np.all(np.abs(y - ref) <= bound * (0.03 / TOL))
+    under 3% of the same magnitude bound as the float test (observed ~0.3%). B = 1 takes
+    the one-token routines, B = 4 and 16 the token-batch ones (16: one expert shared)."""
+    rng = seed(11, gt, dt)
+    E, n_embd, k = 64, 256, 8
+    if fused:
+        gu = random_blocks(gt, (E, 2 * n_ff, n_embd), rng, 0.02)
+        G, U = dequant(gu, gt)[:, :n_ff], dequant(gu, gt)[:, n_ff:]
+        g = u = None
+    else:
+        g, u = random_blocks(gt, (E, n_ff, n_embd), rng, 0.02), random_blocks(gt, (E, n_ff, n_embd), rng, 0.02)
+        G, U = dequant(g, gt), dequant(u, gt)
+        gu = None
+    d = random_blocks(dt, (E, n_embd, n_ff), rng, 0.02)
+    ew = ck.ExpertWeights(g, u, d, None if fused else gt, None if fused else gt, dt,
+                          gate_up=gu, gate_up_type=gt if fused else None)
+    for B in (1, 4, 16):
+        x = rng.standard_normal((B, n_embd)).astype(np.float32)
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(B)])
+        if B == 16:
+            ids[:, 0] = ids[0, 0]
+        wts = rng.random((B, k)).astype(np.float32)
+        y = ck.moe_ffn(x, ids, wts, ew)
+        ref, bound = moe_reference(x, ids, wts, G, U, dequant(d, dt), None)
+        assert np.all(np.abs(y - ref) <= bound * (0.03 / TOL)), f"B={B}"
+
+
+# ---------------------------------------------------------------- CPUs without AVX-512
+
+_PROBE = """
+import json, sys
+import numpy as np
+import cpu_kernels as ck
+from cpu_kernels.matmul import use_int8
+from cpu_kernels.registry import get_kernel
+from cpu_kernels.simd8 import has_vnni
+from cpu_kernels.synth import random_blocks
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+ck.set_int8_activations(True)
+rng = np.random.default_rng(12)
+for name in sys.argv[1:]:
+    qt = T[name]
+    cols = 512 if name in ("Q4_K", "IQ4_XS") else 480
+    w = random_blocks(qt, (9, cols), rng)
+    W = dequantize(w, qt).astype(np.float64)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    xb = x.astype(np.float64).reshape(3, -1, 32)
+    dx = np.abs(xb).max(-1, keepdims=True).astype(np.float32).astype(np.float64) / 127
+    xh = (np.rint(xb / dx) * dx).reshape(x.shape)
+    y = np.concatenate([ck.matmul(x[:1], w, qt), ck.matmul(x[1:], w, qt)])
+    int8 = use_int8(get_kernel(qt))
+    xr = xh if int8 else x.astype(np.float64)       # what the kernel multiplies exactly
+    err = np.abs(y - xr @ W.T) / (1e-5 * (np.abs(xr) @ np.abs(W).T) + 1e-30)
+    print(json.dumps(dict(type=name, vnni=has_vnni(), int8=bool(int8), err=float(err.max()))))
+"""
+
+
+def _features_without(*prefixes):
+    import llvmlite.binding as ll
+    feats = ll.get_host_cpu_features()
+    return ",".join(("+" if on and not k.startswith(prefixes) else "-") + k for k, on in feats.items())
+
+
+@pytest.mark.parametrize("target", ["avx512+vnni", "avx2+avxvnni", "avx2"])
+def test_kernels_compiled_for_other_cpus(target, tmp_path):
+    """A fresh process whose Numba target is another CPU (NUMBA_CPU_NAME /
+    NUMBA_CPU_FEATURES; this host runs the code, it has every instruction used):
+    "avx512+vnni" (Cascade Lake class: no GFNI, no VBMI) runs the int8 path with word
+    shifts for nibbles and bit fields and ``vpshufb`` for value tables; "avx2+avxvnni"
+    (Alder Lake class) with 256-bit VNNI and byte shuffles; "avx2" has no VNNI, so int8
+    requests run the float path (and MXFP4's table lookup is a gather). Same bound as on
+    this CPU: float rounding of the exact product of the weights with the activations the
+    path uses (1e-5 of the magnitudes)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    import llvmlite.binding as ll
+    host = ll.get_host_cpu_features()
+    needs = ("avx512f", "avx512bw", "avx512vl", "avx512vnni") if target == "avx512+vnni" else ("avxvnni",)
+    if not all(host.get(f, False) for f in ("avx2", "fma", "f16c") + needs):
+        pytest.skip(f"host cannot run code compiled for an {target} CPU")
+    if target == "avx512+vnni":
+        cpu = "cascadelake"
+        feats = _features_without("gfni", "avx512vbmi", "avx512bitalg", "avx512vpopcntdq", "avx512fp16",
+                                  "avx512bf16", "avx512ifma", "avxvnni", "amx", "vaes", "vpclmulqdq")
+        types, want_int8 = ["Q4_0", "MXFP4", "Q4_K", "IQ4_XS"], True
+    elif target == "avx2+avxvnni":
+        cpu, feats = "alderlake", _features_without("avx512", "amx")
+        types, want_int8 = ["Q4_0", "MXFP4", "Q5_1", "Q4_K"], True
+    else:
+        cpu, feats = "alderlake", _features_without("avx512", "amx", "avxvnni")
+        types, want_int8 = ["Q4_0", "MXFP4"], False
+    env = dict(__import__("os").environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME=cpu,
+               NUMBA_CPU_FEATURES=feats)
+    r = subprocess.run([sys.executable, "-c", _PROBE, *types], env=env, capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["type"] for row in rows] == types
+    for row in rows:
+        assert row["vnni"] is want_int8 and row["int8"] is want_int8, row
+        assert row["err"] <= 1.0, row

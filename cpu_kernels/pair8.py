@@ -1,0 +1,295 @@
+"""The int8 engine: 64 weights per step, one 512-bit ``vpdpbusd`` per row (llama.cpp's
+int8-activation trick, laid out for AVX-512).
+
+For ggml's 32-weight blocks a *pair decoder* turns the raw bytes of blocks A, B
+(consecutive in a row) into
+
+    codes  ``I8x64``: unsigned weight codes u in activation order (A 0..31, then B 0..31),
+    d      f32x16: lanes 0..7 the scale of A, lanes 8..15 the scale of B,
+    m      f32x16: the same for the blocks' mins (zero for types without one),
+
+with ``w = d * (u - offset) + m``. A step is a handful of whole-register operations
+(counted from the emitted code for Q4_0, per row: 7 vector ALU operations per 64
+weights): two 16-byte broadcast loads and one insert put each block's nibble bytes where
+its low and high halves go, one GF(2) affine instruction extracts both nibbles (or a word
+shift, and ``vpermb`` doing MXFP4's / IQ4_NL's value table), the two scales are table
+entries (ggml's f16 -> f32 table; e8m0) broadcast from memory with one insert.
+``pdot`` is the dot of the 64 codes with 64 int8 activations per 4-weight group (16
+int32 lanes, as float). The code offset is taken out once per activation, not per weight
+byte: with xs = dx * (sum of the 4 activations) per lane,
+
+    acc += d * (dx * pdot - offset * xs)    [+ m * xs]
+
+(two FMAs per row and step; dx: the activations' scale per 32, spread over lanes).
+Only bytes of the row's blocks are read: an odd row's last block is decoded alone.
+
+For 256-weight blocks (K-quants, IQ4_XS) a *unit-pair decoder* gives the codes of
+units 2j and 2j + 1 the same way (their bit fields via GF(2) affine maps; IQ4_XS's
+nibbles through its value table); their scales come from the types' ``scales``
+decoders (``rowdot8``).
+
+Instructions are chosen when Numba compiles, from ``simd.target_features()`` (the
+features Numba's code generator targets): ``vpdpbusd`` zmm with AVX512-VNNI, two ymm
+halves with AVX-VNNI, widened multiplies otherwise (the drivers only take the int8 path
+with VNNI, ``simd8.has_vnni``); GF(2) affine with GFNI + AVX512BW, word shifts
+otherwise; ``vpermb`` with AVX512-VBMI, ``vpshufb`` with AVX512BW or AVX2.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+from .simd import _VF, _byte_ptr, _is_array, _is_int, _table, fvec, target_has
+
+_I1, _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
+_F32 = ir.FloatType()
+_V64I8 = ir.VectorType(_I8, 64)
+_V32I8 = ir.VectorType(_I8, 32)
+_V16I32 = ir.VectorType(_I32, 16)
+_V8I32 = ir.VectorType(_I32, 8)
+
+
+class I8x64(types.Type):
+    """64 bytes in one register (LLVM ``<64 x i8>``): a step's weight codes."""
+
+    def __init__(self):
+        super().__init__(name="i8x64")
+
+
+i8x64 = I8x64()
+
+
+@register_model(I8x64)
+class _I8x64Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _V64I8)
+
+
+def _const(ty, vals):
+    return ir.Constant(ir.VectorType(ty, len(vals)), [int(v) for v in vals])
+
+
+def _lut(builder, idx, table):
+    """table[idx & 15] for 64 byte lanes (``table``: 16 byte values)."""
+    if target_has("avx512vbmi"):
+        # vpermb reads 6 index bits: with the table repeated 4 times, bits 4, 5 don't matter.
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V64I8, [_V64I8] * 2),
+                                            "llvm.x86.avx512.permvar.qi.512")
+        return builder.call(fn, [_const(_I8, list(table) * 4), idx])
+    idx = builder.and_(idx, _const(_I8, [15] * 64))
+    if target_has("avx512bw"):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V64I8, [_V64I8] * 2),
+                                            "llvm.x86.avx512.pshuf.b.512")
+        return builder.call(fn, [_const(_I8, list(table) * 4), idx])
+    if target_has("avx2"):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V32I8, [_V32I8] * 2),
+                                            "llvm.x86.avx2.pshuf.b")
+        tab = _const(_I8, list(table) * 2)
+        lo = builder.call(fn, [tab, builder.shuffle_vector(idx, idx, _const(_I32, range(32)))])
+        hi = builder.call(fn, [tab, builder.shuffle_vector(idx, idx, _const(_I32, range(32, 64)))])
+        return builder.shuffle_vector(lo, hi, _const(_I32, range(64)))
+    out = ir.Constant(_V64I8, [0] * 64)              # portable: element by element
+    tab = _const(_I8, table)
+    for i in range(64):
+        k = builder.extract_element(idx, ir.Constant(_I32, i))
+        out = builder.insert_element(out, builder.extract_element(tab, k), ir.Constant(_I32, i))
+    return out
+
+
+def _gf2_matrix(shift, width, up):
+    """The 8x8 bit matrix (as ``vgf2p8affineqb`` reads a qword: row 7 - i gives output bit
+    i) of ``((byte >> shift) & (2**width - 1)) << up``."""
+    return sum((1 << (i - up + shift)) << (8 * (7 - i)) for i in range(up, min(8, up + width)))
+
+
+def _bitfields(builder, v, fields):
+    """Per byte of ``v`` (<64 x i8>): ``((b >> shift) & (2**width - 1)) << up`` with
+    ``fields[q] = (shift, width, up)`` for the bytes of qword q (8 qwords): one GF(2)
+    affine instruction where the target has GFNI and AVX-512, byte shifts elsewhere."""
+    if target_has("gfni", "avx512bw"):
+        mats = [_gf2_matrix(*f) for f in fields]
+        m = ir.Constant(_V64I8, [(q >> (8 * b)) & 255 for q in mats for b in range(8)])
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V64I8, [_V64I8, _V64I8, _I8]), "llvm.x86.vgf2p8affineqb.512")
+        return builder.call(fn, [v, m, ir.Constant(_I8, 0)])
+    per = [f for f in fields for _ in range(8)]
+    v = builder.lshr(v, _const(_I8, [f[0] for f in per]))
+    v = builder.and_(v, _const(_I8, [(1 << f[1]) - 1 for f in per]))
+    return builder.shl(v, _const(_I8, [f[2] for f in per]))
+
+
+def _nibbles(builder, c, table):
+    """Nibble codes of ``c`` = (q_A, q_A, q_B, q_B) (16 bytes each): low nibbles in the
+    first copy of each block, high nibbles in the second; through ``table`` if given."""
+    if table is None and target_has("gfni", "avx512bw"):
+        return _bitfields(builder, c, [(0, 4, 0), (0, 4, 0), (4, 4, 0), (4, 4, 0)] * 2)
+    # Word shifts: 4 for the high-nibble copies (bytes 16..31 of each block).
+    v16 = ir.VectorType(_I16, 32)
+    c = builder.bitcast(builder.lshr(builder.bitcast(c, v16),
+                                     _const(_I16, [4 * ((2 * i // 16) % 2) for i in range(32)])), _V64I8)
+    if table is not None:
+        return _lut(builder, c, table)
+    return builder.and_(c, _const(_I8, [15] * 64))
+
+
+def unit_pair_decoder(*parts, nibbles_at: int | None = None, table=None):
+    """Make an intrinsic ``(w, ob, j) -> codes`` (``I8x64``) for 256-weight blocks: the
+    unsigned codes of units 2j and 2j + 1 (32 weights each) of the block at byte ``ob``,
+    in activation order. Each part is ``(at, shift, width, up)``, functions of the unit
+    k: weight l of unit k has ``((byte[ob + at(k) + l] >> shift(k)) & (2**width - 1)) <<
+    up(k)`` OR-ed over the parts. Or, with ``nibbles_at``, unit k is the 16 bytes at
+    ``nibbles_at + 16 k`` (low nibbles, then high) through ``table`` (IQ4_XS). j must be
+    a constant once inlined (the drivers unroll the four pairs); for each j the bytes are
+    one or two loads and one bit-field map."""
+    def codes_for(builder, p, j):
+        if nibbles_at is not None:
+            v16 = ir.VectorType(_I8, 16)
+            qa, qb = (builder.load(builder.bitcast(builder.gep(p, [ir.Constant(_I64, nibbles_at + 32 * j + 16 * h)]),
+                                                   v16.as_pointer()), align=1) for h in (0, 1))
+            return _nibbles(builder, builder.shuffle_vector(qa, qb, _const(_I32, [*range(16)] * 2 + [*range(16, 32)] * 2)),
+                            table)
+        out = None
+        for at, shift, width, up in parts:
+            a0, a1 = at(2 * j), at(2 * j + 1)
+
+            def load(off, n):
+                q = builder.gep(p, [ir.Constant(_I64, off)])
+                return builder.load(builder.bitcast(q, ir.VectorType(_I8, n).as_pointer()), align=1)
+            if a1 == a0 + 32:
+                v = load(a0, 64)
+            else:
+                lo = load(a0, 32)
+                hi = lo if a1 == a0 else load(a1, 32)
+                v = builder.shuffle_vector(lo, hi, _const(_I32, range(64)))
+            f0, f1 = (shift(2 * j), width, up(2 * j)), (shift(2 * j + 1), width, up(2 * j + 1))
+            t = _bitfields(builder, v, [f0] * 4 + [f1] * 4)
+            out = t if out is None else builder.or_(out, t)
+        return out
+
+    def codegen(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        j = context.cast(builder, args[2], sig.args[2], types.int64)
+        # A select chain over the four pairs: folds to one once j is a constant.
+        out = codes_for(builder, p, 3)
+        for jj in (2, 1, 0):
+            out = builder.select(builder.icmp_signed("==", j, ir.Constant(_I64, jj)),
+                                 codes_for(builder, p, jj), out)
+        return out
+
+    @intrinsic
+    def decode(typingctx, w, ob, j):
+        if not (_is_array(w) and _is_int(ob) and _is_int(j)):
+            return None
+        return i8x64(w, ob, j), codegen
+    return decode
+
+
+def pair_decoder(*, block_bytes: int, qs: int, scale: str, scale_at: int = 0,
+                 min_at: int | None = None, table=None, qh: int | None = None,
+                 signed8: bool = False):
+    """Make ``(decode2, decode1)``: intrinsics ``(w, ob) -> (codes, d, m)`` for the blocks
+    at byte ``ob`` and ``ob + block_bytes`` (decode1: block A only, B's lanes zero).
+
+    block_bytes: ggml's block size; qs: byte offset of the 16 nibble bytes (of the 32
+    int8 values if ``signed8``); scale: "f16" or "e8m0" (then ``d = 2**(e - 128)``, ggml's
+    half scale) at ``scale_at``; min_at: an f16 min; table: 16 code values the nibble
+    indexes; qh: byte offset of a u32 whose bit j is weight j's 5th bit."""
+    bb = block_bytes
+
+    def build(n_blocks):
+        def codegen(context, builder, sig, args):
+            p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+
+            def load(k, at, ty):
+                """Field at byte ``at`` of block k (B: zero when decoding A alone)."""
+                if k == 1 and n_blocks == 1:
+                    return ir.Constant(ty, None)
+                q = builder.gep(p, [ir.Constant(_I64, k * bb + at)])
+                return builder.load(builder.bitcast(q, ty.as_pointer()), align=1)
+
+            def pairs(a, b, per):
+                """Vector of ``per`` copies of a's lanes, then of b's."""
+                n = len(a.type) if isinstance(a.type, ir.VectorType) else 1
+                if n == 1:
+                    vt = ir.VectorType(a.type, 1)
+                    a = builder.insert_element(ir.Constant(vt, None), a, ir.Constant(_I32, 0))
+                    b = builder.insert_element(ir.Constant(vt, None), b, ir.Constant(_I32, 0))
+                return builder.shuffle_vector(a, b, _const(_I32, [i for _ in range(per) for i in range(n)]
+                                                       + [n + i for _ in range(per) for i in range(n)]))
+            if signed8:
+                c = pairs(load(0, qs, _V32I8), load(1, qs, _V32I8), 1)
+                codes = builder.xor(c, _const(_I8, [0x80] * 64))   # int8 + 128
+            else:
+                v16i8 = ir.VectorType(_I8, 16)
+                c = pairs(load(0, qs, v16i8), load(1, qs, v16i8), 2)
+                codes = _nibbles(builder, c, table)
+                if qh is not None:
+                    bits = builder.zext(load(0, qh, _I32), _I64)
+                    if n_blocks == 2:
+                        bits = builder.or_(bits, builder.shl(builder.zext(load(1, qh, _I32), _I64),
+                                                             ir.Constant(_I64, 32)))
+                    hi = builder.select(builder.bitcast(bits, ir.VectorType(_I1, 64)),
+                                        _const(_I8, [16] * 64), _const(_I8, [0] * 64))
+                    codes = builder.or_(codes, hi)
+
+            def scale_pair(at, kind):
+                # Each block's scale is a table entry (f16 -> f32 as ggml does; e8m0): the
+                # lanes come from two broadcast loads rather than from vector conversions.
+                ity, name = (_I16, "offload_f16_to_f32") if kind == "f16" else (_I8, "offload_e8m0_half_to_f32")
+                tab = _table(builder.module, name)
+
+                def val(k):
+                    if k == 1 and n_blocks == 1:
+                        return ir.Constant(_F32, 0.0)
+                    i = builder.zext(load(k, at, ity), _I64)
+                    return builder.load(builder.gep(tab, [ir.Constant(_I64, 0), i]), align=4)
+                return pairs(val(0), val(1), 8)
+
+            d = scale_pair(scale_at, scale)
+            m = scale_pair(min_at, "f16") if min_at is not None else ir.Constant(_VF, [0.0] * 16)
+            return context.make_tuple(builder, sig.return_type, [codes, d, m])
+
+        @intrinsic
+        def decode(typingctx, w, ob):
+            if not (_is_array(w) and _is_int(ob)):
+                return None
+            return types.Tuple((i8x64, fvec, fvec))(w, ob), codegen
+        return decode
+
+    return build(2), build(1)
+
+
+@intrinsic
+def pdot(typingctx, codes, xq, xo):
+    """Lane i: sum_{j<4} codes[4i + j] * xq[xo + 4i + j] (u8 x s8), as float32."""
+    if not (codes == i8x64 and _is_array(xq) and _is_int(xo)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[1], args[1], args[2], sig.args[2])
+        x = builder.load(builder.bitcast(p, _V64I8.as_pointer()), align=1)
+        c, acc = args[0], ir.Constant(_V16I32, [0] * 16)
+        if target_has("avx512vnni", "avx512f"):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I32, [_V16I32] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+            r = builder.call(fn, [acc, builder.bitcast(c, _V16I32), builder.bitcast(x, _V16I32)])
+        elif target_has("avxvnni") or target_has("avx512vnni", "avx512vl"):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8I32, [_V8I32] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.256")
+
+            def half(v, h, ty):
+                return builder.shuffle_vector(v, v, _const(_I32, range(h * len(ty), (h + 1) * len(ty))))
+            rs = [builder.call(fn, [half(acc, h, range(8)),
+                                    builder.bitcast(half(c, h, range(32)), _V8I32),
+                                    builder.bitcast(half(x, h, range(32)), _V8I32)]) for h in (0, 1)]
+            r = builder.shuffle_vector(rs[0], rs[1], _const(_I32, range(16)))
+        else:
+            v64 = ir.VectorType(_I32, 64)
+            prod = builder.mul(builder.zext(c, v64), builder.sext(x, v64))
+            r = acc
+            for j in range(4):
+                r = builder.add(r, builder.shuffle_vector(prod, prod, _const(_I32, [4 * i + j for i in range(16)])))
+        return builder.sitofp(r, _VF)
+    return fvec(codes, xq, xo), codegen
