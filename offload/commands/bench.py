@@ -23,7 +23,7 @@ from pathlib import Path
 
 from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args
-from offload.commands.run import open_cli_model, runtime_process_settings
+from offload.commands.run import add_session_arguments, open_cli_model, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.stats import conditional, per_position
 
@@ -59,12 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-verify", choices=("batched", "exact"), default="batched",
                    help="verify mode of the MTP stages (default batched)")
     p.add_argument("--jsonl", metavar="PATH", help="write one JSON record per run and per summary here")
-    p.add_argument("--virtual-gpus", action="store_true",
-                   help="back the plan's CUDA devices with the CPU (testing without a GPU)")
-    p.add_argument("--gpu-dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
-                   help="compute dtype of GPU-resident weights (as for offload run)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads for the CPU expert kernels")
-    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op CPU threads (default 1)")
+    add_session_arguments(p)
     add_placement_arguments(p)
     return p
 

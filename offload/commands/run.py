@@ -46,6 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--stats-json", metavar="PATH", help="write timings/counters as JSON here")
+    add_session_arguments(p)
+    add_spec_arguments(p)
+    p.add_argument("--spec-diagnose", action="store_true",
+                   help="after generating, print how far batched verification drifts from one-token "
+                        "decoding on the prompt + output (largest logit difference, greedy flips)")
+    add_placement_arguments(p)
+    return p
+
+
+def add_session_arguments(p: argparse.ArgumentParser) -> None:
+    """How the model is loaded and computed (shared by run, bench and tune)."""
     p.add_argument("--virtual-gpus", action="store_true",
                    help="back the plan's CUDA devices with the CPU (testing without a GPU)")
     p.add_argument("--gpu-dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
@@ -56,12 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "
                         "small, and spare cores belong to the expert kernels)")
-    add_spec_arguments(p)
-    p.add_argument("--spec-diagnose", action="store_true",
-                   help="after generating, print how far batched verification drifts from one-token "
-                        "decoding on the prompt + output (largest logit difference, greedy flips)")
-    add_placement_arguments(p)
-    return p
 
 
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:

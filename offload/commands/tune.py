@@ -57,7 +57,7 @@ from pathlib import Path
 
 from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args
-from offload.commands.run import runtime_process_settings
+from offload.commands.run import add_session_arguments, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 
 DEFAULT_MAX_N = 6
@@ -140,12 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the tuned plan here (default: back into --placement's file; without "
                         "--placement nothing is written unless -o is given)")
     p.add_argument("--json", metavar="PATH", help="write every measurement, the fit and both tables as JSON")
-    p.add_argument("--virtual-gpus", action="store_true",
-                   help="back the plan's CUDA devices with the CPU (testing without a GPU)")
-    p.add_argument("--gpu-dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
-                   help="compute dtype of GPU-resident weights (as for offload run)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads for the CPU expert kernels")
-    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op CPU threads (default 1)")
+    add_session_arguments(p)
     add_placement_arguments(p)
     return p
 
