@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from offload.moe import MoE
+from offload.stats import conditional
 from placement.acceptance import AcceptanceProfile
 from placement.cost import RoutingProfile
 
@@ -283,7 +284,7 @@ def acceptance_from(runs: Sequence[Decode], n_max: int, p_min: float) -> Accepta
     m = int(np.count_nonzero(reach))
     if m == 0:
         raise ValueError("no draft position was reached")
-    accept = tuple(float(acc[j] / reach[j]) for j in range(m))
+    accept = tuple(conditional(acc[:m].tolist(), reach[:m].tolist()))
     cont: tuple[float, ...] = (1.0,)
     if p_min > 0:
         # position 1: steps that drafted / steps that could (reached_1 counts every step

@@ -139,12 +139,17 @@ def _placement_from_flags(args: argparse.Namespace, model: ModelFile, devices: l
     return Placement(tuple(rules), layout, tuple(rules) if with_draft else (), draft_device)
 
 
-def _plan_from_file(path: str, model: ModelFile | None, draft_path: str | None):
+def read_plan_file(path: str):
+    """The parsed plan file at ``path`` (``PlanFile``); unreadable or malformed → one-line error."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise OffloadError(f"{path}: cannot read plan file ({getattr(exc, 'strerror', None) or exc})") from None
-    pf = load_plan_file(text, path)
+    return load_plan_file(text, path)
+
+
+def _plan_from_file(path: str, model: ModelFile | None, draft_path: str | None):
+    pf = read_plan_file(path)
     if model is None:
         model = open_model(pf.model_path)
     elif Path(model.path).resolve() != Path(pf.model_path).resolve():

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 from offload.bench_tasks import TASKS
-from offload.commands.plan import add_placement_arguments, plan_from_args
+from offload.commands.plan import add_placement_arguments, plan_from_args, read_plan_file
 from offload.commands.run import add_session_arguments, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 
@@ -166,13 +166,7 @@ def _check_plan_model(args) -> None:
     """A positional model and a plan made for another model: refuse (tune writes the plan)."""
     if not (args.model and args.placement):
         return
-    from placement.plan_file import load_plan_file
-    try:
-        text = Path(args.placement).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise OffloadError(f"{args.placement}: cannot read plan file "
-                           f"({getattr(exc, 'strerror', None) or exc})") from None
-    pf = load_plan_file(text, args.placement)
+    pf = read_plan_file(args.placement)
     if Path(pf.model_path).resolve() != Path(args.model).resolve():
         raise OffloadError(f"{args.placement} is a plan for {pf.model_path}, not {args.model}")
 
