@@ -89,12 +89,21 @@ def kv_cache(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_cel
 
 class Block:
     """Pre-norm decoder block: x + attn(norm(x)); h + ffn(norm(h)). Runs on ``device``;
-    the hidden state moves only here, at the block boundary."""
+    the hidden state moves only here, at the block boundary.
+
+    The block interface every architecture (and any compiled block) keeps: ``device_name``,
+    ``device``, ``new_cache()`` (a fresh cache of the block's own kind, with ``length`` and
+    ``truncate(n)``) and ``__call__(x, positions, cache) -> x`` with x (T, n_embd)."""
 
     def __init__(self, *, device_name: str, device: torch.device, attn_norm, attn: Attention,
-                 ffn_norm, ffn, profile: Profile):
+                 ffn_norm, ffn, profile: Profile, cache: Callable[[torch.device], object]):
         self.device_name, self.device, self.attn_norm, self.attn = device_name, device, attn_norm, attn
         self.ffn_norm, self.ffn, self.profile = ffn_norm, ffn, profile
+        self._cache = cache
+
+    def new_cache(self):
+        """A fresh KV cache for this block, on its device, as the plan sized it."""
+        return self._cache(self.device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x: (T, n_embd) hidden states; positions: (T,) host tensor of RoPE positions."""
@@ -111,14 +120,13 @@ class NextN:
     pre-norm hidden state (which feeds the next chained draft step)."""
 
     def __init__(self, *, embed, enorm: RMSNorm, hnorm: RMSNorm, eh_proj, block: Block,
-                 norm: RMSNorm, head, cache: Callable[[torch.device], KVCache]):
+                 norm: RMSNorm, head):
         self.embed, self.enorm, self.hnorm, self.eh_proj = embed, enorm, hnorm, eh_proj
         self.block, self.norm, self.head = block, norm, head
-        self._cache = cache
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self):
         """The head's own KV cache (entry t holds the pair (h_t, token t+1)), on its device."""
-        return self._cache(self.block.device)
+        return self.block.new_cache()
 
     def __call__(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache, *, logits: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -153,15 +161,14 @@ class State:
 
 class CausalLM:
     def __init__(self, *, config: ModelConfig, embed, blocks: list[Block], output_norm: RMSNorm,
-                 output, nextn: NextN | None, cache: Callable[[torch.device], KVCache]):
+                 output, nextn: NextN | None):
         self.config, self.embed, self.blocks = config, embed, blocks
         self.output_norm, self.output, self.nextn = output_norm, output, nextn
-        self._cache = cache
 
     def new_state(self, head=None) -> State:
         """Fresh caches for the trunk and for ``head`` (default: the model's NextN head)."""
         head = head if head is not None else self.nextn
-        return State([self._cache(b.device) for b in self.blocks],
+        return State([b.new_cache() for b in self.blocks],
                      head.new_cache() if head is not None else None)
 
     def forward(self, ids: torch.Tensor, state: State, *, logits: str = "all"
@@ -247,7 +254,8 @@ def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str
     else:
         ffn = build_swiglu(w, p)
     return Block(device_name=home_name, device=home, attn_norm=norm(f"{p}.attn_norm.weight"), attn=attn,
-                 ffn_norm=norm(f"{p}.{ffn_norm}.weight"), ffn=ffn, profile=ctx.profile)
+                 ffn_norm=norm(f"{p}.{ffn_norm}.weight"), ffn=ffn, profile=ctx.profile,
+                 cache=ctx.cache(cfg))
 
 
 def build_trunk(w, cfg: ModelConfig, ctx: BuildContext, *, ffn_norm: str,
@@ -287,5 +295,4 @@ def build_nextn(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str
                  enorm=norm("enorm"), hnorm=norm("hnorm"),
                  eh_proj=w.linear(f"{p}.nextn.eh_proj.weight"), block=block,
                  norm=norm("shared_head_norm"),
-                 head=w.linear(own_head) if w.has(own_head) else output,
-                 cache=ctx.cache(cfg))
+                 head=w.linear(own_head) if w.has(own_head) else output)

@@ -44,4 +44,4 @@ def build(cfg: ModelConfig, w, ctx: BuildContext, draft=None) -> CausalLM:
         nextn = build_nextn(store, cfg, i, ctx, ffn_norm=FFN_NORM, make_router=router_of(store),
                             embed=embed, output=output)
     return CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output,
-                    nextn=nextn, cache=ctx.cache(cfg))
+                    nextn=nextn)

@@ -29,4 +29,4 @@ def build(cfg: ModelConfig, w, ctx: BuildContext, draft=None) -> CausalLM:
 
     embed, blocks, output_norm, output = build_trunk(w, cfg, ctx, ffn_norm="ffn_norm", make_router=router)
     return CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output,
-                    nextn=None, cache=ctx.cache(cfg))
+                    nextn=None)
