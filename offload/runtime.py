@@ -3,7 +3,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections import defaultdict
@@ -15,7 +14,7 @@ import torch
 
 from cpu_kernels import set_num_threads
 from gpu.kv_cache import KVCache
-from offload.commands.plan import add_placement_arguments, plan_from_args
+from offload.commands.plan import open_draft, plan_from_file
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, open_model
@@ -29,7 +28,9 @@ from offload.stats import RunStats, peak_rss_bytes
 from offload.tokenizer import Tokenizer
 from offload.weights import WeightStore
 from placement.memory import CACHE_PAD, pad
+from placement.devices import resolve_devices
 from placement.plan import Plan
+from placement.planner import PlanOptions, make_plan
 
 _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -149,31 +150,24 @@ class Session:
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def plan_for(model: ModelFile, placement=None, devices: str | None = None, **plan_options) -> Plan:
+def plan_for(model: ModelFile, placement=None, devices: str | None = None, draft: str | None = None,
+             **plan_options) -> Plan:
     """A Plan for ``model``: ``placement`` may be a Plan, a plan YAML path, or None (plan now
-    from ``devices`` and the planner's flags given as keywords, e.g. ``n_cpu_moe=10``,
-    ``override_tensor=["exps=CPU"]``, ``tensor_split="1,1"``, ``cache_type="f32"``)."""
+    for ``devices`` with ``placement.planner.make_plan``; the planner's flags as keywords, named
+    and spelled as ``PlanOptions.from_flags`` takes them, e.g. ``n_cpu_moe=10``,
+    ``override_tensor=["exps=CPU"]``, ``tensor_split="1,1"``, ``fit="on"``, ``cache_type="f32"``;
+    ``draft``: a GGUF holding a NextN block to draft with)."""
     if isinstance(placement, Plan):
-        if devices is not None or plan_options:
+        if devices is not None or draft is not None or plan_options:
             raise OffloadError("give either a Plan or planning options, not both")
         return placement
-    parser = argparse.ArgumentParser()
-    add_placement_arguments(parser)
-    args = parser.parse_args([])
-    options = sorted(k for k in vars(args) if k not in ("placement", "devices"))
-    for key, value in plan_options.items():
-        if key not in options:
-            raise OffloadError(f"unknown planning option {key!r} (options: {', '.join(options)})")
-        if key == "override_tensor" and isinstance(value, str):
-            value = [value]
-        if key == "tensor_split" and not isinstance(value, str):
-            value = ",".join(str(v) for v in value)
-        setattr(args, key, value)
-    if devices is not None:
-        args.devices = devices
     if placement is not None:
-        args.placement = str(placement)
-    return plan_from_args(args, model)[0]
+        if devices is not None or plan_options:
+            raise OffloadError(f"the plan file {placement} fixes the placement; give no planning options with it")
+        return plan_from_file(str(placement), model, draft)[0]
+    options = PlanOptions.from_flags(**plan_options)
+    draft_model = open_draft(draft, model) if draft is not None else None
+    return make_plan(model, resolve_devices(devices or "auto"), options, draft=draft_model)
 
 
 def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus: bool = False,

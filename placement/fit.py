@@ -37,7 +37,7 @@ from placement.errors import PlacementError
 from placement.layers import LayerLayout, output_slot_member
 from placement.memory import MemorySettings, forward_model, kv_bytes, tied_output
 from placement.plan import Placement, Plan, PlannedModel, build_plan, kv_blocks
-from placement.rules import EXPERTS_REGEX, Rule, layers_regex
+from placement.rules import EXPERTS_REGEX, Rule, check_devices, first_match, layers_regex
 from placement.tensors import Role, TensorInfo
 
 CTX_STEP = 256
@@ -133,80 +133,150 @@ class _Ledger:
         return True
 
 
+@dataclass(frozen=True)
+class Pins:
+    """What ``--fit on`` keeps of the user's placement flags: the rules (``-ot`` first, then
+    ``--cpu-moe`` / ``--n-cpu-moe``; first match wins, for the model and a ``--draft`` alike) and
+    ``-ngl`` / ``-ts`` when given. The fit places every tensor they leave open."""
+
+    rules: tuple[Rule, ...] = ()
+    n_gpu_layers: int | None = None                 # None: the fit may use every slot
+    tensor_split: tuple[float, ...] | None = None   # None: the fit cuts the GPU slots
+
+    def __bool__(self) -> bool:
+        return bool(self.rules) or self.n_gpu_layers is not None or self.tensor_split is not None
+
+    def gpu_slots(self, n_layer: int) -> int:
+        n = self.n_gpu_layers
+        return n_layer + 1 if n is None or n == -1 else min(n, n_layer + 1)
+
+
 @dataclass
 class _Slots:
-    """The non-expert tensors and KV of each slot; every expert block, in priority order."""
+    """The open (unpinned) non-expert tensors and KV of each GPU slot; every open expert block,
+    in priority order; and what the pins put on each device, with the reason (rule or -ngl)."""
 
     dense: list[list[tuple[TensorInfo, bool]]]   # per slot: (tensor, is_draft)
     kv: list[int]
     experts: list[_ExpertBlock]
+    first_gpu: int                               # slots below it are on the CPU (-ngl)
+    pinned: dict[str, list[tuple[TensorInfo, bool, str]]]   # device → (tensor, is_draft, why)
+    pinned_kv: dict[str, list[tuple[int, str]]]             # device → (KV bytes, why)
 
     def cost(self, slot: int) -> int:
         return sum(t.n_bytes for t, _ in self.dense[slot]) + self.kv[slot]
 
+    @property
+    def gpu_slots(self) -> range:
+        return range(self.first_gpu, len(self.dense))
 
-def _slots(model: PlannedModel, draft: PlannedModel | None, s: MemorySettings) -> _Slots:
+
+def _slots(model: PlannedModel, draft: PlannedModel | None, s: MemorySettings, pins: Pins) -> _Slots:
     n = model.spec.n_layer
+    first_gpu = n + 1 - pins.gpu_slots(n)
+    below = f"-ngl {pins.n_gpu_layers}"
     dense: list[list[tuple[TensorInfo, bool]]] = [[] for _ in range(n + 1)]
     kv = [0] * (n + 1)
     experts: dict[str, _ExpertBlock] = {}
+    pinned: dict[str, list[tuple[TensorInfo, bool, str]]] = defaultdict(list)
+    pinned_kv: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    pin_of: dict[tuple[bool, str], tuple[str, str]] = {}     # (is_draft, name) → (device, why)
     sources = [(model, False)] + ([(draft, True)] if draft is not None else [])
+    tied = tied_output(model.tensors)
     for m, is_draft in sources:
-        for t in m.tensors:
+        extra = [tied] if tied is not None and not is_draft else []   # logits from token_embd: a copy
+        for t in list(m.tensors) + extra:                               # on the output layer's GPU
             if is_draft or (t.layer is None and output_slot_member(t)):
                 slot = n
             elif t.layer is not None:
                 slot = t.layer
             else:
-                continue    # input layer (token_embd): the layout keeps it on the CPU
-            if t.role is Role.ROUTED_EXPERTS and t.layer is not None:
+                slot = None     # input layer (token_embd): the layout keeps it on the CPU
+            rule = first_match(pins.rules, t.name)
+            if rule is not None:
+                pin_of[is_draft, t.name] = (rule.device, f"rule '{rule.text}' ({rule.origin})")
+            elif slot is not None and slot < first_gpu:
+                pin_of[is_draft, t.name] = (CPU, below)
+            if (is_draft, t.name) in pin_of:
+                dev, why = pin_of[is_draft, t.name]
+                pinned[dev].append((t, is_draft, why))
+            elif slot is None:
+                continue
+            elif t.role is Role.ROUTED_EXPERTS and t.layer is not None:
                 key = ("draft:" if is_draft else "") + expert_block_key(t)
                 blk = experts.setdefault(key, _ExpertBlock(expert_block_key(t), t.layer, slot, is_draft, []))
                 blk.tensors.append(t)
             else:
                 dense[slot].append((t, is_draft))
-    tied = tied_output(model.tensors)
-    if tied is not None:            # logits from token_embd: a copy on the output layer's GPU
-        dense[n].append((tied, False))
-    for layer in kv_blocks(model, draft is None and model.spec.n_nextn > 0):
-        kv[layer] += kv_bytes(model.spec, layer, s)
+    # KV: with the block's largest attention tensor (memory.py), so a pinned attention takes it along
+    kv_sources = [(model, False, kv_blocks(model, draft is None and model.spec.n_nextn > 0))]
     if draft is not None:
-        for layer in sorted({t.layer for t in draft.tensors if t.layer is not None}):
-            kv[n] += kv_bytes(draft.spec, layer, s)
+        kv_sources.append((draft, True, sorted({t.layer for t in draft.tensors if t.layer is not None})))
+    for m, is_draft, layers in kv_sources:
+        attn: dict[int, TensorInfo] = {}
+        for t in m.tensors:
+            if t.role is Role.ATTENTION and t.layer is not None and (
+                    t.layer not in attn or t.n_bytes > attn[t.layer].n_bytes):
+                attn[t.layer] = t
+        for layer in layers:
+            size = kv_bytes(m.spec, layer, s)
+            where = pin_of.get((is_draft, attn[layer].name)) if layer in attn else None
+            if where is not None:
+                pinned_kv[where[0]].append((size, where[1]))
+            else:
+                kv[n if is_draft else layer] += size
     # priority: last slot first (draft, NextN, then the trunk backwards); stable within a block
     order = sorted(experts.values(), key=lambda b: (-b.slot, not b.draft, -b.layer, b.key))
-    return _Slots(dense, kv, order)
+    return _Slots(dense, kv, order, first_gpu, dict(pinned), dict(pinned_kv))
 
 
-def _partition(gpus, targets, forward: _Forward, slots: _Slots):
-    """Contiguous slot ranges per GPU and their ledgers: proportional to the GPUs' room, else
-    greedy. None when the non-expert part cannot fit."""
+def _base_ledgers(gpus, targets, forward: _Forward, slots: _Slots) -> list[_Ledger]:
+    """One ledger per GPU holding what the pins put there."""
+    ledgers = [_Ledger(g, targets.get(g.name, 0), forward) for g in gpus]
+    for lg in ledgers:
+        lg.try_add([(t, d) for t, d, _ in slots.pinned.get(lg.name, ())],
+                   sum(b for b, _ in slots.pinned_kv.get(lg.name, ())), force=True)
+    return ledgers
+
+
+def _partition(gpus, targets, forward: _Forward, slots: _Slots, split: tuple[float, ...] | None):
+    """Contiguous GPU-slot ranges per GPU and their ledgers: the user's ``-ts`` when given, else
+    proportional to the GPUs' room beside what is pinned there, else greedy. None when the
+    non-expert part cannot fit."""
     def ledgers_for(groups):
-        ledgers = [_Ledger(g, targets.get(g.name, 0), forward) for g in gpus]
+        ledgers = _base_ledgers(gpus, targets, forward, slots)
         for ledger, group in zip(ledgers, groups):
             for slot in group:
                 ledger.try_add(slots.dense[slot], slots.kv[slot], force=True)
         return ledgers if all(lg.used <= lg.room for lg in ledgers) else None
 
-    rooms = [max(g.budget_bytes - targets.get(g.name, 0), 0) for g in gpus]
+    names = tuple(g.name for g in gpus)
+    n_layer = len(slots.dense) - 1
+    if split is not None:           # the user's -ts decides which GPU holds each slot
+        layout = LayerLayout(n_layer, names, len(slots.gpu_slots), split)
+        groups = list(layout.slots_per_gpu().values())
+        ledgers = ledgers_for(groups)
+        return None if ledgers is None else (groups, ledgers)
+    base = _base_ledgers(gpus, targets, forward, slots)
+    rooms = [max(lg.room - lg.used, 0) for lg in base]
     cum, acc = [], 0
     for r in rooms:
         acc += r
         cum.append(acc / (sum(rooms) or 1))
-    total = sum(slots.cost(i) for i in range(len(slots.dense))) or 1
+    total = sum(slots.cost(i) for i in slots.gpu_slots) or 1
     groups = [[] for _ in gpus]
     before = 0
-    for slot in range(len(slots.dense)):    # proportional: a slot goes where its midpoint falls
+    for slot in slots.gpu_slots:    # proportional: a slot goes where its midpoint falls
         mid = (before + slots.cost(slot) / 2) / total
         groups[next((i for i, x in enumerate(cum) if x > mid), len(gpus) - 1)].append(slot)
         before += slots.cost(slot)
     ledgers = ledgers_for(groups)
     if ledgers is not None:
         return groups, ledgers
-    ledgers = [_Ledger(g, targets.get(g.name, 0), forward) for g in gpus]
+    ledgers = base
     groups = [[] for _ in gpus]
     g = 0
-    for slot in range(len(slots.dense)):    # greedy: fill GPU 0, then GPU 1, ...
+    for slot in slots.gpu_slots:    # greedy: fill GPU 0, then GPU 1, ...
         while g < len(gpus) and not ledgers[g].try_add(slots.dense[slot], slots.kv[slot]):
             g += 1
         if g == len(gpus):
@@ -215,10 +285,41 @@ def _partition(gpus, targets, forward: _Forward, slots: _Slots):
     return groups, ledgers
 
 
-def _dense_need(model, draft, s, slots, gpus, targets) -> str:
-    """The refusal's numbers: what the non-expert part needs vs the GPUs' room."""
-    lg = _Ledger(Device("all GPUs", 1 << 62), 0, _Forward(model, draft, s))
-    for slot in range(len(slots.dense)):
+def _pinned_overflow(devices, targets, forward: _Forward, slots: _Slots) -> str | None:
+    """The refusal when what the pins alone put on a device does not fit: the device, its
+    bytes and each rule's share (largest first). None when every device holds its pins."""
+    for d in devices:
+        if d.is_gpu:
+            lg = _base_ledgers([d], targets, forward, slots)[0]
+            used, room = lg.used, lg.room
+            split = (f" (weights {format_bytes(lg.weights)} + KV {format_bytes(lg.kv)} + "
+                     f"compute {format_bytes(lg.compute)})")
+        else:
+            used = (sum(t.n_bytes for t, _, _ in slots.pinned.get(d.name, ()))
+                    + sum(b for b, _ in slots.pinned_kv.get(d.name, ())))
+            room, split = d.budget_bytes, ""
+        if used <= room:
+            continue
+        share: dict[str, int] = defaultdict(int)
+        for t, _, why in slots.pinned.get(d.name, ()):
+            share[why] += t.n_bytes
+        for b, why in slots.pinned_kv.get(d.name, ()):
+            share[why] += b
+        whys = "; ".join(f"{why} {format_bytes(b)}" for why, b in sorted(share.items(), key=lambda kv: -kv[1]))
+        target = targets.get(d.name, 0)
+        kept = f" with {format_bytes(target)} kept free" if target else ""
+        return (f"cannot fit: your rules alone put {format_bytes(used)} on {d.name}{split} but it has "
+                f"{format_bytes(room)}{kept} — {whys}")
+    return None
+
+
+def _dense_need(slots: _Slots, forward: _Forward, gpus, targets) -> str:
+    """The refusal's numbers: what the non-expert part (and the pins on GPUs) needs vs the GPUs' room."""
+    lg = _Ledger(Device("all GPUs", 1 << 62), 0, forward)
+    for g in gpus:
+        lg.try_add([(t, d) for t, d, _ in slots.pinned.get(g.name, ())],
+                   sum(b for b, _ in slots.pinned_kv.get(g.name, ())), force=True)
+    for slot in slots.gpu_slots:
         lg.try_add(slots.dense[slot], slots.kv[slot], force=True)
     room = ", ".join(f"{g.name} {format_bytes(g.budget_bytes - targets.get(g.name, 0))}" for g in gpus)
     return (f"needs {format_bytes(lg.used)} (weights {format_bytes(lg.weights)} + KV "
@@ -229,7 +330,8 @@ def _dense_need(model, draft, s, slots, gpus, targets) -> str:
 def _rules_for_moves(moves: Mapping[_ExpertBlock, str], all_blocks: Sequence[_ExpertBlock],
                      draft: bool) -> list[Rule]:
     """Rules for expert blocks that leave their slot's device, grouped per destination:
-    whole blocks use llama.cpp's expert regex; the rest name their kinds."""
+    whole blocks use llama.cpp's expert regex; the rest name their kinds. (Only open blocks
+    count: a pinned kind the regex also matches is caught by its user rule, which comes first.)"""
     kinds_of_layer: dict[int, set[str]] = defaultdict(set)
     for b in all_blocks:
         if b.draft is draft:
@@ -266,23 +368,30 @@ def _checked(plan: Plan) -> Plan:
 
 def fit(model: PlannedModel, devices: Sequence[Device], targets: Mapping[str, int],
         settings: MemorySettings, *, ctx_floor: int | None = None,
-        draft: PlannedModel | None = None) -> Plan:
-    """Auto-fit (module docstring). ``ctx_floor`` None: keep ``settings.ctx`` as given.
+        draft: PlannedModel | None = None, pins: Pins = Pins()) -> Plan:
+    """Auto-fit (module docstring) around ``pins``. ``ctx_floor`` None: keep ``settings.ctx``.
 
     The plan's settings carry the context actually used; its notes say what the fit did.
     """
     spec = model.spec
     gpus = [d for d in devices if d.is_gpu]
     notes: list[str] = []
+    mode = "auto-fit" + (" around your flags" if pins else "")
+    user_draft_rules = pins.rules if draft is not None else ()
     if not gpus:
-        placement = Placement((), LayerLayout(spec.n_layer, (), 0, ()), (), CPU)
-        return _checked(build_plan(model, placement, settings, devices, targets, mode="auto-fit",
+        placement = Placement(pins.rules, LayerLayout(spec.n_layer, (), 0, ()), user_draft_rules, CPU,
+                              layout_origin="fit")
+        return _checked(build_plan(model, placement, settings, devices, targets, mode=mode,
                                    draft=draft, notes=["no GPU: everything on the CPU"]))
+    check_devices(pins.rules, [d.name for d in devices])
 
     def attempt(ctx: int):
         s = replace(settings, ctx=ctx)
-        slots = _slots(model, draft, s)
-        return s, slots, _partition(gpus, targets, _Forward(model, draft, s), slots)
+        slots = _slots(model, draft, s, pins)
+        forward = _Forward(model, draft, s)
+        if _pinned_overflow(devices, targets, forward, slots) is not None:
+            return s, slots, None
+        return s, slots, _partition(gpus, targets, forward, slots, pins.tensor_split)
 
     s, slots, part = attempt(settings.ctx)
     if part is None and ctx_floor is not None and ctx_floor < settings.ctx:
@@ -302,9 +411,13 @@ def fit(model: PlannedModel, devices: Sequence[Device], targets: Mapping[str, in
     if part is None:
         at = f" even at context {ctx_floor}" if ctx_floor is not None and ctx_floor < settings.ctx else ""
         s_min = replace(settings, ctx=min(settings.ctx, ctx_floor or settings.ctx))
+        slots_min, forward_min = _slots(model, draft, s_min, pins), _Forward(model, draft, s_min)
+        pinned = _pinned_overflow(devices, targets, forward_min, slots_min)
+        if pinned is not None:
+            raise PlacementError(pinned + at)
         raise PlacementError(
             f"cannot fit the non-expert part on the GPUs{at}: "
-            f"{_dense_need(model, draft, s_min, _slots(model, draft, s_min), gpus, targets)}; "
+            f"{_dense_need(slots_min, forward_min, gpus, targets)}; "
             f"lower --ctx, use a smaller --cache-type, or keep layers on the CPU with -ngl")
     groups, ledgers = part
     slot_gpu = {slot: i for i, group in enumerate(groups) for slot in group}
@@ -322,13 +435,29 @@ def fit(model: PlannedModel, devices: Sequence[Device], targets: Mapping[str, in
         else:
             moves[blk] = CPU
 
-    layout = LayerLayout(spec.n_layer, tuple(g.name for g in gpus), spec.n_layer + 1,
-                         tuple(float(len(group)) for group in groups))
-    draft_device = ledgers[slot_gpu[spec.n_layer]].name
-    placement = Placement(tuple(_rules_for_moves(moves, slots.experts, draft=False)), layout,
-                          tuple(_rules_for_moves(moves, slots.experts, draft=True)), draft_device)
+    counts = tuple(float(len(group)) for group in groups)
+    layout = LayerLayout(spec.n_layer, tuple(g.name for g in gpus), len(slots.gpu_slots),
+                         counts if sum(counts) else (1.0,) * len(gpus))
+    draft_device = ledgers[slot_gpu[spec.n_layer]].name if spec.n_layer in slot_gpu else CPU
+    placement = Placement(pins.rules + tuple(_rules_for_moves(moves, slots.experts, draft=False)), layout,
+                          user_draft_rules + tuple(_rules_for_moves(moves, slots.experts, draft=True)),
+                          draft_device, layout_origin=_layout_origin(pins))
     n_cpu = sum(1 for d in moves.values() if d == CPU)
     if n_cpu:
-        notes.append(f"{n_cpu} of {len(slots.experts)} expert blocks on the CPU")
-    return _checked(build_plan(model, placement, s, devices, targets, mode="auto-fit",
-                               draft=draft, notes=notes))
+        notes.append(f"{n_cpu} of {len(slots.experts)} expert blocks the fit placed are on the CPU"
+                     if pins else f"{n_cpu} of {len(slots.experts)} expert blocks on the CPU")
+    if pins:
+        n_pinned = sum(len(v) for v in slots.pinned.values())
+        notes.append(f"{n_pinned} tensors pinned by your flags "
+                     f"({format_bytes(sum(t.n_bytes for v in slots.pinned.values() for t, _, _ in v))}); "
+                     "the fit placed the rest")
+    return _checked(build_plan(model, placement, s, devices, targets, mode=mode, draft=draft, notes=notes))
+
+
+def _layout_origin(pins: Pins) -> str:
+    """Who chose -ngl / -ts: what ``Plan.placed_by`` says of the tensors no rule matches."""
+    given = ([f"-ngl {pins.n_gpu_layers}"] if pins.n_gpu_layers is not None else []) + \
+        (["-ts"] if pins.tensor_split is not None else [])
+    if len(given) == 2:
+        return " ".join(given)
+    return f"{given[0]}, the rest by the fit" if given else "fit"

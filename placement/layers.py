@@ -20,6 +20,7 @@ round differently.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -88,3 +89,24 @@ class LayerLayout:
         for slot in range(self.first_gpu_slot, self.n_slots):
             out[self.slot_device(slot)].append(slot)
         return out
+
+
+def layout_from_flags(n_layer: int, gpus: Sequence[str], n_gpu_layers: int | None,
+                      tensor_split: Sequence[float] | None, default_split: Sequence[float]) -> LayerLayout:
+    """``-ngl`` / ``-ts`` as llama.cpp reads them: ``n_gpu_layers`` None or -1 = every slot; no
+    ``-ts`` = ``default_split`` (llama.cpp: the GPUs' free memory); a short ``-ts`` is padded with
+    zeros. Stored with the split as whole slot counts: the same slots land on the same GPUs, and
+    the emitted ``-ts`` needs no float rounding in llama.cpp."""
+    ngl = n_layer + 1 if n_gpu_layers is None or n_gpu_layers == -1 else n_gpu_layers
+    if ngl < 0:
+        raise PlacementError(f"-ngl must be >= 0 or -1 (all), got {ngl}")
+    split = list(default_split if tensor_split is None else tensor_split)
+    if len(split) > len(gpus):
+        raise PlacementError(f"-ts has {len(split)} values but there are {len(gpus)} GPUs "
+                             f"({', '.join(gpus) or 'none'})")
+    split += [0.0] * (len(gpus) - len(split))
+    layout = LayerLayout(n_layer, tuple(gpus), min(ngl, n_layer + 1), tuple(split))
+    counts = tuple(float(len(v)) for v in layout.slots_per_gpu().values())
+    if not gpus:
+        return layout
+    return LayerLayout(n_layer, tuple(gpus), layout.n_gpu_layers, counts if sum(counts) else (1.0,) * len(gpus))

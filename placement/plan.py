@@ -10,7 +10,7 @@ The YAML form is in ``placement.plan_file``; the llama.cpp flags in ``placement.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,7 +20,7 @@ from placement.layers import LayerLayout
 from placement.compute import peak_of_group
 from placement.memory import (DeviceTotals, Footprint, MemorySettings, add_footprints, device_totals,
                               footprint, forward_steps)
-from placement.rules import Rule, assign, check_devices
+from placement.rules import Rule, assign, check_devices, first_match
 from placement.tensors import ModelSpec, TensorInfo
 
 
@@ -38,12 +38,24 @@ class Placement:
     layout: LayerLayout
     draft_rules: tuple[Rule, ...] = ()
     draft_device: str = CPU
+    layout_origin: str = "flags"     # who chose the layout: "flags" (-ngl/-ts), "fit", "-ngl 30, the rest by the fit"
 
     def resolve(self, tensors: Sequence[TensorInfo]) -> dict[str, str]:
         return assign(tensors, self.rules, self.layout.device_of)
 
     def resolve_draft(self, tensors: Sequence[TensorInfo]) -> dict[str, str]:
         return assign(tensors, self.draft_rules, lambda _t: self.draft_device)
+
+    def placed_by(self, names: Iterable[str], draft: bool = False) -> dict[str, str]:
+        """Tensor name → who decided its device: the first matching rule's origin (``-ot``,
+        ``--cpu-moe``, ``--n-cpu-moe``, ``fit``, ``plan``), else ``layout_origin`` (a draft
+        tensor no rule matches goes to the draft device, which follows the output layer)."""
+        rules = self.draft_rules if draft else self.rules
+        out = {}
+        for name in names:
+            rule = first_match(rules, name)
+            out[name] = rule.origin if rule is not None else self.layout_origin
+        return out
 
     def check_devices(self, names: Sequence[str]) -> None:
         check_devices(self.rules, names)
@@ -116,6 +128,9 @@ class Plan:
                                 "rules": [r.as_dict() for r in self.placement.draft_rules]},
             "tensors": dict(self.tensors),
             "draft_tensors": dict(self.draft_tensors),
+            "layout_origin": self.placement.layout_origin,
+            "placed_by": self.placement.placed_by(self.tensors),
+            "draft_placed_by": self.placement.placed_by(self.draft_tensors, draft=True),
             "notes": list(self.notes),
             "speculative": self.speculative,
         }

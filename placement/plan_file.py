@@ -32,6 +32,8 @@ HEADER = """\
 # rules: first match wins (Python re.search on GGUF tensor names); a tensor no rule matches
 # follows the layer layout (llama.cpp -ngl / -ts: the last n_gpu_layers of the block_count + 1
 # slots, output layer last, split over the GPUs in proportion to tensor_split).
+# origin (of a rule or the layout) says who chose it: your flags (-ot, --cpu-moe, --n-cpu-moe,
+# -ngl/-ts: "flags"), the auto-fit ("fit"), or a hand edit ("plan", the default).
 # Sizes are bytes (or strings such as 24GiB). `totals` is informational, recomputed on load.
 """
 TOP_KEYS = {"version", "model", "draft", "context", "cache_type", "ubatch", "devices", "layout",
@@ -64,7 +66,8 @@ def plan_to_yaml(plan: Plan) -> str:
         "devices": [{"name": d.name, "budget": d.budget_bytes, "target": plan.targets.get(d.name, 0)}
                     for d in plan.devices],
         "layout": {"block_count": layout.n_layer, "n_gpu_layers": layout.n_gpu_layers,
-                   "tensor_split": [int(x) if float(x).is_integer() else x for x in layout.tensor_split]},
+                   "tensor_split": [int(x) if float(x).is_integer() else x for x in layout.tensor_split],
+                   "origin": plan.placement.layout_origin},
         "rules": [r.as_dict() for r in plan.placement.rules],
         "draft_placement": {"device": plan.placement.draft_device,
                             "rules": [r.as_dict() for r in plan.placement.draft_rules]},
@@ -215,6 +218,7 @@ def load_plan_file(text: str, source: str) -> PlanFile:
     n_layer = _get(doc, lay, ("layout",), "block_count", (int,))
     ngl = _get(doc, lay, ("layout",), "n_gpu_layers", (int,))
     ts = _get(doc, lay, ("layout",), "tensor_split", (list,))
+    layout_origin = _get(doc, lay, ("layout",), "origin", (str,), required=False, default="plan")
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in ts):
         doc.fail(("layout", "tensor_split"), "layout.tensor_split must be a list of numbers")
     try:
@@ -235,4 +239,4 @@ def load_plan_file(text: str, source: str) -> PlanFile:
     draft_rules = _rules(doc, dp.get("rules"), ("draft_placement", "rules"), names)
     spec = _get(doc, top, (), "speculative", (dict,), required=False)
     return PlanFile(model, draft, settings, tuple(devices), targets,
-                    Placement(rules, layout, draft_rules, draft_device), n_layer, spec)
+                    Placement(rules, layout, draft_rules, draft_device, layout_origin), n_layer, spec)

@@ -4,45 +4,39 @@
 
 With no placement flag it auto-fits (``placement.fit``); with ``-ot`` / ``--cpu-moe`` /
 ``--n-cpu-moe`` / ``-ngl`` / ``-ts`` it applies them with llama.cpp's semantics and checks the
-result fits; with ``--placement plan.yaml`` it loads a plan file. The table (or JSON, or flags)
-goes to stdout, notices to stderr.
+result fits, or, with ``--fit on``, keeps them and auto-fits everything they leave open; with
+``--placement plan.yaml`` it loads a plan file. The table (or JSON, or flags) goes to stdout,
+notices to stderr.
 
 ``add_placement_arguments`` and ``plan_from_args`` are shared with ``offload run``, so it takes
-every planner flag for free.
+every planner flag for free; the flags become ``placement.planner.PlanOptions`` and the plan
+comes from ``placement.planner.make_plan``, the API ``offload.load`` calls too.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import warnings
 from pathlib import Path
 
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.gguf_model import ModelFile, open_model
-from placement.devices import Device, parse_size, resolve_devices
-from placement.fit import fit
-from placement.layers import LayerLayout
+from placement.devices import resolve_devices
 from placement.llama_args import format_args, llama_cpp_args
-from placement.memory import MemorySettings
-from placement.plan import Placement, Plan, build_plan
+from placement.plan import Plan, build_plan
 from placement.plan_file import load_plan_file, plan_to_yaml
+from placement.planner import (DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, DEFAULT_UBATCH, FIT_MODES, FLAG_NAMES,
+                               PlanOptions, make_plan)
 from placement.report import format_plan
-from placement.rules import cpu_moe_rules, n_cpu_moe_rules, parse_override
 from placement.cost import SpecProfile
 from placement.hardware import HardwareProfile
 from placement.speculative import DEFAULT_MAX_N, complete_hardware, predict
 from placement.tensors import Role
 
-DEFAULT_FIT_TARGET_MIB = 1024
-DEFAULT_FIT_CTX = 4096
-DEFAULT_UBATCH = 512
-# flags that replace the auto-fit with llama.cpp-style placement
-PLACEMENT_FLAGS = ("override_tensor", "cpu_moe", "n_cpu_moe", "n_gpu_layers", "tensor_split")
-# what a plan file fixes, so it cannot be combined with --placement either
-PLAN_FILE_FIXES = PLACEMENT_FLAGS + ("devices", "fit_target", "fit_ctx", "ctx", "cache_type", "ubatch")
+# what a plan file fixes, so it cannot be combined with --placement
+PLAN_FILE_FIXES = FLAG_NAMES + ("devices",)
 
 
 def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -64,6 +58,10 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the last N of the block_count+1 slots (output counts) on GPUs; -1 = all (default)")
     g.add_argument("-ts", "--tensor-split", metavar="A,B,...",
                    help="split of the GPU slots across GPUs (default: in proportion to free memory)")
+    g.add_argument("--fit", choices=FIT_MODES,
+                   help="auto (default): auto-fit unless a placement flag (-ot, --cpu-moe, --n-cpu-moe, -ngl, "
+                        "-ts) is given; on: keep those flags as hard constraints and auto-fit the rest; "
+                        "off: the flags alone")
     g.add_argument("--fit-target", metavar="MiB[,MiB...]",
                    help=f"memory to leave free on each GPU (default {DEFAULT_FIT_TARGET_MIB}); one value "
                         "for all GPUs or one per GPU")
@@ -79,17 +77,6 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--placement", metavar="PLAN.yaml", help="load a plan file instead of planning")
 
 
-def _targets(text: str | None, devices: list[Device]) -> dict[str, int]:
-    gpus = [d.name for d in devices if d.is_gpu]
-    values = [parse_size(v, what="--fit-target") for v in text.split(",")] if text else \
-        [DEFAULT_FIT_TARGET_MIB << 20]
-    if len(values) == 1:
-        values = values * len(gpus)
-    if len(values) != len(gpus):
-        raise OffloadError(f"--fit-target has {len(values)} values for {len(gpus)} GPUs ({', '.join(gpus) or 'none'})")
-    return dict(zip(gpus, values))
-
-
 def open_draft(path: str, model: ModelFile) -> ModelFile:
     """A ``--draft`` GGUF: a NextN block of the same architecture and width as the model."""
     draft = open_model(path)
@@ -101,44 +88,6 @@ def open_draft(path: str, model: ModelFile) -> ModelFile:
     return draft
 
 
-def _placement_from_flags(args: argparse.Namespace, model: ModelFile, devices: list[Device],
-                          with_draft: bool) -> Placement:
-    rules = [r for value in args.override_tensor or [] for r in parse_override(value)]
-    if args.cpu_moe:
-        rules += cpu_moe_rules()
-    if args.n_cpu_moe is not None:
-        rules += n_cpu_moe_rules(args.n_cpu_moe)
-    n_layer = model.spec.n_layer
-    gpus = tuple(d.name for d in devices if d.is_gpu)
-    ngl = args.n_gpu_layers
-    if ngl is None or ngl == -1:
-        ngl = n_layer + 1
-    if ngl < -1:
-        raise OffloadError(f"-ngl must be >= 0 or -1 (all), got {ngl}")
-    ngl = min(ngl, n_layer + 1)
-    if args.tensor_split:
-        try:
-            split = [float(x) for x in args.tensor_split.split(",")]
-        except ValueError:
-            split = []
-        if not split or not all(math.isfinite(x) for x in split):
-            raise OffloadError(f"-ts: {args.tensor_split!r} is not a comma list of numbers")
-        if len(split) > len(gpus):
-            raise OffloadError(f"-ts has {len(split)} values but there are {len(gpus)} GPUs "
-                               f"({', '.join(gpus) or 'none'})")
-        split += [0.0] * (len(gpus) - len(split))
-    else:
-        split = [float(d.budget_bytes) for d in devices if d.is_gpu]   # llama.cpp: by free memory
-    layout = LayerLayout(n_layer, gpus, ngl, tuple(split))
-    # Store the split as whole slot counts: the same slots land on the same GPUs, and the
-    # emitted -ts needs no float rounding in llama.cpp.
-    counts = [float(len(v)) for v in layout.slots_per_gpu().values()]
-    if gpus:
-        layout = LayerLayout(n_layer, gpus, ngl, tuple(counts) if sum(counts) else (1.0,) * len(gpus))
-    draft_device = layout.slot_device(n_layer)     # the draft head sits with the output layer
-    return Placement(tuple(rules), layout, tuple(rules) if with_draft else (), draft_device)
-
-
 def read_plan_file(path: str):
     """The parsed plan file at ``path`` (``PlanFile``); unreadable or malformed → one-line error."""
     try:
@@ -148,7 +97,8 @@ def read_plan_file(path: str):
     return load_plan_file(text, path)
 
 
-def _plan_from_file(path: str, model: ModelFile | None, draft_path: str | None):
+def plan_from_file(path: str, model: ModelFile | None, draft_path: str | None = None):
+    """The plan file at ``path`` resolved against ``model`` (None: the model it names) → (Plan, model, draft)."""
     pf = read_plan_file(path)
     if model is None:
         model = open_model(pf.model_path)
@@ -175,21 +125,12 @@ def plan_from_args(args: argparse.Namespace, model: ModelFile | None) -> tuple[P
         if clash:
             raise OffloadError(f"--placement cannot be combined with --{clash[0].replace('_', '-')} "
                                f"(the plan file fixes it)")
-        return _plan_from_file(args.placement, model, args.draft)
+        return plan_from_file(args.placement, model, args.draft)
     if model is None:
         raise OffloadError("give a model (or --placement PLAN.yaml)")
     draft = open_draft(args.draft, model) if args.draft else None
-    devices = resolve_devices(args.devices or "auto")
-    targets = _targets(args.fit_target, devices)
-    settings = MemorySettings(args.ctx if args.ctx is not None else model.spec.n_ctx_train,
-                              args.cache_type or "f16", DEFAULT_UBATCH if args.ubatch is None else args.ubatch)
-    if _given(args, PLACEMENT_FLAGS):
-        placement = _placement_from_flags(args, model, devices, with_draft=draft is not None)
-        plan = build_plan(model, placement, settings, devices, targets, mode="flags", draft=draft)
-        plan.check_fits()
-        return plan, model, draft
-    floor = None if args.ctx is not None else (DEFAULT_FIT_CTX if args.fit_ctx is None else args.fit_ctx)
-    return fit(model, devices, targets, settings, ctx_floor=floor, draft=draft), model, draft
+    options = PlanOptions.from_flags(**{name: getattr(args, name) for name in FLAG_NAMES})
+    return make_plan(model, resolve_devices(args.devices or "auto"), options, draft=draft), model, draft
 
 
 def build_parser() -> ArgumentParser:
