@@ -1,4 +1,5 @@
-"""Auto-fit: the placement ``offload plan`` makes when no placement flag is given.
+"""Auto-fit: the placement ``offload plan`` makes when no placement flag is given (or, with
+``--fit on``, around the flags given).
 
 MoE-aware and tight, in four steps:
 
@@ -22,9 +23,18 @@ MoE-aware and tight, in four steps:
    with room (most room first). Afterwards no CPU expert block fits on any GPU: what is left
    above each GPU's target is smaller than the smallest expert block on the CPU (tight).
 
+**Around the user's flags** (``--fit on``, ``Pins``): the rules (``-ot``, ``--cpu-moe``,
+``--n-cpu-moe``) decide first, with first-match semantics, and ``-ngl`` keeps its first slots on
+the CPU; what they place is fixed and counted on its device before anything else (weights,
+the KV of a block whose largest attention tensor they place, and compute). The four steps
+then place only the open tensors, over the GPU slots; a user ``-ts`` replaces step 2's cut.
+When the pinned part alone overflows a device, the refusal names the device, the bytes and
+each rule's share.
+
 The result is expressed as a ``Placement``: ``-ngl`` = every slot, ``-ts`` = slots per GPU
 (integers, so llama.cpp's float split points land exactly), and one ``-ot`` rule per group
-of expert blocks that leaves its block's GPU.
+of expert blocks that leaves its block's GPU, after the user's rules (which win where both
+match).
 """
 from __future__ import annotations
 
@@ -308,7 +318,7 @@ def _pinned_overflow(devices, targets, forward: _Forward, slots: _Slots) -> str 
         whys = "; ".join(f"{why} {format_bytes(b)}" for why, b in sorted(share.items(), key=lambda kv: -kv[1]))
         target = targets.get(d.name, 0)
         kept = f" with {format_bytes(target)} kept free" if target else ""
-        return (f"cannot fit: your rules alone put {format_bytes(used)} on {d.name}{split} but it has "
+        return (f"cannot fit: your flags alone put {format_bytes(used)} on {d.name}{split} but it has "
                 f"{format_bytes(room)}{kept} — {whys}")
     return None
 

@@ -123,7 +123,7 @@ def test_pinned_part_overflowing_a_gpu_is_refused_naming_the_rule(fixture_paths,
         _plan(fixture_paths, models, name, ["--devices", TWO, "-c", "16384", *IMPOSSIBLE])
     msg = str(err.value)
     assert "\n" not in msg
-    assert msg.startswith("cannot fit: your rules alone put ") and " on CUDA1 (weights " in msg
+    assert msg.startswith("cannot fit: your flags alone put ") and " on CUDA1 (weights " in msg
     assert r"rule 'blk\.(1[0-9]|2[0-9])\.=CUDA1' (-ot) " in msg and "GiB" in msg
 
 
@@ -177,3 +177,21 @@ def test_library_and_cli_make_the_same_plan(fixture_paths, models):
     assert lib.tensors == cli.tensors and lib.totals == cli.totals
     with pytest.raises(PlacementError, match="unknown planning option 'n_cpu_mo'"):
         plan_for(m, devices=THREE, n_cpu_mo=10)
+
+
+def test_fit_on_with_a_separate_draft(fixture_paths, models):
+    """The user's rules pin the --draft head's tensors too (llama.cpp -otd); round trips hold."""
+    argv = ["--devices", "CUDA0=48GiB,CUDA1=24GiB,CPU=512GiB", "-c", "32768", "-ot", r"ffn_down_exps=CPU",
+            "--draft", fixture_paths["deepseek-v3-mtp"]]
+    plan, model, draft = _plan(fixture_paths, models, "deepseek-v3", argv)
+    assert plan.draft_tensors["blk.61.ffn_down_exps.weight"] == CPU
+    assert plan.draft_tensors["blk.61.nextn.eh_proj.weight"] == plan.placement.draft_device != CPU
+    assert plan.placement.placed_by(plan.draft_tensors, draft=True)["blk.61.ffn_down_exps.weight"] == "-ot"
+    assert all(t.above_target_bytes >= 0 for t in plan.totals if t.name != CPU)
+    loaded = load_plan_file(plan_to_yaml(plan), "plan.yaml")
+    again = build_plan(model, loaded.placement, loaded.settings, loaded.devices, loaded.targets,
+                       mode="plan file", draft=draft)
+    assert again.tensors == plan.tensors and again.draft_tensors == plan.draft_tensors
+    tensors, draft_tensors = apply_flags(llama_cpp_args(plan), [t.name for t in model.tensors], model.spec.n_layer,
+                                         [t.name for t in draft.tensors])
+    assert tensors == dict(plan.tensors) and draft_tensors == dict(plan.draft_tensors)

@@ -24,6 +24,7 @@ import offload.runtime as rt
 from offload import tune as measure
 from offload.bench_tasks import TASKS
 from offload.commands.tune import FIT_FREE, choose, read_prompts
+from offload.tune_result import MeasuredRow
 from placement.cost import fit_profile
 from placement.hardware import HardwareProfile
 from placement.speculative import plan_footprint
@@ -192,7 +193,9 @@ def test_loop_overheads_hand_computed():
 
 def test_choice_rule():
     def row(n, sp):
-        return {"n_max": n, "speedups": sp, "speedup_mean": float(np.mean(sp))}
+        return MeasuredRow(n_max=n, repeats=len(sp), tokens_per_s_mean=1.0, tokens_per_s_std=0.0,
+                           speedup_mean=float(np.mean(sp)), speedup_std=0.0, speedups=tuple(sp),
+                           expected_tokens=1.0, step_ms=1.0, draft_ms=0.0, verify_ms=1.0)
     base = row(0, [1.0, 1.0, 1.0])
     # n=2 is better than the predicted 1 in every repeat by ~0.1: clearly better
     measured = [base, row(1, [1.10, 1.12, 1.08]), row(2, [1.20, 1.21, 1.19])]

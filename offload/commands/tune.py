@@ -59,6 +59,7 @@ from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args, read_plan_file
 from offload.commands.run import add_session_arguments, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
+from offload.tune_result import MeasuredRow, RunRecord, StepTerms, TuneResult
 
 DEFAULT_MAX_N = 6
 DEFAULT_BUDGET_S = 120.0
@@ -226,15 +227,15 @@ def main(argv=None) -> int:
             raise OffloadError(f"tune: {e}") from None
     from placement.plan_file import plan_to_yaml
 
-    tuned = dataclasses.replace(plan, speculative=result["section"], notes=_file_notes(args.placement, plan))
+    tuned = dataclasses.replace(plan, speculative=result.section, notes=_file_notes(args.placement, plan))
     print(format_report(result))
     if out_path:
         write_atomic(out_path, plan_to_yaml(tuned))
-        say(f"wrote n_max {result['section']['n_max']}, p_min {result['section']['p_min']:g} into {out_path}")
+        say(f"wrote n_max {result.section['n_max']}, p_min {result.section['p_min']:g} into {out_path}")
     else:
         say("no plan written (give -o PLAN.yaml, or tune a --placement file)")
     if args.json:
-        write_atomic(args.json, json.dumps({k: v for k, v in result.items()}, indent=1, default=float) + "\n")
+        write_atomic(args.json, json.dumps(result.to_json(), indent=1, default=float) + "\n")
     return 0
 
 
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
 # The phases.
 # ---------------------------------------------------------------------------------------------
 
-def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock) -> dict:
+def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock) -> TuneResult:
     from offload import tune as measure
     from placement.cost import (SpecProfile, best_over_p_min, distinct_experts_uniform, fit_profile,
                                 speculation_table)
@@ -317,7 +318,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         stages = core
     say(f"runs: n_max {', '.join(map(str, stages))}; about {sum(per_rep[n] for n in stages):.1f}s per repeat, "
         f"{clock.left():.1f}s left")
-    records: list[dict] = []
+    records: list[RunRecord] = []
     rep_times: list[float] = []
     rep = 0
     # one repeat always; another while the budget left holds one more of the repeats so far
@@ -327,14 +328,13 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         for i, ids in enumerate(prompts):
             for n in order:
                 r = measure.decode(session, ids, n_tokens=n_tok, n_max=n, p_min=p_min if n else 0.0)
-                records.append({"repeat": rep, "prompt": names[i], "n_max": n, "tokens": r.produced,
-                                "eval_s": r.eval_s, "steps": r.steps, "drafted": r.drafted, "accepted": r.accepted,
-                                "draft_s": r.draft_s, "verify_s": r.verify_s})
+                records.append(RunRecord(rep, names[i], n, r.produced, r.eval_s, r.steps, r.drafted, r.accepted,
+                                         r.draft_s, r.verify_s))
         rep_times.append(clock.elapsed() - t_rep)
         rep += 1
         row = _measured_rows(records, stages)
         say(f"runs: repeat {rep} ({rep_times[-1]:.1f}s): speedup "
-            + " ".join(f"n{m['n_max']} {m['speedups'][-1]:.3f}" for m in row if m["n_max"]))
+            + " ".join(f"n{m.n_max} {m.speedups[-1]:.3f}" for m in row if m.n_max))
     measured = _measured_rows(records, stages)
     chosen, rule = choose(table.best.n, measured)
     load1 = os.getloadavg()[0]
@@ -344,42 +344,34 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     plan_in = dataclasses.replace(plan, speculative={k: v for k, v in old.items()
                                                      if k not in ("n_max", "p_min", "source")} or None)
     _, section = predict(plan_in, model, draft, profile=profile, max_n=max_n)
-    by_n = {m["n_max"]: m for m in measured}
+    by_n = {m.n_max: m for m in measured}
     section.update({
         "n_max": chosen, "p_min": p_min, "source": "tune",
-        "measured_speedup": round(by_n[chosen]["speedup_mean"], 4) if chosen in by_n else None,
-        "measured_best_n_max": max(measured, key=lambda m: m["speedup_mean"])["n_max"],
+        "measured_speedup": round(by_n[chosen].speedup_mean, 4) if chosen in by_n else None,
+        "measured_best_n_max": max(measured, key=lambda m: m.speedup_mean).n_max,
         "choice": rule,
-        "measured_rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k != "speedups"}
-                          for m in measured],
+        "measured_rows": [m.section_dict() for m in measured],
         "tune": {"date": time.strftime("%Y-%m-%d %H:%M"), "budget_s": budget, "seconds": round(clock.elapsed(), 1),
                  "prompts": len(prompts), "tokens_per_run": n_tok, "repeats": rep,
                  "load_average": [round(load0, 2), round(load1, 2)], "cores": os.cpu_count()},
     })
     # the profile last, where predict() puts it
     section["profile"] = section.pop("profile")
-    return {
-        "model": plan.model_path, "devices": session.devices.describe(), "budget_s": budget,
-        "seconds": clock.elapsed(), "load_average": [load0, load1], "tokens_per_run": n_tok,
-        "calibration_step_ms": plain_step * 1e3,
-        "plain_step_ms": statistics.median(r.step_s for r in passes.plain) * 1e3,
-        "loop_ms": {"step": step_us / 1e3, "spec_step": spec_step_us / 1e3},
-        "verify_ms": {b: t * 1e3 for b, t in verify_s.items()}, "draft_ms": {b: t * 1e3 for b, t in draft_s.items()},
-        "terms": _terms(fp, hw, routing, table.acceptance, measured),
-        "pass_spread": passes.spread(), "pass_rounds": passes.rounds,
-        "routing": routing.to_dict(), "routing_layers": layers, "routing_uniform": uniform,
-        "acceptance": {str(p): a.to_dict() for p, a in accept.items()},
-        "fit": {"free": free, "fitted": fit.fitted, "rows": [list(r) for r in fit.rows],
-                "max_rel_error": fit.max_rel_error},
-        "hardware": hw.to_dict(),
-        "predicted": {str(p): t.to_dict() for p, t in tables.items()},
-        "p_min": p_min, "stages": stages, "repeats": rep, "runs": records, "measured": measured,
-        "chosen_n_max": chosen, "choice": rule, "section": section, "table_text": table.format(),
-        "break_even_n_max": table.break_even_n, "best_n_max": table.best.n,
-    }
+    return TuneResult(
+        model=plan.model_path, devices=session.devices.describe(), budget_s=budget, seconds=clock.elapsed(),
+        load_average=(load0, load1), tokens_per_run=n_tok, calibration_step_ms=plain_step * 1e3,
+        plain_step_ms=statistics.median(r.step_s for r in passes.plain) * 1e3,
+        loop_step_ms=step_us / 1e3, loop_spec_step_ms=spec_step_us / 1e3,
+        verify_ms={b: t * 1e3 for b, t in verify_s.items()}, draft_ms={b: t * 1e3 for b, t in draft_s.items()},
+        terms=tuple(_terms(fp, hw, routing, table.acceptance, measured)),
+        pass_spread=passes.spread(), pass_rounds=passes.rounds,
+        routing=routing, routing_layers=tuple(layers), routing_uniform=tuple(uniform),
+        acceptance=accept, fit=fit, fit_free=tuple(free), hardware=hw, predicted=tables,
+        p_min=p_min, stages=tuple(stages), repeats=rep, runs=tuple(records), measured=tuple(measured),
+        chosen_n_max=chosen, choice=rule, section=section)
 
 
-def _terms(fp, hw, routing, acceptance, measured: list[dict]) -> list[dict]:
+def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow]) -> list[StepTerms]:
     """Per run n_max: the predicted step split into draft passes, verify pass and the loop's
     own time, beside what the runs' stats booked to each — which term a misprediction is in."""
     from placement.cost import forward_time
@@ -388,7 +380,7 @@ def _terms(fp, hw, routing, acceptance, measured: list[dict]) -> list[dict]:
     params = hw.linear_params()
     out = []
     for m in measured:
-        n = m["n_max"]
+        n = m.n_max
         verify = [forward_time(fp.target, b, hw, **kw) for b in range(1, n + 2)]
         draft = [forward_time(fp.draft, b, hw, **kw) for b in range(1, n + 2)]
         first = sum(p * draft[k] for k, p in enumerate(acceptance.accepted_distribution(n)))
@@ -396,9 +388,8 @@ def _terms(fp, hw, routing, acceptance, measured: list[dict]) -> list[dict]:
         d_pred = sum(p * (first + (min(d + 1, n) - 1) * draft[0]) for d, p in enumerate(dist) if p and n)
         v_pred = sum(p * verify[d] for d, p in enumerate(dist))
         loop = params["step"] + (params["spec_step"] if n else 0.0)
-        out.append({"n_max": n, "draft_pred": d_pred * 1e3, "draft_meas": m["draft_ms"],
-                    "verify_pred": v_pred * 1e3, "verify_meas": m["verify_ms"],
-                    "loop_pred": loop * 1e3, "loop_meas": m["step_ms"] - m["draft_ms"] - m["verify_ms"]})
+        out.append(StepTerms(n, d_pred * 1e3, m.draft_ms, v_pred * 1e3, m.verify_ms,
+                             loop * 1e3, m.step_ms - m.draft_ms - m.verify_ms))
     return out
 
 
@@ -412,47 +403,46 @@ def _fit_summary(fit) -> str:
     return ", ".join(parts) + f"; largest pass error {100 * fit.max_rel_error:.1f}%"
 
 
-def _measured_rows(records: list[dict], stages: list[int]) -> list[dict]:
+def _measured_rows(records: list[RunRecord], stages: list[int]) -> list[MeasuredRow]:
     """Per n_max: tokens/s over all prompts per repeat; speedup = that / the baseline's of the
     same repeat; mean ± std over repeats; measured tokens per step and step time."""
-    reps = sorted({r["repeat"] for r in records})
+    reps = sorted({r.repeat for r in records})
     tps: dict[int, list[float]] = {n: [] for n in stages}
     for rep in reps:
         for n in stages:
-            rs = [r for r in records if r["repeat"] == rep and r["n_max"] == n]
+            rs = [r for r in records if r.repeat == rep and r.n_max == n]
             if rs:
-                tps[n].append(sum(r["tokens"] for r in rs) / sum(r["eval_s"] for r in rs))
+                tps[n].append(sum(r.tokens for r in rs) / sum(r.eval_s for r in rs))
     out = []
     for n in stages:
-        rs = [r for r in records if r["n_max"] == n]
+        rs = [r for r in records if r.n_max == n]
         k = min(len(tps[n]), len(tps[0]))
-        sp = [tps[n][i] / tps[0][i] for i in range(k)]
-        steps = sum(r["steps"] for r in rs)
-        out.append({
-            "n_max": n, "repeats": k,
-            "tokens_per_s_mean": statistics.fmean(tps[n]),
-            "tokens_per_s_std": statistics.stdev(tps[n]) if len(tps[n]) > 1 else 0.0,
-            "speedup_mean": statistics.fmean(sp), "speedup_std": statistics.stdev(sp) if k > 1 else 0.0,
-            "speedups": sp,
-            "expected_tokens": sum(r["tokens"] for r in rs) / steps,
-            "step_ms": 1e3 * sum(r["eval_s"] for r in rs) / steps,
-            "draft_ms": 1e3 * sum(r["draft_s"] for r in rs) / steps,
-            "verify_ms": 1e3 * sum(r["verify_s"] for r in rs) / steps,
-        })
+        sp = tuple(tps[n][i] / tps[0][i] for i in range(k))
+        steps = sum(r.steps for r in rs)
+        out.append(MeasuredRow(
+            n_max=n, repeats=k,
+            tokens_per_s_mean=statistics.fmean(tps[n]),
+            tokens_per_s_std=statistics.stdev(tps[n]) if len(tps[n]) > 1 else 0.0,
+            speedup_mean=statistics.fmean(sp), speedup_std=statistics.stdev(sp) if k > 1 else 0.0,
+            speedups=sp,
+            expected_tokens=sum(r.tokens for r in rs) / steps,
+            step_ms=1e3 * sum(r.eval_s for r in rs) / steps,
+            draft_ms=1e3 * sum(r.draft_s for r in rs) / steps,
+            verify_ms=1e3 * sum(r.verify_s for r in rs) / steps))
     return out
 
 
-def choose(predicted_best: int, measured: list[dict]) -> tuple[int, str]:
+def choose(predicted_best: int, measured: list[MeasuredRow]) -> tuple[int, str]:
     """The predicted best, unless a measured n_max is clearly better: its paired per-repeat
     speedup difference exceeds twice its standard error and 0.01. Then the best measured."""
-    by_n = {m["n_max"]: m for m in measured}
+    by_n = {m.n_max: m for m in measured}
     base = by_n.get(predicted_best)
     if base is None:
         return predicted_best, "predicted best (not run)"
     better = []
     for m in measured:
-        d = [a - b for a, b in zip(m["speedups"], base["speedups"])]
-        if len(d) < 2 or m["n_max"] == predicted_best:
+        d = [a - b for a, b in zip(m.speedups, base.speedups)]
+        if len(d) < 2 or m.n_max == predicted_best:
             continue
         mean = statistics.fmean(d)
         se = statistics.stdev(d) / math.sqrt(len(d))
@@ -461,8 +451,8 @@ def choose(predicted_best: int, measured: list[dict]) -> tuple[int, str]:
     if not better:
         return predicted_best, ("predicted best; no measured n_max beats it by more than 2 standard "
                                 "errors of the paired difference")
-    pick = max(better, key=lambda m: m["speedup_mean"])
-    return pick["n_max"], (f"measured: n_max {pick['n_max']} beats the predicted best {predicted_best} by "
+    pick = max(better, key=lambda m: m.speedup_mean)
+    return pick.n_max, (f"measured: n_max {pick.n_max} beats the predicted best {predicted_best} by "
                            "more than 2 standard errors of the paired difference")
 
 
@@ -470,49 +460,50 @@ def choose(predicted_best: int, measured: list[dict]) -> tuple[int, str]:
 # The report.
 # ---------------------------------------------------------------------------------------------
 
-def format_report(r: dict) -> str:
-    pred = r["predicted"][str(r["p_min"])]
-    rows = {row["n_max"]: row for row in pred["rows"]}
-    meas = {m["n_max"]: m for m in r["measured"]}
+def format_report(r: TuneResult) -> str:
+    table = r.table
+    rows = {row.n: row for row in table.rows}
+    meas = {m.n_max: m for m in r.measured}
+    hw = r.hardware.to_dict()
     lines = [
-        f"offload tune: {r['model']} on {r['devices']}; {r['seconds']:.0f}s of a {r['budget_s']:g}s budget, "
-        f"load average {r['load_average'][0]:.2f} -> {r['load_average'][1]:.2f}",
-        "measured passes: T_verify(B) " + ", ".join(f"B={b} {t:.2f}" for b, t in r["verify_ms"].items())
-        + " ms; T_draft(B) " + ", ".join(f"B={b} {t:.2f}" for b, t in r["draft_ms"].items())
-        + f" ms; plain loop step {r['plain_step_ms']:.2f} ms (loop's own "
-        f"{r['loop_ms']['step']:.2f} ms, +{r['loop_ms']['spec_step']:.2f} ms when drafting)",
-        "routing (distinct experts/layer, B=1..): measured " + " ".join(f"{d:.2f}" for d in r["routing"]["distinct"])
-        + ", uniform " + " ".join(f"{u:.2f}" for u in r["routing_uniform"]),
-        "fitted profile: " + ", ".join(f"{k} {v:.4g}" for k, v in r["hardware"].items()
+        f"offload tune: {r.model} on {r.devices}; {r.seconds:.0f}s of a {r.budget_s:g}s budget, "
+        f"load average {r.load_average[0]:.2f} -> {r.load_average[1]:.2f}",
+        "measured passes: T_verify(B) " + ", ".join(f"B={b} {t:.2f}" for b, t in r.verify_ms.items())
+        + " ms; T_draft(B) " + ", ".join(f"B={b} {t:.2f}" for b, t in r.draft_ms.items())
+        + f" ms; plain loop step {r.plain_step_ms:.2f} ms (loop's own "
+        f"{r.loop_step_ms:.2f} ms, +{r.loop_spec_step_ms:.2f} ms when drafting)",
+        "routing (distinct experts/layer, B=1..): measured " + " ".join(f"{d:.2f}" for d in r.routing.distinct)
+        + ", uniform " + " ".join(f"{u:.2f}" for u in r.routing_uniform),
+        "fitted profile: " + ", ".join(f"{k} {v:.4g}" for k, v in hw.items()
                                        if k not in ("gpus", "source") and v is not None)
-        + f" (largest pass error {100 * r['fit']['max_rel_error']:.1f}%)",
+        + f" (largest pass error {100 * r.fit.max_rel_error:.1f}%)",
         "",
-        r["table_text"],
+        table.format(),
         "",
-        f"predicted vs measured (p_min {r['p_min']:g}, {r['repeats']} repeats x {r['tokens_per_run']} tokens "
+        f"predicted vs measured (p_min {r.p_min:g}, {r.repeats} repeats x {r.tokens_per_run} tokens "
         "per prompt; measured E = tokens/step, T = ms/step):",
         f"{'n_max':>5} {'E pred':>7} {'E meas':>7} {'T pred':>7} {'T meas':>7} {'S pred':>7} "
         f"{'S measured':>15} {'diff':>7}",
     ]
     for n in sorted(meas):
         p, m = rows[n], meas[n]
-        diff = (p["speedup"] / m["speedup_mean"] - 1) * 100
-        lines.append(f"{n:>5} {p['expected_tokens']:>7.2f} {m['expected_tokens']:>7.2f} {p['step_ms']:>7.2f} "
-                     f"{m['step_ms']:>7.2f} {p['speedup']:>7.3f} {m['speedup_mean']:>7.3f} ± {m['speedup_std']:.3f} "
+        diff = (p.speedup / m.speedup_mean - 1) * 100
+        lines.append(f"{n:>5} {p.expected_tokens:>7.2f} {m.expected_tokens:>7.2f} {p.step_s * 1e3:>7.2f} "
+                     f"{m.step_ms:>7.2f} {p.speedup:>7.3f} {m.speedup_mean:>7.3f} ± {m.speedup_std:.3f} "
                      f"{diff:>+6.1f}%")
     lines += ["", "per-step terms, predicted / measured in the runs (ms; draft: head passes and draft "
               "sampling, verify: the target pass and acceptance, loop: the rest):",
               f"{'n_max':>5} {'draft':>15} {'verify':>15} {'loop':>13}"]
-    for t in r["terms"]:
-        lines.append(f"{t['n_max']:>5} {t['draft_pred']:>7.2f}/{t['draft_meas']:<7.2f} "
-                     f"{t['verify_pred']:>7.2f}/{t['verify_meas']:<7.2f} {t['loop_pred']:>6.2f}/{t['loop_meas']:<6.2f}")
-    best_meas = max(r["measured"], key=lambda m: m["speedup_mean"])
+    for t in r.terms:
+        lines.append(f"{t.n_max:>5} {t.draft_pred:>7.2f}/{t.draft_meas:<7.2f} "
+                     f"{t.verify_pred:>7.2f}/{t.verify_meas:<7.2f} {t.loop_pred:>6.2f}/{t.loop_meas:<6.2f}")
+    best_meas = max(r.measured, key=lambda m: m.speedup_mean)
     lines += [
         "",
-        f"break-even n_max (predicted): {r['break_even_n_max']}"
-        f"{' (or more: the table ends at --max-n)' if r['break_even_n_max'] == max(rows) else ''}; "
-        f"best n_max: predicted {r['best_n_max']}, "
-        f"measured {best_meas['n_max']} ({best_meas['speedup_mean']:.3f}x)",
-        f"chosen n_max: {r['chosen_n_max']} (p_min {r['p_min']:g}): {r['choice']}",
+        f"break-even n_max (predicted): {table.break_even_n}"
+        f"{' (or more: the table ends at --max-n)' if table.break_even_n == max(rows) else ''}; "
+        f"best n_max: predicted {table.best.n}, "
+        f"measured {best_meas.n_max} ({best_meas.speedup_mean:.3f}x)",
+        f"chosen n_max: {r.chosen_n_max} (p_min {r.p_min:g}): {r.choice}",
     ]
     return "\n".join(lines)
