@@ -5,26 +5,29 @@ whole result (``offload.commands.tune`` fills it, prints it, and ``--json`` writ
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from placement.acceptance import AcceptanceProfile
 from placement.cost import FitResult, RoutingProfile, SpecTable
 from placement.hardware import HardwareProfile
 
+if TYPE_CHECKING:                   # offload.tune imports torch
+    from offload.tune import Decode
+
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One decode run of the runs phase."""
+    """One decode run of the runs phase: which repeat and prompt, and what it measured."""
 
     repeat: int
     prompt: str
-    n_max: int
-    tokens: int
-    eval_s: float
-    steps: int
-    drafted: int
-    accepted: int
-    draft_s: float
-    verify_s: float
+    run: Decode
+
+    def to_json(self) -> dict:
+        r = self.run
+        return {"repeat": self.repeat, "prompt": self.prompt, "n_max": r.n_max, "tokens": r.produced,
+                "eval_s": r.eval_s, "steps": r.steps, "drafted": r.drafted, "accepted": r.accepted,
+                "draft_s": r.draft_s, "verify_s": r.verify_s}
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class TuneResult:
             "hardware": self.hardware.to_dict(),
             "predicted": {str(p): t.to_dict() for p, t in self.predicted.items()},
             "p_min": self.p_min, "stages": list(self.stages), "repeats": self.repeats,
-            "runs": [asdict(r) for r in self.runs], "measured": [asdict(m) for m in self.measured],
+            "runs": [r.to_json() for r in self.runs], "measured": [asdict(m) for m in self.measured],
             "chosen_n_max": self.chosen_n_max, "choice": self.choice, "section": self.section,
             "table_text": self.table.format(), "break_even_n_max": self.table.break_even_n,
             "best_n_max": self.table.best.n,

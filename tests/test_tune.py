@@ -258,3 +258,19 @@ def test_help_names_every_phase(capsys):
     for word in ("calibrate", "passes", "routing", "acceptance", "fit", "runs", "--budget", "--prompts",
                  "--max-n", "-o", "--json", "---"):
         assert word in out, word
+
+
+def test_measured_rows_hand_computed():
+    """Speedup = tokens/s over the baseline's of the same repeat: repeat 0 9 vs 18 t/s (2.0),
+    repeat 1 9 vs 12 t/s (4/3); mean 5/3. n_max 1 made 18 tokens in 10 steps: E = 1.8."""
+    from offload.commands.tune import _measured_rows
+    from offload.tune_result import RunRecord
+
+    def rec(rep, n, eval_s, steps):
+        return RunRecord(rep, "p", measure.Decode([1], [1] * 10, n, eval_s, steps, 0, 0, 0.0, eval_s, [], [], []))
+    rows = _measured_rows([rec(0, 0, 1.0, 9), rec(0, 1, 0.5, 5), rec(1, 0, 1.0, 9), rec(1, 1, 0.75, 5)], [0, 1])
+    base, one = rows
+    assert base.speedups == (1.0, 1.0) and one.repeats == 2
+    assert one.speedups == pytest.approx((2.0, 4 / 3)) and one.speedup_mean == pytest.approx(5 / 3)
+    assert one.expected_tokens == pytest.approx(1.8) and one.step_ms == pytest.approx(125.0)
+    assert one.section_dict()["speedup_mean"] == 1.6667 and "speedups" not in one.section_dict()

@@ -328,8 +328,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         for i, ids in enumerate(prompts):
             for n in order:
                 r = measure.decode(session, ids, n_tokens=n_tok, n_max=n, p_min=p_min if n else 0.0)
-                records.append(RunRecord(rep, names[i], n, r.produced, r.eval_s, r.steps, r.drafted, r.accepted,
-                                         r.draft_s, r.verify_s))
+                records.append(RunRecord(rep, names[i], r))
         rep_times.append(clock.elapsed() - t_rep)
         rep += 1
         row = _measured_rows(records, stages)
@@ -410,12 +409,12 @@ def _measured_rows(records: list[RunRecord], stages: list[int]) -> list[Measured
     tps: dict[int, list[float]] = {n: [] for n in stages}
     for rep in reps:
         for n in stages:
-            rs = [r for r in records if r.repeat == rep and r.n_max == n]
+            rs = [r.run for r in records if r.repeat == rep and r.run.n_max == n]
             if rs:
-                tps[n].append(sum(r.tokens for r in rs) / sum(r.eval_s for r in rs))
+                tps[n].append(sum(r.produced for r in rs) / sum(r.eval_s for r in rs))
     out = []
     for n in stages:
-        rs = [r for r in records if r.n_max == n]
+        rs = [r.run for r in records if r.run.n_max == n]
         k = min(len(tps[n]), len(tps[0]))
         sp = tuple(tps[n][i] / tps[0][i] for i in range(k))
         steps = sum(r.steps for r in rs)
@@ -425,7 +424,7 @@ def _measured_rows(records: list[RunRecord], stages: list[int]) -> list[Measured
             tokens_per_s_std=statistics.stdev(tps[n]) if len(tps[n]) > 1 else 0.0,
             speedup_mean=statistics.fmean(sp), speedup_std=statistics.stdev(sp) if k > 1 else 0.0,
             speedups=sp,
-            expected_tokens=sum(r.tokens for r in rs) / steps,
+            expected_tokens=sum(r.produced for r in rs) / steps,
             step_ms=1e3 * sum(r.eval_s for r in rs) / steps,
             draft_ms=1e3 * sum(r.draft_s for r in rs) / steps,
             verify_ms=1e3 * sum(r.verify_s for r in rs) / steps))
