@@ -54,6 +54,21 @@ def _where_things_went(tensors: Sequence[TensorInfo], placement: dict[str, str],
     return parts
 
 
+def _placed_by_line(plan: Plan, model: PlannedModel, draft: PlannedModel | None) -> str:
+    """Who placed what, when the user's flags and the fit share the plan (``--fit on``)."""
+    count: dict[str, int] = defaultdict(int)
+    size: dict[str, int] = defaultdict(int)
+    for tensors, is_draft in ((model.tensors, False), (draft.tensors if draft is not None else (), True)):
+        origin = plan.placement.placed_by([t.name for t in tensors], draft=is_draft)
+        for t in tensors:
+            count[origin[t.name]] += 1
+            size[origin[t.name]] += t.n_bytes
+    if len(count) < 2 or not any("fit" in o for o in count):
+        return ""
+    return "placed by: " + "; ".join(f"{o}: {count[o]} tensors ({format_bytes(size[o])})"
+                                     for o in sorted(count, key=lambda o: ("fit" in o, o)))
+
+
 def format_plan(plan: Plan, model: PlannedModel, draft: PlannedModel | None = None) -> str:
     spec = model.spec
     lines = []
@@ -89,6 +104,9 @@ def format_plan(plan: Plan, model: PlannedModel, draft: PlannedModel | None = No
             lines.append(f"  {i:>2}. {r.pattern} -> {r.device}  [{r.origin}]")
         for i, r in enumerate(plan.placement.draft_rules, 1):
             lines.append(f"  d{i:>1}. {r.pattern} -> {r.device}  [draft, {r.origin}]")
+    by = _placed_by_line(plan, model, draft)
+    if by:
+        lines.append(by)
     for note in plan.notes:
         lines.append(f"note: {note}")
     below = [t for t in plan.totals if t.budget_bytes and t.above_target_bytes < -MIB and t.free_after_bytes >= 0]

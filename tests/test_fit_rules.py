@@ -195,3 +195,24 @@ def test_fit_on_with_a_separate_draft(fixture_paths, models):
     tensors, draft_tensors = apply_flags(llama_cpp_args(plan), [t.name for t in model.tensors], model.spec.n_layer,
                                          [t.name for t in draft.tensors])
     assert tensors == dict(plan.tensors) and draft_tensors == dict(plan.draft_tensors)
+
+
+def test_fit_on_shrinks_the_context_only_without_c(models):
+    """The pinned attention takes its KV along; the context shrinks (steps of 256) only as far as needed."""
+    m, devices = models["glm-4.5-air"], parse_devices("CUDA0=8GiB,CUDA1=6GiB,CPU=128GiB")
+    pin = dict(override_tensor=r"blk\.([0-9]|1[0-9])\.attn_=CUDA1", fit="on")
+    plan = make_plan(m, devices, PlanOptions.from_flags(**pin))
+    ctx = plan.settings.ctx
+    assert 4096 <= ctx < m.spec.n_ctx_train and (m.spec.n_ctx_train - ctx) % 256 == 0
+    assert any("context reduced" in n for n in plan.notes)
+    assert {plan.tensors[f"blk.{i}.attn_q.weight"] for i in range(20)} == {"CUDA1"}
+    assert all(t.above_target_bytes >= 0 for t in plan.totals)
+    with pytest.raises(PlacementError, match="cannot fit the non-expert part on the GPUs: needs"):
+        make_plan(m, devices, PlanOptions.from_flags(ctx=ctx + 256, **pin))
+
+
+def test_table_says_who_placed_what(fixture_paths):
+    r = offload("plan", fixture_paths["glm-4.5-air"], *CASES["a-attention-pinned"], "--fit", "on", "--spec-type", "none")
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("placed by: "))
+    assert line.startswith("placed by: -ot: 24 tensors (") and "; fit: 779 tensors (" in line   # 3 blocks x 8 attn_*
