@@ -65,7 +65,7 @@ class PlanOptions:
     def from_flags(cls, **flags) -> PlanOptions:
         """The planner's flags as the command line spells them, by argparse ``dest`` name (None or
         False = not given): ``override_tensor`` a list of ``-ot`` values (or one), ``tensor_split``
-        "3,1" or numbers, ``fit_target`` "1024,2048" (MiB or sizes like 2GiB) or byte counts;
+        "3,1" or numbers, ``fit_target`` "1024,2048" or 1024 or [1024, 2048] (MiB, or sizes like "2GiB");
         ``cpu_moe``, ``n_cpu_moe``, ``n_gpu_layers``, ``fit``, ``fit_ctx``, ``ctx``,
         ``cache_type``, ``ubatch`` as typed values."""
         unknown = sorted(set(flags) - set(FLAG_NAMES))
@@ -108,11 +108,9 @@ def _numbers(value) -> tuple[float, ...]:
 
 
 def _sizes(value) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (value,)
-    if isinstance(value, str):
-        return tuple(parse_size(v, what="--fit-target") for v in value.split(","))
-    return tuple(int(v) for v in value)
+    """--fit-target as written: "1024,2048" or 1024 or [1024, 2048] (MiB, as llama.cpp), or sizes like "2GiB"."""
+    items = value.split(",") if isinstance(value, str) else ([value] if isinstance(value, int) else list(value))
+    return tuple(parse_size(str(v), what="--fit-target") for v in items)
 
 
 def gpu_targets(fit_target: Sequence[int], devices: Sequence[Device]) -> dict[str, int]:

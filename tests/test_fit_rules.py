@@ -216,3 +216,14 @@ def test_table_says_who_placed_what(fixture_paths):
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("placed by: "))
     assert line.startswith("placed by: -ot: 24 tensors (") and "; fit: 779 tensors (" in line   # 3 blocks x 8 attn_*
+
+
+def test_fit_on_with_ngl_alone_cuts_the_gpu_slots_itself(models):
+    m = models["deepseek-v3"]
+    plan = make_plan(m, parse_devices(THREE), PlanOptions.from_flags(ctx=8192, n_gpu_layers=30, fit="on"))
+    layout = plan.placement.layout
+    assert layout.n_gpu_layers == 30 and sum(layout.tensor_split) == 30 and min(layout.tensor_split) > 0
+    assert plan.placement.layout_origin == "-ngl 30, the rest by the fit"
+    assert {plan.tensors[f"blk.{i}.attn_q_a.weight"] for i in range(32)} == {CPU}     # 62 slots - 30
+    assert {plan.tensors[f"blk.{i}.attn_q_a.weight"] for i in range(32, 61)} == {"CUDA0", "CUDA1", "CUDA2"}
+    assert all(t.above_target_bytes >= 0 for t in plan.totals)
