@@ -27,8 +27,8 @@ from offload.speculative import SpecOptions, generate_step
 from offload.stats import RunStats, peak_rss_bytes
 from offload.tokenizer import Tokenizer
 from offload.weights import WeightStore
-from placement.memory import CACHE_PAD, pad
 from placement.devices import resolve_devices
+from placement.memory import CACHE_PAD, pad
 from placement.plan import Plan
 from placement.planner import PlanOptions, make_plan
 

@@ -300,4 +300,3 @@ def measure_acceptance(session, prompts: Sequence[Sequence[int]], *, n_max: int,
     """Greedy speculative decoding at ``n_max`` on each prompt → ``AcceptanceProfile``."""
     runs = [decode(session, p, n_tokens=n_tokens, n_max=n_max, p_min=p_min, **generate) for p in prompts]
     return acceptance_from(runs, n_max, p_min), runs
-
