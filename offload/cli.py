@@ -15,6 +15,7 @@ COMMANDS = {
     "run": ("offload.commands.run", "load a model by placement and generate text"),
     "bench": ("offload.commands.bench", "speculative-decoding benchmark: baseline vs MTP n_max per task"),
     "tune": ("offload.commands.tune", "measure this box, fit the cost model, run, choose n_max for a plan"),
+    "serve": ("offload.commands.serve", "OpenAI-compatible HTTP server (chat templates, prompt cache, MTP drafting)"),
 }
 
 USAGE = "usage: offload COMMAND [ARGS...]\n\ncommands:\n" + "".join(

@@ -120,28 +120,31 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
 
 
 class TextStream:
-    """Prints the text of a growing token sequence as it becomes valid UTF-8: re-decodes a
-    short tail and holds back an incomplete multi-byte character."""
+    """The text of a growing token sequence, piece by piece as it becomes valid UTF-8:
+    re-decodes a short tail and holds back an incomplete multi-byte character."""
 
-    def __init__(self, detokenize, out):
-        self.detokenize, self.out = detokenize, out
+    def __init__(self, detokenize):
+        self.detokenize = detokenize
         self.ids: list[int] = []
         self.start = 0          # ids before this are flushed and never re-decoded
-        self.printed = ""       # text of ids[start:] already written
+        self.printed = ""       # text of ids[start:] already returned
 
-    def push(self, tok: int) -> None:
+    def push(self, tok: int) -> str:
+        """The new text that ``tok`` completes ("" while a character is incomplete)."""
         self.ids.append(tok)
         text = self.detokenize(self.ids[self.start:])
         if text.endswith("\ufffd"):
-            return
-        self.out.write(text[len(self.printed):])
-        self.out.flush()
+            return ""
+        piece = text[len(self.printed):]
         self.start, self.printed = len(self.ids), ""
+        return piece
 
-    def close(self) -> None:
+    def close(self) -> str:
+        """What is left (an incomplete character decodes as U+FFFD)."""
         tail = self.detokenize(self.ids[self.start:])
-        self.out.write(tail[len(self.printed):])
-        self.out.flush()
+        piece = tail[len(self.printed):]
+        self.start, self.printed = len(self.ids), ""
+        return piece
 
 
 def open_cli_model(args: argparse.Namespace):
@@ -202,16 +205,16 @@ def main(argv=None) -> int:
         print(f"offload: {session.devices.describe()}", file=sys.stderr)
         print(f"offload: {account}", file=sys.stderr)
         session.warmup()
-        stream = TextStream(session.detokenize, sys.stdout)
+        stream = TextStream(session.detokenize)
         ids = session.tokenize(prompt)
         out = []
         for tok in session.generate(ids, max_tokens=args.n_predict, temperature=args.temp,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                     stop_at_eos=not args.ignore_eos, **spec):
-            stream.push(tok)
+            sys.stdout.write(stream.push(tok))
+            sys.stdout.flush()
             out.append(tok)
-        stream.close()
-        sys.stdout.write("\n")
+        sys.stdout.write(stream.close() + "\n")
         stats = session.stats
         print("", file=sys.stderr)
         for line in stats.lines():
