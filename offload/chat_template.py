@@ -5,8 +5,8 @@ shipped default for models without one) rendered with jinja2 the way transformer
 That means: a sandboxed environment (templates are untrusted code), ``trim_blocks`` and
 ``lstrip_blocks``, the ``loopcontrols`` extension, a ``raise_exception(msg)`` function, a
 ``tojson`` filter that does not HTML-escape, ``strftime_now(fmt)``, and the variables
-``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` (plus any extra keywords,
-e.g. ``tools``).
+``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``tools`` and
+``documents`` (None unless given).
 """
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ class ChatTemplate:
         (``raise_exception``), ``ChatTemplateError`` when it fails otherwise."""
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+                                         bos_token=self.bos_token, eos_token=self.eos_token,
+                                         **({"tools": None, "documents": None} | extra))
         except TemplateRaised:
             raise
         except Exception as exc:          # a template is code: any failure is the template's

@@ -39,3 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:          # `offload plan ... | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
         return 0
+
+
+if __name__ == "__main__":        # python -m offload.cli (python -m offload works too)
+    sys.exit(main())

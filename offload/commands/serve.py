@@ -102,9 +102,12 @@ def main(argv=None) -> int:
     config = uvicorn.Config(build_app(engine, model_meta=meta), host=args.host, port=args.port,
                             log_level=args.log_level, timeout_graceful_shutdown=3, lifespan="on")
     server = uvicorn.Server(config)
-    server.run()
-    if engine.session is not None:
-        engine.session.close()
+    try:
+        server.run()              # re-raises a Ctrl-C after shutting down (status 130)
+    finally:
+        engine.stop()
+        if engine.session is not None:
+            engine.session.close()
     if failed:
         return 2
     return 0 if server.started else 2
