@@ -1,0 +1,66 @@
+"""The server app in this process (Starlette's TestClient), where a test needs to hold the
+model load: ``/health`` and every generation route answer 503 with an OpenAI-style body
+until the model has loaded, ``/v1/models`` answers meanwhile; a failed load is reported once
+and ends the server."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("httpx")
+from starlette.testclient import TestClient  # noqa: E402
+
+from offload.chat_template import ChatTemplate  # noqa: E402
+from offload.errors import OffloadError  # noqa: E402
+from offload.server.app import build_app  # noqa: E402
+from offload.server.engine import Engine  # noqa: E402
+from offload.speculative import SpecOptions  # noqa: E402
+
+
+def engine(load, on_load_error=lambda message: None) -> Engine:
+    return Engine(load, model_name="m", template=ChatTemplate("{{ messages }}", origin="test"),
+                  spec=SpecOptions(), max_queue=2, on_load_error=on_load_error)
+
+
+def test_503_while_loading_then_ok():
+    release, loaded = threading.Event(), threading.Event()
+
+    def load():
+        release.wait(30)
+        loaded.set()
+        return object()          # stands for the session: /health only asks whether there is one
+
+    with TestClient(build_app(engine(load), model_meta={"n_ctx": 64})) as client:
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "loading model"
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            r = client.post(path, json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
+        assert client.get("/v1/models").json()["data"][0]["id"] == "m"
+        release.set()
+        assert loaded.wait(30)
+        for _ in range(100):
+            if client.get("/health").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        assert client.get("/health").json() == {"status": "ok"}
+        metrics = client.get("/metrics").text
+        assert 'offload_requests_total{endpoint="/health",status="503"} 1' in metrics
+        assert "offload_requests_rejected_total 0" in metrics     # loading is not a full queue
+
+
+def test_failed_load_is_reported():
+    errors = []
+
+    def load():
+        raise OffloadError("model file not found: x.gguf")
+
+    with TestClient(build_app(engine(load, errors.append), model_meta={})) as client:
+        for _ in range(100):
+            if errors:
+                break
+            threading.Event().wait(0.05)
+        assert errors == ["model file not found: x.gguf"]
+        assert client.get("/health").status_code == 503
