@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from tests.serve_process import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models" / "tiny-glm4moe-mtp.gguf"
@@ -41,38 +39,6 @@ ASKS = ["Write a function that reads an INI config file into a dict.",
         "Refactor the parsing loop into a generator of (section, key, value).",
         "Add logging of every unknown key with the logging module.",
         "Make the file encoding a keyword argument, defaulting to utf-8."]
-
-
-class Server:
-    def __init__(self, model: str, flags: list[str]):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
-        self.proc = subprocess.Popen([sys.executable, "-m", "offload.cli", "serve", model, "--port", str(self.port),
-                                      "--log-level", "warning", *flags], cwd=ROOT, env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"offload serve exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise SystemExit("offload serve did not become healthy in 600 s")
-            time.sleep(0.1)
-
-    def close(self):
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 # one client, kept: a new httpx client per request costs tens of ms (SSL context) before it sends
@@ -205,7 +171,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     flags = [f for f in a.serve_flags if f != "--"] or ["--devices", "CPU=16GiB", "--spec-n-max", "2"]
     print(f"offload serve {a.model} {' '.join(flags)}")
-    server = Server(a.model, flags)
+    server = ServeProcess(a.model, ["--log-level", "warning", *flags])
     try:
         transcript(server.url)
         ttft(server.url, a.turns, a.reps, a.answer_tokens)
@@ -213,7 +179,7 @@ def main(argv=None) -> int:
         crowd(server.url, a.clients, a.crowd_tokens, "default --max-queue 32")
     finally:
         server.close()
-    server = Server(a.model, flags + ["--max-queue", "4"])
+    server = ServeProcess(a.model, ["--log-level", "warning", *flags, "--max-queue", "4"])
     try:
         crowd(server.url, a.clients, a.crowd_tokens, "--max-queue 4")
     finally:

@@ -11,11 +11,6 @@ in this process (same code path, same model, no prompt cache): the tokens must b
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,8 +20,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "models" / "tiny-glm4moe-mtp.gguf"
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
 pytestmark = pytest.mark.skipif(not SHIPPED.is_file(), reason=f"{SHIPPED.name} not present")
 MODEL = "tiny-glm4moe-mtp"
 TEMPLATE = """{{ bos_token }}
@@ -40,51 +34,24 @@ TEMPLATE = """{{ bos_token }}
 assistant:
 {% endif %}
 """
-START_S = 600          # a cold Numba cache compiles the kernels first (minutes on 2 cores)
 REQUEST_S = 120        # no single request may take longer (a hang fails the test)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    from tests.serve_process import ServeProcess
     tmp = tmp_path_factory.mktemp("serve")
     template = tmp / "chat.jinja"
     template.write_text(TEMPLATE)
-    port = free_port()
-    log = open(tmp / "server.log", "w+")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "offload.cli", "serve", str(SHIPPED), "--host", "127.0.0.1", "--port", str(port),
-         "--devices", "CPU=16GiB", "--spec-n-max", "2", "--max-queue", "4", "--chat-template", str(template),
-         "--log-level", "warning"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_S
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"offload serve exited with {proc.returncode}:\n{log.read()}")
+    with open(tmp / "server.log", "w+") as log:
         try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("offload serve did not become healthy")
-        time.sleep(0.1)
-    yield base
-    proc.send_signal(signal.SIGINT)            # Ctrl-C: uvicorn shuts down, then the 130 of SIGINT
-    try:
-        assert proc.wait(timeout=30) in (0, 130)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+            proc = ServeProcess(SHIPPED, ["--devices", "CPU=16GiB", "--spec-n-max", "2", "--max-queue", "4",
+                                          "--chat-template", str(template), "--log-level", "warning"], log=log)
+        except RuntimeError as exc:
+            log.seek(0)
+            pytest.fail(f"{exc}:\n{log.read()}")
+        yield proc.url
+        assert proc.close() in (0, 130)
 
 
 @pytest.fixture(scope="module")
