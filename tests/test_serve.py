@@ -285,6 +285,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "temperature": 3}, 400, "temperature", "[0.0, 2.0]"),
     ("/v1/chat/completions", {"messages": CHAT, "stream": "yes"}, 400, "stream", "boolean"),
     ("/v1/chat/completions", {"messages": CHAT, "seed": 1.5}, 400, "seed", "integer"),
+    ("/v1/chat/completions", {"messages": CHAT, "seed": -1}, 400, "seed", ">= 0"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": [""]}, 400, "stop", "non-empty"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n", "one choice"),
     ("/v1/chat/completions", {"messages": CHAT, "n_max": -1}, 400, "n_max", ">= 0"),

@@ -4,7 +4,10 @@ until the model has loaded, ``/v1/models`` answers meanwhile; a failed load is r
 and ends the server."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +67,15 @@ def test_failed_load_is_reported():
             threading.Event().wait(0.05)
         assert errors == ["model file not found: x.gguf"]
         assert client.get("/health").status_code == 503
+
+
+def test_import_offload_and_offload_plan_load_no_server_stack():
+    model = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
+    code = ("import contextlib, io, sys, offload\n"
+            "from offload.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()): assert main(['plan', {str(model)!r}, "
+            "'--devices', 'CPU=16GiB']) == 0\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn', 'jinja2', 'torch'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

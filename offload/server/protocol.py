@@ -125,7 +125,7 @@ def _common(body: _Body, endpoint: str) -> Request:
         temperature=body.number("temperature", 0.0, 2.0, 1.0),
         top_p=body.number("top_p", 0.0, 1.0, 1.0, lo_open=True),
         top_k=body.int("top_k", minimum=0, default=0),
-        seed=body.int("seed"),
+        seed=body.int("seed", minimum=0),
         stop=_stop(body),
         stream=body.bool("stream", False),
         include_usage=include_usage,
