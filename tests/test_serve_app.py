@@ -79,3 +79,32 @@ def test_import_offload_and_offload_plan_load_no_server_stack():
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_bad_serve_flags_are_one_line_and_status_2(tmp_path, capsys):
+    """Everything wrong with the command line is found before the port is bound."""
+    import socket
+
+    from offload.cli import main
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in %}")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    cases = [
+        (["--max-queue", "0"], "--max-queue must be >= 1"),
+        (["--port", "70000"], "--port must be in 0..65535"),
+        (["--chat-template", str(tmp_path / "missing.jinja")], "cannot read --chat-template"),
+        (["--chat-template", str(broken)], "broken.jinja) line 1"),
+        (["--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1"),
+        (["--spec-n-max", "-1"], "--spec-n-max must be >= 0"),
+        ([str(tmp_path / "nope.gguf")], "model file not found"),
+    ]
+    try:
+        for flags, message in cases:
+            assert main(["serve", "--devices", "CPU=16GiB", *flags]) == 2, flags
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err[-1].startswith("offload: error: ") and message in err[-1], (flags, err)
+            assert "Traceback" not in "\n".join(err)
+    finally:
+        taken.close()

@@ -14,6 +14,7 @@ request's ``n_max`` field overrides it.
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GGUF file (default: the --placement plan's model, else the shipped tiny glm4moe model)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    g.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free one, printed)")
     g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests that may wait while one is served; more get 503 (default {DEFAULT_MAX_QUEUE})")
     g.add_argument("--chat-template", metavar="FILE",
@@ -44,6 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_arguments(p)
     add_placement_arguments(p)
     return p
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything loads: a taken port is a one-line error
+    (port 0 picks a free one)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OffloadError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def main(argv=None) -> int:
@@ -74,14 +88,16 @@ def main(argv=None) -> int:
     # everything that can be wrong with the flags is found before the port is bound
     template = ChatTemplate.for_model(model.metadata, Tokenizer.from_gguf(model.metadata), args.chat_template)
     name = args.alias or Path(plan.model_path).stem
+    sock = listen_socket(args.host, args.port)
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
 
     def load():
         session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
                                     progress=True, threads=args.threads)
         session.warmup()
         print(f"offload: {session.devices.describe()}", file=sys.stderr)
-        print(f"offload: model loaded in {session.load_s:.1f} s; serving {name!r} on "
-              f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        print(f"offload: model loaded in {session.load_s:.1f} s; serving {name!r} on {url}",
+              file=sys.stderr, flush=True)
         return session
 
     failed: list[str] = []
@@ -97,13 +113,13 @@ def main(argv=None) -> int:
             "drafting": plan.drafting, "chat_template": template.origin}
     print(f"offload: {account}", file=sys.stderr)
     print(f"offload: chat template: {template.origin}", file=sys.stderr)
-    print(f"offload: listening on http://{args.host}:{args.port} (GET /health is 503 until the model "
-          "has loaded)", file=sys.stderr, flush=True)
+    print(f"offload: listening on {url} (GET /health is 503 until the model has loaded)",
+          file=sys.stderr, flush=True)
     config = uvicorn.Config(build_app(engine, model_meta=meta), host=args.host, port=args.port,
                             log_level=args.log_level, timeout_graceful_shutdown=3, lifespan="on")
     server = uvicorn.Server(config)
     try:
-        server.run()              # re-raises a Ctrl-C after shutting down (status 130)
+        server.run(sockets=[sock])    # re-raises a Ctrl-C after shutting down (status 130)
     finally:
         engine.stop()
         if engine.session is not None:

@@ -69,11 +69,10 @@ class _Body:
             raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
         self.body = body
 
-    def get(self, name, kind: str, check, default=None, *, nullable: bool = True):
+    def get(self, name, kind: str, check, default=None):
+        """The field's value, or ``default`` when absent or null (as OpenAI's API treats null)."""
         value = self.body.get(name)
         if value is None:
-            if name in self.body and not nullable:
-                raise APIError(400, f"'{name}' must be {kind}, got null", param=name)
             return default
         if not check(value):
             raise APIError(400, f"'{name}' must be {kind}, got {value!r:.80}", param=name)
