@@ -29,7 +29,8 @@ class ServeProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
-        self.proc = subprocess.Popen([sys.executable, "-m", "offload.cli", "serve", str(model), "--host", "127.0.0.1",
+        model = [str(model)] if model is not None else []      # None: the --placement plan names it
+        self.proc = subprocess.Popen([sys.executable, "-m", "offload.cli", "serve", *model, "--host", "127.0.0.1",
                                       "--port", str(self.port), *flags],
                                      cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + start_s

@@ -2,20 +2,25 @@
 127.0.0.1 and a free port with the shipped model, talked to with the official ``openai``
 client and with raw HTTP (httpx).
 
-The server runs with MTP drafting (n_max 2, batched verify), ``--max-queue 4`` and a chat
-template file that behaves like the default one but rejects ``tool`` messages
-(``raise_exception``) and is broken for ``developer`` messages (an undefined call), so both
-kinds of template failure are exercised. Greedy answers are compared with the runtime run
+The server runs from a plan file whose ``speculative.n_max`` is 2 (MTP drafting, batched
+verify), with ``--max-queue 4`` and a chat template file that behaves like the default one
+but rejects ``tool`` messages (``raise_exception``) and is broken for ``developer`` messages
+(an undefined call), so both kinds of template failure are exercised. Greedy answers are compared with the runtime run
 in this process (same code path, same model, no prompt cache): the tokens must be equal.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import yaml
+
+from offload.cli import main as cli_main
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -43,10 +48,17 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     template = tmp / "chat.jinja"
     template.write_text(TEMPLATE)
+    # a plan file whose speculative section says n_max 2 (as offload tune writes it)
+    plan = tmp / "plan.yaml"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli_main(["plan", str(SHIPPED), "--devices", "CPU=16GiB", "-o", str(plan)]) == 0
+    doc = yaml.safe_load(plan.read_text())
+    doc["speculative"]["n_max"] = 2
+    plan.write_text(yaml.safe_dump(doc))
     with open(tmp / "server.log", "w+") as log:
         try:
-            proc = ServeProcess(SHIPPED, ["--devices", "CPU=16GiB", "--spec-n-max", "2", "--max-queue", "4",
-                                          "--chat-template", str(template), "--log-level", "warning"], log=log)
+            proc = ServeProcess(None, ["--placement", str(plan), "--max-queue", "4", "--chat-template", str(template),
+                                       "--log-level", "warning"], log=log)
         except RuntimeError as exc:
             log.seek(0)
             pytest.fail(f"{exc}:\n{log.read()}")
