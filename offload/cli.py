@@ -15,6 +15,7 @@ COMMANDS = {
     "run": ("offload.commands.run", "load a model by placement and generate text"),
     "bench": ("offload.commands.bench", "speculative-decoding benchmark: baseline vs MTP n_max per task"),
     "tune": ("offload.commands.tune", "measure this box, fit the cost model, run, choose n_max for a plan"),
+    "serve": ("offload.commands.serve", "OpenAI-compatible HTTP server (chat templates, prompt cache, MTP drafting)"),
 }
 
 USAGE = "usage: offload COMMAND [ARGS...]\n\ncommands:\n" + "".join(
@@ -38,3 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:          # `offload plan ... | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
         return 0
+
+
+if __name__ == "__main__":        # python -m offload.cli (python -m offload works too)
+    sys.exit(main())

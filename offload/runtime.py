@@ -47,8 +47,44 @@ def compute_dtypes(devices: DeviceMap, gpu_dtype: str) -> dict[str, torch.dtype]
     return out
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class PromptCache:
+    """llama-server's prompt cache: the caches of the last sequence and the tokens it ran,
+    so the next prompt evaluates only what follows their longest common prefix.
+
+    Invariant: ``tokens`` is the last sequence (prompt + every yielded token); the trunk
+    cache holds its first ``state.n_past`` tokens and the head cache pairs that need only
+    ``tokens`` (pair t reads x_0..x_{t+1})."""
+
+    def __init__(self):
+        self.state, self.head, self.tokens = None, None, []
+
+    def take(self, model: CausalLM, head, ids: list[int], drafting: bool):
+        """The state to continue ``ids`` on, rolled back to the reusable prefix, and its
+        length n_cached (< len(ids): the last prompt token always runs, for its logits)."""
+        if self.state is None or self.head is not head:
+            self.state, self.head, self.tokens = model.new_state(head), head, []
+        state = self.state
+        common = min(common_prefix(self.tokens, ids), state.n_past)
+        head_cache = state.nextn_cache
+        head_ok = max(0, min(head_cache.length, common - 1)) if head_cache is not None else 0
+        # drafting primes the head from the trunk states of the evaluated positions, so the
+        # trunk is reused only as far as the head's pairs reach
+        n_cached = head_ok if drafting else min(common, len(ids) - 1)
+        state.truncate(n_cached)
+        if head_cache is not None:
+            head_cache.truncate(min(head_ok, n_cached))
+        self.tokens = list(ids)
+        return state, n_cached
+
+
 class Session:
-    """A loaded model. ``logits`` and ``generate`` each start a fresh sequence."""
+    """A loaded model. ``logits`` starts a fresh sequence; ``generate`` does too, or with
+    ``cache_prompt`` reuses the previous sequence's longest common prefix."""
 
     def __init__(self, *, model: CausalLM, tokenizer, devices: DeviceMap, weights: WeightStore,
                  profile: Profile, pool: ThreadPoolExecutor, meta: Mapping, plan: Plan):
@@ -57,6 +93,7 @@ class Session:
         self.profile, self._pool, self.meta = profile, pool, meta
         self.load_s = 0.0
         self.stats: RunStats | None = None
+        self.prompt_cache = PromptCache()
 
     @property
     def config(self):
@@ -91,12 +128,14 @@ class Session:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, ubatch: int | None = None,
                  stop_at_eos: bool = True, n_max: int = 0, p_min: float = 0.0, verify: str = "batched",
-                 head=None) -> Iterator[int]:
+                 head=None, cache_prompt: bool = False) -> Iterator[int]:
         """Yield generated token ids for a fresh sequence. The prompt is processed in
         batches of ``ubatch`` tokens (default: the plan's), then one step at a time: plain
         decoding with ``n_max = 0``, else speculative decoding with the draft head (``head``,
         default the model's NextN / ``--draft`` head) drafting up to ``n_max`` tokens per step
-        (see ``offload.speculative``). ``self.stats`` (RunStats) is filled as it goes."""
+        (see ``offload.speculative``). ``self.stats`` (RunStats) is filled as it goes.
+        ``cache_prompt``: keep the KV of the longest prefix shared with the previous
+        ``cache_prompt`` sequence (``self.prompt_cache``) and evaluate only the rest."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         ubatch = self.plan.settings.ubatch if ubatch is None else ubatch
         ctx = self.plan.settings.ctx
@@ -117,12 +156,23 @@ class Session:
         except ValueError as exc:
             raise OffloadError(f"sampling: {exc}") from None
         stats = self.stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
-        state = self.model.new_state(head if n_max else None)
+        if cache_prompt:
+            state, n_cached = self.prompt_cache.take(self.model, head, ids, drafting=n_max > 0)
+        else:
+            state, n_cached = self.model.new_state(head if n_max else None), 0
         eos = self.tokenizer.eos_ids if stop_at_eos else frozenset()
         try:
-            yield from generate_step(self.model, ids, state=state, sampler=sampler,
+            for tok in generate_step(self.model, ids, state=state, sampler=sampler,
                                      head=head if n_max else None, options=options, ubatch=ubatch,
-                                     max_tokens=max_tokens, eos=eos, stats=stats, profile=self.profile)
+                                     max_tokens=max_tokens, eos=eos, stats=stats, profile=self.profile,
+                                     n_cached=n_cached):
+                if cache_prompt:
+                    self.prompt_cache.tokens.append(tok)
+                yield tok
+        except Exception:
+            if cache_prompt:              # a pass may have stopped between layers: start over
+                self.prompt_cache = PromptCache()
+            raise
         finally:
             stats.memory = self.memory(state)
 

@@ -102,14 +102,16 @@ class _Drafter:
         self.valid = 0                             # head entries computed from trunk states
         self.ran = False                           # the head ran this step's pending pairs
 
-    def prime(self, hidden: torch.Tensor, ids: Sequence[int]) -> None:
-        """After the prompt: run the pairs whose token is known (0..P-2) now, keep the last
-        trunk state pending for the token the prompt's logits will choose."""
+    def prime(self, hidden: torch.Tensor, ids: Sequence[int], start: int = 0) -> None:
+        """After the prompt: run the pairs whose token is known (start..P-2) now, keep the last
+        trunk state pending for the token the prompt's logits will choose. ``hidden``: the
+        trunk states of positions start..P-1 (the head cache already holds pairs 0..start-1)."""
         n = len(ids)
-        if n > 1:
-            self._run(list(ids[1:]), hidden[:n - 1], 1, logits=False)
+        assert self.cache.length == start, (self.cache.length, start)
+        if n - start > 1:
+            self._run(list(ids[start + 1:]), hidden[:n - 1 - start], start + 1, logits=False)
         self.valid = n - 1
-        self.pend_h, self.pend_tok = hidden[n - 1:], []
+        self.pend_h, self.pend_tok = hidden[n - 1 - start:], []
 
     def _run(self, tokens: list[int], hidden: torch.Tensor, pos0: int, *, logits: bool = True):
         """Head over pairs in ubatch chunks → (last row's logits (V,) or None, last h_mtp (1, n_embd))."""
@@ -179,13 +181,21 @@ class _Drafter:
 def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head: DraftHead | None = None,
                   options: SpecOptions = SpecOptions(), ubatch: int = 512, max_tokens: int = 128,
                   eos: Collection[int] = (), stats: RunStats | None = None,
-                  profile: Profile | None = None) -> Iterator[int]:
+                  profile: Profile | None = None, n_cached: int = 0) -> Iterator[int]:
     """Yield up to ``max_tokens`` token ids continuing ``prompt`` (token ids) on ``state``
-    (fresh caches; ``state.nextn_cache`` is the head's). ``model``: ``forward(ids, state,
+    (``state.nextn_cache`` is the head's). ``model``: ``forward(ids, state,
     logits="all"|"last"|"none") -> (logits, final hidden states)``. ``head`` drafts when
-    ``options.n_max > 0``. ``stats`` is filled as it goes."""
+    ``options.n_max > 0``. ``stats`` is filled as it goes.
+
+    ``n_cached``: the caches already hold the first ``n_cached`` prompt tokens (trunk, and
+    with drafting the head's pairs 0..n_cached-1) — a reused prompt prefix; only the rest of
+    the prompt is evaluated. 0 = fresh caches."""
     ids = [int(i) for i in prompt]
     stats = stats if stats is not None else RunStats(n_prompt=len(ids))
+    if not 0 <= n_cached < len(ids) or state.n_past != n_cached:
+        raise OffloadError(f"n_cached {n_cached}: need 0 <= n_cached < {len(ids)} prompt tokens "
+                           f"and caches holding exactly that many (they hold {state.n_past})")
+    stats.n_prompt_cached = n_cached
     profile = profile if profile is not None else Profile()
     drafting = options.n_max > 0
     if drafting and head is None:
@@ -199,7 +209,7 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
     t0 = time.perf_counter()
     with torch.inference_mode():
         hidden = []
-        for s in range(0, n_prompt, ubatch):
+        for s in range(n_cached, n_prompt, ubatch):
             last = s + ubatch >= n_prompt
             logits, h = model.forward(torch.as_tensor(ids[s:s + ubatch]), state,
                                       logits="last" if last else "none")
@@ -208,7 +218,7 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
         with profile.time("sampling"):
             tok = sampler(_rows(logits[-1]))
         if drafting:
-            drafter.prime(torch.cat(hidden), ids)
+            drafter.prime(torch.cat(hidden), ids, n_cached)
     stats.prompt_s, stats.prompt_profile = time.perf_counter() - t0, profile.snapshot()
     profile.reset()
 

@@ -26,6 +26,7 @@ def conditional(accepted: list[int], reached: list[int]) -> list[float]:
 @dataclass
 class RunStats:
     n_prompt: int = 0
+    n_prompt_cached: int = 0  # prompt tokens whose KV was reused (prompt cache), not evaluated
     prompt_s: float = 0.0
     n_gen: int = 0            # tokens produced (yielded)
     n_eval: int = 0           # target forward passes after the prompt (a batched verify is one)
@@ -64,8 +65,13 @@ class RunStats:
             self.reached_per_position[j] += 1
 
     @property
+    def n_prompt_eval(self) -> int:
+        """Prompt tokens evaluated (what the prompt time bought)."""
+        return self.n_prompt - self.n_prompt_cached
+
+    @property
     def prompt_tps(self) -> float:
-        return self.n_prompt / self.prompt_s if self.prompt_s else 0.0
+        return self.n_prompt_eval / self.prompt_s if self.prompt_s else 0.0
 
     @property
     def n_eval_tokens(self) -> int:
@@ -114,8 +120,9 @@ class RunStats:
         n_tok = self.n_eval_tokens
         out = [
             f"load time        = {ms(self.load_s):10.2f} ms",
-            f"prompt eval time = {ms(self.prompt_s):10.2f} ms / {self.n_prompt:5d} tokens "
-            f"({per(self.prompt_s, self.n_prompt):8.2f} ms per token, {self.prompt_tps:8.2f} tokens per second)",
+            f"prompt eval time = {ms(self.prompt_s):10.2f} ms / {self.n_prompt_eval:5d} tokens "
+            f"({per(self.prompt_s, self.n_prompt_eval):8.2f} ms per token, {self.prompt_tps:8.2f} tokens per second)"
+            + (f", {self.n_prompt_cached} more cached" if self.n_prompt_cached else ""),
             f"       eval time = {ms(self.eval_s):10.2f} ms / {n_tok:5d} tokens "
             f"({per(self.eval_s, n_tok):8.2f} ms per token, {self.eval_tps:8.2f} tokens per second)"
             + (f", {self.n_eval} target passes" if self.spec else ""),

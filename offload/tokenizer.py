@@ -41,12 +41,18 @@ class Tokenizer:
     def n_vocab(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        """Token ids; BOS first when the model asks for it and ``add_bos`` allows it (a chat
+        template that writes the BOS itself turns it off)."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + ids
+        return ([self.bos_id] if add_bos and self.add_bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_text(self, token_id: int | None) -> str:
+        """A token's own text as written in prompts (``<|endoftext|>``), "" for None."""
+        return "" if token_id is None else self._tok.id_to_token(token_id) or ""
 
     @classmethod
     def from_gguf(cls, metadata: Mapping) -> "Tokenizer":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from gguf import Keys, TokenType
 
+from offload.commands.run import TextStream
 from offload.errors import OffloadError
 from offload.tokenizer import Tokenizer
 from tests.tiny_models import bytes_to_unicode, tiny_vocab
@@ -90,3 +91,17 @@ def test_unsupported_tokenizers_are_named():
     meta[Keys.Tokenizer.MODEL] = "rwkv"
     with pytest.raises(OffloadError, match="tokenizer model 'rwkv'"):
         Tokenizer.from_gguf(meta)
+
+
+@pytest.mark.parametrize("meta", [spm_meta, gpt2_meta], ids=["sentencepiece", "byte-level"])
+def test_streamed_text_is_the_whole_decode(meta):
+    """``TextStream`` (offload run's stdout, offload serve's chunks) gives, piece by piece, the
+    text of decoding everything at once: spaces kept where a SentencePiece decoder strips the
+    first one, multi-byte characters split over byte tokens held back until whole."""
+    tok = Tokenizer.from_gguf(meta())
+    for text in ["ab abc", "cab bca  x€ 日本", "  leading and trailing  ", *TEXTS]:
+        ids = tok.encode(text)
+        stream = TextStream(tok.decode)
+        pieces = [stream.push(i) for i in ids] + [stream.close()]
+        assert "".join(pieces) == tok.decode(ids), pieces
+        assert not any("\ufffd" in p for p in pieces)

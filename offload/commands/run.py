@@ -120,28 +120,43 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
 
 
 class TextStream:
-    """Prints the text of a growing token sequence as it becomes valid UTF-8: re-decodes a
-    short tail and holds back an incomplete multi-byte character."""
+    """The text of a growing token sequence, piece by piece as it becomes valid UTF-8: decodes
+    the new tokens behind a few already-returned ones and keeps what follows their text (a
+    SentencePiece decoder drops the leading space of whatever it decodes first, so the new
+    tokens alone would lose theirs); holds back an incomplete multi-byte character."""
 
-    def __init__(self, detokenize, out):
-        self.detokenize, self.out = detokenize, out
+    CONTEXT = 8                 # tokens looked back for a context that decodes cleanly
+
+    def __init__(self, detokenize):
+        self.detokenize = detokenize
         self.ids: list[int] = []
-        self.start = 0          # ids before this are flushed and never re-decoded
-        self.printed = ""       # text of ids[start:] already written
+        self.start = 0          # ids before this are returned; only a short context is re-decoded
 
-    def push(self, tok: int) -> None:
+    def _new_text(self) -> str:
+        # the context must decode to whole characters on its own (not a byte token cut from
+        # its character, not only control tokens), else it would not be a prefix of the text
+        for ctx in range(self.start - 1, max(self.start - self.CONTEXT, 0) - 1, -1):
+            head = self.detokenize(self.ids[ctx:self.start])
+            if head and "\ufffd" not in head:
+                text = self.detokenize(self.ids[ctx:])
+                if text.startswith(head):
+                    return text[len(head):]
+        return self.detokenize(self.ids[self.start:])
+
+    def push(self, tok: int) -> str:
+        """The new text that ``tok`` completes ("" while a character is incomplete)."""
         self.ids.append(tok)
-        text = self.detokenize(self.ids[self.start:])
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[len(self.printed):])
-        self.out.flush()
-        self.start, self.printed = len(self.ids), ""
+        piece = self._new_text()
+        if not piece or piece.endswith("\ufffd"):   # nothing yet (a space the decoder strips
+            return ""                                 # when first, a control token) or half a character
+        self.start = len(self.ids)
+        return piece
 
-    def close(self) -> None:
-        tail = self.detokenize(self.ids[self.start:])
-        self.out.write(tail[len(self.printed):])
-        self.out.flush()
+    def close(self) -> str:
+        """What is left (an incomplete character decodes as U+FFFD)."""
+        piece = self._new_text()
+        self.start = len(self.ids)
+        return piece
 
 
 def open_cli_model(args: argparse.Namespace):
@@ -202,16 +217,16 @@ def main(argv=None) -> int:
         print(f"offload: {session.devices.describe()}", file=sys.stderr)
         print(f"offload: {account}", file=sys.stderr)
         session.warmup()
-        stream = TextStream(session.detokenize, sys.stdout)
+        stream = TextStream(session.detokenize)
         ids = session.tokenize(prompt)
         out = []
         for tok in session.generate(ids, max_tokens=args.n_predict, temperature=args.temp,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                     stop_at_eos=not args.ignore_eos, **spec):
-            stream.push(tok)
+            sys.stdout.write(stream.push(tok))
+            sys.stdout.flush()
             out.append(tok)
-        stream.close()
-        sys.stdout.write("\n")
+        sys.stdout.write(stream.close() + "\n")
         stats = session.stats
         print("", file=sys.stderr)
         for line in stats.lines():

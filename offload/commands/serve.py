@@ -1,0 +1,129 @@
+"""``offload serve``: an OpenAI-compatible HTTP server, with MTP speculation inside.
+
+    offload serve [MODEL.gguf] [placement flags as for offload plan | --placement plan.yaml]
+                  [--host 127.0.0.1] [--port 8080] [--max-queue N] [--chat-template FILE]
+                  [--alias NAME] [--spec-* as for offload run]
+
+``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not), ``GET /v1/models``,
+``GET /health`` (503 while the model loads) and ``GET /metrics`` (Prometheus). Requests are
+served one at a time in arrival order; ``--max-queue`` more may wait, the next gets a 503.
+Consecutive requests reuse the KV of their longest common prompt prefix (the prompt cache).
+Speculative decoding as in ``offload run``: the plan's ``n_max`` or ``--spec-n-max``; a
+request's ``n_max`` field overrides it.
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from offload.commands.plan import add_placement_arguments, plan_from_args
+from offload.commands.run import (add_session_arguments, add_spec_arguments, open_cli_model,
+                                  runtime_process_settings, spec_settings)
+from offload.errors import ArgumentParser, OffloadError
+
+DEFAULT_MAX_QUEUE = 32
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="offload serve", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF file (default: the --placement plan's model, else the shipped tiny glm4moe model)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free one, printed)")
+    g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help=f"requests that may wait while one is served; more get 503 (default {DEFAULT_MAX_QUEUE})")
+    g.add_argument("--chat-template", metavar="FILE",
+                   help="jinja2 chat template (default: the GGUF's tokenizer.chat_template, else offload's own)")
+    g.add_argument("--alias", metavar="NAME", help="model name in /v1/models and responses (default: the file's stem)")
+    g.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                   help="uvicorn's log level (info logs each request)")
+    add_session_arguments(p)
+    add_spec_arguments(p)
+    add_placement_arguments(p)
+    return p
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything loads: a taken port is a one-line error
+    (port 0 picks a free one)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OffloadError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        raise OffloadError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise OffloadError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.torch_threads < 1:
+        raise OffloadError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    runtime_process_settings()
+    import torch                  # the server stack and the runtime load only for this command
+    import uvicorn
+
+    from offload import runtime
+    from offload.chat_template import ChatTemplate
+    from offload.server.app import build_app
+    from offload.server.engine import Engine
+    from offload.speculative import SpecOptions
+    from offload.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.torch_threads)
+    model = open_cli_model(args)
+    plan, model, _ = plan_from_args(args, model)
+    spec, account = spec_settings(args, plan)
+    p_min = args.spec_p_min if args.spec_p_min is not None else float((plan.speculative or {}).get("p_min", 0.0) or 0.0)
+    options = SpecOptions(n_max=spec["n_max"], p_min=p_min, verify=args.spec_verify)
+    # everything that can be wrong with the flags is found before the port is bound
+    template = ChatTemplate.for_model(model.metadata, Tokenizer.from_gguf(model.metadata), args.chat_template)
+    name = args.alias or Path(plan.model_path).stem
+    sock = listen_socket(args.host, args.port)
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+
+    def load():
+        session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
+                                    progress=True, threads=args.threads)
+        session.warmup()
+        print(f"offload: {session.devices.describe()}", file=sys.stderr)
+        print(f"offload: model loaded in {session.load_s:.1f} s; serving {name!r} on {url}",
+              file=sys.stderr, flush=True)
+        return session
+
+    failed: list[str] = []
+
+    def load_failed(message: str) -> None:
+        print(f"offload: error: {message}", file=sys.stderr, flush=True)
+        failed.append(message)
+        server.should_exit = True
+
+    engine = Engine(load, model_name=name, template=template, spec=options, max_queue=args.max_queue,
+                    on_load_error=load_failed)
+    meta = {"arch": model.spec.arch, "n_ctx": plan.settings.ctx, "n_max": options.n_max,
+            "drafting": plan.drafting, "chat_template": template.origin}
+    print(f"offload: {account}", file=sys.stderr)
+    print(f"offload: chat template: {template.origin}", file=sys.stderr)
+    print(f"offload: listening on {url} (GET /health is 503 until the model has loaded)",
+          file=sys.stderr, flush=True)
+    config = uvicorn.Config(build_app(engine, model_meta=meta), host=args.host, port=args.port,
+                            log_level=args.log_level, timeout_graceful_shutdown=3, lifespan="on")
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])    # re-raises a Ctrl-C after shutting down (status 130)
+    finally:
+        engine.stop()
+        if engine.session is not None:
+            engine.session.close()
+    if failed:
+        return 2
+    return 0 if server.started else 2

@@ -1,0 +1,233 @@
+"""The model side of ``offload serve``: one loaded ``Session``, one worker thread, requests
+served one at a time in arrival order (FIFO).
+
+Why one at a time: the model runs one sequence (``Block`` takes one cache); batching several
+sequences would need batched attention over separate caches. What it could win is what a
+verify batch wins (the experts a batch of tokens touches are read once) — see the README's
+numbers for this box.
+
+The event loop never runs the model: ``prepare`` checks a request and builds its prompt (in
+the loop, cheap), ``submit`` queues it (503 when ``max_queue`` requests already wait), and
+the worker thread generates, handing text pieces back to the loop's queue of that job. A
+job whose client left is ``cancel``-ed: dropped from the queue, or its generation stopped
+at the next token (closing the generator rewinds the caches to what was yielded).
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from offload.chat_template import ChatTemplate, ChatTemplateError, TemplateRaised
+from offload.commands.run import TextStream
+from offload.errors import OffloadError
+from offload.server.metrics import Metrics
+from offload.server.protocol import APIError, Request, Result, server_busy
+from offload.server.stops import StopText
+from offload.speculative import SpecOptions
+
+
+@dataclass
+class Job:
+    request: Request
+    ids: list[int]
+    max_tokens: int
+    n_max: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)   # ("text", str) | ("done", Result) | ("error", APIError)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    finished: bool = False
+
+    def emit(self, kind: str, value) -> None:
+        """From the worker thread: hand an event to the job's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:       # the loop is gone (server shutting down)
+            pass
+
+
+class Engine:
+    def __init__(self, load: Callable[[], object], *, model_name: str, template: ChatTemplate,
+                 spec: SpecOptions, max_queue: int, on_load_error: Callable[[str], None]):
+        self._load, self.model_name, self.template, self.spec = load, model_name, template, spec
+        self.max_queue, self._on_load_error = max_queue, on_load_error
+        self.session = None
+        self.metrics = Metrics()
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._current: Job | None = None      # the job being generated
+        self._thread = threading.Thread(target=self._main, name="offload-engine", daemon=True)
+
+    # -- event-loop side ------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.session is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Cancel everything and let the worker end after the token it is on."""
+        with self._cond:
+            self._stopping = True
+            for job in self._queue:
+                job.cancelled.set()
+            self._queue.clear()
+            self._cond.notify_all()
+        if self._current is not None:
+            self._current.cancelled.set()
+
+    def prepare(self, request: Request, loop: asyncio.AbstractEventLoop) -> Job:
+        """Check ``request`` against the model and build its prompt; APIError if it cannot run."""
+        if not self.ready:
+            raise server_busy("the model is still loading")
+        if request.model is not None and request.model != self.model_name:
+            raise APIError(404, f"model {request.model!r} does not exist; this server has {self.model_name!r}",
+                           param="model", code="model_not_found")
+        session = self.session
+        if request.messages is not None:
+            try:
+                ids = self.template.encode(request.messages, session.tokenizer)
+            except TemplateRaised as exc:
+                raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+            except ChatTemplateError as exc:
+                raise APIError(500, str(exc), type="server_error") from None
+        elif isinstance(request.prompt, str):
+            ids = session.tokenize(request.prompt)
+        else:
+            ids = list(request.prompt)
+            n_vocab = session.tokenizer.n_vocab
+            if max(ids) >= n_vocab:
+                raise APIError(400, f"prompt token id {max(ids)} is not below the vocabulary size {n_vocab}",
+                               param="prompt")
+        ctx = session.plan.settings.ctx
+        if len(ids) >= ctx or (request.max_tokens is not None and len(ids) + request.max_tokens > ctx):
+            wanted = f"{len(ids)} prompt tokens" + (f" + {request.max_tokens} max_tokens"
+                                                     if request.max_tokens is not None else "")
+            raise APIError(400, f"{wanted} exceed the context of {ctx} tokens (the server's --ctx)",
+                           param="messages" if request.messages is not None else "prompt",
+                           code="context_length_exceeded")
+        n_max = self.spec.n_max if request.n_max is None else request.n_max
+        if n_max and session.model.nextn is None:
+            raise APIError(400, f"n_max {n_max}: the model has no NextN (MTP) draft head", param="n_max")
+        return Job(request=request, ids=ids, max_tokens=request.max_tokens or ctx - len(ids), n_max=n_max,
+                   loop=loop)
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping:
+                raise server_busy("the server is shutting down")
+            if len(self._queue) >= self.max_queue:
+                self.metrics.rejected += 1
+                raise server_busy(f"{len(self._queue)} requests are already waiting (--max-queue {self.max_queue})")
+            self._queue.append(job)
+            self.metrics.queued = len(self._queue)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client left: drop the job if it still waits, else stop its generation."""
+        if job.finished:
+            return
+        job.cancelled.set()
+        with self._cond:
+            if job in self._queue:
+                self._queue.remove(job)
+                self.metrics.queued = len(self._queue)
+                self.metrics.cancelled += 1
+
+    # -- worker thread --------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            session = self._load()
+        except OffloadError as exc:
+            self._on_load_error(str(exc))
+            return
+        except Exception as exc:       # report, then let the server exit
+            traceback.print_exc()
+            self._on_load_error(f"loading failed: {type(exc).__name__}: {exc}")
+            return
+        self.session = session
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                job = self._current = self._queue.popleft()
+                self.metrics.queued = len(self._queue)
+            self.metrics.processing = 1
+            try:
+                self._serve(job)
+            finally:
+                job.finished = True
+                self._current = None
+                self.metrics.processing = 0
+
+    def _serve(self, job: Job) -> None:
+        session, r = self.session, job.request
+        if job.cancelled.is_set():          # left between leaving the queue and starting
+            self.metrics.cancelled += 1
+            return
+        stream, stops = TextStream(session.detokenize), StopText(r.stop)
+        eos = session.tokenizer.eos_ids
+        finish, n_gen = "length", 0
+        gen = session.generate(job.ids, max_tokens=job.max_tokens, temperature=r.temperature, top_k=r.top_k,
+                               top_p=r.top_p, seed=r.seed, stop_at_eos=not r.ignore_eos, n_max=job.n_max,
+                               p_min=self.spec.p_min, verify=self.spec.verify, cache_prompt=r.cache_prompt)
+        try:
+            for tok in gen:
+                if job.cancelled.is_set():
+                    break
+                n_gen += 1
+                piece = stops.push(stream.push(tok))
+                if piece:
+                    job.emit("text", piece)
+                if stops.stopped:
+                    finish = "stop"
+                    break
+                if tok in eos and not r.ignore_eos:
+                    finish = "stop"
+            else:
+                piece = stops.push(stream.close()) + stops.close()
+                if piece:
+                    job.emit("text", piece)
+        except OffloadError as exc:
+            job.emit("error", APIError(400, str(exc)))
+            return
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            job.emit("error", APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error"))
+            return
+        finally:
+            gen.close()
+        st = session.stats
+        self.metrics.record(st)
+        if job.cancelled.is_set():
+            self.metrics.cancelled += 1
+            return
+        job.emit("done", Result(finish_reason=finish, prompt_tokens=len(job.ids), completion_tokens=n_gen,
+                                timings=timings(st, job.n_max)))
+
+
+def timings(st, n_max: int) -> dict:
+    """llama-server's ``timings`` object from a run's RunStats, with the draft counts."""
+    ms = 1000.0
+    return {
+        "cache_n": st.n_prompt_cached,
+        "prompt_n": st.n_prompt_eval, "prompt_ms": st.prompt_s * ms,
+        "prompt_per_token_ms": st.prompt_s * ms / st.n_prompt_eval if st.n_prompt_eval else 0.0,
+        "prompt_per_second": st.prompt_tps,
+        "predicted_n": st.n_gen, "predicted_ms": st.eval_s * ms,
+        "predicted_per_token_ms": st.eval_s * ms / st.n_eval_tokens if st.n_eval_tokens else 0.0,
+        "predicted_per_second": st.eval_tps,
+        "n_max": n_max, "draft_n": st.drafted, "draft_n_accepted": st.accepted,
+        "draft_acceptance_per_position": st.acceptance_per_position,
+    }

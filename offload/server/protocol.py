@@ -1,0 +1,252 @@
+"""The OpenAI wire format: request bodies checked field by field into a ``Request``, errors
+as ``{"error": {"message", "type", "param", "code"}}``, and the response / stream-chunk
+objects (with llama-server's ``timings``).
+
+Fields this server does not know are ignored (clients send many); fields it knows but
+cannot honour (``n`` > 1, ``logprobs``, ``tools``) are refused, never silently dropped.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# fields that ask for what this server does not do → the values that ask for nothing
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+               "best_of": (None, 1), "echo": (None, False), "suffix": (None, "")}
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI-style body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def server_busy(message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="server_busy")
+
+
+@dataclass
+class Request:
+    """One generation request, checked. ``messages`` (chat) or ``prompt`` (text or token ids)."""
+    endpoint: str                              # "chat" | "completion"
+    model: str | None = None
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    max_tokens: int | None = None              # None: up to the context
+    temperature: float = 1.0                   # OpenAI's default
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    n_max: int | None = None                   # offload: draft length for this request
+    cache_prompt: bool = True                  # llama-server's: reuse the previous prompt's KV
+    ignore_eos: bool = False                   # llama-server's: generate past end-of-sequence
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class _Body:
+    """Typed reads of a JSON object's fields; a wrong type is a 400 naming the field."""
+
+    def __init__(self, body):
+        if not isinstance(body, dict):
+            raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        self.body = body
+
+    def get(self, name, kind: str, check, default=None):
+        """The field's value, or ``default`` when absent or null (as OpenAI's API treats null)."""
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not check(value):
+            raise APIError(400, f"'{name}' must be {kind}, got {value!r:.80}", param=name)
+        return value
+
+    def int(self, name, *, minimum=None, default=None):
+        v = self.get(name, "an integer", _is_int, default)
+        if v is not None and minimum is not None and v < minimum:
+            raise APIError(400, f"'{name}' must be >= {minimum}, got {v}", param=name)
+        return v
+
+    def number(self, name, lo, hi, default, *, lo_open=False):
+        v = self.get(name, "a number", _is_number, default)
+        if v < lo or (lo_open and v == lo) or v > hi:
+            raise APIError(400, f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", param=name)
+        return float(v)
+
+    def bool(self, name, default):
+        return self.get(name, "a boolean", lambda v: isinstance(v, bool), default)
+
+
+def _stop(body: _Body) -> list[str]:
+    stop = body.body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(400, f"'stop' must be a non-empty string or a list of them, got {stop!r:.80}", param="stop")
+    return list(stops)
+
+
+def _common(body: _Body, endpoint: str) -> Request:
+    if body.int("n", default=1) != 1:
+        raise APIError(400, "'n' must be 1: one choice per request", param="n")
+    for name, harmless in UNSUPPORTED.items():
+        if body.body.get(name) not in harmless:
+            raise APIError(400, f"'{name}' is not supported by offload serve", param=name)
+    max_tokens = body.int("max_tokens", minimum=1)
+    if endpoint == "chat" and max_tokens is None:
+        max_tokens = body.int("max_completion_tokens", minimum=1)
+    options = body.get("stream_options", "an object", lambda v: isinstance(v, dict), {})
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise APIError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
+    return Request(
+        endpoint=endpoint,
+        model=body.get("model", "a string", lambda v: isinstance(v, str)),
+        max_tokens=max_tokens,
+        temperature=body.number("temperature", 0.0, 2.0, 1.0),
+        top_p=body.number("top_p", 0.0, 1.0, 1.0, lo_open=True),
+        top_k=body.int("top_k", minimum=0, default=0),
+        seed=body.int("seed", minimum=0),
+        stop=_stop(body),
+        stream=body.bool("stream", False),
+        include_usage=include_usage,
+        n_max=body.int("n_max", minimum=0),
+        cache_prompt=body.bool("cache_prompt", True),
+        ignore_eos=body.bool("ignore_eos", False),
+    )
+
+
+def _content(message: dict, i: int) -> str:
+    """A message's content as text: a string, null (an assistant turn with no text), or a
+    list of ``{"type": "text", "text": ...}`` parts."""
+    content = message.get("content")
+    if content is None:
+        if message["role"] == "assistant":
+            return ""
+        raise APIError(400, f"messages[{i}].content is missing", param=f"messages[{i}].content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(400, f"messages[{i}].content: only text parts are supported, got {kind!r}",
+                               param=f"messages[{i}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                   param=f"messages[{i}].content")
+
+
+def parse_chat(raw) -> Request:
+    body = _Body(raw)
+    messages = body.body.get("messages")
+    if not isinstance(messages, list):
+        raise APIError(400, "'messages' must be a list of messages", param="messages")
+    if not messages:
+        raise APIError(400, "'messages' must not be empty", param="messages")
+    checked = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}",
+                           param=f"messages[{i}].role")
+        out = {"role": role, "content": _content(m, i)}
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+        checked.append(out)
+    request = _common(body, "chat")
+    request.messages = checked
+    return request
+
+
+def parse_completion(raw) -> Request:
+    body = _Body(raw)
+    prompt = body.body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                     # a batch of one
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        pass                                   # token ids
+    elif not isinstance(prompt, str):
+        raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
+                       param="prompt")
+    if prompt == "":
+        raise APIError(400, "'prompt' must not be empty", param="prompt")
+    request = _common(body, "completion")
+    request.prompt = prompt
+    return request
+
+
+# -- responses ------------------------------------------------------------------------
+
+def new_id(endpoint: str) -> str:
+    return ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class Result:
+    """What a finished generation reports."""
+    finish_reason: str                         # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    timings: dict
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.timings.get("cache_n", 0)}}
+
+
+class Responder:
+    """Builds the objects one request answers with (ids and timestamps shared by its chunks)."""
+
+    def __init__(self, request: Request, model: str):
+        self.request, self.model = request, model
+        self.id, self.created = new_id(request.endpoint), int(time.time())
+        self.chat = request.endpoint == "chat"
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, text: str, result: Result) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": result.finish_reason, "logprobs": None}
+            out = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
+            out = self._envelope("text_completion", [choice])
+        return out | {"usage": result.usage(), "timings": result.timings}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            return self._envelope("chat.completion.chunk",
+                                  [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}])
+        return self._envelope("text_completion",
+                              [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}])
+
+    def usage_chunk(self, result: Result) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", []) | {
+            "usage": result.usage(), "timings": result.timings}

@@ -1,0 +1,57 @@
+"""A real ``offload serve`` process on 127.0.0.1 and a free port, for the server tests and
+``bench.serve``: started with ``python -m offload.cli serve``, ready once ``/health`` is 200,
+stopped with Ctrl-C (SIGINT)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    def __init__(self, model, flags: list[str], *, log=subprocess.DEVNULL, start_s: float = 600):
+        """``log``: where the server's stdout and stderr go. Waits up to ``start_s`` for
+        ``/health`` (a cold Numba cache compiles the kernels first: minutes on 2 cores)."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
+        model = [str(model)] if model is not None else []      # None: the --placement plan names it
+        self.proc = subprocess.Popen([sys.executable, "-m", "offload.cli", "serve", *model, "--host", "127.0.0.1",
+                                      "--port", str(self.port), *flags],
+                                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + start_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"offload serve exited with status {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"offload serve was not healthy after {start_s:.0f} s")
+            time.sleep(0.1)
+
+    def close(self) -> int:
+        """Ctrl-C, then the exit status (uvicorn shuts down, then re-raises SIGINT: 130)."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
