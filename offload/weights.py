@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from cpu_kernels import ExpertWeights, supported_types
 from gpu.dequant import dequantize_numpy, to_torch
 from gpu.experts import TorchExperts
-from gpu.linear import Embedding, Linear
+from gpu.linear import Embedding, HeadLinear, Linear
 from gpu.quant import QuantTensor, supported
 from offload.cpu_ops import CpuExperts, RawEmbedding, RawLinear, prefault, release
 from offload.devices import CPU, DeviceMap
@@ -181,6 +181,13 @@ class WeightStore:
             return TorchExperts(**{s: self._upload(names[s]) for s in stages},
                                 compute_dtype=self._dtype(self.device_of[names["down"]]))
         return StagedExperts(**{s: self._per_expert(names[s]) for s in stages})
+
+    def per_head(self, name: str):
+        """A (H, out, in) tensor as one projection per head: (T, H, in) → (T, H, out)."""
+        if self.device_of[name] != CPU:
+            return HeadLinear(self._upload(name), compute_dtype=self._dtype(self.device_of[name]))
+        heads = [self._per_expert(name)(h) for h in range(self.shape(name)[0])]
+        return lambda x: torch.stack([p(x[:, h].contiguous()) for h, p in enumerate(heads)], dim=1)
 
     def _per_expert(self, name: str):
         """Expert e → a projection over ``name[e]`` where the plan put ``name``."""

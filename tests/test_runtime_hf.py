@@ -1,6 +1,7 @@
 """Layer 3: each architecture's forward vs the independent Hugging Face implementation
-(``Glm4MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` / transformers' ``MtpLayer``), built in
-float64 from the same dequantized weights, over several expert quant types."""
+(``Glm4MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``DeepseekV3ForCausalLM`` /
+``DeepseekV2ForCausalLM`` / transformers' ``MtpLayer``), built in float64 from the same
+dequantized weights, over several expert quant types."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,6 +29,22 @@ CASES = {
     "qwen3moe-Q5_K": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.Q5_K, seed=6),
     "qwen3moe-Q4_1-nonorm": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.Q4_1,
                                      weights_norm=False, seed=7),
+    # deepseek2: HF's q_a/kv_a norms use eps 1e-6 whatever rms_norm_eps says, so the tiny
+    # models use 1e-6 throughout. YaRN with a 4-token original context so the ramp between
+    # interpolated and original frequencies covers the rope dims; 8 experts in 2 groups, 1 used.
+    "deepseek2-v3-F32-yarn-groups": TinySpec(arch="deepseek2", expert_type=Q.F32, rms_eps=1e-6, nextn=False,
+                                             n_group=2, n_group_used=1, yarn_factor=4.0, yarn_orig_ctx=4,
+                                             seed=20),
+    "deepseek2-v3-Q4_K-noqlora": TinySpec(arch="deepseek2", expert_type=Q.Q4_K, rms_eps=1e-6, nextn=False,
+                                          q_lora_rank=0, n_group=4, n_group_used=2, seed=21),
+    "deepseek2-v3-Q8_0-densequant-tied": TinySpec(arch="deepseek2", dense_type=Q.Q8_0, embd_type=Q.Q8_0,
+                                                  rms_eps=1e-6, nextn=False, tied_output=True,
+                                                  yarn_factor=8.0, yarn_orig_ctx=8, yarn_log_mul=0.0707,
+                                                  seed=22),
+    "deepseek2-v2-Q5_K-softmax": TinySpec(arch="deepseek2", expert_type=Q.Q5_K, rms_eps=1e-6, nextn=False,
+                                          q_lora_rank=0, gating="softmax", weights_norm=False, seed=23),
+    "deepseek2-kv_b-Q6_K": TinySpec(arch="deepseek2", expert_type=Q.Q6_K, rms_eps=1e-6, nextn=False,
+                                    mla=False, yarn_factor=4.0, yarn_orig_ctx=4, seed=24),
 }
 
 
@@ -44,6 +61,7 @@ def test_logits_match_transformers(case, tmp_path):
         ours = session.logits(IDS)
     assert ours.shape == ref.shape
     assert rel_err(ours, ref) < REL_TOL
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.99
 
 
 def test_nextn_head_matches_transformers_mtp_layer(tmp_path):
