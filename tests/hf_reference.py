@@ -151,16 +151,20 @@ def hf_mtp_layer(tiny: TinyModel):
     """The NextN block as transformers' ``MtpLayer`` (float64) plus the pieces it shares
     with the trunk: returns (mtp_layer, rotary_embedding)."""
     from transformers.modeling_layers import MtpLayer
-    from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer, Glm4MoeRMSNorm,
-                                                                Glm4MoeRotaryEmbedding)
+    if tiny.spec.arch == "deepseek2":
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+        layer_cls, norm_cls, rotary_cls = m.DeepseekV3DecoderLayer, m.DeepseekV3RMSNorm, m.DeepseekV3RotaryEmbedding
+    else:
+        from transformers.models.glm4_moe import modeling_glm4_moe as m
+        layer_cls, norm_cls, rotary_cls = m.Glm4MoeDecoderLayer, m.Glm4MoeRMSNorm, m.Glm4MoeRotaryEmbedding
     cfg = hf_config(tiny, mtp=True)
     torch.manual_seed(0)
-    layer = MtpLayer(cfg, Glm4MoeDecoderLayer, Glm4MoeRMSNorm, 0).eval()
+    layer = MtpLayer(cfg, layer_cls, norm_cls, 0).eval()
     i = tiny.spec.n_layer
     state = _block_state(tiny.weights, i, "mtp_block.")
     state |= {dst: torch.from_numpy(tiny.weights[f"blk.{i}.{src}"]) for src, dst in _NEXTN.items()}
     _load_exactly(layer, state)
-    return layer.double(), Glm4MoeRotaryEmbedding(cfg)
+    return layer.double(), rotary_cls(cfg)
 
 
 def _load_exactly(module, state) -> None:

@@ -64,10 +64,19 @@ def test_logits_match_transformers(case, tmp_path):
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.99
 
 
-def test_nextn_head_matches_transformers_mtp_layer(tmp_path):
+NEXTN_CASES = {
+    "glm4moe": TinySpec(qk_norm=True, seed=11),
+    "deepseek2": TinySpec(arch="deepseek2", rms_eps=1e-6, n_group=2, n_group_used=1, yarn_factor=4.0,
+                          yarn_orig_ctx=4, seed=12),
+}
+
+
+@pytest.mark.parametrize("case", list(NEXTN_CASES))
+def test_nextn_head_matches_transformers_mtp_layer(case, tmp_path):
     """The NextN block, fed the trunk's post-norm hidden states and the next tokens at their
-    own positions (t+1), against transformers' generic MtpLayer with the GLM decoder layer."""
-    tiny = write_tiny_model(tmp_path / "glm.gguf", TinySpec(qk_norm=True, seed=11))
+    own positions (t+1), against transformers' generic MtpLayer with the architecture's
+    decoder layer (GLM's GQA block, DeepSeek-V3's MLA block)."""
+    tiny = write_tiny_model(tmp_path / f"{case}.gguf", NEXTN_CASES[case])
     hf = hf_causal_lm(tiny)
     mtp, rotary = hf_mtp_layer(tiny)
     t = len(IDS)

@@ -135,6 +135,8 @@ class TinySpec:
     yarn_factor: float = 0.0     # > 1: YaRN with yarn_orig_ctx and yarn_log_mul
     yarn_orig_ctx: int = 64
     yarn_log_mul: float = 0.1
+    embd_std: float = 1.0
+    nextn_echo: float = 0.0      # > 0: eh_proj = [echo·I, 0], a head that passes token t+1 on
 
     @property
     def n_vocab(self) -> int:
@@ -204,7 +206,7 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel
     lin = lambda name, out, inp, qt=spec.dense_type: put(name, (out, inp), qt, inp ** -0.5)  # noqa: E731
     norm = lambda name, n: put(name, (n,), Q.F32, 0.1, mean=1.0)  # noqa: E731
 
-    put("token_embd.weight", (spec.n_vocab, d), spec.embd_type, 1.0)
+    put("token_embd.weight", (spec.n_vocab, d), spec.embd_type, spec.embd_std)
     for i in range(n_blocks):
         p = f"blk.{i}"
         norm(f"{p}.attn_norm.weight", d)
@@ -242,7 +244,12 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel
             lin(f"{p}.ffn_up_shexp.weight", fs, d)
             lin(f"{p}.ffn_down_shexp.weight", d, fs)
         if lead and i == spec.n_layer:   # the NextN block's glue (embedding/head shared)
-            lin(f"{p}.nextn.eh_proj.weight", d, 2 * d)
+            if spec.nextn_echo:
+                eh = np.concatenate((spec.nextn_echo * np.eye(d), np.zeros((d, d))), 1).astype(np.float32)
+                w.add_tensor(f"{p}.nextn.eh_proj.weight", eh)
+                weights[f"{p}.nextn.eh_proj.weight"] = eh
+            else:
+                lin(f"{p}.nextn.eh_proj.weight", d, 2 * d)
             norm(f"{p}.nextn.enorm.weight", d)
             norm(f"{p}.nextn.hnorm.weight", d)
             norm(f"{p}.nextn.shared_head_norm.weight", d)
