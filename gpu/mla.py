@@ -57,9 +57,10 @@ class LatentAttention:
         if self.absorbed:
             latent, _ = cache.append(torch.cat((c, k_pe[:, 0]), -1)[None].to(cache.k.dtype))  # (1, L, kv_lora+rope)
             q_lat = self.k_b(q_nope)                                      # (T, H, kv_lora)
-            out = attend(torch.cat((q_lat, q_pe), -1), latent, latent[..., :self.kv_lora],
-                         scale=self.scale)                                # (T, H, kv_lora)
-            out = self.v_b(out)                                           # (T, H, v)
+            # V = c; the whole row serves as V so keys and values are one tensor of one width
+            # (torch's fused kernel, no per-head expansion) and the rope columns are dropped
+            out = attend(torch.cat((q_lat, q_pe), -1), latent, latent, scale=self.scale)
+            out = self.v_b(out[..., :self.kv_lora])                       # (T, H, v)
         else:
             kv = self.kv_b(c).view(t, h, self.nope + self.v_dim)
             k = torch.cat((kv[..., :self.nope], k_pe.expand(t, h, self.rope_dims)), -1)
