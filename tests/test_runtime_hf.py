@@ -99,14 +99,27 @@ def test_nextn_head_matches_transformers_mtp_layer(case, tmp_path):
     assert rel_err(logits.numpy(), ref) < REL_TOL
 
 
-@pytest.mark.parametrize("case", ["glm4moe-Q8_0", "glm4moe-Q4_K-tied", "qwen3moe-Q8_0"])
+LLAMA_CPP_CASES = {name: CASES[name] for name in ("glm4moe-Q8_0", "glm4moe-Q4_K-tied", "qwen3moe-Q8_0",
+                                                   "deepseek2-v3-F32-yarn-groups", "deepseek2-kv_b-Q6_K")}
+LLAMA_CPP_CASES |= {
+    "deepseek2-v3-Q8_0-mtp": TinySpec(arch="deepseek2", expert_type=Q.Q8_0, rms_eps=1e-6, seed=25),
+    # llama.cpp reads q from attn_q (no q LoRA) only for 26- or 27-block files (its "lite"
+    # rule), so the V2-Lite shape is tested at 26 blocks; F32 experts — at this depth one
+    # near-tie route flipped by llama.cpp's f16 cache would change every later logit
+    "deepseek2-v2lite-F32-26blocks": TinySpec(arch="deepseek2", expert_type=Q.F32, rms_eps=1e-6, nextn=False,
+                                              q_lora_rank=0, gating="softmax", weights_norm=False, n_layer=26,
+                                              seed=23),
+}
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CPP_CASES))
 def test_logits_match_llama_cpp(case, tmp_path):
     """A second independent reference where llama-cpp-python is installed (skipped
     otherwise): llama.cpp reads the same file, which also checks our GGUF conventions (names,
     metadata) are the ones it expects. llama.cpp quantizes activations to 8 bits for quantized
     matmuls, so agreement is ~1e-2 of the logit scale, not float rounding."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    tiny = write_tiny_model(tmp_path / f"{case}.gguf", CASES[case])
+    tiny = write_tiny_model(tmp_path / f"{case}.gguf", LLAMA_CPP_CASES[case])
     llm = llama_cpp.Llama(model_path=str(tiny.path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
     llm.eval(IDS)
     ref = np.array(llm.scores[:len(IDS)], dtype=np.float32)
