@@ -109,3 +109,30 @@ def test_kv_per_device_is_the_plan_with_virtual_gpus(tmp_path, capsys):
         for dev in sorted(planned):
             print(f"\n  {dev}: KV planned {planned[dev]:,} B, allocated {allocated.get(dev, 0):,} B", end="")
     assert len(planned) == 3 and allocated == planned
+
+
+def test_run_bench_tune_end_to_end(tmp_path, capsys):
+    """A small deepseek2 with its MTP block (the echo head, so drafts are accepted) through
+    ``offload run --spec-n-max 2``, ``offload bench`` and ``offload tune`` on a plan with a
+    virtual GPU: each exits 0 and reports acceptance per draft position."""
+    import json
+
+    from offload.cli import main
+    tiny = write_tiny_model(tmp_path / "ds.gguf", TinySpec(arch="deepseek2", n_layer=4, **{
+        k: getattr(ECHO, k) for k in ("tied_output", "embd_std", "nextn_echo", "n_group", "n_group_used",
+                                      "yarn_factor", "yarn_orig_ctx", "seed")}))
+    stats = tmp_path / "stats.json"
+    assert main(["run", str(tiny.path), "-p", PROMPT, "-n", "24", "--ignore-eos", "--spec-n-max", "2",
+                 "--devices", "CPU=4GiB", "--stats-json", str(stats)]) == 0
+    err = capsys.readouterr().err
+    assert "acceptance/pos" in err
+    assert len(json.loads(stats.read_text())["acceptance_per_position"]) == 2
+    plan = tmp_path / "plan.yaml"
+    gpu = ["--devices", "CUDA0=4GiB,CPU=4GiB", "--n-cpu-moe", "2", "-c", "1024"]
+    assert main(["bench", str(tiny.path), "--tasks", "code", "--n-max", "2", "--repeat", "1", "-n", "16",
+                 "--virtual-gpus", *gpu]) == 0
+    assert "mtp n=2" in capsys.readouterr().out
+    assert main(["plan", str(tiny.path), *gpu, "-o", str(plan)]) == 0
+    assert main(["tune", "--placement", str(plan), "--max-n", "2", "--budget", "20s", "-n", "16",
+                 "--virtual-gpus"]) == 0
+    assert "chosen n_max" in capsys.readouterr().out
