@@ -113,7 +113,7 @@ def _deepseek_config(tiny: TinyModel, common: dict, *, mtp: bool):
         m = s.yarn_log_mul / 0.1
         rope = {"rope_type": "yarn", "rope_theta": s.rope_base, "factor": s.yarn_factor,
                 "original_max_position_embeddings": s.yarn_orig_ctx, "mscale": m, "mscale_all_dim": m,
-                "beta_fast": 32.0, "beta_slow": 1.0}
+                "beta_fast": s.yarn_beta_fast, "beta_slow": 1.0}
     common = {k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}
     ds = dict(common, num_key_value_heads=s.n_head, num_hidden_layers=1 if mtp else s.n_layer,
               first_k_dense_replace=0 if mtp else s.n_dense, n_routed_experts=s.n_expert,

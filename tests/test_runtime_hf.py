@@ -40,7 +40,7 @@ CASES = {
     "deepseek2-v3-Q8_0-densequant-tied": TinySpec(arch="deepseek2", dense_type=Q.Q8_0, embd_type=Q.Q8_0,
                                                   rms_eps=1e-6, nextn=False, tied_output=True,
                                                   yarn_factor=8.0, yarn_orig_ctx=8, yarn_log_mul=0.0707,
-                                                  seed=22),
+                                                  yarn_beta_fast=1.0, seed=22),   # Kimi-K2's beta_fast
     "deepseek2-v2-Q5_K-softmax": TinySpec(arch="deepseek2", expert_type=Q.Q5_K, rms_eps=1e-6, nextn=False,
                                           q_lora_rank=0, gating="softmax", weights_norm=False, seed=23),
     "deepseek2-kv_b-Q6_K": TinySpec(arch="deepseek2", expert_type=Q.Q6_K, rms_eps=1e-6, nextn=False,

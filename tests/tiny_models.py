@@ -135,6 +135,7 @@ class TinySpec:
     yarn_factor: float = 0.0     # > 1: YaRN with yarn_orig_ctx and yarn_log_mul
     yarn_orig_ctx: int = 64
     yarn_log_mul: float = 0.1
+    yarn_beta_fast: float = 32.0  # written only when not ggml's default
     embd_std: float = 1.0
     nextn_echo: float = 0.0      # > 0: eh_proj = [echo·I, 0], a head that passes token t+1 on
 
@@ -291,6 +292,8 @@ def write_mla_metadata(w: GGUFWriter, spec: TinySpec) -> None:
         w.add_rope_scaling_factor(spec.yarn_factor)
         w.add_rope_scaling_orig_ctx_len(spec.yarn_orig_ctx)
         w.add_rope_scaling_yarn_log_mul(spec.yarn_log_mul)
+        if spec.yarn_beta_fast != 32.0:
+            w.add_rope_scaling_yarn_beta_fast(spec.yarn_beta_fast)
 
 
 def write_mla_block(spec: TinySpec, p: str, put, lin, norm) -> None:

@@ -76,7 +76,9 @@ def config_from_gguf(spec: ModelSpec, meta) -> Deepseek2Config:
     scaling = get(Keys.Rope.SCALING_TYPE, "none")
     factor = float(get(Keys.Rope.SCALING_FACTOR, 1.0) or 1.0)
     if scaling == "yarn" and factor > 1.0:
-        yarn = YaRN(factor, int(get(Keys.Rope.SCALING_ORIG_CTX_LEN, spec.n_ctx_train)))
+        yarn = YaRN(factor, int(get(Keys.Rope.SCALING_ORIG_CTX_LEN, spec.n_ctx_train)),
+                    beta_fast=float(get(Keys.Rope.SCALING_YARN_BETA_FAST, 32.0)),
+                    beta_slow=float(get(Keys.Rope.SCALING_YARN_BETA_SLOW, 1.0)))
         mscale = 1.0 + float(get(Keys.Rope.SCALING_YARN_LOG_MUL, 0.0)) * math.log(factor)
     elif scaling not in ("none", "yarn") or factor != 1.0:
         raise OffloadError(f"deepseek2: RoPE scaling {scaling!r} (factor {factor}) is not supported (yarn only)")
