@@ -277,20 +277,16 @@ class ForwardModel:
         return moments
 
     def per_head(self, t: TensorInfo | None, h: str, device_of) -> Moment:
-        """offload.weights.WeightStore.per_head over T tokens, with its (T, H, out) float32
-        result on ``h``. CPU: per head a contiguous copy of the head's input and a RawLinear
-        (sums16 + output), the H outputs then stacked. GPU (gpu.linear.HeadLinear): the whole
-        stack dequantized into c, the input cast, the einsum output in c and its float32 copy."""
+        """offload.weights.WeightStore.per_head (gpu.linear.HeadLinear) over T tokens, with its
+        (T, H, out) float32 result on ``h``: the whole stack dequantized (into c; float32 on
+        the CPU, from the mapped bytes), the input moved and cast, the einsum output in c and
+        its float32 copy."""
         if t is None:
             return {}
         T, f = self.T, F32
         n_head, rows, cols = t.shape
         dev = device_of(t)
-        if dev == CPU:
-            one = T * cols * f + T * (cols // 16) * f + T * rows * f
-            moved = {h: T * n_head * rows * f} if h != CPU else {}
-            return _plus({CPU: one + 2 * T * n_head * rows * f + (T * n_head * cols * f if h != CPU else 0)}, moved)
-        dtype = self.kinds.dtype(dev)
+        dtype = "f32" if dev == CPU else self.kinds.dtype(dev)
         c = DTYPE_BYTES[dtype]
         w = int(n_head * rows * cols * max(dequant_bytes_per_value(t.ggml_type, dtype), c))
         x_in = (T * n_head * cols * f if dev != h else 0) + (T * n_head * cols * c if c != F32 else 0)
