@@ -46,17 +46,26 @@ class Attention:
         k = self.rope(k, positions)
         keys, values = cache.append(k.transpose(0, 1).to(cache.k.dtype),
                                     v.transpose(0, 1).to(cache.v.dtype))  # (Hkv, L, D)
-        n_keys = keys.shape[1]
-        mask = None
-        if t > 1:
-            # query i sits at cache index n_keys - t + i and sees keys 0..that index
-            qi = torch.arange(n_keys - t, n_keys, device=x.device)[:, None]
-            mask = torch.arange(n_keys, device=x.device)[None, :] <= qi  # (T, L)
-        # CUDA computes in the cache dtype; torch's CPU kernels are slow and loose in half
-        # precision, so a CPU-backed layer upcasts its (f16/bf16) cache for the product
-        dtype = torch.float32 if x.device.type == "cpu" else keys.dtype
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None].to(dtype), keys[None].to(dtype), values[None].to(dtype),
-            attn_mask=mask, enable_gqa=self.n_head != self.n_head_kv)   # (1, H, T, D)
-        out = out[0].transpose(0, 1).reshape(t, self.n_head * self.head_dim).float()
-        return self.o(out)
+        out = attend(q, keys, values)                             # (T, H, D)
+        return self.o(out.reshape(t, self.n_head * self.head_dim))
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+           scale: float | None = None) -> torch.Tensor:
+    """Causal attention of T new queries over the L cached keys, the last T of which are
+    theirs (cache index order is sequence order). q: (T, H, Dk); keys: (Hkv, L, Dk); values:
+    (Hkv, L, Dv) with H a multiple of Hkv → (T, H, Dv) float32. ``scale``: default 1/√Dk."""
+    t, n_head = q.shape[0], q.shape[1]
+    n_keys = keys.shape[1]
+    mask = None
+    if t > 1:
+        # query i sits at cache index n_keys - t + i and sees keys 0..that index
+        qi = torch.arange(n_keys - t, n_keys, device=q.device)[:, None]
+        mask = torch.arange(n_keys, device=q.device)[None, :] <= qi  # (T, L)
+    # CUDA computes in the cache dtype; torch's CPU kernels are slow and loose in half
+    # precision, so a CPU-backed layer upcasts its (f16/bf16) cache for the product
+    dtype = torch.float32 if q.device.type == "cpu" else keys.dtype
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None].to(dtype), keys[None].to(dtype), values[None].to(dtype),
+        attn_mask=mask, scale=scale, enable_gqa=n_head != keys.shape[0])   # (1, H, T, Dv)
+    return out[0].transpose(0, 1).float()

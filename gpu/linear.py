@@ -39,3 +39,17 @@ class Embedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.rows(ids.to(self.device))
+
+
+class HeadLinear:
+    """One projection per head over a stacked (H, out, in) raw GGUF tensor (MLA's
+    ``attn_k_b`` / ``attn_v_b``): (T, H, in) → (T, H, out) float32, dequantized per call."""
+
+    def __init__(self, weight: QuantTensor, *, compute_dtype: torch.dtype = torch.float32):
+        self.weight, self.device, self.compute_dtype = weight, weight.device, compute_dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        home = x.device
+        w = self.weight.dequantize(self.compute_dtype)                    # (H, out, in)
+        y = torch.einsum("thi,hoi->tho", x.to(self.device, self.compute_dtype), w)
+        return y.float().to(home)

@@ -11,17 +11,35 @@ import torch
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
+def limit_to_groups(choice: torch.Tensor, n_group: int, n_group_used: int) -> torch.Tensor:
+    """Group-limited selection (DeepSeek-V3's ``noaux_tc``, llama.cpp's expert groups): the
+    experts split into ``n_group`` equal groups, a group scores the sum of its two best
+    choice values, and only the best ``n_group_used`` groups stay selectable (the others'
+    choice values become -inf). choice: (T, E)."""
+    if n_group <= 1:
+        return choice
+    t, e = choice.shape
+    grouped = choice.view(t, n_group, e // n_group)
+    group_score = grouped.topk(2, dim=-1).values.sum(-1)                  # (T, G)
+    keep = torch.zeros_like(group_score, dtype=torch.bool)
+    keep.scatter_(1, group_score.topk(n_group_used, dim=-1).indices, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(t, e)
+
+
 class SigmoidRouter:
-    """GLM-4.5 / DeepSeek-V3 (``noaux_tc`` without groups): select by sigmoid score + bias,
-    weight by the score without the bias, optionally normalised, then scaled."""
+    """GLM-4.5 / DeepSeek-V3 (``noaux_tc``): select by sigmoid score + bias (within the best
+    groups when ``n_group`` > 1), weight by the score without the bias, optionally
+    normalised, then scaled."""
 
     def __init__(self, proj: Projection, bias: torch.Tensor | None, *, k: int,
-                 norm: bool, scale: float):
+                 norm: bool, scale: float, n_group: int = 1, n_group_used: int = 1):
         self.proj, self.bias, self.k, self.norm, self.scale = proj, bias, k, norm, scale
+        self.n_group, self.n_group_used = n_group, n_group_used
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = torch.sigmoid(self.proj(x).float())                     # (T, E)
         choice = scores if self.bias is None else scores + self.bias.float()
+        choice = limit_to_groups(choice, self.n_group, self.n_group_used)
         ids = torch.topk(choice, self.k, dim=-1).indices                  # (T, k)
         w = scores.gather(1, ids)
         if self.norm:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from collections import defaultdict
 from typing import Mapping
 
@@ -23,7 +24,7 @@ from gguf import GGMLQuantizationType as Q
 from cpu_kernels import ExpertWeights, supported_types
 from gpu.dequant import dequantize_numpy, to_torch
 from gpu.experts import TorchExperts
-from gpu.linear import Embedding, Linear
+from gpu.linear import Embedding, HeadLinear, Linear
 from gpu.quant import QuantTensor, supported
 from offload.cpu_ops import CpuExperts, RawEmbedding, RawLinear, prefault, release
 from offload.devices import CPU, DeviceMap
@@ -181,6 +182,22 @@ class WeightStore:
             return TorchExperts(**{s: self._upload(names[s]) for s in stages},
                                 compute_dtype=self._dtype(self.device_of[names["down"]]))
         return StagedExperts(**{s: self._per_expert(names[s]) for s in stages})
+
+    def per_head(self, name: str):
+        """A (H, out, in) tensor as one projection per head: (T, H, in) → (T, H, out). On the
+        CPU the mapped bytes are dequantized by torch per call, all heads in one pass (one
+        CPU-kernel call per head costs more in call overhead than the small matrices do)."""
+        dev_name = self.device_of[name]
+        if dev_name != CPU:
+            return HeadLinear(self._upload(name), compute_dtype=self._dtype(dev_name))
+        data, qtype = self._raw(name)
+        if supported(qtype):
+            with warnings.catch_warnings():      # read-only map: torch warns; nothing writes it
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(data)
+            return HeadLinear(QuantTensor(raw, qtype, self.shape(name)))
+        heads = [self._per_expert(name)(h) for h in range(self.shape(name)[0])]
+        return lambda x: torch.stack([p(x[:, h].contiguous()) for h, p in enumerate(heads)], dim=1)
 
     def _per_expert(self, name: str):
         """Expert e → a projection over ``name[e]`` where the plan put ``name``."""

@@ -153,6 +153,7 @@ class BlockTensors:
     """One block's tensors by job (GGUF names), each with its device."""
 
     attn: dict[str, TensorInfo]           # "attn_q" → tensor (2-D matrices only)
+    heads: dict[str, TensorInfo]          # per-head stacks (H, out, in): MLA's "attn_k_b", "attn_v_b"
     attn_bias: set[str]
     q_norm: bool
     router: TensorInfo | None
@@ -163,11 +164,13 @@ class BlockTensors:
 
     @classmethod
     def of(cls, tensors: Iterable[TensorInfo]) -> "BlockTensors":
-        b = cls({}, set(), False, None, [], {}, {}, {})
+        b = cls({}, {}, set(), False, None, [], {}, {}, {})
         for t in tensors:
             kind = t.name.split(".")[2] if t.name.count(".") >= 3 else ""
             if t.role is Role.ATTENTION and len(t.shape) == 2:
                 b.attn[kind] = t
+            elif t.role is Role.ATTENTION and len(t.shape) == 3:
+                b.heads[kind] = t
             elif t.role is Role.ATTENTION and t.name.endswith(".bias"):
                 b.attn_bias.add(kind)
             elif t.name.endswith("attn_q_norm.weight"):
@@ -231,6 +234,8 @@ class ForwardModel:
 
     def attention(self, i: int, b: BlockTensors, h: str, device_of) -> list[Moment]:
         """gpu.attention.Attention on home ``h`` after attn_norm; x and n1 live throughout."""
+        if "attn_kv_a_mqa" in b.attn:
+            return self.latent_attention(i, b, h, device_of)
         s, T, L = self.spec, self.T, self.L
         H, Dk, Dv, Hkv = s.n_head, s.head_dim_k, s.head_dim_v, s.n_head_kv[i]
         Qw, Kw, Vw = H * Dk, Hkv * Dk, Hkv * Dv
@@ -269,6 +274,82 @@ class ForwardModel:
         moments += [_plus(qkv, {h: sdpa}), _plus(qkv, {h: after}),
                     _plus(qkv, {h: mask + T * Qw * f}, proj("attn_output")),
                     {h: 3 * te}]                       # x, attn output, x + attn → h
+        return moments
+
+    def per_head(self, t: TensorInfo | None, h: str, device_of) -> Moment:
+        """offload.weights.WeightStore.per_head (gpu.linear.HeadLinear) over T tokens, with its
+        (T, H, out) float32 result on ``h``: the whole stack dequantized (into c; float32 on
+        the CPU, from the mapped bytes), the input moved and cast, the einsum output in c and
+        its float32 copy."""
+        if t is None:
+            return {}
+        T, f = self.T, F32
+        n_head, rows, cols = t.shape
+        dev = device_of(t)
+        dtype = "f32" if dev == CPU else self.kinds.dtype(dev)
+        c = DTYPE_BYTES[dtype]
+        w = int(n_head * rows * cols * max(dequant_bytes_per_value(t.ggml_type, dtype), c))
+        x_in = (T * n_head * cols * f if dev != h else 0) + (T * n_head * cols * c if c != F32 else 0)
+        y = T * n_head * rows * f
+        here = x_in + w + T * n_head * rows * c + (y if c != F32 else 0)
+        return {dev: here} if dev == h else {dev: here, h: y}
+
+    def latent_attention(self, i: int, b: BlockTensors, h: str, device_of) -> list[Moment]:
+        """gpu.mla.LatentAttention on home ``h`` after attn_norm (x and n1 live throughout);
+        every named intermediate of its ``__call__`` stays referenced until it returns.
+        Absorbed (attn_k_b/attn_v_b): MQA over the latent rows, keys and values one tensor
+        (torch's fused kernel). Expanded (attn_kv_b): per-head keys/values of different widths,
+        which torch's CPU attention computes unfused: scores, weights and a key copy, bounded
+        by 3·H·T·L + H·L·Dk values."""
+        s, T, L, f = self.spec, self.T, self.L, F32
+        H, R, C = s.n_head, s.n_rot, s.kv_lora_rank
+        absorbed = s.is_mla
+        Dq = s.head_dim_k_mla if absorbed else s.head_dim_k
+        Dv = s.head_dim_v_mla if absorbed else s.head_dim_v
+        N = Dq - R
+        te = T * s.n_embd * f
+        proj = lambda name: self._proj(b.attn.get(name), h, T, device_of)  # noqa: E731
+        live = {h: 2 * te}                                      # x, attn_norm(x)
+        moments = [{h: 3 * te}]
+        if "attn_q_a" in b.attn:                                # q_b(norm(q_a(x)))
+            ql = T * b.attn["attn_q_a"].shape[0] * f
+            moments += [_plus(live, proj("attn_q_a")), _plus(live, {h: 3 * ql}),
+                        _plus(live, {h: ql}, proj("attn_q_b"))]
+        else:
+            moments.append(_plus(live, proj("attn_q")))
+        live = _plus(live, {h: T * H * Dq * f})                 # q
+        moments.append(_plus(live, {h: 3 * T * H * R * f}))     # rope of q_pe: x·C, x[perm], ·S
+        live = _plus(live, {h: T * H * R * f})                  # q_pe
+        moments.append(_plus(live, proj("attn_kv_a_mqa")))
+        live = _plus(live, {h: T * (C + R) * f})                # ckv
+        moments.append(_plus(live, {h: 3 * T * C * f}))         # kv_a_norm: float copy, result
+        live = _plus(live, {h: T * (C + 3 * R) * f})            # c, k_pe (+ its rope temporaries)
+        mask = T * L + (T + L) * INT64 if T > 1 else 0
+        upcast = 0 if self.kvb == F32 else f                    # CPU attention upcasts the cache
+        grow = self.kv_block_bytes(i) // 2                      # KVCache storage doubling
+        if absorbed:
+            row = T * (C + R)
+            moments.append(_plus(live, {h: int(row * f + row * self.kvb) + grow}))    # cat + append
+            moments.append(_plus(live, self.per_head(b.heads.get("attn_k_b"), h, device_of)))
+            live = _plus(live, {h: T * H * C * f})              # q_lat
+            qcat = T * H * (C + R) * f
+            sdpa = mask + (T * L * f if T > 1 else 0) + 2 * L * (C + R) * upcast + qcat
+            moments.append(_plus(live, {h: qcat + sdpa}))
+            live = _plus(live, {h: qcat})                       # the attention output (T, H, C + R)
+            moments.append(_plus(live, self.per_head(b.heads.get("attn_v_b"), h, device_of)))
+            live = _plus(live, {h: T * H * Dv * f})
+        else:
+            moments.append(_plus(live, proj("attn_kv_b")))
+            live = _plus(live, {h: T * H * (N + Dv) * f})       # kv
+            k = T * H * Dq * f
+            moments.append(_plus(live, {h: k + int(T * H * (Dq + Dv) * self.kvb) + grow}))
+            live = _plus(live, {h: k + T * H * Dq * f})         # k, the cat'd query
+            sdpa = (mask + T * L * f + 3 * H * T * L * f + H * L * Dq * f
+                    + H * L * (Dq + Dv) * upcast + T * H * Dv * f)
+            moments.append(_plus(live, {h: sdpa}))
+            live = _plus(live, {h: T * H * Dv * f})
+        moments += [_plus(live, {h: T * H * Dv * f}, proj("attn_output")),   # reshape copy + o
+                    {h: 3 * te}]
         return moments
 
     def swiglu(self, mats: Mapping[str, TensorInfo], h: str, device_of) -> list[Moment]:

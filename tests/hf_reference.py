@@ -2,8 +2,10 @@
 independent reference the runtime's logits are checked against (test-only dependency).
 
 GGUF → HF names live in one declared table per architecture. No Q/K permutation is needed:
-llama.cpp's converter permutes Q/K only for its interleaved-RoPE archs, and glm4moe/qwen3moe
-use NeoX RoPE, so ``attn_q`` is ``q_proj`` as is.
+llama.cpp's converter permutes Q/K only for its llama-style archs; glm4moe/qwen3moe use NeoX
+RoPE and deepseek2 keeps DeepSeek's interleaved rope dims as they are (HF ``rope_interleave``),
+so ``attn_q`` is ``q_proj`` as is. deepseek2's ``attn_k_b``/``attn_v_b`` are put back together
+into ``kv_b_proj`` (the converter's split, undone).
 """
 from __future__ import annotations
 
@@ -32,10 +34,25 @@ _BLOCK = {
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
-    ("ffn_gate_exps.weight", "ffn_up_exps.weight"): "mlp.experts.gate_up_proj",  # cat on dim 1
     "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    # deepseek2 (MLA)
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+}
+# (GGUF suffixes) → (HF suffix, how the parts combine) where one HF tensor is several GGUF ones
+_COMBINED = {
+    ("ffn_gate_exps.weight", "ffn_up_exps.weight"):                 # cat on the n_ff dim
+        ("mlp.experts.gate_up_proj", lambda g, u: np.concatenate((g, u), axis=1)),
+    # k_b (H, kv_lora, nope) and v_b (H, v, kv_lora) → kv_b_proj (H·(nope + v), kv_lora)
+    ("attn_k_b.weight", "attn_v_b.weight"):
+        ("self_attn.kv_b_proj.weight",
+         lambda k, v: np.concatenate((k.transpose(0, 2, 1), v), axis=1).reshape(-1, k.shape[1])),
 }
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -52,12 +69,12 @@ _NEXTN = {
 
 
 def _block_state(weights, i: int, prefix: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for src, dst in _BLOCK.items():
-        names = [f"blk.{i}.{s}" for s in (src if isinstance(src, tuple) else (src,))]
+    out = {prefix + dst: torch.from_numpy(weights[f"blk.{i}.{src}"]) for src, dst in _BLOCK.items()
+           if f"blk.{i}.{src}" in weights}
+    for srcs, (dst, combine) in _COMBINED.items():
+        names = [f"blk.{i}.{s}" for s in srcs]
         if all(n in weights for n in names):
-            parts = [weights[n] for n in names]
-            out[prefix + dst] = torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
+            out[prefix + dst] = torch.from_numpy(np.ascontiguousarray(combine(*(weights[n] for n in names))))
     return out
 
 
@@ -77,16 +94,48 @@ def hf_config(tiny: TinyModel, *, mtp: bool = False):
                              n_group=1, topk_group=1, attention_bias=True, use_qk_norm=s.qk_norm,
                              rope_parameters={"rope_type": "default", "rope_theta": s.rope_base,
                                               "partial_rotary_factor": s.n_rot / s.head_dim})
+    if s.arch == "deepseek2":
+        return _deepseek_config(tiny, common, mtp=mtp)
     from transformers import Qwen3MoeConfig
     return Qwen3MoeConfig(**common, num_hidden_layers=s.n_layer, num_experts=s.n_expert,
                           norm_topk_prob=s.weights_norm, decoder_sparse_step=1,
                           rope_parameters={"rope_type": "default", "rope_theta": s.rope_base})
 
 
+def _deepseek_config(tiny: TinyModel, common: dict, *, mtp: bool):
+    """deepseek2 as ``DeepseekV3Config`` (sigmoid routing) or ``DeepseekV2Config`` (softmax).
+    GGUF's yarn_log_multiplier is 0.1·mscale_all_dim (the converter's); mscale = mscale_all_dim
+    keeps HF's cos/sin amplitude at 1, as llama.cpp's is."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+    s = tiny.spec
+    rope = {"rope_type": "default", "rope_theta": s.rope_base}
+    if s.yarn_factor > 1:
+        m = s.yarn_log_mul / 0.1
+        rope = {"rope_type": "yarn", "rope_theta": s.rope_base, "factor": s.yarn_factor,
+                "original_max_position_embeddings": s.yarn_orig_ctx, "mscale": m, "mscale_all_dim": m,
+                "beta_fast": s.yarn_beta_fast, "beta_slow": 1.0}
+    common = {k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}
+    ds = dict(common, num_key_value_heads=s.n_head, num_hidden_layers=1 if mtp else s.n_layer,
+              first_k_dense_replace=0 if mtp else s.n_dense, n_routed_experts=s.n_expert,
+              n_shared_experts=s.n_shared, routed_scaling_factor=s.weights_scale,
+              norm_topk_prob=s.weights_norm, kv_lora_rank=s.kv_lora_rank,
+              q_lora_rank=s.q_lora_rank or None, qk_rope_head_dim=s.n_rot, qk_nope_head_dim=s.qk_nope,
+              v_head_dim=s.v_head_dim, n_group=s.n_group, topk_group=s.n_group_used,
+              rope_parameters=rope, attention_bias=False,
+              max_position_embeddings=int(s.yarn_orig_ctx * s.yarn_factor) if s.yarn_factor > 1 else 4096)
+    if s.gating == "softmax":
+        return DeepseekV2Config(**ds, topk_method="greedy")
+    return DeepseekV3Config(**ds, rope_interleave=True)
+
+
 def hf_causal_lm(tiny: TinyModel):
-    """The trunk as ``Glm4MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` in float64."""
-    from transformers import Glm4MoeForCausalLM, Qwen3MoeForCausalLM
-    cls = Glm4MoeForCausalLM if tiny.spec.arch == "glm4moe" else Qwen3MoeForCausalLM
+    """The trunk as ``Glm4MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``DeepseekV3ForCausalLM``
+    / ``DeepseekV2ForCausalLM`` in float64."""
+    import transformers
+    arch, s = tiny.spec.arch, tiny.spec
+    cls = {"glm4moe": "Glm4MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+           "deepseek2": "DeepseekV2ForCausalLM" if s.gating == "softmax" else "DeepseekV3ForCausalLM"}[arch]
+    cls = getattr(transformers, cls)
     torch.manual_seed(0)
     model = cls(hf_config(tiny)).eval()
     state = {dst: torch.from_numpy(tiny.weights[src]) for src, dst in _GLOBAL.items() if src in tiny.weights}
@@ -102,16 +151,20 @@ def hf_mtp_layer(tiny: TinyModel):
     """The NextN block as transformers' ``MtpLayer`` (float64) plus the pieces it shares
     with the trunk: returns (mtp_layer, rotary_embedding)."""
     from transformers.modeling_layers import MtpLayer
-    from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer, Glm4MoeRMSNorm,
-                                                                Glm4MoeRotaryEmbedding)
+    if tiny.spec.arch == "deepseek2":
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+        layer_cls, norm_cls, rotary_cls = m.DeepseekV3DecoderLayer, m.DeepseekV3RMSNorm, m.DeepseekV3RotaryEmbedding
+    else:
+        from transformers.models.glm4_moe import modeling_glm4_moe as m
+        layer_cls, norm_cls, rotary_cls = m.Glm4MoeDecoderLayer, m.Glm4MoeRMSNorm, m.Glm4MoeRotaryEmbedding
     cfg = hf_config(tiny, mtp=True)
     torch.manual_seed(0)
-    layer = MtpLayer(cfg, Glm4MoeDecoderLayer, Glm4MoeRMSNorm, 0).eval()
+    layer = MtpLayer(cfg, layer_cls, norm_cls, 0).eval()
     i = tiny.spec.n_layer
     state = _block_state(tiny.weights, i, "mtp_block.")
     state |= {dst: torch.from_numpy(tiny.weights[f"blk.{i}.{src}"]) for src, dst in _NEXTN.items()}
     _load_exactly(layer, state)
-    return layer.double(), Glm4MoeRotaryEmbedding(cfg)
+    return layer.double(), rotary_cls(cfg)
 
 
 def _load_exactly(module, state) -> None:

@@ -163,11 +163,23 @@ PLANS = {
 }
 
 
+WIDE = dict(n_embd=512, n_head=8, n_ff=1024, n_expert=16, n_expert_used=4, n_ff_exp=256, seed=31)
+ARCHS = {
+    "glm4moe": TinySpec(**WIDE, n_head_kv=2, head_dim=64, n_rot=32),
+    # MLA with the latent cache: 8 heads of 64 + 32 dims, a 128-wide latent
+    "deepseek2": TinySpec(**WIDE, arch="deepseek2", q_lora_rank=128, kv_lora_rank=128, qk_nope=64,
+                          n_rot=32, v_head_dim=64, n_group=4, n_group_used=2, yarn_factor=4.0),
+    # the older attn_kv_b layout: full per-head keys and values, unfused attention
+    "deepseek2-kv_b": TinySpec(**WIDE, arch="deepseek2", q_lora_rank=0, kv_lora_rank=128, qk_nope=64,
+                               n_rot=32, v_head_dim=64, mla=False, gating="softmax"),
+}
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("plan", PLANS)
-def test_peak_rss_growth_stays_under_the_host_estimate(tmp_path, plan):
-    spec = TinySpec(n_embd=512, n_head=8, n_head_kv=2, head_dim=64, n_rot=32, n_ff=1024,
-                    n_expert=16, n_expert_used=4, n_ff_exp=256, seed=31)
+def test_peak_rss_growth_stays_under_the_host_estimate(tmp_path, plan, arch):
+    spec = ARCHS[arch]
     tiny = write_tiny_model(tmp_path / "tiny.gguf", spec)
     options = dict(PLANS[plan], ctx=512, ubatch=448)
     env = {"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/usr/bin:/bin"}

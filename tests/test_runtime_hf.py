@@ -1,6 +1,7 @@
 """Layer 3: each architecture's forward vs the independent Hugging Face implementation
-(``Glm4MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` / transformers' ``MtpLayer``), built in
-float64 from the same dequantized weights, over several expert quant types."""
+(``Glm4MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``DeepseekV3ForCausalLM`` /
+``DeepseekV2ForCausalLM`` / transformers' ``MtpLayer``), built in float64 from the same
+dequantized weights, over several expert quant types."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,6 +29,22 @@ CASES = {
     "qwen3moe-Q5_K": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.Q5_K, seed=6),
     "qwen3moe-Q4_1-nonorm": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.Q4_1,
                                      weights_norm=False, seed=7),
+    # deepseek2: HF's q_a/kv_a norms use eps 1e-6 whatever rms_norm_eps says, so the tiny
+    # models use 1e-6 throughout. YaRN with a 4-token original context so the ramp between
+    # interpolated and original frequencies covers the rope dims; 8 experts in 2 groups, 1 used.
+    "deepseek2-v3-F32-yarn-groups": TinySpec(arch="deepseek2", expert_type=Q.F32, rms_eps=1e-6, nextn=False,
+                                             n_group=2, n_group_used=1, yarn_factor=4.0, yarn_orig_ctx=4,
+                                             seed=20),
+    "deepseek2-v3-Q4_K-noqlora": TinySpec(arch="deepseek2", expert_type=Q.Q4_K, rms_eps=1e-6, nextn=False,
+                                          q_lora_rank=0, n_group=4, n_group_used=2, seed=21),
+    "deepseek2-v3-Q8_0-densequant-tied": TinySpec(arch="deepseek2", dense_type=Q.Q8_0, embd_type=Q.Q8_0,
+                                                  rms_eps=1e-6, nextn=False, tied_output=True,
+                                                  yarn_factor=8.0, yarn_orig_ctx=8, yarn_log_mul=0.0707,
+                                                  yarn_beta_fast=1.0, seed=22),   # Kimi-K2's beta_fast
+    "deepseek2-v2-Q5_K-softmax": TinySpec(arch="deepseek2", expert_type=Q.Q5_K, rms_eps=1e-6, nextn=False,
+                                          q_lora_rank=0, gating="softmax", weights_norm=False, seed=23),
+    "deepseek2-kv_b-Q6_K": TinySpec(arch="deepseek2", expert_type=Q.Q6_K, rms_eps=1e-6, nextn=False,
+                                    mla=False, yarn_factor=4.0, yarn_orig_ctx=4, seed=24),
 }
 
 
@@ -44,12 +61,22 @@ def test_logits_match_transformers(case, tmp_path):
         ours = session.logits(IDS)
     assert ours.shape == ref.shape
     assert rel_err(ours, ref) < REL_TOL
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.99
 
 
-def test_nextn_head_matches_transformers_mtp_layer(tmp_path):
+NEXTN_CASES = {
+    "glm4moe": TinySpec(qk_norm=True, seed=11),
+    "deepseek2": TinySpec(arch="deepseek2", rms_eps=1e-6, n_group=2, n_group_used=1, yarn_factor=4.0,
+                          yarn_orig_ctx=4, seed=12),
+}
+
+
+@pytest.mark.parametrize("case", list(NEXTN_CASES))
+def test_nextn_head_matches_transformers_mtp_layer(case, tmp_path):
     """The NextN block, fed the trunk's post-norm hidden states and the next tokens at their
-    own positions (t+1), against transformers' generic MtpLayer with the GLM decoder layer."""
-    tiny = write_tiny_model(tmp_path / "glm.gguf", TinySpec(qk_norm=True, seed=11))
+    own positions (t+1), against transformers' generic MtpLayer with the architecture's
+    decoder layer (GLM's GQA block, DeepSeek-V3's MLA block)."""
+    tiny = write_tiny_model(tmp_path / f"{case}.gguf", NEXTN_CASES[case])
     hf = hf_causal_lm(tiny)
     mtp, rotary = hf_mtp_layer(tiny)
     t = len(IDS)
@@ -72,14 +99,27 @@ def test_nextn_head_matches_transformers_mtp_layer(tmp_path):
     assert rel_err(logits.numpy(), ref) < REL_TOL
 
 
-@pytest.mark.parametrize("case", ["glm4moe-Q8_0", "glm4moe-Q4_K-tied", "qwen3moe-Q8_0"])
+LLAMA_CPP_CASES = {name: CASES[name] for name in ("glm4moe-Q8_0", "glm4moe-Q4_K-tied", "qwen3moe-Q8_0",
+                                                   "deepseek2-v3-F32-yarn-groups", "deepseek2-kv_b-Q6_K")}
+LLAMA_CPP_CASES |= {
+    "deepseek2-v3-Q8_0-mtp": TinySpec(arch="deepseek2", expert_type=Q.Q8_0, rms_eps=1e-6, seed=25),
+    # llama.cpp reads q from attn_q (no q LoRA) only for 26- or 27-block files (its "lite"
+    # rule), so the V2-Lite shape is tested at 26 blocks; F32 experts — at this depth one
+    # near-tie route flipped by llama.cpp's f16 cache would change every later logit
+    "deepseek2-v2lite-F32-26blocks": TinySpec(arch="deepseek2", expert_type=Q.F32, rms_eps=1e-6, nextn=False,
+                                              q_lora_rank=0, gating="softmax", weights_norm=False, n_layer=26,
+                                              seed=23),
+}
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CPP_CASES))
 def test_logits_match_llama_cpp(case, tmp_path):
     """A second independent reference where llama-cpp-python is installed (skipped
     otherwise): llama.cpp reads the same file, which also checks our GGUF conventions (names,
     metadata) are the ones it expects. llama.cpp quantizes activations to 8 bits for quantized
     matmuls, so agreement is ~1e-2 of the logit scale, not float rounding."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    tiny = write_tiny_model(tmp_path / f"{case}.gguf", CASES[case])
+    tiny = write_tiny_model(tmp_path / f"{case}.gguf", LLAMA_CPP_CASES[case])
     llm = llama_cpp.Llama(model_path=str(tiny.path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
     llm.eval(IDS)
     ref = np.array(llm.scores[:len(IDS)], dtype=np.float32)

@@ -1,4 +1,4 @@
-"""Tiny random glm4moe / qwen3moe GGUFs written with ``gguf.GGUFWriter``, exactly as
+"""Tiny random glm4moe / qwen3moe / deepseek2 GGUFs written with ``gguf.GGUFWriter``, exactly as
 llama.cpp names and lays them out, with routed experts in a chosen quant type.
 
 ``write_tiny_model`` returns the file path and the dequantized float32 weights by GGUF
@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, ExpertGatingFuncType, GGMLQuantizationType as Q, GGUFWriter, TokenType
+from gguf import (GGML_QUANT_SIZES, ExpertGatingFuncType, GGMLQuantizationType as Q, GGUFWriter,
+                  RopeScalingType, TokenType)
 from gguf.quants import dequantize, quantize
 
 # byte offsets of the fp16 scale fields in one block of each type, and a divisor that keeps
@@ -122,6 +123,21 @@ class TinySpec:
     rope_base: float = 10000.0
     rms_eps: float = 1e-5
     seed: int = 0
+    # deepseek2 (MLA): head width is qk_nope + n_rot; n_head_kv and head_dim are not used
+    q_lora_rank: int = 64        # 0: attn_q straight from x (V2-Lite)
+    kv_lora_rank: int = 64
+    qk_nope: int = 32
+    v_head_dim: int = 32
+    mla: bool = True             # attn_k_b/attn_v_b + key_length_mla (else the older attn_kv_b)
+    gating: str = "sigmoid"      # or "softmax" (V2)
+    n_group: int = 1             # expert groups (sigmoid routing)
+    n_group_used: int = 1
+    yarn_factor: float = 0.0     # > 1: YaRN with yarn_orig_ctx and yarn_log_mul
+    yarn_orig_ctx: int = 64
+    yarn_log_mul: float = 0.1
+    yarn_beta_fast: float = 32.0  # written only when not ggml's default
+    embd_std: float = 1.0
+    nextn_echo: float = 0.0      # > 0: eh_proj = [echo·I, 0], a head that passes token t+1 on
 
     @property
     def n_vocab(self) -> int:
@@ -138,30 +154,35 @@ class TinyModel:
 def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel:
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
-    glm = spec.arch == "glm4moe"
+    glm, ds = spec.arch == "glm4moe", spec.arch == "deepseek2"
+    lead = glm or ds              # leading dense blocks, shared experts, NextN
     arch = spec.arch
     w = GGUFWriter(str(path), arch)
-    n_blocks = spec.n_layer + (1 if glm and spec.nextn else 0)
+    n_blocks = spec.n_layer + (1 if lead and spec.nextn else 0)
     w.add_block_count(n_blocks)
     w.add_context_length(4096)
     w.add_embedding_length(spec.n_embd)
     w.add_feed_forward_length(spec.n_ff)
     w.add_head_count(spec.n_head)
-    w.add_head_count_kv(spec.n_head_kv)
-    w.add_key_length(spec.head_dim)
-    w.add_value_length(spec.head_dim)
-    w.add_rope_dimension_count(spec.n_rot if glm else spec.head_dim)
+    if ds:
+        write_mla_metadata(w, spec)
+    else:
+        w.add_head_count_kv(spec.n_head_kv)
+        w.add_key_length(spec.head_dim)
+        w.add_value_length(spec.head_dim)
+        w.add_rope_dimension_count(spec.n_rot if glm else spec.head_dim)
     w.add_rope_freq_base(spec.rope_base)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_expert_count(spec.n_expert)
     w.add_expert_used_count(spec.n_expert_used)
     w.add_expert_feed_forward_length(spec.n_ff_exp)
     w.add_expert_weights_norm(spec.weights_norm)
-    if glm:
+    if lead:
         w.add_leading_dense_block_count(spec.n_dense)
         w.add_expert_shared_count(spec.n_shared)
         w.add_expert_weights_scale(spec.weights_scale)
-        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX if spec.gating == "softmax"
+                                 else ExpertGatingFuncType.SIGMOID)
         w.add_nextn_predict_layers(1 if spec.nextn else 0)
     tokens, merges, types = tiny_vocab()
     w.add_tokenizer_model("gpt2")
@@ -186,41 +207,50 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel
     lin = lambda name, out, inp, qt=spec.dense_type: put(name, (out, inp), qt, inp ** -0.5)  # noqa: E731
     norm = lambda name, n: put(name, (n,), Q.F32, 0.1, mean=1.0)  # noqa: E731
 
-    put("token_embd.weight", (spec.n_vocab, d), spec.embd_type, 1.0)
+    put("token_embd.weight", (spec.n_vocab, d), spec.embd_type, spec.embd_std)
     for i in range(n_blocks):
         p = f"blk.{i}"
         norm(f"{p}.attn_norm.weight", d)
-        lin(f"{p}.attn_q.weight", spec.n_head * hd, d)
-        lin(f"{p}.attn_k.weight", spec.n_head_kv * hd, d)
-        lin(f"{p}.attn_v.weight", spec.n_head_kv * hd, d)
+        if ds:
+            write_mla_block(spec, p, put, lin, norm)
+        else:
+            lin(f"{p}.attn_q.weight", spec.n_head * hd, d)
+            lin(f"{p}.attn_k.weight", spec.n_head_kv * hd, d)
+            lin(f"{p}.attn_v.weight", spec.n_head_kv * hd, d)
         if glm:
             put(f"{p}.attn_q.bias", (spec.n_head * hd,), Q.F32, 0.1)
             put(f"{p}.attn_k.bias", (spec.n_head_kv * hd,), Q.F32, 0.1)
             put(f"{p}.attn_v.bias", (spec.n_head_kv * hd,), Q.F32, 0.1)
-        if not glm or spec.qk_norm:
+        if not (glm or ds) or glm and spec.qk_norm:
             norm(f"{p}.attn_q_norm.weight", hd)
             norm(f"{p}.attn_k_norm.weight", hd)
-        lin(f"{p}.attn_output.weight", d, spec.n_head * hd)
+        if not ds:
+            lin(f"{p}.attn_output.weight", d, spec.n_head * hd)
         norm(f"{p}.{'post_attention_norm' if glm else 'ffn_norm'}.weight", d)
-        if glm and i < spec.n_dense:
+        if lead and i < spec.n_dense:
             lin(f"{p}.ffn_gate.weight", spec.n_ff, d)
             lin(f"{p}.ffn_up.weight", spec.n_ff, d)
             lin(f"{p}.ffn_down.weight", d, spec.n_ff)
             continue
         put(f"{p}.ffn_gate_inp.weight", (spec.n_expert, d), Q.F32, d ** -0.5)
-        if glm:
+        if lead and spec.gating == "sigmoid":
             put(f"{p}.exp_probs_b.bias", (spec.n_expert,), Q.F32, 0.1)
         e, f = spec.n_expert, spec.n_ff_exp
         put(f"{p}.ffn_gate_exps.weight", (e, f, d), spec.expert_type, d ** -0.5)
         put(f"{p}.ffn_up_exps.weight", (e, f, d), spec.expert_type, d ** -0.5)
         put(f"{p}.ffn_down_exps.weight", (e, d, f), spec.expert_type, f ** -0.5)
-        if glm:
+        if lead:
             fs = spec.n_ff_exp * spec.n_shared
             lin(f"{p}.ffn_gate_shexp.weight", fs, d)
             lin(f"{p}.ffn_up_shexp.weight", fs, d)
             lin(f"{p}.ffn_down_shexp.weight", d, fs)
-        if glm and i == spec.n_layer:   # the NextN block's glue (embedding/head shared)
-            lin(f"{p}.nextn.eh_proj.weight", d, 2 * d)
+        if lead and i == spec.n_layer:   # the NextN block's glue (embedding/head shared)
+            if spec.nextn_echo:
+                eh = np.concatenate((spec.nextn_echo * np.eye(d), np.zeros((d, d))), 1).astype(np.float32)
+                w.add_tensor(f"{p}.nextn.eh_proj.weight", eh)
+                weights[f"{p}.nextn.eh_proj.weight"] = eh
+            else:
+                lin(f"{p}.nextn.eh_proj.weight", d, 2 * d)
             norm(f"{p}.nextn.enorm.weight", d)
             norm(f"{p}.nextn.hnorm.weight", d)
             norm(f"{p}.nextn.shared_head_norm.weight", d)
@@ -233,3 +263,55 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel
     w.write_tensors_to_file()
     w.close()
     return TinyModel(path, spec, weights)
+
+
+def write_mla_metadata(w: GGUFWriter, spec: TinySpec) -> None:
+    """deepseek2's attention keys as llama.cpp's converter writes them: with the MLA layout
+    the cache row is the latent (key_length = kv_lora + rope, value_length = kv_lora, one KV
+    head) and the real head widths go to key/value_length_mla."""
+    head_k = spec.qk_nope + spec.n_rot
+    if spec.q_lora_rank:
+        w.add_q_lora_rank(spec.q_lora_rank)
+    w.add_kv_lora_rank(spec.kv_lora_rank)
+    if spec.mla:
+        w.add_head_count_kv(1)
+        w.add_key_length(spec.kv_lora_rank + spec.n_rot)
+        w.add_value_length(spec.kv_lora_rank)
+        w.add_key_length_mla(head_k)
+        w.add_value_length_mla(spec.v_head_dim)
+    else:
+        w.add_head_count_kv(spec.n_head)
+        w.add_key_length(head_k)
+        w.add_value_length(spec.v_head_dim)
+    w.add_rope_dimension_count(spec.n_rot)
+    if spec.n_group > 1:
+        w.add_expert_group_count(spec.n_group)
+        w.add_expert_group_used_count(spec.n_group_used)
+    if spec.yarn_factor > 1:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(spec.yarn_orig_ctx)
+        w.add_rope_scaling_yarn_log_mul(spec.yarn_log_mul)
+        if spec.yarn_beta_fast != 32.0:
+            w.add_rope_scaling_yarn_beta_fast(spec.yarn_beta_fast)
+
+
+def write_mla_block(spec: TinySpec, p: str, put, lin, norm) -> None:
+    """One block's MLA tensors in llama.cpp's layout: ``attn_k_b`` is kv_b_proj's k half per
+    head transposed to (H, kv_lora, nope), ``attn_v_b`` its v half (H, v, kv_lora)."""
+    d, h, r = spec.n_embd, spec.n_head, spec.kv_lora_rank
+    head_k = spec.qk_nope + spec.n_rot
+    if spec.q_lora_rank:
+        lin(f"{p}.attn_q_a.weight", spec.q_lora_rank, d)
+        norm(f"{p}.attn_q_a_norm.weight", spec.q_lora_rank)
+        lin(f"{p}.attn_q_b.weight", h * head_k, spec.q_lora_rank)
+    else:
+        lin(f"{p}.attn_q.weight", h * head_k, d)
+    lin(f"{p}.attn_kv_a_mqa.weight", r + spec.n_rot, d)
+    norm(f"{p}.attn_kv_a_norm.weight", r)
+    if spec.mla:
+        put(f"{p}.attn_k_b.weight", (h, r, spec.qk_nope), spec.dense_type, r ** -0.5)
+        put(f"{p}.attn_v_b.weight", (h, spec.v_head_dim, r), spec.dense_type, r ** -0.5)
+    else:
+        lin(f"{p}.attn_kv_b.weight", h * (spec.qk_nope + spec.v_head_dim), r)
+    lin(f"{p}.attn_output.weight", d, h * spec.v_head_dim)

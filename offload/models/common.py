@@ -16,7 +16,7 @@ from gpu.attention import Attention
 from gpu.ffn import SwiGLU
 from gpu.kv_cache import KVCache
 from gpu.norm import RMSNorm
-from gpu.rope import Rope
+from gpu.rope import Rope, RopeSpec, rope_for
 from offload.errors import OffloadError
 from offload.gguf_header import LazyArray
 from offload.moe import MoE
@@ -45,6 +45,12 @@ class ModelConfig:
     n_nextn: int              # NextN/MTP blocks after the trunk (0 or 1 supported)
     context_length: int
 
+    @property
+    def rope_spec(self) -> RopeSpec:
+        """The rotary table the blocks share (an architecture with YaRN or interleaved
+        rotary overrides this)."""
+        return RopeSpec(self.n_rot, self.rope_base)
+
 
 def meta_value(meta: Mapping, template: str, arch: str, default=None):
     """A metadata value by ``gguf.Keys`` template (long arrays decoded on demand)."""
@@ -52,25 +58,16 @@ def meta_value(meta: Mapping, template: str, arch: str, default=None):
     return v.values() if isinstance(v, LazyArray) else v
 
 
-def common_config(spec: ModelSpec, meta: Mapping, *,
-                  expert_weights_norm_default: bool = False) -> ModelConfig:
-    """ModelSpec + the runtime-only keys → ModelConfig, refusing what the math does not do.
-    Whether a block is dense or MoE is read from its tensors (a router means MoE)."""
+def config_fields(spec: ModelSpec, meta: Mapping, *, expert_weights_norm_default: bool = False) -> dict:
+    """The ``ModelConfig`` fields every architecture reads the same way, from ModelSpec and
+    the runtime-only keys (an architecture replaces what it reads differently)."""
     get = lambda t, d=None: meta_value(meta, t, spec.arch, d)  # noqa: E731
-    if spec.head_dim_k != spec.head_dim_v:
-        raise OffloadError(f"{spec.arch}: attention key_length {spec.head_dim_k} != value_length "
-                           f"{spec.head_dim_v} is not supported")
-    if len(set(spec.n_head_kv)) > 1:
-        raise OffloadError(f"{spec.arch}: a per-layer head_count_kv is not supported")
     if spec.n_nextn > 1:
         raise OffloadError(f"{spec.n_nextn} NextN layers: only one is supported")
-    if get(Keys.Rope.SCALING_TYPE, "none") not in ("none", "linear") or \
-            float(get(Keys.Rope.SCALING_FACTOR, 1.0) or 1.0) != 1.0:
-        raise OffloadError("RoPE scaling is not supported yet")
     eps = get(Keys.Attention.LAYERNORM_RMS_EPS)
     if eps is None:
         raise OffloadError(f"missing metadata key {Keys.Attention.LAYERNORM_RMS_EPS.format(arch=spec.arch)}")
-    return ModelConfig(
+    return dict(
         arch=spec.arch, n_vocab=spec.n_vocab, n_embd=spec.n_embd, n_layer=spec.n_layer_trunk,
         n_head=spec.n_head, n_head_kv=spec.n_head_kv[0], head_dim=spec.head_dim_k,
         n_rot=spec.n_rot or spec.head_dim_k,
@@ -81,10 +78,30 @@ def common_config(spec: ModelSpec, meta: Mapping, *,
         n_nextn=spec.n_nextn, context_length=spec.n_ctx_train)
 
 
+def common_config(spec: ModelSpec, meta: Mapping, *,
+                  expert_weights_norm_default: bool = False) -> ModelConfig:
+    """ModelSpec + the runtime-only keys → ModelConfig for the GQA architectures, refusing
+    what their math does not do. Whether a block is dense or MoE is read from its tensors
+    (a router means MoE)."""
+    get = lambda t, d=None: meta_value(meta, t, spec.arch, d)  # noqa: E731
+    if spec.head_dim_k != spec.head_dim_v:
+        raise OffloadError(f"{spec.arch}: attention key_length {spec.head_dim_k} != value_length "
+                           f"{spec.head_dim_v} is not supported")
+    if len(set(spec.n_head_kv)) > 1:
+        raise OffloadError(f"{spec.arch}: a per-layer head_count_kv is not supported")
+    if get(Keys.Rope.SCALING_TYPE, "none") not in ("none", "linear") or \
+            float(get(Keys.Rope.SCALING_FACTOR, 1.0) or 1.0) != 1.0:
+        raise OffloadError(f"{spec.arch}: RoPE scaling is not supported")
+    return ModelConfig(**config_fields(spec, meta, expert_weights_norm_default=expert_weights_norm_default))
+
+
 # -- runtime structure ------------------------------------------------------------------
 
 def kv_cache(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_cells: int | None = None) -> KVCache:
     return KVCache(cfg.n_head_kv, cfg.head_dim, device=device, dtype=dtype, max_cells=max_cells)
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]   # (x, positions, cache) → (T, n_embd)
 
 
 class Block:
@@ -95,7 +112,7 @@ class Block:
     ``device``, ``new_cache()`` (a fresh cache of the block's own kind, with ``length`` and
     ``truncate(n)``) and ``__call__(x, positions, cache) -> x`` with x (T, n_embd)."""
 
-    def __init__(self, *, device_name: str, device: torch.device, attn_norm, attn: Attention,
+    def __init__(self, *, device_name: str, device: torch.device, attn_norm, attn: Attend,
                  ffn_norm, ffn, profile: Profile, cache: Callable[[torch.device], object]):
         self.device_name, self.device, self.attn_norm, self.attn = device_name, device, attn_norm, attn
         self.ffn_norm, self.ffn, self.profile = ffn_norm, ffn, profile
@@ -207,15 +224,26 @@ class BuildContext:
         return lambda dev: kv_cache(cfg, dev, self.kv_dtype, self.kv_cells)
 
     def rope(self, cfg: ModelConfig, device: torch.device) -> Rope:
-        if device not in self.ropes:
-            self.ropes[device] = Rope(cfg.n_rot, cfg.rope_base, device)
-        return self.ropes[device]
+        key = (cfg.rope_spec, device)
+        if key not in self.ropes:
+            self.ropes[key] = rope_for(cfg.rope_spec, device)
+        return self.ropes[key]
 
 
-def build_attention(w, cfg: ModelConfig, i: int, ctx: BuildContext) -> tuple[str, torch.device, Attention]:
-    """``blk.{i}.attn_{q,k,v,output}`` with optional biases and per-head q/k norms. The block
-    computes (and keeps its KV cache) where the planner says: with its largest attention
-    tensor. Returns (plan device, torch device, attention)."""
+@dataclass
+class BuiltAttention:
+    """What an attention builder hands the block builder: where the block computes (plan
+    device and torch device), the attention callable and its cache factory."""
+    device_name: str
+    device: torch.device
+    attn: Attend
+    cache: Callable[[torch.device], object]
+
+
+def build_attention(w, cfg: ModelConfig, i: int, ctx: BuildContext) -> BuiltAttention:
+    """GQA: ``blk.{i}.attn_{q,k,v,output}`` with optional biases and per-head q/k norms. The
+    block computes (and keeps its KV cache) where the planner says: with its largest attention
+    tensor."""
     p = f"blk.{i}"
     home_name = w.home(i)
     home = w.devices[home_name]
@@ -228,7 +256,7 @@ def build_attention(w, cfg: ModelConfig, i: int, ctx: BuildContext) -> tuple[str
         n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
         rope=ctx.rope(cfg, home),
         q_norm=norm(f"{p}.attn_q_norm.weight"), k_norm=norm(f"{p}.attn_k_norm.weight"))
-    return home_name, home, attn
+    return BuiltAttention(home_name, home, attn, ctx.cache(cfg))
 
 
 def build_swiglu(w, p: str, suffix: str = "") -> SwiGLU:
@@ -243,27 +271,28 @@ def build_moe(w, p: str, router: Callable, ctx: BuildContext) -> MoE:
 
 
 def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str,
-                make_router: Callable) -> Block:
+                make_router: Callable, attention: Callable = build_attention) -> Block:
     """Block i: MoE when it has a router (``ffn_gate_inp``), dense FFN otherwise.
-    ``make_router(prefix, device)`` builds the architecture's router."""
+    ``make_router(prefix, device)`` builds the architecture's router; ``attention(w, cfg, i,
+    ctx) -> BuiltAttention`` its attention kind (GQA by default) with its cache."""
     p = f"blk.{i}"
-    home_name, home, attn = build_attention(w, cfg, i, ctx)
+    a = attention(w, cfg, i, ctx)
+    home_name, home = a.device_name, a.device
     norm = lambda n: RMSNorm(w.vector(n).to(home), cfg.rms_eps)  # noqa: E731
     if w.has(f"{p}.ffn_gate_inp.weight"):
         ffn = build_moe(w, p, make_router(p, home), ctx)
     else:
         ffn = build_swiglu(w, p)
-    return Block(device_name=home_name, device=home, attn_norm=norm(f"{p}.attn_norm.weight"), attn=attn,
+    return Block(device_name=home_name, device=home, attn_norm=norm(f"{p}.attn_norm.weight"), attn=a.attn,
                  ffn_norm=norm(f"{p}.{ffn_norm}.weight"), ffn=ffn, profile=ctx.profile,
-                 cache=ctx.cache(cfg))
+                 cache=a.cache)
 
 
-def build_trunk(w, cfg: ModelConfig, ctx: BuildContext, *, ffn_norm: str,
-                make_router: Callable) -> tuple:
-    """Embedding, trunk blocks, output norm and head (``output`` or tied ``token_embd``)."""
+def build_trunk(w, cfg: ModelConfig, ctx: BuildContext, **block) -> tuple:
+    """Embedding, trunk blocks, output norm and head (``output`` or tied ``token_embd``).
+    ``block``: ``build_block``'s keywords (ffn_norm, make_router, attention)."""
     embed = w.embedding("token_embd.weight")
-    blocks = [build_block(w, cfg, i, ctx, ffn_norm=ffn_norm, make_router=make_router)
-              for i in range(cfg.n_layer)]
+    blocks = [build_block(w, cfg, i, ctx, **block) for i in range(cfg.n_layer)]
     # the output layer is output_norm's slot; a tied model reads token_embd there (a second
     # copy when token_embd lives elsewhere, as llama.cpp does and the planner counts)
     out_dev = w.device_name("output_norm.weight")
@@ -281,14 +310,13 @@ def nextn_layer(w) -> int:
     return layers[0]
 
 
-def build_nextn(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str,
-                make_router: Callable, embed, output) -> NextN:
+def build_nextn(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, embed, output, **block) -> NextN:
     """The NextN block ``blk.{i}`` of ``w`` (the model's own, or a ``--draft`` file's) as a
     draft head: a full decoder block plus ``nextn.{eh_proj,enorm,hnorm,shared_head_norm}``;
     ``nextn.embed_tokens`` / ``nextn.shared_head_head`` when the file has them, else the
-    trunk's ``embed`` / ``output``."""
+    trunk's ``embed`` / ``output``. ``block``: ``build_block``'s keywords."""
     p = f"blk.{i}"
-    block = build_block(w, cfg, i, ctx, ffn_norm=ffn_norm, make_router=make_router)
+    block = build_block(w, cfg, i, ctx, **block)
     norm = lambda n: RMSNorm(w.vector(f"{p}.nextn.{n}.weight").to(block.device), cfg.rms_eps)  # noqa: E731
     own_embed, own_head = f"{p}.nextn.embed_tokens.weight", f"{p}.nextn.shared_head_head.weight"
     return NextN(embed=w.embedding(own_embed) if w.has(own_embed) else embed,
