@@ -111,7 +111,7 @@ def _dequant(base, sub, j, table, QTYPE: tl.constexpr):
 def _fused_kernel(w_ptr, x_ptr, y_ptr, table, B, N, K, w_row_stride, x_row_stride, tiles_per_split,
                   QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     S: tl.constexpr = BLOCK_K // 32
@@ -131,10 +131,12 @@ def _fused_kernel(w_ptr, x_ptr, y_ptr, table, B, N, K, w_row_stride, x_row_strid
         w = tl.reshape(w, (BLOCK_N, BLOCK_K))
         kk = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + bs[:, None] * x_row_stride + kk[None, :], mask=bs[:, None] < B, other=0.0)
-        if IEEE:
-            acc += tl.dot(xt, tl.trans(w.to(xt.dtype)), input_precision="ieee")
+        wq = w.to(xt.dtype)                                         # what the product runs in
+        if UPCAST:   # float32 x, or the interpreter (its tl.dot multiplies bf16 raw bits):
+            # the same products — bf16·bf16 is exact in float32 — in an IEEE float32 dot
+            acc += tl.dot(xt.to(tl.float32), tl.trans(wq.to(tl.float32)), input_precision="ieee")
         else:
-            acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))
+            acc += tl.dot(xt, tl.trans(wq))
     out = y_ptr + pid_k * B * N + bs[:, None] * N + rows[None, :]
     tl.store(out, acc, mask=(bs[:, None] < B) & (rows[None, :] < N))
 
@@ -189,6 +191,6 @@ def fused_linear(raw: torch.Tensor, qtype: Q, x: torch.Tensor, *, block_n: int =
     _fused_kernel[(n_blocks, split_k)](
         raw, x, part, _table(qtype, x.device), b, n, k, raw.stride(0), x.stride(0), per_split,
         QTYPE=int(qtype), QK=qk, TYPE_SIZE=type_size, BLOCK_B=TILE_B, BLOCK_N=block_n,
-        BLOCK_K=bk, IEEE=x.dtype == torch.float32)
+        BLOCK_K=bk, UPCAST=x.dtype == torch.float32 or x.device.type == "cpu")
     y = part[0] if split_k == 1 else part.sum(0)
     return y.to(x.dtype)

@@ -59,6 +59,23 @@ def test_fused_matches_gguf(qtype, batch):
     _check(got.cpu().numpy(), x, w)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_fused_bf16(qtype):
+    """bf16 x (the CUDA compute dtype): each weight rounded to bf16 (≤ 2⁻⁸ relative on CUDA,
+    which rounds to nearest; ≤ 2⁻⁷ under the interpreter, which truncates), products summed in
+    float32, the result rounded to bf16 (≤ 2⁻⁸) — against the exact float64 product."""
+    rng = np.random.default_rng(11)
+    raw, w = _weights(rng, qtype, 40, 512)
+    x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32)).bfloat16()
+    got = tm.fused_linear(torch.from_numpy(raw).to(DEV), qtype, x.to(DEV))
+    assert got.dtype == torch.bfloat16
+    x64 = x.double().numpy()
+    want = x64 @ w.T
+    err = np.abs(got.double().cpu().numpy() - want)
+    bound = 2 ** -8 * np.abs(want) + (2 ** -7 + 1e-5) * (np.abs(x64) @ np.abs(w).T)
+    assert (err <= bound).all(), f"max error {err.max():.3g}"
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q6_K], ids=lambda q: q.name)
 def test_fused_on_an_expert_view_with_odd_tiles(qtype):
     """One expert of a 3-D tensor (a view at an offset), a row length of 3 K-tiles split
