@@ -158,8 +158,7 @@ def _wide_model(tmp: str, n_layer: int):
                     n_head_kv=8, head_dim=128, n_rot=64, n_layer=n_layer, n_dense=1, n_ff=10752,
                     n_expert=16, n_expert_used=8, n_ff_exp=1536, n_shared=1, nextn=False, seed=1)
     t0 = time.perf_counter()
-    tiny = write_tiny_model(Path(tmp) / "wide.gguf", spec)
-    tiny.weights.clear()                                          # the float copies are not needed
+    tiny = write_tiny_model(Path(tmp) / "wide.gguf", spec, keep_weights=False)
     size = os.path.getsize(tiny.path)
     print(f"wide model: {n_layer} blocks, n_embd 4096, 96 heads, 16 experts x 1536 (8 used) + 1 shared, "
           f"Q4_K, {size / 1e9:.2f} GB, written in {time.perf_counter() - t0:.0f} s")
