@@ -23,7 +23,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 TILE_B = 16                     # rows of x per kernel tile (tl.dot needs ≥ 16)
-FUSED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.IQ4_XS, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+FUSED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4, Q.IQ4_XS,
+                         Q.Q4_K, Q.Q5_K, Q.Q6_K})
 FUSED_DEVICE_TYPES = ("cuda",)  # the CPU / virtual-GPU path keeps the chunked dequant
 
 

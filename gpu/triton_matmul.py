@@ -30,6 +30,10 @@ from gpu.quant import _IQ4NL, _MXFP4
 # gguf's own type codes, usable as compile-time constants inside the kernel
 _Q8_0 = tl.constexpr(int(Q.Q8_0))
 _Q4_0 = tl.constexpr(int(Q.Q4_0))
+_Q4_1 = tl.constexpr(int(Q.Q4_1))
+_Q5_0 = tl.constexpr(int(Q.Q5_0))
+_Q5_1 = tl.constexpr(int(Q.Q5_1))
+_IQ4_NL = tl.constexpr(int(Q.IQ4_NL))
 _MXFP4_T = tl.constexpr(int(Q.MXFP4))
 _IQ4_XS = tl.constexpr(int(Q.IQ4_XS))
 _Q4_K = tl.constexpr(int(Q.Q4_K))
@@ -78,6 +82,16 @@ def _dequant(base, sub, j, table, QTYPE: tl.constexpr):
         w = _f16(base) * _i8(base + 2 + j)
     elif QTYPE == _Q4_0:     # block_q4_0: d f16, qs[16]: (q - 8) * d
         w = _f16(base) * (_nibble(base + 2, j) - 8).to(tl.float32)
+    elif QTYPE == _Q4_1:     # block_q4_1: d f16, m f16, qs[16]: q * d + m
+        w = _f16(base) * _nibble(base + 4, j).to(tl.float32) + _f16(base + 2)
+    elif QTYPE == _Q5_0:     # block_q5_0: d f16, qh[4] (bit j: 5th bit of element j), qs[16]
+        q = _nibble(base + 6, j) | (((_u8(base + 2 + j // 8) >> (j % 8)) & 1) << 4)
+        w = _f16(base) * (q - 16).to(tl.float32)
+    elif QTYPE == _Q5_1:     # block_q5_1: d f16, m f16, qh[4], qs[16]: q * d + m
+        q = _nibble(base + 8, j) | (((_u8(base + 4 + j // 8) >> (j % 8)) & 1) << 4)
+        w = _f16(base) * q.to(tl.float32) + _f16(base + 2)
+    elif QTYPE == _IQ4_NL:   # block_iq4_nl: d f16, qs[16]: d * kvalues_iq4nl[q]
+        w = _f16(base) * tl.load(table + _nibble(base + 2, j))
     elif QTYPE == _MXFP4_T:  # block_mxfp4: e (E8M0), qs[16]: 2^(e-128) * doubled e2m1 value
         e = _u8(base)
         # ggml_e8m0_to_fp32_half, exact: denormal for e < 2, else exponent bits e-1
@@ -141,7 +155,7 @@ def _fused_kernel(w_ptr, x_ptr, y_ptr, table, B, N, K, w_row_stride, x_row_strid
     tl.store(out, acc, mask=(bs[:, None] < B) & (rows[None, :] < N))
 
 
-_TABLES = {Q.MXFP4: _MXFP4, Q.IQ4_XS: _IQ4NL}
+_TABLES = {Q.MXFP4: _MXFP4, Q.IQ4_XS: _IQ4NL, Q.IQ4_NL: _IQ4NL}
 
 
 @lru_cache(maxsize=None)
