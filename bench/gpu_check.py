@@ -12,8 +12,10 @@ On a CUDA device it prints:
   (c) CUDA graphs: not implemented, said so;
   (d) logits parity of that model against the all-CPU path (f32 and bf16 on the GPU).
 With ``--interpret`` it checks every fused type against ``gguf.quants.dequantize`` + float64
-for B = 1, 3, 16 under Triton's interpreter, and the logits of a tiny model with the fused
-kernel forced onto a virtual GPU against the CPU path. Exit status 1 if any check fails.
+for B = 1, 3, 16 under Triton's interpreter, the logits of a tiny model with the fused
+kernel forced onto a virtual GPU against the CPU path, and compiles every kernel ahead of
+time for sm_80 and sm_90 (``--aot``; ptxas ships with triton, no GPU needed), printing
+registers and spills. Exit status 1 if any check fails.
 """
 from __future__ import annotations
 
@@ -96,6 +98,56 @@ def _tiny_parity() -> bool:
     print(f"tiny model, fused kernel on a virtual GPU (interpreted) vs CPU path: max |diff| / max |logit| "
           f"= {rel:.2e} (tolerance {LOGIT_TOL_F32:g})  {'ok' if passed else 'FAIL'}")
     return passed
+
+
+def _aot(capabilities: list[int]) -> bool:
+    """Every fused type compiled ahead of time (no GPU needed; triton ships ptxas) for each
+    compute capability, bf16 and f32 x: registers per thread and spills as ptxas reports them."""
+    import re
+    import subprocess
+
+    import torch
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from gpu.fused import FUSED_TYPES
+    from gpu.triton_matmul import compile_for
+
+    print("kernels compiled ahead of time (BLOCK_N 32, BLOCK_K 128, 4 warps): registers/thread, spill bytes")
+    ok = True
+    for cap in capabilities:
+        line = []
+        for qtype in sorted(FUSED_TYPES, key=lambda q: q.name):
+            for dtype in (torch.bfloat16, torch.float32):
+                try:
+                    k = compile_for(qtype, dtype, cap)
+                except Exception as exc:   # noqa: BLE001  (report which type fails, go on)
+                    print(f"  sm_{cap} {qtype.name} {dtype}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+                    ok = False
+                    continue
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                    f.write(k.asm["ptx"])
+                    f.flush()
+                    r = subprocess.run([get_ptxas(cap).path, "-v", "--gpu-name", f"sm_{cap}a" if cap >= 90 else f"sm_{cap}",
+                                        f.name, "-o", os.devnull], capture_output=True, text=True)
+                regs = re.search(r"Used (\d+) registers", r.stderr)
+                spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+                line.append(f"{qtype.name}/{'bf16' if dtype == torch.bfloat16 else 'f32'} "
+                            f"{regs.group(1) if regs else '?'}r {spill.group(1) if spill else '?'}s")
+        print(f"  sm_{cap}: " + ", ".join(line))
+    return ok
+
+
+def _aot_subprocess() -> bool:
+    """``_aot`` in a fresh interpreter without TRITON_INTERPRET (compiling needs the real kernel)."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--aot", "80,90"], env=env,
+                       capture_output=True, text=True)
+    print(r.stdout, end="")
+    if r.returncode:
+        print(r.stderr[-3000:], end="")
+    return r.returncode == 0
 
 
 # -- on a CUDA device ---------------------------------------------------------------------
@@ -229,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cols", type=int, default=8192, help="(a) weight columns (default 8192)")
     ap.add_argument("--layers", type=int, default=4, help="(b, d) blocks of the wide model (default 4)")
     ap.add_argument("--tokens", type=int, default=32, help="(b) tokens decoded per run (default 32)")
+    ap.add_argument("--aot", metavar="CAPS", help="only compile the kernels for these compute capabilities "
+                    "(e.g. 80,90; no GPU needed) and print registers and spills")
     args = ap.parse_args(argv)
+    if args.aot:
+        return 0 if _aot([int(c) for c in args.aot.split(",")]) else 1
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"      # before triton is imported
     import torch
@@ -238,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     if args.interpret:
-        results = [_section(_numerics), _section(_tiny_parity)]
+        results = [_section(_numerics), _section(_tiny_parity), _section(_aot_subprocess)]
     else:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
         results = [_section(_numerics), _section(_kernel_speed, args.rows, args.cols)]

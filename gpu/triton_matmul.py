@@ -208,3 +208,24 @@ def fused_linear(raw: torch.Tensor, qtype: Q, x: torch.Tensor, *, block_n: int =
         BLOCK_K=bk, UPCAST=x.dtype == torch.float32 or x.device.type == "cpu")
     y = part[0] if split_k == 1 else part.sum(0)
     return y.to(x.dtype)
+
+
+def compile_for(qtype: Q, x_dtype: torch.dtype, capability: int, *, block_n: int = 32, block_k: int = 128,
+                num_warps: int = 4):
+    """Compile the kernel ahead of time for an NVIDIA GPU of compute ``capability`` (80:
+    Ampere, 90: Hopper) on a machine without one — triton ships ptxas — so lowering errors
+    and shared-memory use show before any device run. Needs the compiled (not interpreted)
+    kernel: call it without TRITON_INTERPRET. Returns triton's compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    if not hasattr(_fused_kernel, "arg_names"):
+        raise RuntimeError("compile_for needs the compiled kernel: unset TRITON_INTERPRET")
+    qk, type_size = GGML_QUANT_SIZES[qtype]
+    x_ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[x_dtype]
+    runtime = dict(w_ptr="*u8", x_ptr=x_ty, y_ptr="*fp32", table="*fp32", B="i32", N="i32", K="i32",
+                   w_row_stride="i32", x_row_stride="i32", tiles_per_split="i32")
+    constants = dict(QTYPE=int(qtype), QK=qk, TYPE_SIZE=type_size, BLOCK_B=TILE_B, BLOCK_N=block_n,
+                     BLOCK_K=block_k, UPCAST=x_dtype == torch.float32)
+    src = ASTSource(fn=_fused_kernel, signature=runtime | {k: "constexpr" for k in constants},
+                    constexprs=constants)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
