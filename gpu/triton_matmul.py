@@ -42,32 +42,32 @@ _Q6_K = tl.constexpr(int(Q.Q6_K))
 
 
 @triton.jit
-def _u8(p):
-    return tl.load(p).to(tl.int32)
+def _u8(w, o):
+    return tl.load(w + o).to(tl.int32)
 
 
 @triton.jit
-def _i8(p):
-    return tl.load(p).to(tl.int8, bitcast=True).to(tl.float32)
+def _i8(w, o):
+    return tl.load(w + o).to(tl.int8, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _f16(p):   # little-endian IEEE half at p, p+1
-    bits = tl.load(p).to(tl.uint16) | (tl.load(p + 1).to(tl.uint16) << 8)
+def _f16(w, o):   # little-endian IEEE half at byte offset o
+    bits = tl.load(w + o).to(tl.uint16) | (tl.load(w + (o + 1)).to(tl.uint16) << 8)
     return bits.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _nibble(p, j):   # element j (0..31) of 16 packed bytes at p: low nibbles 0..15, high 16..31
-    return (_u8(p + (j % 16)) >> (4 * (j // 16))) & 15
+def _nibble(w, o, j):   # element j (0..31) of 16 packed bytes at o: low nibbles 0..15, high 16..31
+    return (_u8(w, o + (j % 16)) >> (4 * (j // 16))) & 15
 
 
 @triton.jit
-def _k4_scale_min(base, sub):
+def _k4_scale_min(w, base, sub):
     """ggml get_scale_min_k4: 8 six-bit (scale, min) pairs packed in scales[12] at base+4."""
-    a = _u8(base + 4 + sub % 4)          # scales[sub]      (sub < 4) / scales[sub-4]
-    b = _u8(base + 8 + sub)              # scales[sub + 4]
-    c = _u8(base + 4 + sub)              # scales[sub]
+    a = _u8(w, base + 4 + sub % 4)          # scales[sub]      (sub < 4) / scales[sub-4]
+    b = _u8(w, base + 8 + sub)              # scales[sub + 4]
+    c = _u8(w, base + 4 + sub)              # scales[sub]
     lo = sub < 4
     sc = tl.where(lo, a & 63, (b & 15) | ((a >> 6) << 4))
     mn = tl.where(lo, b & 63, (b >> 4) | ((c >> 6) << 4))
@@ -75,49 +75,50 @@ def _k4_scale_min(base, sub):
 
 
 @triton.jit
-def _dequant(base, sub, j, table, QTYPE: tl.constexpr):
-    """base: (BN, S, 1) pointers to each sub-block's block; sub: (1, S, 1) sub-block index in
-    its block; j: (1, 1, 32) element in the sub-block → (BN, S, 32) float32 weights."""
+def _dequant(wp, base, sub, j, table, QTYPE: tl.constexpr):
+    """wp: the weight's first byte; base: (BN, S, 1) int32 byte offsets of each sub-block's
+    block; sub: (1, S, 1) sub-block index in its block; j: (1, 1, 32) element in the
+    sub-block → (BN, S, 32) float32 weights."""
     if QTYPE == _Q8_0:       # block_q8_0: d f16, qs[32] int8
-        w = _f16(base) * _i8(base + 2 + j)
+        w = _f16(wp, base) * _i8(wp, base + 2 + j)
     elif QTYPE == _Q4_0:     # block_q4_0: d f16, qs[16]: (q - 8) * d
-        w = _f16(base) * (_nibble(base + 2, j) - 8).to(tl.float32)
+        w = _f16(wp, base) * (_nibble(wp, base + 2, j) - 8).to(tl.float32)
     elif QTYPE == _Q4_1:     # block_q4_1: d f16, m f16, qs[16]: q * d + m
-        w = _f16(base) * _nibble(base + 4, j).to(tl.float32) + _f16(base + 2)
+        w = _f16(wp, base) * _nibble(wp, base + 4, j).to(tl.float32) + _f16(wp, base + 2)
     elif QTYPE == _Q5_0:     # block_q5_0: d f16, qh[4] (bit j: 5th bit of element j), qs[16]
-        q = _nibble(base + 6, j) | (((_u8(base + 2 + j // 8) >> (j % 8)) & 1) << 4)
-        w = _f16(base) * (q - 16).to(tl.float32)
+        q = _nibble(wp, base + 6, j) | (((_u8(wp, base + 2 + j // 8) >> (j % 8)) & 1) << 4)
+        w = _f16(wp, base) * (q - 16).to(tl.float32)
     elif QTYPE == _Q5_1:     # block_q5_1: d f16, m f16, qh[4], qs[16]: q * d + m
-        q = _nibble(base + 8, j) | (((_u8(base + 4 + j // 8) >> (j % 8)) & 1) << 4)
-        w = _f16(base) * q.to(tl.float32) + _f16(base + 2)
+        q = _nibble(wp, base + 8, j) | (((_u8(wp, base + 4 + j // 8) >> (j % 8)) & 1) << 4)
+        w = _f16(wp, base) * q.to(tl.float32) + _f16(wp, base + 2)
     elif QTYPE == _IQ4_NL:   # block_iq4_nl: d f16, qs[16]: d * kvalues_iq4nl[q]
-        w = _f16(base) * tl.load(table + _nibble(base + 2, j))
+        w = _f16(wp, base) * tl.load(table + _nibble(wp, base + 2, j))
     elif QTYPE == _MXFP4_T:  # block_mxfp4: e (E8M0), qs[16]: 2^(e-128) * doubled e2m1 value
-        e = _u8(base)
+        e = _u8(wp, base)
         # ggml_e8m0_to_fp32_half, exact: denormal for e < 2, else exponent bits e-1
         half = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-        w = half * tl.load(table + _nibble(base + 1, j))
+        w = half * tl.load(table + _nibble(wp, base + 1, j))
     elif QTYPE == _IQ4_XS:   # block_iq4_xs: d f16, scales_h u16, scales_l[4], qs[128]
-        sh = (_u8(base + 2 + sub // 4) >> (2 * (sub % 4))) & 3
-        sl = (_u8(base + 4 + sub // 2) >> (4 * (sub % 2))) & 15
-        dl = _f16(base) * ((sl | (sh << 4)) - 32).to(tl.float32)
-        w = dl * tl.load(table + _nibble(base + 8 + 16 * sub, j))
+        sh = (_u8(wp, base + 2 + sub // 4) >> (2 * (sub % 4))) & 3
+        sl = (_u8(wp, base + 4 + sub // 2) >> (4 * (sub % 2))) & 15
+        dl = _f16(wp, base) * ((sl | (sh << 4)) - 32).to(tl.float32)
+        w = dl * tl.load(table + _nibble(wp, base + 8 + 16 * sub, j))
     elif QTYPE == _Q4_K:     # block_q4_K: d, dmin, scales[12], qs[128] (32 bytes per 2 sub-blocks)
-        sc, mn = _k4_scale_min(base, sub)
-        q = (_u8(base + 16 + 32 * (sub // 2) + j) >> (4 * (sub % 2))) & 15
-        w = _f16(base) * sc * q.to(tl.float32) - _f16(base + 2) * mn
+        sc, mn = _k4_scale_min(wp, base, sub)
+        q = (_u8(wp, base + 16 + 32 * (sub // 2) + j) >> (4 * (sub % 2))) & 15
+        w = _f16(wp, base) * sc * q.to(tl.float32) - _f16(wp, base + 2) * mn
     elif QTYPE == _Q5_K:     # block_q5_K: d, dmin, scales[12], qh[32], qs[128]; qh bit sub of byte j
-        sc, mn = _k4_scale_min(base, sub)
-        q = (_u8(base + 48 + 32 * (sub // 2) + j) >> (4 * (sub % 2))) & 15
-        q = q | (((_u8(base + 16 + j) >> sub) & 1) << 4)
-        w = _f16(base) * sc * q.to(tl.float32) - _f16(base + 2) * mn
+        sc, mn = _k4_scale_min(wp, base, sub)
+        q = (_u8(wp, base + 48 + 32 * (sub // 2) + j) >> (4 * (sub % 2))) & 15
+        q = q | (((_u8(wp, base + 16 + j) >> sub) & 1) << 4)
+        w = _f16(wp, base) * sc * q.to(tl.float32) - _f16(wp, base + 2) * mn
     else:                    # block_q6_K: ql[128], qh[64], scales[16] int8, d; halves of 128, rows of 32
         h = sub // 4
         g = sub % 4
-        lo = (_u8(base + 64 * h + 32 * (g % 2) + j) >> (4 * (g // 2))) & 15
-        hi = (_u8(base + 128 + 32 * h + j) >> (2 * g)) & 3
-        sc = _i8(base + 192 + 8 * h + 2 * g + j // 16)
-        w = _f16(base + 208) * sc * ((lo | (hi << 4)) - 32).to(tl.float32)
+        lo = (_u8(wp, base + 64 * h + 32 * (g % 2) + j) >> (4 * (g // 2))) & 15
+        hi = (_u8(wp, base + 128 + 32 * h + j) >> (2 * g)) & 3
+        sc = _i8(wp, base + 192 + 8 * h + 2 * g + j // 16)
+        w = _f16(wp, base + 208) * sc * ((lo | (hi << 4)) - 32).to(tl.float32)
     return w
 
 
@@ -131,7 +132,7 @@ def _fused_kernel(w_ptr, x_ptr, y_ptr, table, B, N, K, w_row_stride, x_row_strid
     S: tl.constexpr = BLOCK_K // 32
     SUBS: tl.constexpr = QK // 32                                   # sub-blocks per block
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_base = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * w_row_stride   # (BN,) clamped: loads stay in bounds
+    row_off = tl.minimum(rows, N - 1) * w_row_stride                # (BN,) clamped: loads stay in bounds
     bs = tl.arange(0, BLOCK_B)
     s_idx = tl.arange(0, S)
     j = tl.arange(0, 32)[None, None, :]
@@ -140,8 +141,8 @@ def _fused_kernel(w_ptr, x_ptr, y_ptr, table, B, N, K, w_row_stride, x_row_strid
     k_hi = tl.minimum(k_lo + tiles_per_split * BLOCK_K, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         g = k0 // 32 + s_idx                                        # (S,) global sub-block
-        base = row_base[:, None, None] + ((g // SUBS) * TYPE_SIZE)[None, :, None]
-        w = _dequant(base, (g % SUBS)[None, :, None], j, table, QTYPE)   # (BN, S, 32)
+        base = row_off[:, None, None] + ((g // SUBS) * TYPE_SIZE)[None, :, None]
+        w = _dequant(w_ptr, base, (g % SUBS)[None, :, None], j, table, QTYPE)   # (BN, S, 32)
         w = tl.reshape(w, (BLOCK_N, BLOCK_K))
         kk = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + bs[:, None] * x_row_stride + kk[None, :], mask=bs[:, None] < B, other=0.0)
@@ -172,6 +173,9 @@ def _n_programs_wanted(device: torch.device) -> int:
     return 1
 
 
+_OFFSET_LIMIT = 2**31 - 1   # the kernel's byte offsets within a matrix are int32 (fewer registers)
+
+
 def _block_k(cols: int) -> int:
     for bk in (128, 64, 32):
         if cols % bk == 0:
@@ -194,6 +198,10 @@ def fused_linear(raw: torch.Tensor, qtype: Q, x: torch.Tensor, *, block_n: int =
     if row_bytes != k // qk * type_size or k % qk or raw.stride(1) != 1:
         raise ValueError(f"{qtype.name} rows of {row_bytes} bytes (stride {raw.stride()}) do not hold {k} columns")
     x = x.contiguous()
+    span = max(1, _OFFSET_LIMIT // raw.stride(0))                   # rows whose byte offsets fit int32
+    if n > span:
+        return torch.cat([fused_linear(raw[r:r + span], qtype, x, block_n=block_n, split_k=split_k)
+                          for r in range(0, n, span)], dim=1)
     bk = _block_k(k)
     tiles = k // bk
     n_blocks = triton.cdiv(n, block_n)
