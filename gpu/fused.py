@@ -22,6 +22,8 @@ from functools import lru_cache
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from gpu.errors import GpuSettingError
+
 TILE_B = 16                     # rows of x per kernel tile (tl.dot needs ≥ 16)
 FUSED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4, Q.IQ4_XS,
                          Q.Q4_K, Q.Q5_K, Q.Q6_K})
@@ -31,7 +33,7 @@ FUSED_DEVICE_TYPES = ("cuda",)  # the CPU / virtual-GPU path keeps the chunked d
 def _crossover_from_env() -> int:
     text = os.environ.get("OFFLOAD_FUSED_MAX_B", str(TILE_B))
     if not text.isdigit() or int(text) > TILE_B:
-        raise ValueError(f"OFFLOAD_FUSED_MAX_B={text!r}: expected an integer 0..{TILE_B}")
+        raise GpuSettingError(f"OFFLOAD_FUSED_MAX_B={text!r}: expected an integer 0..{TILE_B}")
     return int(text)
 
 

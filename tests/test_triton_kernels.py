@@ -168,3 +168,23 @@ def test_fused_splits_matrices_past_int32_offsets(monkeypatch):
     got = tm.fused_linear(torch.from_numpy(raw).to(DEV), Q.Q8_0, torch.from_numpy(x).to(DEV))
     assert got.shape == (2, 23)
     _check(got.cpu().numpy(), x, w)
+
+
+def test_bad_crossover_env_is_one_line_at_the_cli(tmp_path):
+    import subprocess
+    import sys
+    env = os.environ | {"OFFLOAD_FUSED_MAX_B": "lots"}
+    r = subprocess.run([sys.executable, "-m", "offload", "run", str(tmp_path / "none.gguf")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == ["offload: error: OFFLOAD_FUSED_MAX_B='lots': expected an integer 0..16"]
+
+
+def test_offload_and_plan_never_import_triton(fixture_paths):
+    import subprocess
+    import sys
+    code = ("import sys, offload\nfrom offload.cli import main\n"
+            f"assert main(['plan', {fixture_paths['qwen3-30b-a3b']!r}, '--devices', 'CUDA0=24GiB,CPU=128GiB']) == 0\n"
+            "assert 'triton' not in sys.modules and 'torch' not in sys.modules, 'imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
