@@ -138,8 +138,8 @@ class TinyModel:
 
 
 def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weights: bool = True) -> TinyModel:
-    """``keep_weights=False``: skip the float copies (``weights`` stays empty) — a wide model
-    for benchmarks writes in seconds instead of minutes."""
+    """``keep_weights=False``: skip the float copies (``weights`` stays empty) and the
+    dequantization that makes them, the slow part of writing a wide benchmark model."""
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     glm = spec.arch == "glm4moe"
