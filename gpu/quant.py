@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
+from gpu import fused
+
 DEQUANTIZERS: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {}
 
 
@@ -240,9 +242,12 @@ class QuantTensor:
         return dequantize(self.raw[idx], self.qtype, dtype=dtype)
 
     def linear(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``x @ W^T`` for a 2-D tensor, dequantizing W in row chunks so the float temporary
-        stays bounded whatever the matrix size. x: (T, in) → (T, out) in ``dtype``."""
+        """``x @ W^T`` for a 2-D tensor. x: (T, in) → (T, out) in ``dtype``. Decode shapes on a
+        GPU read the raw blocks once through the fused kernel (``gpu.fused``); otherwise W is
+        dequantized in row chunks so the float temporary stays bounded whatever its size."""
         x = x.to(dtype)
+        if fused.use_fused(self.qtype, x.device, x.shape[0]):
+            return fused.linear(self.raw, self.qtype, x)
         if self.qtype == Q.F32 and dtype == torch.float32 or self.qtype == Q.F16 and dtype == torch.float16:
             return torch.nn.functional.linear(x, self.raw)
         rows, cols = self.shape

@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from gpu.errors import GpuSettingError
 from placement.errors import PlacementError
 
 EXIT_USER_ERROR = 2
@@ -29,7 +30,7 @@ class OffloadError(Exception):
     """Bad input: the message is one line that names the problem."""
 
 
-USER_ERRORS: tuple[type[BaseException], ...] = (OffloadError, PlacementError)
+USER_ERRORS: tuple[type[BaseException], ...] = (OffloadError, PlacementError, GpuSettingError)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -35,7 +35,7 @@ def test_uncapped_cache_doubles_and_rollback_keeps_the_prefix():
 
 def test_runtime_caches_hold_no_more_cells_than_the_plan(tmp_path):
     tiny = write_tiny_model(tmp_path / "tiny.gguf", TinySpec(seed=3))
-    with rt.load(tiny.path, quiet=True, ctx=768) as s:            # the plan counts 768 cells
+    with rt.load(tiny.path, devices="CPU=16GiB", quiet=True, ctx=768) as s:            # the plan counts 768 cells
         prompt = [3 + i % 250 for i in range(700)]                # ids below the tiny vocab
         state = s.model.new_state()
         s.model.forward(torch.tensor(prompt), state, logits="none")        # 700 cells

@@ -57,7 +57,7 @@ def test_logits_match_transformers(case, tmp_path):
     tiny = write_tiny_model(tmp_path / f"{case}.gguf", CASES[case])
     with torch.no_grad():
         ref = hf_causal_lm(tiny)(torch.tensor([IDS])).logits[0].numpy()
-    with rt.load(tiny.path, cache_type="f32", quiet=True) as session:
+    with rt.load(tiny.path, devices="CPU=16GiB", cache_type="f32", quiet=True) as session:
         ours = session.logits(IDS)
     assert ours.shape == ref.shape
     assert rel_err(ours, ref) < REL_TOL
@@ -88,7 +88,7 @@ def test_nextn_head_matches_transformers_mtp_layer(case, tmp_path):
         out = mtp(e, h[:, :-1], position_embeddings=rotary(e, pos), attention_mask=causal,
                   position_ids=pos, cache=None)
         ref = hf.lm_head(out)[0].numpy()
-    with rt.load(tiny.path, cache_type="f32", quiet=True) as session, torch.inference_mode():
+    with rt.load(tiny.path, devices="CPU=16GiB", cache_type="f32", quiet=True) as session, torch.inference_mode():
         model = session.model
         state = model.new_state()
         _, hidden = model.forward(torch.tensor(IDS), state, logits="none")
@@ -123,6 +123,6 @@ def test_logits_match_llama_cpp(case, tmp_path):
     llm = llama_cpp.Llama(model_path=str(tiny.path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
     llm.eval(IDS)
     ref = np.array(llm.scores[:len(IDS)], dtype=np.float32)
-    with rt.load(tiny.path, cache_type="f32", quiet=True) as session:
+    with rt.load(tiny.path, devices="CPU=16GiB", cache_type="f32", quiet=True) as session:
         ours = session.logits(IDS)
     assert rel_err(ours, ref) < 3e-2

@@ -101,7 +101,7 @@ def test_f16_kv_cache_stays_close(tiny, cpu_logits):
 def test_truncate_rolls_back_exactly(tiny):
     """Extending a sequence with junk, truncating, and continuing gives bit-identical logits
     to continuing directly (same ops on the same cache contents)."""
-    with rt.load(tiny.path, quiet=True) as s, torch.inference_mode():
+    with rt.load(tiny.path, devices="CPU=16GiB", quiet=True) as s, torch.inference_mode():
         m = s.model
         direct = m.new_state()
         m.forward(torch.tensor(IDS[:6]), direct)
@@ -116,7 +116,7 @@ def test_truncate_rolls_back_exactly(tiny):
 
 
 def test_generate_is_reproducible_and_sampling_is_seeded(tiny):
-    with rt.load(tiny.path, quiet=True) as s:
+    with rt.load(tiny.path, devices="CPU=16GiB", quiet=True) as s:
         g1 = list(s.generate(IDS, max_tokens=8, stop_at_eos=False))
         g2 = list(s.generate(IDS, max_tokens=8, stop_at_eos=False, ubatch=3))
         # greedy continuation == argmax of the logits of the full sequence, step by step

@@ -42,9 +42,11 @@ def random_blocks(rng: np.random.Generator, n_blocks: int, qtype: Q, std: float)
     return raw
 
 
-def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q, std: float):
-    """→ (data to write, raw dtype or None, dequantized float32 values). ``shape`` numpy order.
-    Legacy types are quantized from normal values by gguf-py; the others are random blocks."""
+def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q, std: float, *,
+                  dequantized: bool = True):
+    """→ (data to write, raw dtype or None, dequantized float32 values — None with
+    ``dequantized=False``). ``shape`` numpy order. Legacy types are quantized from normal
+    values by gguf-py; the others are random blocks."""
     x = (rng.standard_normal(shape) * std).astype(np.float32)
     if qtype == Q.F32:
         return x, None, x
@@ -56,7 +58,7 @@ def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q, st
     else:
         block, size = GGML_QUANT_SIZES[qtype]
         raw = random_blocks(rng, x.size // block, qtype, std).reshape(*shape[:-1], shape[-1] // block * size)
-    return raw, qtype, dequantize(raw, qtype).astype(np.float32)
+    return raw, qtype, dequantize(raw, qtype).astype(np.float32) if dequantized else None
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -151,7 +153,9 @@ class TinyModel:
     weights: dict[str, np.ndarray] = field(repr=False)   # dequantized float32, numpy order
 
 
-def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel:
+def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weights: bool = True) -> TinyModel:
+    """``keep_weights=False``: skip the float copies (``weights`` stays empty) and the
+    dequantization that makes them, the slow part of writing a wide benchmark model."""
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     glm, ds = spec.arch == "glm4moe", spec.arch == "deepseek2"
@@ -196,12 +200,13 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel
     weights = {}
 
     def put(name, shape, qtype, std, mean=0.0):
-        data, raw_dtype, deq = random_tensor(rng, shape, qtype, std)
+        data, raw_dtype, deq = random_tensor(rng, shape, qtype, std, dequantized=keep_weights)
         if mean:
             data = data + np.float32(mean)
             deq = data
         w.add_tensor(name, data, raw_dtype=raw_dtype)
-        weights[name] = deq
+        if keep_weights:
+            weights[name] = deq
 
     d, hd = spec.n_embd, spec.head_dim
     lin = lambda name, out, inp, qt=spec.dense_type: put(name, (out, inp), qt, inp ** -0.5)  # noqa: E731

@@ -1,0 +1,58 @@
+"""When a GPU-resident projection uses the fused dequant-matmul (``gpu.triton_matmul``)
+instead of per-call chunked dequantization + a dense matmul.
+
+Decode shapes read each weight once through the fused kernel; prefill-size batches, where a
+dense matmul wins, keep the chunked path (``gpu.quant.QuantTensor.linear``). This module never
+imports triton: ``import offload`` and ``offload plan`` must not pay for it (or need it).
+
+The crossover batch (``CROSSOVER``, env ``OFFLOAD_FUSED_MAX_B``) is an estimate, not a
+measurement — no GPU has run these kernels yet: for B ≤ 16 (one tile of the kernel) the
+fused kernel reads the raw blocks once (0.56 B/param for Q4_K) while the chunked path reads
+them, writes bf16 (2 B/param) and reads it back (2 B/param) before the same GEMM, so the
+fused kernel moves ~8× fewer bytes at every B it supports. Above 16 rows it would re-run the
+dequantization per 16-row tile, so the default crossover is the tile height. Set the env
+variable to 0 to switch fused kernels off.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import lru_cache
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gpu.errors import GpuSettingError
+
+TILE_B = 16                     # rows of x per kernel tile (tl.dot needs ≥ 16)
+FUSED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4, Q.IQ4_XS,
+                         Q.Q4_K, Q.Q5_K, Q.Q6_K})
+FUSED_DEVICE_TYPES = ("cuda",)  # the CPU / virtual-GPU path keeps the chunked dequant
+
+
+def _crossover_from_env() -> int:
+    text = os.environ.get("OFFLOAD_FUSED_MAX_B", str(TILE_B))
+    if not text.isdigit() or int(text) > TILE_B:
+        raise GpuSettingError(f"OFFLOAD_FUSED_MAX_B={text!r}: expected an integer 0..{TILE_B}")
+    return int(text)
+
+
+CROSSOVER = _crossover_from_env()   # largest batch that takes the fused kernel
+
+
+@lru_cache(maxsize=None)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_fused(qtype: Q, device: torch.device, batch: int) -> bool:
+    """The fused kernel for ``batch`` rows of x against a ``qtype`` weight on ``device``?"""
+    return (device.type in FUSED_DEVICE_TYPES and qtype in FUSED_TYPES
+            and 0 < batch <= CROSSOVER and triton_available())
+
+
+def linear(raw: torch.Tensor, qtype: Q, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` through the fused kernel: raw (rows, row_bytes) uint8, x (B, cols) →
+    (B, rows) in x's dtype. Imports triton on first use."""
+    from gpu.triton_matmul import fused_linear
+    return fused_linear(raw, qtype, x)
