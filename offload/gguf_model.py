@@ -177,6 +177,13 @@ def _check_split(headers: list[GGUFHeader]) -> None:
         no = h.metadata.get(Keys.Split.LLM_KV_SPLIT_NO)
         if no != i:
             raise OffloadError(f"{h.path}: {Keys.Split.LLM_KV_SPLIT_NO} is {no}, expected {i}")
+        # keys a shard repeats must agree with the first shard (gguf-split writes the split
+        # keys into every shard, the model's keys into the first)
+        for key in (Keys.Split.LLM_KV_SPLIT_COUNT, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT,
+                    Keys.General.ARCHITECTURE):
+            if key in h.metadata and h.metadata[key] != first.metadata.get(key):
+                raise OffloadError(f"{h.path}: the shards disagree: {key} is {h.metadata[key]!r} here "
+                                   f"but {first.metadata.get(key)!r} in {first.path}")
     total = first.metadata.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
     found = sum(len(h.tensors) for h in headers)
     if total is not None and total != found:
@@ -239,6 +246,15 @@ def _swa_layers(m: _Meta, n_layer: int, window: int) -> tuple[bool, ...]:
     return tuple(il % pattern < pattern - 1 for il in range(n_layer))  # llama.cpp set_swa_pattern
 
 
+def _check_block_count(path: str, key: str, n_layer: int, tensor_names) -> None:
+    """A block holds tensors: a block_count past the highest ``blk.N`` present cannot be (and
+    per-block tables are sized by it, so a corrupt count must stop here)."""
+    top = max((int(m.group(1)) for m in map(_BLOCK_NAME.match, tensor_names) if m), default=-1)
+    if n_layer > top + 1:
+        last = f"blk.{top}" if top >= 0 else "none"
+        raise OffloadError(f"{path}: {key} is {n_layer} but the last block among the tensors is {last}")
+
+
 def spec_from_metadata(path: str, metadata: Mapping[str, Any], tensors_by_name: Mapping[str, Any]) -> ModelSpec:
     arch = metadata.get(Keys.General.ARCHITECTURE)
     if not isinstance(arch, str) or not arch:
@@ -250,6 +266,7 @@ def spec_from_metadata(path: str, metadata: Mapping[str, Any], tensors_by_name: 
     n_head = m.int(ATTN.HEAD_COUNT)
     if n_layer < 1 or n_embd < 1 or n_head < 1:
         raise OffloadError(f"{path}: block_count, embedding_length and head_count must be positive")
+    _check_block_count(path, m.key(LLM.BLOCK_COUNT), n_layer, tensors_by_name)
     head_k = m.int(ATTN.KEY_LENGTH, n_embd // n_head)
     n_vocab = m.get(LLM.VOCAB_SIZE)
     if n_vocab is None:
