@@ -23,6 +23,7 @@ from pathlib import Path
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.gguf_model import ModelFile, open_model
 from placement.devices import Device, parse_size, resolve_devices
+from placement.draft import NoDraftHead
 from placement.fit import fit
 from placement.layers import LayerLayout
 from placement.llama_args import format_args, llama_cpp_args
@@ -225,7 +226,7 @@ def main(argv: list[str]) -> int:
     plan, model, draft = plan_from_args(args, model)
     table = None
     if args.spec_type == "mtp" and plan.drafting == "none":
-        raise OffloadError(f"--spec-type mtp: {plan.model_path} has no NextN (MTP) block; give --draft MTP.gguf")
+        raise NoDraftHead(plan.model_path, "--spec-type mtp")
     if args.spec_max_n < 0:
         raise OffloadError(f"--spec-max-n must be >= 0, got {args.spec_max_n}")
     if args.spec_type == "none":
