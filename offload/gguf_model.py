@@ -246,13 +246,18 @@ def _swa_layers(m: _Meta, n_layer: int, window: int) -> tuple[bool, ...]:
     return tuple(il % pattern < pattern - 1 for il in range(n_layer))  # llama.cpp set_swa_pattern
 
 
+MAX_BLOCKS = 1 << 16      # a block_count no model comes near (checked when no blk.N tensor bounds it)
+
+
 def _check_block_count(path: str, key: str, n_layer: int, tensor_names) -> None:
     """A block holds tensors: a block_count past the highest ``blk.N`` present cannot be (and
-    per-block tables are sized by it, so a corrupt count must stop here)."""
+    per-block tables are sized by it, so a corrupt count must stop here). A header without
+    block tensors (a vocabulary-only file, a test) is bounded by ``MAX_BLOCKS``."""
     top = max((int(m.group(1)) for m in map(_BLOCK_NAME.match, tensor_names) if m), default=-1)
-    if n_layer > top + 1:
-        last = f"blk.{top}" if top >= 0 else "none"
-        raise OffloadError(f"{path}: {key} is {n_layer} but the last block among the tensors is {last}")
+    if top >= 0 and n_layer > top + 1:
+        raise OffloadError(f"{path}: {key} is {n_layer} but the last block among the tensors is blk.{top}")
+    if n_layer > MAX_BLOCKS:
+        raise OffloadError(f"{path}: {key} is {n_layer}; offload reads at most {MAX_BLOCKS:,} blocks")
 
 
 def spec_from_metadata(path: str, metadata: Mapping[str, Any], tensors_by_name: Mapping[str, Any]) -> ModelSpec:
