@@ -23,7 +23,7 @@ from pathlib import Path
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.gguf_model import ModelFile, open_model
 from placement.devices import Device, parse_size, resolve_devices
-from placement.draft import NoDraftHead
+from placement.draft import NoDraftHead, check_n_max
 from placement.fit import fit
 from placement.layers import LayerLayout
 from placement.llama_args import format_args, llama_cpp_args
@@ -227,8 +227,7 @@ def main(argv: list[str]) -> int:
     table = None
     if args.spec_type == "mtp" and plan.drafting == "none":
         raise NoDraftHead(plan.model_path, "--spec-type mtp")
-    if args.spec_max_n < 0:
-        raise OffloadError(f"--spec-max-n must be >= 0, got {args.spec_max_n}")
+    check_n_max(args.spec_max_n, "--spec-max-n")
     if args.spec_type == "none":
         plan = dataclasses.replace(plan, speculative=None)
     elif plan.drafting != "none":
