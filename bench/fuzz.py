@@ -11,7 +11,9 @@ data region is left as a sparse hole of the original size (``open_model`` reads 
 only). Every mutant then goes through ``offload.gguf_model.open_model`` (what ``offload plan``
 and ``offload run`` call first), and ends as one of:
 
-- ``parsed``: the mutant is still a readable model (e.g. a flipped bit in a float value);
+- ``parsed``: the mutant is still a readable model (e.g. a flipped bit in a float value),
+  and with ``--plan`` ``offload plan`` made a plan for it (with ``--run``: it loaded and
+  generated 4 tokens);
 - ``refused``: a user error (``OffloadError`` / ``PlacementError``) whose message is one line;
 - ``crashed``: any other exception, or a message of more than one line;
 - ``hung``: still running after ``--hang`` seconds (interrupted by a timer).
@@ -55,6 +57,7 @@ class Shard:
 class Source:
     name: str
     shards: list[Shard]
+    paths: list[str]              # the unmutated files
 
 
 def _fields(path: str) -> list[tuple[int, int]]:
@@ -88,12 +91,12 @@ def load_sources(names, workdir: Path) -> list[Source]:
             first = write_fixture(ALL[name](), workdir / "originals", tokenizer="none")
         else:
             raise SystemExit(f"unknown source {name!r} (sources: {', '.join(SOURCES)})")
-        shards = []
-        for p in find_shards(first):
+        shards, paths = [], find_shards(first)
+        for p in paths:
             h = read_header(p)
             with open(p, "rb") as f:
                 shards.append(Shard(Path(p).name, f.read(h.data_start), h.file_size, _fields(p)))
-        out.append(Source(name, shards))
+        out.append(Source(name, shards, paths))
     return out
 
 
@@ -157,8 +160,33 @@ class Result:
     message: str = ""
 
 
-def run_one(source: Source, index: int, seed: int, workdir: Path, hang_s: float) -> Result:
-    """Mutant ``index`` of ``source`` (deterministic in seed and index) through open_model."""
+PLAN_DEVICES = "CUDA0=24GiB,CUDA1=24GiB,CPU=256GiB"
+
+
+def _plan(path: Path) -> None:
+    """``offload plan PATH --devices PLAN_DEVICES --json`` (auto-fit + the speculation table),
+    its output discarded."""
+    import contextlib
+    import io
+
+    from offload.commands.plan import main as plan_main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        plan_main([str(path), "--devices", PLAN_DEVICES, "--json"])
+
+
+def _run(path: Path) -> None:
+    """Load the mutant for the CPU and generate 4 tokens (``offload run``'s library path)."""
+    import offload.runtime as rt
+
+    with rt.load(path, devices="CPU=64GiB", quiet=True, ctx=256) as s:
+        list(s.generate([1, 2, 3], max_tokens=4, stop_at_eos=False))
+
+
+def run_one(source: Source, index: int, seed: int, workdir: Path, hang_s: float, plan: bool = False,
+            run: bool = False) -> Result:
+    """Mutant ``index`` of ``source`` (deterministic in seed and index) through open_model
+    (and, with ``plan``, through ``offload plan`` when it opens)."""
     from offload.errors import USER_ERRORS
     from offload.gguf_model import open_model
 
@@ -176,6 +204,10 @@ def run_one(source: Source, index: int, seed: int, workdir: Path, hang_s: float)
         path = folder / shard.name
         with open(path, "wb") as f:
             f.write(header)
+            if run:                          # the real data behind the header (small files only)
+                with open(source.paths[i], "rb") as src:
+                    src.seek(len(shard.header))
+                    f.write(src.read())
         os.truncate(path, max(size, len(header)))
     first = folder / source.shards[0].name
     old = signal.signal(signal.SIGALRM, _alarm)
@@ -185,6 +217,10 @@ def run_one(source: Source, index: int, seed: int, workdir: Path, hang_s: float)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             open_model(first)
+            if plan:
+                _plan(first)
+            if run:
+                _run(first)
         outcome, message = "parsed", ""
     except Hung:
         outcome, message = "hung", f"still running after {hang_s:g} s"
@@ -215,11 +251,12 @@ class Summary:
 
 
 def fuzz(sources: list[Source], n: int, seed: int, workdir: Path, hang_s: float,
-         progress=None) -> Summary:
+         progress=None, plan: bool = False, run: bool = False) -> Summary:
     """``n`` mutants, spread round-robin over the sources."""
     out = Summary()
     for i in range(n):
-        out.results.append(run_one(sources[i % len(sources)], i // len(sources), seed, workdir, hang_s))
+        out.results.append(run_one(sources[i % len(sources)], i // len(sources), seed, workdir, hang_s,
+                                   plan, run))
         if progress is not None and (i + 1) % 1000 == 0:
             progress(i + 1, out)
     return out
@@ -260,21 +297,28 @@ def main(argv=None) -> int:
     p.add_argument("--sources", default=",".join(SOURCES))
     p.add_argument("--show", type=int, default=20, help="crashes/hangs to print")
     p.add_argument("--only", metavar="SOURCE:INDEX", help="run one mutant and print its result")
+    p.add_argument("--plan", action="store_true",
+                   help=f"also run `offload plan --devices {PLAN_DEVICES} --json` on mutants that open")
+    p.add_argument("--run", action="store_true",
+                   help="also load mutants that open on the CPU and generate 4 tokens (use --sources "
+                        "shipped: the data is copied behind each mutated header)")
     args = p.parse_args(argv)
     names = [s.strip() for s in args.sources.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="offload-fuzz-") as tmp:
         work = Path(tmp)
         if args.only:
             name, index = args.only.rsplit(":", 1)
-            r = run_one(load_sources([name], work)[0], int(index), args.seed, work, args.hang)
+            r = run_one(load_sources([name], work)[0], int(index), args.seed, work, args.hang, args.plan,
+                        args.run)
             print(f"{r.source}:{r.index} ({r.what}): {r.outcome} in {r.seconds * 1e3:.1f} ms: {r.message}")
             return 0
         sources = load_sources(names, work)
         t0 = time.perf_counter()
-        summary = fuzz(sources, args.n, args.seed, work, args.hang,
+        summary = fuzz(sources, args.n, args.seed, work, args.hang, plan=args.plan, run=args.run,
                        progress=lambda i, s: print(f"  {i} mutants, {len(s.bad())} crashed/hung, "
                                                    f"{time.perf_counter() - t0:.0f} s", file=sys.stderr))
-        print(f"{args.n} mutants (seed {args.seed}) of {', '.join(names)} through open_model "
+        print(f"{args.n} mutants (seed {args.seed}) of {', '.join(names)} through open_model"
+              f"{' and offload plan' if args.plan else ''}{' and a 4-token run' if args.run else ''} "
               f"in {time.perf_counter() - t0:.1f} s")
         for line in report(summary, sources, args.show):
             print(line)

@@ -155,8 +155,9 @@ def sources(tmp_path_factory):
 
 
 def test_fuzzed_headers_are_parsed_or_refused(sources, tmp_path):
-    """300 seeded mutants (100 per source) through open_model: none crashes or hangs."""
-    summary = fuzz(sources, 300, seed=1234, workdir=tmp_path, hang_s=10.0)
+    """300 seeded mutants (100 per source) through open_model, and those that open through
+    ``offload plan``: none crashes or hangs."""
+    summary = fuzz(sources, 300, seed=1234, workdir=tmp_path, hang_s=10.0, plan=True)
     text = "\n".join(report(summary, sources, show=10))
     print(text)
     counts = summary.counts()

@@ -120,3 +120,23 @@ def test_nan_weights_stop_generation_naming_the_first_bad_block(tiny, tmp_path):
     assert "\n" not in str(err.value)
     with rt.load(tiny.path, quiet=True, **gpu) as s:   # the control: the intact file generates
         assert len(list(s.generate([1, 2, 3], max_tokens=4, stop_at_eos=False))) == 4
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda md: md.__setitem__("tokenizer.ggml.merges", ["Ġ t", "zzzq zzzr"]), "tokenizer is inconsistent: .*out of vocabulary"),
+    (lambda md: md.__setitem__("tokenizer.ggml.merges", ["Ġt"]), "tokenizer.ggml.merges must be a list of 'left right'"),
+    (lambda md: md.__setitem__("tokenizer.ggml.token_type", [1, 2]), "tokenizer.ggml.token_type must be 4096 integers"),
+    (lambda md: md.__setitem__("tokenizer.ggml.eos_token_id", 10**6), "tokenizer.ggml.eos_token_id is 1000000, not a token id"),
+])
+def test_a_corrupt_tokenizer_is_one_line(edit, match):
+    """What mutated vocabularies and merges of the shipped model used to raise from inside the
+    tokenizers library (``Exception: Error while initializing BPE``, a multi-line TypeError)."""
+    from offload.commands.run import DEFAULT_MODEL
+    from offload.tokenizer import Tokenizer
+
+    md = dict(open_model(DEFAULT_MODEL).metadata)
+    Tokenizer.from_gguf(md)                               # the intact one builds
+    edit(md)
+    with pytest.raises(OffloadError, match=match) as err:
+        Tokenizer.from_gguf(md)
+    assert "\n" not in str(err.value)
