@@ -25,6 +25,8 @@ class DeviceMap:
     virtual: tuple[str, ...]                 # names backed by torch's CPU device
 
     def __getitem__(self, name: str) -> torch.device:
+        if name not in self.torch_devices:
+            raise OffloadError(f"no device {name!r} among the plan's devices ({', '.join(self.torch_devices)})")
         return self.torch_devices[name]
 
     def describe(self) -> str:

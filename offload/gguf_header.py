@@ -8,9 +8,19 @@ short arrays, and keeps long arrays as ``LazyArray`` (offset + count) to decode 
 It is tested against ``GGUFReader`` on the same files. Types and sizes come from ``gguf``
 (``GGUFValueType``, ``GGMLQuantizationType``, ``GGML_QUANT_SIZES``).
 
-Every problem (missing file, bad magic, truncated header or data, unknown quant type, a row
-that is not a whole number of quant blocks) raises ``OffloadError`` with one line naming the
-file and the problem.
+Every problem raises ``OffloadError`` with one line naming the file and the problem, and
+the reader refuses what cannot be *before* it does work proportional to a claimed count, so
+any input is answered in well under a second (``bench/fuzz.py`` runs 10,000+ mutants):
+
+- missing file, bad magic, unsupported version, truncated header;
+- a count (metadata keys, tensors, array items) whose minimal encoded size exceeds what is
+  left of the file; a string array longer than ``MAX_STRING_ARRAY``, a string longer than
+  ``MAX_STRING`` (reading them cannot be cheap, and no real model comes near);
+- an empty, duplicate or unprintable metadata key or tensor name (found as it is read, not
+  after), a tensor name of ``MAX_NAME`` bytes or more;
+- a tensor with no dimensions or more than ``MAX_DIMS``, a dimension < 1, a type id outside
+  ``GGMLQuantizationType``, a row that is not a whole number of quant blocks;
+- a data offset that is not aligned, data outside the file, two tensors' data overlapping.
 """
 from __future__ import annotations
 
@@ -32,6 +42,16 @@ _SCALAR = {
     GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
 EAGER_ARRAY_LIMIT = 4096   # arrays longer than this stay lazy (tokenizer vocab, merges, scores)
+MAX_DIMS = 4               # ggml.h GGML_MAX_DIMS (gguf.c refuses more)
+MAX_NAME = 64              # ggml.h GGML_MAX_NAME: a tensor name is shorter (gguf.c refuses longer)
+MAX_STRING = 1 << 24        # bytes of one metadata string (chat templates are ~10-100 KB)
+MAX_KEY = 1 << 16           # bytes of a metadata key
+MAX_STRING_ARRAY = 1 << 21  # strings in one metadata array; the largest vocabularies are ~262k
+# Smallest encodings (bytes): a string is its u64 length + bytes; a metadata pair is a
+# non-empty key, a u32 type and at least a one-byte value; a tensor info is a non-empty name,
+# u32 n_dims, one u64 dimension, u32 type and u64 offset.
+MIN_KV_BYTES = 8 + 1 + 4 + 1
+MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8
 
 
 @dataclass(frozen=True)
@@ -87,10 +107,20 @@ class _Cursor:
         self.pos += struct.calcsize(fmt)
         return value
 
-    def string(self) -> str:
+    def fits(self, count: int, min_bytes: int, what: str) -> None:
+        """Refuse ``count`` items of at least ``min_bytes`` each that the rest of the file cannot hold."""
+        left = len(self.buf) - self.pos
+        if count * min_bytes > left:
+            raise OffloadError(f"{self.path}: truncated or corrupt GGUF header ({count:,} {what} need at least "
+                               f"{count * min_bytes:,} bytes; {left:,} are left in the file)")
+
+    def string(self, limit: int = MAX_STRING, what: str = "a metadata string") -> str:
         n = self.unpack("<Q")
         if self.pos + n > len(self.buf):
             raise OffloadError(f"{self.path}: truncated GGUF header (a string runs past the end of the file)")
+        if n > limit:      # refused before it is copied: a corrupt length can claim gigabytes
+            raise OffloadError(f"{self.path}: corrupt GGUF header ({what} of {n:,} bytes; "
+                               f"offload reads at most {limit:,})")
         raw = self.buf[self.pos:self.pos + n]
         self.pos += n
         try:
@@ -113,6 +143,10 @@ class _Cursor:
         item_type, count = self.value_type(), self.unpack("<Q")
         if item_type is GGUFValueType.ARRAY:
             raise OffloadError(f"{self.path}: nested metadata arrays are not supported")
+        self.fits(count, struct.calcsize(_SCALAR[item_type]) if item_type in _SCALAR else 8, "array items")
+        if item_type is GGUFValueType.STRING and count > MAX_STRING_ARRAY:
+            raise OffloadError(f"{self.path}: corrupt GGUF header (a metadata array of {count:,} strings; "
+                               f"offload reads at most {MAX_STRING_ARRAY:,})")
         if count <= EAGER_ARRAY_LIMIT:
             return self.array_items(item_type, count)
         lazy = LazyArray(self.path, self.pos, item_type, count)
@@ -147,19 +181,24 @@ class _Cursor:
         self.pos = pos
 
 
-def _tensor_bytes(path: str, name: str, ne: tuple[int, ...], raw_type: int) -> tuple[GGMLQuantizationType, int]:
+def _quant_type(path: str, name: str, raw_type: int) -> GGMLQuantizationType:
     try:
         qtype = GGMLQuantizationType(raw_type)
-        block, size = GGML_QUANT_SIZES[qtype]
+        GGML_QUANT_SIZES[qtype]
     except (ValueError, KeyError):
         raise OffloadError(f"{path}: tensor {name} has unknown quant type id {raw_type}") from None
-    if ne and ne[0] % block:
+    return qtype
+
+
+def _tensor_bytes(path: str, name: str, ne: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    if ne[0] % block:
         raise OffloadError(f"{path}: tensor {name}: row of {ne[0]} values is not a whole number "
                            f"of {qtype.name} blocks ({block})")
     n = 1
     for d in ne:
         n *= d
-    return qtype, n // block * size
+    return n // block * size
 
 
 def read_header(path: str | os.PathLike) -> GGUFHeader:
@@ -186,34 +225,57 @@ def _parse(buf, path: str, size: int) -> GGUFHeader:
         hint = " (big-endian files are not supported)" if version & 0xFFFF == 0 else ""
         raise OffloadError(f"{path}: unsupported GGUF version {version}{hint}")
     n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    cur.fits(n_kv, MIN_KV_BYTES, "metadata keys")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
-        key = cur.string()
+        key = cur.string(MAX_KEY, "a metadata key")
+        if not key.isprintable() or not key:
+            raise OffloadError(f"{path}: corrupt GGUF header (metadata key {key[:80]!r})")
         if key in metadata:
             raise OffloadError(f"{path}: corrupt GGUF header (metadata key {key} twice)")
         metadata[key] = cur.value(cur.value_type())
-    infos = []
+    cur.fits(n_tensors, MIN_TENSOR_INFO_BYTES, "tensor infos")
+    infos: dict[str, tuple] = {}
     for _ in range(n_tensors):
-        name = cur.string()
+        name = cur.string(MAX_NAME - 1, f"the name of tensor {len(infos)}")
+        if not name.isprintable() or not name:
+            raise OffloadError(f"{path}: corrupt GGUF header (tensor {len(infos)} is named {name[:80]!r})")
+        if name in infos:
+            raise OffloadError(f"{path}: corrupt GGUF header (tensor {name} twice)")
         n_dims = cur.unpack("<I")
-        if n_dims > 8:
-            raise OffloadError(f"{path}: corrupt GGUF header (tensor {name} has {n_dims} dimensions)")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise OffloadError(f"{path}: corrupt GGUF header (tensor {name} has {n_dims} dimensions; "
+                               f"1 to {MAX_DIMS} are possible)")
         ne = tuple(cur.unpack("<Q") for _ in range(n_dims))
+        if min(ne) < 1:
+            raise OffloadError(f"{path}: corrupt GGUF header (tensor {name} has shape {list(ne)})")
         raw_type, offset = cur.unpack("<I"), cur.unpack("<Q")
-        infos.append((name, ne, raw_type, offset))
+        infos[name] = (ne, _quant_type(path, name, raw_type), offset)
     alignment = metadata.get(Keys.General.ALIGNMENT, GGUF_DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 \
+            or alignment & (alignment - 1):
         raise OffloadError(f"{path}: corrupt GGUF header (alignment {alignment!r})")
     data_start = -(-cur.pos // alignment) * alignment
-    tensors, seen = [], set()
-    for name, ne, raw_type, offset in infos:
-        if name in seen:
-            raise OffloadError(f"{path}: corrupt GGUF header (tensor {name} twice)")
-        seen.add(name)
-        qtype, n_bytes = _tensor_bytes(path, name, ne, raw_type)
+    tensors = []
+    for name, (ne, qtype, offset) in infos.items():
+        if offset % alignment:
+            raise OffloadError(f"{path}: corrupt GGUF header (tensor {name}'s data offset {offset} "
+                               f"is not a multiple of the alignment {alignment})")
+        n_bytes = _tensor_bytes(path, name, ne, qtype)
         end = data_start + offset + n_bytes
         if end > size:
             raise OffloadError(f"{path}: truncated: tensor {name} ends at byte {end} "
                                f"but the file has {size} bytes")
         tensors.append(TensorHeader(name, ne, qtype, data_start + offset, n_bytes))
+    _check_overlap(path, tensors)
     return GGUFHeader(path, version, metadata, tuple(tensors), data_start, size)
+
+
+def _check_overlap(path: str, tensors: list[TensorHeader]) -> None:
+    """No two tensors' data share a byte (gguf.c requires them packed in order; we only
+    need them disjoint)."""
+    by_start = sorted(tensors, key=lambda t: t.data_offset)
+    for a, b in zip(by_start, by_start[1:]):
+        if a.data_offset + a.n_bytes > b.data_offset:
+            raise OffloadError(f"{path}: corrupt GGUF header (the data of tensors {a.name} and {b.name} "
+                               f"overlap at byte {b.data_offset})")

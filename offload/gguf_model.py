@@ -178,6 +178,13 @@ def _check_split(headers: list[GGUFHeader]) -> None:
         no = h.metadata.get(Keys.Split.LLM_KV_SPLIT_NO)
         if no != i:
             raise OffloadError(f"{h.path}: {Keys.Split.LLM_KV_SPLIT_NO} is {no}, expected {i}")
+        # keys a shard repeats must agree with the first shard (gguf-split writes the split
+        # keys into every shard, the model's keys into the first)
+        for key in (Keys.Split.LLM_KV_SPLIT_COUNT, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT,
+                    Keys.General.ARCHITECTURE):
+            if key in h.metadata and h.metadata[key] != first.metadata.get(key):
+                raise OffloadError(f"{h.path}: the shards disagree: {key} is {h.metadata[key]!r} here "
+                                   f"but {first.metadata.get(key)!r} in {first.path}")
     total = first.metadata.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
     found = sum(len(h.tensors) for h in headers)
     if total is not None and total != found:
@@ -240,6 +247,20 @@ def _swa_layers(m: _Meta, n_layer: int, window: int) -> tuple[bool, ...]:
     return tuple(il % pattern < pattern - 1 for il in range(n_layer))  # llama.cpp set_swa_pattern
 
 
+MAX_BLOCKS = 1 << 16      # a block_count no model comes near (checked when no blk.N tensor bounds it)
+
+
+def _check_block_count(path: str, key: str, n_layer: int, tensor_names) -> None:
+    """A block holds tensors: a block_count past the highest ``blk.N`` present cannot be (and
+    per-block tables are sized by it, so a corrupt count must stop here). A header without
+    block tensors (a vocabulary-only file, a test) is bounded by ``MAX_BLOCKS``."""
+    top = max((int(m.group(1)) for m in map(_BLOCK_NAME.match, tensor_names) if m), default=-1)
+    if top >= 0 and n_layer > top + 1:
+        raise OffloadError(f"{path}: {key} is {n_layer} but the last block among the tensors is blk.{top}")
+    if n_layer > MAX_BLOCKS:
+        raise OffloadError(f"{path}: {key} is {n_layer}; offload reads at most {MAX_BLOCKS:,} blocks")
+
+
 def spec_from_metadata(path: str, metadata: Mapping[str, Any], tensors_by_name: Mapping[str, Any]) -> ModelSpec:
     arch = metadata.get(Keys.General.ARCHITECTURE)
     if not isinstance(arch, str) or not arch:
@@ -251,6 +272,7 @@ def spec_from_metadata(path: str, metadata: Mapping[str, Any], tensors_by_name: 
     n_head = m.int(ATTN.HEAD_COUNT)
     if n_layer < 1 or n_embd < 1 or n_head < 1:
         raise OffloadError(f"{path}: block_count, embedding_length and head_count must be positive")
+    _check_block_count(path, m.key(LLM.BLOCK_COUNT), n_layer, tensors_by_name)
     head_k = m.int(ATTN.KEY_LENGTH, n_embd // n_head)
     n_vocab = m.get(LLM.VOCAB_SIZE)
     if n_vocab is None:
@@ -306,6 +328,63 @@ def _tensor_infos(path: str, spec: ModelSpec, headers: list[GGUFHeader]) -> list
             infos.append(TensorInfo(th.name, th.shape, th.ggml_type, th.n_bytes, layer, role,
                                     nextn=layer is not None and spec.is_nextn_layer(layer)))
     return infos
+
+
+# What the metadata says each tensor's shape is (numpy order; None = not fixed by the
+# metadata), as llama.cpp's loader creates them (llama-model.cpp create_tensor). Kinds not
+# listed, and MLA attention, are not checked. ``hk``/``hv``: n_head_kv·head_dim of the block.
+_SHAPE_OF: dict[MODEL_TENSOR, Any] = {
+    MT.TOKEN_EMBD: lambda s, hk, hv: (s.n_vocab, s.n_embd),
+    MT.OUTPUT: lambda s, hk, hv: (s.n_vocab, s.n_embd),
+    **dict.fromkeys([MT.OUTPUT_NORM, MT.ATTN_NORM, MT.FFN_NORM, MT.ATTN_POST_NORM, MT.NEXTN_ENORM,
+                     MT.NEXTN_HNORM, MT.NEXTN_SHARED_HEAD_NORM], lambda s, hk, hv: (s.n_embd,)),
+    MT.ATTN_Q: lambda s, hk, hv: (s.n_head * s.head_dim_k, s.n_embd),
+    MT.ATTN_K: lambda s, hk, hv: (hk, s.n_embd),
+    MT.ATTN_V: lambda s, hk, hv: (hv, s.n_embd),
+    MT.ATTN_OUT: lambda s, hk, hv: (s.n_embd, s.n_head * s.head_dim_v),
+    **dict.fromkeys([MT.ATTN_Q_NORM, MT.ATTN_K_NORM], lambda s, hk, hv: (s.head_dim_k,)),
+    MT.FFN_GATE_INP: lambda s, hk, hv: (s.n_expert, s.n_embd),
+    MT.FFN_EXP_PROBS_B: lambda s, hk, hv: (s.n_expert,),
+    **dict.fromkeys([MT.FFN_GATE_EXP, MT.FFN_UP_EXP], lambda s, hk, hv: (s.n_expert, s.n_ff_exp, s.n_embd)),
+    MT.FFN_DOWN_EXP: lambda s, hk, hv: (s.n_expert, s.n_embd, s.n_ff_exp),
+    **dict.fromkeys([MT.FFN_GATE_SHEXP, MT.FFN_UP_SHEXP], lambda s, hk, hv: (None, s.n_embd)),
+    MT.FFN_DOWN_SHEXP: lambda s, hk, hv: (s.n_embd, None),
+    **dict.fromkeys([MT.FFN_GATE, MT.FFN_UP], lambda s, hk, hv: (s.n_ff, s.n_embd)),
+    MT.FFN_DOWN: lambda s, hk, hv: (s.n_embd, s.n_ff),
+    MT.NEXTN_EH_PROJ: lambda s, hk, hv: (s.n_embd, 2 * s.n_embd),
+    **dict.fromkeys([MT.NEXTN_EMBED_TOKENS, MT.NEXTN_SHARED_HEAD_HEAD], lambda s, hk, hv: (s.n_vocab, s.n_embd)),
+}
+_MLA_FREE = {MT.ATTN_Q, MT.ATTN_K, MT.ATTN_V, MT.ATTN_OUT, MT.ATTN_Q_NORM, MT.ATTN_K_NORM}
+_BIAS_OF = {MT.ATTN_Q: lambda s, hk, hv: (s.n_head * s.head_dim_k,), MT.ATTN_K: lambda s, hk, hv: (hk,),
+            MT.ATTN_V: lambda s, hk, hv: (hv,)}
+
+
+def expected_shape(spec: ModelSpec, name: str) -> tuple[int | None, ...] | None:
+    """The shape the metadata gives tensor ``name`` (None where it does not say)."""
+    layer, kind, base = tensor_kind(name)
+    if kind is None or (spec.is_mla and kind in _MLA_FREE):
+        return None
+    table = _BIAS_OF if name.endswith(".bias") else _SHAPE_OF if name.endswith(".weight") else {}
+    rule = table.get(kind)
+    if rule is None:
+        return None
+    n_kv = spec.n_head_kv[layer] if layer is not None and layer < len(spec.n_head_kv) else spec.n_head_kv[0]
+    return rule(spec, n_kv * spec.head_dim_k, n_kv * spec.head_dim_v)
+
+
+def check_shapes(model: "ModelFile", names=None) -> None:
+    """Refuse, in one line, a tensor (of ``names``, default all) whose shape disagrees with
+    the metadata — at load, before a mismatched matrix fails deep inside a forward pass."""
+    for t in model.tensors:
+        if names is not None and t.name not in names:
+            continue
+        want = expected_shape(model.spec, t.name)
+        if want is None:
+            continue
+        if len(want) != len(t.shape) or any(w is not None and w != d for w, d in zip(want, t.shape)):
+            shown = "(" + ", ".join("*" if w is None else str(w) for w in want) + ")"
+            raise OffloadError(f"{model.path}: tensor {t.name} has shape {t.shape} but the metadata "
+                               f"({model.spec.arch}.*) gives {shown}")
 
 
 def open_model(path: str | Path) -> ModelFile:

@@ -17,7 +17,7 @@ from gpu.kv_cache import KVCache
 from offload.commands.plan import open_draft, plan_from_file
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
-from offload.gguf_model import ModelFile, open_model
+from offload.gguf_model import ModelFile, check_shapes, open_model
 from offload.models import architecture
 from offload.models.common import BuildContext, CausalLM
 from offload.profile import Profile
@@ -29,6 +29,7 @@ from offload.tokenizer import Tokenizer
 from offload.weights import WeightStore
 from placement.devices import resolve_devices
 from placement.memory import CACHE_PAD, pad
+from placement.draft import NoDraftHead
 from placement.plan import Plan
 from placement.planner import PlanOptions, make_plan
 
@@ -149,8 +150,7 @@ class Session:
         options = SpecOptions(n_max=n_max, p_min=p_min, verify=verify)
         head = head if head is not None else self.model.nextn
         if n_max and head is None:
-            raise OffloadError(f"speculative decoding (n_max {n_max}): the {self.config.arch} model has no "
-                               "NextN (MTP) head; give --draft MTP.gguf or --spec-n-max 0")
+            raise NoDraftHead(self.plan.model_path, f"n_max {n_max}")
         try:
             sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         except ValueError as exc:
@@ -254,6 +254,9 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
               "no CUDA is used", file=sys.stderr)
     cfg = arch.config_from_gguf(model.spec, model.metadata)
     draft = open_model(plan.draft_path) if plan.draft_path else None
+    for m in (model, draft):
+        if m is not None:
+            check_shapes(m)
     # with a --draft file its NextN block replaces the model's own (which stays unloaded)
     tensors = [t for t in model.tensors if not (draft is not None and t.nextn)]
     tensors += list(draft.tensors) if draft is not None else []

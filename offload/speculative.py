@@ -24,7 +24,10 @@ Cache bookkeeping, with Q the trunk cache length at a step's start and x_Q the p
 - verification appends x_Q and the drafts to the trunk; rejected ones are rolled back.
 
 A ``finally`` leaves both caches holding exactly the yielded tokens (all but the last,
-which is pending, as in plain decoding) whenever the generator stops.
+which is pending, as in plain decoding) whenever the generator stops. Generation stops at a
+token in ``eos`` (yielded, then the loop ends, wherever it sits in an accepted draft), and
+with one line naming the first non-finite block when a pass's logits are not finite
+(``offload.nonfinite``: one reduction per pass; the block search only on failure).
 """
 from __future__ import annotations
 
@@ -37,9 +40,11 @@ import numpy as np
 import torch
 
 from offload.errors import OffloadError
+from offload.nonfinite import finite, nonfinite_error
 from offload.profile import Profile
 from offload.sampling import Sampler
 from offload.stats import RunStats
+from placement.draft import NoDraftHead, check_n_max, check_p_min
 
 VERIFY_MODES = ("batched", "exact")
 
@@ -51,10 +56,8 @@ class SpecOptions:
     verify: str = "batched"     # "batched" (one target pass) or "exact" (one pass per token)
 
     def __post_init__(self):
-        if isinstance(self.n_max, bool) or not isinstance(self.n_max, int) or self.n_max < 0:
-            raise OffloadError(f"--spec-n-max must be an integer >= 0, got {self.n_max!r}")
-        if not 0.0 <= self.p_min < 1.0:
-            raise OffloadError(f"--spec-p-min must be in [0, 1), got {self.p_min!r}")
+        check_n_max(self.n_max, "--spec-n-max")
+        check_p_min(self.p_min, "--spec-p-min")
         if self.verify not in VERIFY_MODES:
             raise OffloadError(f"--spec-verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}")
 
@@ -199,7 +202,7 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
     profile = profile if profile is not None else Profile()
     drafting = options.n_max > 0
     if drafting and head is None:
-        raise OffloadError("speculative decoding needs a draft head (the model has no NextN block; give --draft)")
+        raise NoDraftHead("the model", f"n_max {options.n_max}")
     if drafting:
         stats.spec = options.as_dict()
     drafter = _Drafter(head, state.nextn_cache, sampler, options, ubatch) if drafting else None
@@ -215,6 +218,8 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
                                       logits="last" if last else "none")
             if drafting:
                 hidden.append(h)
+        if not finite(logits):
+            raise nonfinite_error(model, ids, "the prompt")
         with profile.time("sampling"):
             tok = sampler(_rows(logits[-1]))
         if drafting:
@@ -223,18 +228,24 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
     profile.reset()
 
     emitted = [tok]
+    seq = list(ids)                  # prompt + yielded tokens: what a non-finite search reruns
     try:
         while True:
             for t in emitted:
                 stats.n_gen += 1
+                seq.append(t)
                 yield t
                 if t in eos or stats.n_gen >= max_tokens:
                     return
             t1 = time.perf_counter()
             with torch.inference_mode():
-                emitted = _step(model, state, drafter, sampler, options, emitted[-1],
-                                n_cap=min(options.n_max, max_tokens - stats.n_gen - 1),
-                                stats=stats, profile=profile)
+                try:
+                    emitted = _step(model, state, drafter, sampler, options, emitted[-1],
+                                    n_cap=min(options.n_max, max_tokens - stats.n_gen - 1),
+                                    stats=stats, profile=profile)
+                except _NonFinite as bad:
+                    raise nonfinite_error(model, seq[:-1] + bad.tokens,
+                                          f"generated token {stats.n_gen + 1}") from None
             stats.eval_s += time.perf_counter() - t1
     finally:
         # the caches hold exactly the yielded tokens but the last (pending)
@@ -244,6 +255,14 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
         if drafter is not None:
             drafter.rollback(keep)
         stats.eval_profile = profile.snapshot()
+
+
+class _NonFinite(Exception):
+    """A verify pass gave non-finite logits; ``tokens``: that pass's (pending token first)."""
+
+    def __init__(self, tokens: list[int]):
+        super().__init__()
+        self.tokens = tokens
 
 
 def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: SpecOptions, x_q: int,
@@ -263,6 +282,8 @@ def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: Spe
         seq = [x_q] + drafts
         logits, h = model.forward(torch.as_tensor(seq), state, logits="all" if drafts else "last")
         stats.n_eval += 1
+        if not finite(logits):
+            raise _NonFinite(seq)
         z = _rows(logits)
         with profile.time("sampling"):
             for i, d in enumerate(drafts):
@@ -279,6 +300,8 @@ def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: Spe
         for i, tok in enumerate([x_q] + drafts):
             logits, h = model.forward(torch.as_tensor([tok]), state, logits="last")
             stats.n_eval += 1
+            if not finite(logits):
+                raise _NonFinite(([x_q] + drafts)[:i + 1])
             rows.append(h)
             z = _rows(logits[-1])
             with profile.time("sampling"):

@@ -63,19 +63,46 @@ class Tokenizer:
         if kind is None or tokens is None:
             raise OffloadError("the model file has no tokenizer (tokenizer.ggml.model / tokens missing)")
         types = meta.get(Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)
-        if kind == "gpt2":
-            tok, add_bos_default = _byte_level_bpe(meta, tokens), False
-        elif kind == "llama":
-            tok, add_bos_default = _sentencepiece_bpe(meta, tokens, types), True
-        else:
+        _check_arrays(meta, tokens, types)
+        if kind not in ("gpt2", "llama"):
             raise OffloadError(f"unsupported tokenizer model {kind!r} (supported: gpt2, llama)")
-        tok.add_tokens([AddedToken(t, special=ty == TokenType.CONTROL, normalized=False)
-                        for t, ty in zip(tokens, types)
-                        if ty in (TokenType.CONTROL, TokenType.USER_DEFINED)])
+        try:
+            if kind == "gpt2":
+                tok, add_bos_default = _byte_level_bpe(meta, tokens), False
+            else:
+                tok, add_bos_default = _sentencepiece_bpe(meta, tokens, types), True
+            tok.add_tokens([AddedToken(t, special=ty == TokenType.CONTROL, normalized=False)
+                            for t, ty in zip(tokens, types)
+                            if ty in (TokenType.CONTROL, TokenType.USER_DEFINED)])
+        except OffloadError:
+            raise
+        except Exception as exc:  # noqa: BLE001 — the tokenizers library raises bare Exception
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise OffloadError(f"the model file's tokenizer is inconsistent: {first}") from None
         eos = {meta.get(k) for k in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)}
+        for k in (Keys.Tokenizer.BOS_ID, Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID):
+            v = meta.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < len(tokens)):
+                raise OffloadError(f"metadata key {k} is {v!r}, not a token id (0 .. {len(tokens) - 1})")
         return cls(tok, bos_id=meta.get(Keys.Tokenizer.BOS_ID),
                    eos_ids=frozenset(int(i) for i in eos if i is not None),
                    add_bos=bool(meta.get(Keys.Tokenizer.ADD_BOS, add_bos_default)))
+
+
+def _check_arrays(meta: dict, tokens, types) -> None:
+    """The tokenizer arrays have the types and lengths GGUF gives them (one line otherwise)."""
+    T = Keys.Tokenizer
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise OffloadError(f"metadata key {T.LIST} must be a list of strings")
+    if not isinstance(types, list) or len(types) != len(tokens) or \
+            not all(isinstance(t, int) and not isinstance(t, bool) for t in types):
+        raise OffloadError(f"metadata key {T.TOKEN_TYPE} must be {len(tokens)} integers, one per token")
+    merges = meta.get(T.MERGES) or []
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise OffloadError(f"metadata key {T.MERGES} must be a list of 'left right' strings")
+    scores = meta.get(T.SCORES)
+    if scores is not None and (not isinstance(scores, list) or len(scores) != len(tokens)):
+        raise OffloadError(f"metadata key {T.SCORES} must hold one score per token")
 
 
 def _byte_level_bpe(meta: dict, tokens: list[str]) -> _HFTokenizer:

@@ -61,6 +61,9 @@ class WeightStore:
         return self.tensors[name].shape
 
     def device_name(self, name: str) -> str:
+        """The plan device of ``name``; a tensor the file lacks is refused in one line."""
+        if name not in self.tensors:
+            raise OffloadError(f"the model file lacks tensor {name}")
         return self.device_of[name]
 
     def device(self, name: str) -> torch.device:
@@ -70,7 +73,11 @@ class WeightStore:
         """The plan device where block ``layer`` computes and keeps its KV cache: the
         planner's rule (with its largest attention tensor), so the KV bytes land where the
         plan counted them."""
-        return attention_device([t for t in self.tensors.values() if t.layer == layer], self.device_of)
+        home = attention_device([t for t in self.tensors.values() if t.layer == layer], self.device_of)
+        if home is None:
+            raise OffloadError(f"the model file lacks tensor blk.{layer}.attn_q.weight "
+                               f"(block {layer} has no attention tensors)")
+        return home
 
     def unused(self) -> list[str]:
         return sorted(set(self.tensors) - self.used)
@@ -78,14 +85,12 @@ class WeightStore:
     def _take(self, name: str, dev_name: str | None = None):
         """The tensor's info. Progress counts each tensor once; ``allocated`` counts each
         (tensor, device) once, so a tied tensor used twice on one device is held once."""
-        if name not in self.tensors:
-            raise OffloadError(f"the model file lacks tensor {name}")
+        dev_name = dev_name or self.device_name(name)
         t = self.tensors[name]
         if name not in self.used:
             self.used.add(name)
             if self.progress is not None:
                 self.progress.advance(t.n_bytes)
-        dev_name = dev_name or self.device_of[name]
         if dev_name == CPU and (name, CPU) not in self._counted:
             self._counted.add((name, CPU))
             self.allocated[CPU] += t.n_bytes
@@ -149,7 +154,7 @@ class WeightStore:
         """A projection callable for the 2-D tensor ``name`` (+ optional bias tensor), on
         its plan device or on ``on``. ``float32``: compute in float32 (routers)."""
         b = self.vector(bias) if bias is not None and self.has(bias) else None
-        dev_name = on or self.device_of[name]
+        dev_name = on or self.device_name(name)
         if dev_name == CPU:
             data, qtype = self._cpu_matrix(name)
             return RawLinear(data, qtype, bias=b, name=name)
@@ -158,7 +163,7 @@ class WeightStore:
                       compute_dtype=torch.float32 if float32 else self._dtype(dev_name), name=name)
 
     def embedding(self, name: str):
-        if self.device_of[name] == CPU:
+        if self.device_name(name) == CPU:
             data, qtype = self._raw(name)
             return RawEmbedding(data, qtype, self.shape(name)[1])
         return Embedding(self._upload(name))

@@ -28,6 +28,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from placement.draft import check_p_min
+from placement.errors import PlacementError
 from placement.hardware import ProfileError
 
 _FIELDS = ("accept", "cont", "p_min", "source")
@@ -43,8 +45,10 @@ class AcceptanceProfile:
     def __post_init__(self) -> None:
         object.__setattr__(self, "accept", _probabilities("accept", self.accept))
         object.__setattr__(self, "cont", _probabilities("cont", self.cont))
-        if not (isinstance(self.p_min, (int, float)) and 0.0 <= self.p_min < 1.0):
-            raise ProfileError(f"acceptance profile: p_min must be in [0, 1), got {self.p_min!r}")
+        try:
+            check_p_min(self.p_min, "acceptance profile: p_min")
+        except PlacementError as exc:
+            raise ProfileError(str(exc)) from None
 
     def a(self, j: int) -> float:
         """Conditional acceptance at draft position j (1-based)."""

@@ -239,7 +239,6 @@ class ForwardModel:
         s, T, L = self.spec, self.T, self.L
         H, Dk, Dv, Hkv = s.n_head, s.head_dim_k, s.head_dim_v, s.n_head_kv[i]
         Qw, Kw, Vw = H * Dk, Hkv * Dk, Hkv * Dv
-        R = s.n_rot or Dk
         f = F32
         te = T * s.n_embd * f
         base = {h: 2 * te}                             # x, attn_norm(x)
@@ -257,8 +256,10 @@ class ForwardModel:
                     if name not in ("attn_q", "attn_k", "attn_v", "attn_output")]
         if b.q_norm:                                            # RMSNorm over (T, H, D): copy + result
             moments.append(_plus(qkv, {h: 2 * T * Qw * f}))
-        # NeoX rope of q (gpu.rope): the rotated halves, then the cat'd copy, beside the old q
-        moments.append(_plus(qkv, {h: T * (H * R + max(H * R, Qw)) * f}))
+        # NeoX rope of q (gpu.rope.Rope: x·C + x[perm]·S): x·C, x[perm] and x[perm]·S live
+        # at once (then x·C, x[perm]·S and their sum), beside the old q; plus the (T, 1, D)
+        # factor rows C and S, kept for the whole pass (one per positions tensor)
+        moments.append(_plus(qkv, {h: 3 * T * Qw * f + 2 * T * Dk * f}))
         # KVCache.append: k, v cast to the cache dtype; growing storage holds the old copy too
         moments.append(_plus(qkv, {h: int(T * (Kw + Vw) * self.kvb) + self.kv_block_bytes(i) // 2}))
         mask = T * L + (T + L) * INT64                          # bool (T, L) mask + its index vectors

@@ -6,9 +6,12 @@ devices with budgets and targets, the layer layout, the ordered rules — plus a
 (informational: they are recomputed when the plan is loaded). Loading it back and resolving it
 against the same model gives exactly the same tensor→device map.
 
-``load_plan_file`` refuses malformed or inconsistent input with ``<file>:<line>: <reason>``:
-YAML syntax, unknown keys, bad sizes, unknown devices, bad regexes, a rule or the layout
-naming a device the plan does not have, a ``-ts`` with the wrong number of values.
+``load_plan_file`` checks the whole file — the type and range of every key, including the
+``speculative:`` section (``n_max`` and ``p_min`` through ``placement.draft``, the profile
+through ``SpecProfile.from_dict``) — and refuses malformed or inconsistent input with
+``<file>:<line>: <reason>``, the reason naming the key: YAML syntax, unknown keys, bad sizes,
+unknown devices, bad regexes, a rule or the layout naming a device the plan does not have, a
+``-ts`` with the wrong number of values or a value that is not a finite number >= 0.
 """
 from __future__ import annotations
 
@@ -16,9 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import yaml
 
+from placement.cost import SpecProfile
 from placement.devices import CPU, Device, format_bytes, normalize_device_name, parse_size, sort_devices
+from placement.draft import check_n_max, check_p_min
 from placement.errors import PlacementError
 from placement.layers import LayerLayout
 from placement.memory import MemorySettings
@@ -36,6 +43,13 @@ HEADER = """\
 # -ngl/-ts: "flags"), the auto-fit ("fit"), or a hand edit ("plan", the default).
 # Sizes are bytes (or strings such as 24GiB). `totals` is informational, recomputed on load.
 """
+# The speculative section's keys (placement.speculative.predict and offload tune write them)
+# and what each must be; n_max, p_min and profile have their own checks.
+SPEC_NUMBERS = ("predicted_plain_tps", "predicted_speedup", "draft_ms", "measured_speedup")
+SPEC_COUNTS = ("break_even_n_max", "best_n_max", "measured_best_n_max")
+SPEC_TEXT = ("type", "source", "routing", "choice")
+SPEC_LISTS = ("rows", "measured_rows")
+SPEC_KEYS = {"n_max", "p_min", "profile", "tune", *SPEC_NUMBERS, *SPEC_COUNTS, *SPEC_TEXT, *SPEC_LISTS}
 TOP_KEYS = {"version", "model", "draft", "context", "cache_type", "ubatch", "devices", "layout",
             "rules", "draft_placement", "speculative", "totals", "notes"}
 
@@ -147,6 +161,57 @@ def _size(doc: _Doc, mapping: dict, path: tuple, key: str, *, default: int | Non
     return n
 
 
+def _positive(doc: _Doc, mapping: Any, key: str, path: tuple = (), *, default: int | None = None) -> int:
+    value = _get(doc, mapping, path, key, (int,), required=default is None, default=default)
+    if value < 1:
+        doc.fail(path + (key,), f"{_where(path + (key,))} must be >= 1, got {value}")
+    return value
+
+
+def _speculative(doc: _Doc, spec: dict | None) -> dict | None:
+    """The ``speculative:`` section, every key checked (see SPEC_KEYS)."""
+    if spec is None:
+        return None
+    at = ("speculative",)
+    for key in spec:
+        if key not in SPEC_KEYS:
+            doc.fail(at + (key,), f"speculative: unknown key {key!r} (expected {', '.join(sorted(SPEC_KEYS))})")
+    for key, check in (("n_max", check_n_max), ("p_min", check_p_min)):
+        if key in spec:
+            try:
+                check(spec[key], f"speculative.{key}")
+            except PlacementError as exc:
+                doc.fail(at + (key,), str(exc))
+    for key in SPEC_COUNTS:
+        if spec.get(key) is not None:
+            try:
+                check_n_max(spec[key], f"speculative.{key}")
+            except PlacementError as exc:
+                doc.fail(at + (key,), str(exc))
+    for key in SPEC_NUMBERS:
+        v = spec.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or v < 0):
+            doc.fail(at + (key,), f"speculative.{key} must be a finite number >= 0, got {v!r}")
+    for key, kind in ((k, str) for k in SPEC_TEXT):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            doc.fail(at + (key,), f"speculative.{key} must be a string, got {spec[key]!r}")
+    if spec.get("type", "mtp") != "mtp":
+        doc.fail(at + ("type",), f"speculative.type must be mtp, got {spec['type']!r}")
+    for key in SPEC_LISTS:
+        v = spec.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(r, dict) for r in v)):
+            doc.fail(at + (key,), f"speculative.{key} must be a list of mappings")
+    if spec.get("tune") is not None and not isinstance(spec["tune"], dict):
+        doc.fail(at + ("tune",), f"speculative.tune must be a mapping, got {spec['tune']!r}")
+    if spec.get("profile") is not None:
+        try:
+            SpecProfile.from_dict(spec["profile"])
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:   # ProfileError, or a wrong type inside
+            doc.fail(at + ("profile",), f"speculative.profile: {exc}")
+    return spec
+
+
 def _rules(doc: _Doc, seq: Any, path: tuple, devices: list[str]) -> tuple[Rule, ...]:
     if seq is None:
         return ()
@@ -185,13 +250,15 @@ def load_plan_file(text: str, source: str) -> PlanFile:
         doc.fail(("version",), f"unsupported plan version {version} (this offload reads {VERSION})")
     model = _get(doc, top, (), "model", (str,))
     draft = _get(doc, top, (), "draft", (str,), required=False)
-    ctx = _get(doc, top, (), "context", (int,))
-    ubatch = _get(doc, top, (), "ubatch", (int,), required=False, default=512)
+    if not model:
+        doc.fail(("model",), "model must name the GGUF file the plan is for")
+    ctx = _positive(doc, top, "context")
+    ubatch = _positive(doc, top, "ubatch", default=512)
     cache = _get(doc, top, (), "cache_type", (str,), required=False, default="f16")
     try:
         settings = MemorySettings(ctx, cache, ubatch)
     except PlacementError as exc:
-        doc.fail(("context",) if "context" in str(exc) else ("cache_type",), str(exc))
+        doc.fail(("cache_type",), f"cache_type: {exc}")
 
     devs = _get(doc, top, (), "devices", (list,))
     devices, targets = [], {}
@@ -215,12 +282,20 @@ def load_plan_file(text: str, source: str) -> PlanFile:
     gpus = tuple(d.name for d in devices if d.is_gpu)
 
     lay = _get(doc, top, (), "layout", (dict,))
-    n_layer = _get(doc, lay, ("layout",), "block_count", (int,))
+    n_layer = _positive(doc, lay, "block_count", ("layout",))
     ngl = _get(doc, lay, ("layout",), "n_gpu_layers", (int,))
+    if not 0 <= ngl <= n_layer + 1:
+        doc.fail(("layout", "n_gpu_layers"), f"layout.n_gpu_layers must be 0 .. block_count + 1 "
+                                             f"({n_layer + 1}), got {ngl}")
     ts = _get(doc, lay, ("layout",), "tensor_split", (list,))
     layout_origin = _get(doc, lay, ("layout",), "origin", (str,), required=False, default="plan")
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in ts):
-        doc.fail(("layout", "tensor_split"), "layout.tensor_split must be a list of numbers")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+               for x in ts):
+        doc.fail(("layout", "tensor_split"), f"layout.tensor_split must be a list of finite numbers >= 0, "
+                                             f"got {ts!r}")
+    unknown = set(lay) - {"block_count", "n_gpu_layers", "tensor_split", "origin"}
+    if unknown:
+        doc.fail(("layout",), f"layout: unknown key {sorted(map(str, unknown))[0]!r}")
     try:
         layout = LayerLayout(n_layer, gpus, ngl, tuple(float(x) for x in ts))
     except PlacementError as exc:
@@ -237,6 +312,13 @@ def load_plan_file(text: str, source: str) -> PlanFile:
         doc.fail(("draft_placement", "device"), f"draft_placement.device {draft_device} is not among "
                                                 f"the plan's devices ({', '.join(names)})")
     draft_rules = _rules(doc, dp.get("rules"), ("draft_placement", "rules"), names)
-    spec = _get(doc, top, (), "speculative", (dict,), required=False)
+    unknown = set(dp) - {"device", "rules"}
+    if unknown:
+        doc.fail(("draft_placement",), f"draft_placement: unknown key {sorted(map(str, unknown))[0]!r}")
+    notes = _get(doc, top, (), "notes", (list,), required=False, default=[])
+    if not all(isinstance(n, str) for n in notes):
+        doc.fail(("notes",), "notes must be a list of strings")
+    _get(doc, top, (), "totals", (dict,), required=False)      # informational: recomputed on load
+    spec = _speculative(doc, _get(doc, top, (), "speculative", (dict,), required=False))
     return PlanFile(model, draft, settings, tuple(devices), targets,
                     Placement(rules, layout, draft_rules, draft_device, layout_origin), n_layer, spec)

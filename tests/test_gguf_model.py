@@ -165,7 +165,7 @@ def test_unknown_keys_and_tensor_kinds_warn_once_each(tmp_path):
 
 @pytest.mark.parametrize("mutate,match", [
     (lambda b: b"NOPE" + b[4:], "not a GGUF file"),
-    (lambda b: b[:40], "truncated GGUF header"),
+    (lambda b: b[:40], "truncated or corrupt GGUF header"),
     (lambda b: b[:-10], "truncated: tensor blk.0.attn_q.weight ends at byte"),
 ])
 def test_corrupt_files(tmp_path, mutate, match):

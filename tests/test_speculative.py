@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from offload.errors import OffloadError
+from offload.errors import USER_ERRORS, OffloadError
 from offload.sampling import Sampler
 from offload.speculative import SpecOptions, generate_step, judge
 from offload.stats import RunStats
+from placement.draft import NoDraftHead
 
 V = 5
 RNG = np.random.default_rng(2024)
@@ -225,14 +226,16 @@ def test_n_max_0_never_calls_the_head_and_needs_none():
                              max_tokens=6, stats=stats))
     assert head.calls == 0 and lm.passes == 6 and stats.n_eval == 5 and stats.drafted == 0
     assert len(out) == 6 and stats.spec == {}
-    with pytest.raises(OffloadError, match="draft head"):
+    with pytest.raises(NoDraftHead, match="n_max 2: the model has no NextN"):
         list(generate_step(lm, [0], state=State(), sampler=Sampler(), head=None, options=SpecOptions(n_max=2)))
 
 
 def test_bad_options_are_refused():
-    for kw, flag in (({"n_max": -1}, "--spec-n-max"), ({"p_min": 1.0}, "--spec-p-min"),
+    for kw, flag in (({"n_max": -1}, "--spec-n-max must be an integer >= 0"),
+                     ({"n_max": "two"}, "--spec-n-max must be an integer >= 0"),
+                     ({"p_min": 1.0}, r"--spec-p-min must be a number in \[0, 1\)"),
                      ({"verify": "lazy"}, "--spec-verify")):
-        with pytest.raises(OffloadError, match=flag):
+        with pytest.raises(USER_ERRORS, match=flag):
             SpecOptions(**kw)
 
 
@@ -251,3 +254,84 @@ def test_stats_per_position_and_conditional_acceptance():
     assert s.mean_accepted_length == pytest.approx(1 + 6 / 4) and s.acceptance == pytest.approx(6 / 8)
     d = s.as_dict()
     assert d["drafted"] == 8 and d["accepted"] == 6 and d["acceptance_per_position"] == s.acceptance_per_position
+
+
+# -- end of sequence ------------------------------------------------------------------------
+# A deterministic chain for greedy decoding: after x comes NEXT[x]; EOS is token 3.
+NEXT = [1, 2, 3, 4, 0]
+EOS = 3
+CHAIN = np.full((V, V), -10.0)
+CHAIN[np.arange(V), NEXT] = 10.0
+
+
+def _run_chain(prompt, *, n_max, verify="batched", eos=(EOS,), max_tokens=12):
+    lm, head = MarkovLM(CHAIN), MarkovHead(CHAIN)       # the head drafts exactly the target's tokens
+    state, stats = State(head.new_cache()), RunStats()
+    out = list(generate_step(lm, prompt, state=state, sampler=Sampler(), head=head if n_max else None,
+                             options=SpecOptions(n_max=n_max, verify=verify), ubatch=4,
+                             max_tokens=max_tokens, eos=eos, stats=stats))
+    return out, state, stats, lm, head
+
+
+def test_plain_decoding_stops_at_eos():
+    out, state, stats, lm, _ = _run_chain([0], n_max=0)
+    assert out == [1, 2, 3] and stats.n_gen == 3
+    assert state.trunk.tokens == [0, 1, 2]          # the EOS is yielded, never run (pending)
+    assert lm.passes == 3                            # prompt, then tokens 1 and 2
+    free, *_ = _run_chain([0], n_max=0, eos=())      # the control: without EOS it goes on
+    assert free == [1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2]
+
+
+@pytest.mark.parametrize("verify", ["batched", "exact"])
+def test_eos_inside_an_accepted_draft_rolls_the_caches_back_to_it(verify):
+    """Pending 1, drafts 2 3 4 0 all accepted (a perfect head): the step produces 2 3 4 0 1,
+    but the EOS (3) ends the output there and both caches roll back to the tokens before it —
+    the same state plain decoding leaves."""
+    out, state, stats, lm, head = _run_chain([0], n_max=4, verify=verify)
+    assert out == [1, 2, 3]
+    assert stats.accepted == 4                       # the draft really ran past the EOS
+    assert state.trunk.tokens == [0, 1, 2]
+    assert state.nextn_cache.length <= 3
+    # head entry t is the pair (h_t, x_{t+1}): the entries kept are of the yielded sequence
+    assert state.nextn_cache.tokens == [1, 2, 3][:state.nextn_cache.length]
+    plain, plain_state, *_ = _run_chain([0], n_max=0)
+    assert out == plain and state.trunk.tokens == plain_state.trunk.tokens
+
+
+@pytest.mark.parametrize("n_max", [0, 3])
+def test_eos_as_the_first_generated_token(n_max):
+    out, state, stats, lm, head = _run_chain([1, 2], n_max=n_max)
+    assert out == [3] and stats.n_gen == 1
+    assert lm.passes == 1 and stats.n_eval == 0      # only the prompt ran
+    assert state.trunk.tokens == [1, 2]
+    assert head.calls == (1 if n_max else 0)         # priming the head with the prompt's pair
+    assert state.nextn_cache.length == (1 if n_max else 0)
+
+
+class NanLM(MarkovLM):
+    """The chain, but the forward pass that sees token ``bad`` returns NaN logits."""
+
+    def __init__(self, bad):
+        super().__init__(CHAIN)
+        self.bad = bad
+
+    def forward(self, ids, state, *, logits="all"):
+        z, h = super().forward(ids, state, logits=logits)
+        if z is not None and self.bad in ids.tolist():
+            z = torch.full_like(z, float("nan"))
+        return z, h
+
+
+@pytest.mark.parametrize("n_max,before,at", [(0, [1, 2], 3),      # the pass over token 2 computes token 3
+                                             (2, [1], 2)])        # pending 1 + drafts 2 3 in one pass
+def test_non_finite_logits_stop_generation_in_one_line(n_max, before, at):
+    head = MarkovHead(CHAIN)
+    gen = generate_step(NanLM(bad=2), [0], state=State(head.new_cache()), sampler=Sampler(),
+                        head=head if n_max else None, options=SpecOptions(n_max=n_max), ubatch=4, max_tokens=8)
+    got = []
+    with pytest.raises(OffloadError, match=f"non-finite logits at generated token {at}") as err:
+        for t in gen:
+            got.append(t)
+    assert got == before and "\n" not in str(err.value)
+    with pytest.raises(OffloadError, match="non-finite logits at the prompt"):
+        list(generate_step(NanLM(bad=0), [0], state=State(), sampler=Sampler(), max_tokens=4))

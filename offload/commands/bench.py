@@ -26,6 +26,7 @@ from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.commands.run import add_session_arguments, open_cli_model, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.stats import conditional, per_position
+from placement.draft import NoDraftHead, check_p_min
 
 WARMUP_TOKENS = 16
 
@@ -141,13 +142,12 @@ def main(argv=None) -> int:
     for flag, value in (("--repeat", args.repeat), ("-n", args.n_predict), ("--torch-threads", args.torch_threads)):
         if value < 1:
             raise OffloadError(f"{flag} must be >= 1, got {value}")
-    if not 0.0 <= args.spec_p_min < 1.0:
-        raise OffloadError(f"--spec-p-min must be in [0, 1), got {args.spec_p_min}")
+    check_p_min(args.spec_p_min, "--spec-p-min")
     torch.set_num_threads(args.torch_threads)
     model = open_cli_model(args)
     plan, model, _ = plan_from_args(args, model)
     if plan.drafting == "none":
-        raise OffloadError(f"{plan.model_path} has no NextN (MTP) block to draft with; give --draft MTP.gguf")
+        raise NoDraftHead(plan.model_path, "offload bench")
     session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
                                 threads=args.threads, progress=True)
     stages = _stages(n_maxes)

@@ -24,6 +24,7 @@ from pathlib import Path
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.gguf_model import ModelFile, open_model
 from placement.devices import resolve_devices
+from placement.draft import NoDraftHead, check_n_max
 from placement.llama_args import format_args, llama_cpp_args
 from placement.plan import Plan, build_plan
 from placement.plan_file import load_plan_file, plan_to_yaml
@@ -166,9 +167,8 @@ def main(argv: list[str]) -> int:
     plan, model, draft = plan_from_args(args, model)
     table = None
     if args.spec_type == "mtp" and plan.drafting == "none":
-        raise OffloadError(f"--spec-type mtp: {plan.model_path} has no NextN (MTP) block; give --draft MTP.gguf")
-    if args.spec_max_n < 0:
-        raise OffloadError(f"--spec-max-n must be >= 0, got {args.spec_max_n}")
+        raise NoDraftHead(plan.model_path, "--spec-type mtp")
+    check_n_max(args.spec_max_n, "--spec-max-n")
     if args.spec_type == "none":
         plan = dataclasses.replace(plan, speculative=None)
     elif plan.drafting != "none":

@@ -25,6 +25,7 @@ from pathlib import Path
 from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.host_memory import return_freed_memory
+from placement.draft import NoDraftHead, check_n_max, check_p_min
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
 DEFAULT_PROMPT = "def fibonacci(n):"
@@ -92,11 +93,11 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
     section = plan.speculative or {}
     head = {"in-model NextN": "the model's NextN head", "--draft": f"the NextN head of {plan.draft_path}"}
     if args.spec_type == "mtp" and plan.drafting == "none":
-        raise OffloadError(f"--spec-type mtp: {plan.model_path} has no NextN (MTP) block; give --draft MTP.gguf")
-    if args.spec_n_max is not None and args.spec_n_max < 0:
-        raise OffloadError(f"--spec-n-max must be >= 0, got {args.spec_n_max}")
-    if args.spec_p_min is not None and not 0.0 <= args.spec_p_min < 1.0:
-        raise OffloadError(f"--spec-p-min must be in [0, 1), got {args.spec_p_min}")
+        raise NoDraftHead(plan.model_path, "--spec-type mtp")
+    if args.spec_n_max is not None:
+        check_n_max(args.spec_n_max, "--spec-n-max")
+    if args.spec_p_min is not None:
+        check_p_min(args.spec_p_min, "--spec-p-min")
     p_min = args.spec_p_min if args.spec_p_min is not None else float(section.get("p_min", 0.0) or 0.0)
     if args.spec_type == "none":
         return {"n_max": 0}, "speculative decoding off (--spec-type none)"
@@ -112,8 +113,7 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
     if n_max == 0:
         return {"n_max": 0}, f"speculative decoding off: n_max 0 from {source}"
     if plan.drafting == "none":
-        raise OffloadError(f"--spec-n-max {n_max}: {plan.model_path} has no NextN (MTP) block; "
-                           "give --draft MTP.gguf")
+        raise NoDraftHead(plan.model_path, f"--spec-n-max {n_max}")
     return ({"n_max": n_max, "p_min": p_min, "verify": args.spec_verify},
             f"speculative decoding: mtp with {head[plan.drafting]}, n_max {n_max} (from {source}), "
             f"p_min {p_min:g}, verify {args.spec_verify}")

@@ -60,6 +60,7 @@ from offload.commands.plan import add_placement_arguments, plan_from_args, read_
 from offload.commands.run import add_session_arguments, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.tune_result import MeasuredRow, RunRecord, StepTerms, TuneResult
+from placement.draft import NoDraftHead, check_p_min
 
 DEFAULT_MAX_N = 6
 DEFAULT_BUDGET_S = 120.0
@@ -87,9 +88,9 @@ def _p_mins(text: str) -> list[float]:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         values = []
-    if not values or not all(0.0 <= v < 1.0 for v in values):
+    if not values:
         raise OffloadError(f"--spec-p-min: {text!r} is not a comma list of numbers in [0, 1)")
-    return sorted(set(values))
+    return sorted({check_p_min(v, "--spec-p-min") for v in values})
 
 
 def read_prompts(path: str) -> list[str]:
@@ -208,7 +209,7 @@ def main(argv=None) -> int:
     model = open_cli_model(args)
     plan, model, draft = plan_from_args(args, model)
     if plan.drafting == "none":
-        raise OffloadError(f"{plan.model_path} has no NextN (MTP) block to draft with; give --draft MTP.gguf")
+        raise NoDraftHead(plan.model_path, "offload tune")
     out_path = args.output or args.placement
     session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
                                 threads=args.threads, progress=True)
