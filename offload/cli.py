@@ -15,6 +15,7 @@ COMMANDS = {
     "run": ("offload.commands.run", "load a model by placement and generate text"),
     "bench": ("offload.commands.bench", "speculative-decoding benchmark: baseline vs MTP n_max per task"),
     "tune": ("offload.commands.tune", "measure this box, fit the cost model, run, choose n_max for a plan"),
+    "profile": ("offload.commands.profile", "count which routed experts each MoE layer picks over a prompt set"),
 }
 
 USAGE = "usage: offload COMMAND [ARGS...]\n\ncommands:\n" + "".join(
