@@ -86,7 +86,10 @@ class RoutingCounts:
                 raise PlacementError(f"routing profile: {layer_key(layer)} needs {self.n_expert} "
                                      "non-negative counts")
             # each token picks k distinct experts: a count above the token count is impossible
-            if c.max() > self.tokens + 1e-6 or abs(c.sum() - self.n_expert_used * self.tokens) > 1e-6 * c.sum() + 1e-6:
+            if c.max() > self.tokens * (1 + 1e-9):
+                raise PlacementError(f"routing profile: {layer_key(layer)} has an expert chosen {c.max():g} "
+                                     f"times in {self.tokens} tokens (at most once per token)")
+            if abs(c.sum() - self.n_expert_used * self.tokens) > 1e-6 * c.sum() + 1e-6:
                 raise PlacementError(f"routing profile: {layer_key(layer)} counts sum to {c.sum():g}, expected "
                                      f"n_expert_used × tokens = {self.n_expert_used * self.tokens}")
 
