@@ -116,12 +116,13 @@ class RoutingCounts:
                                  f"layer of {model}")
 
     # -- carrying a profile onto another model ------------------------------------------------
-    def held_out_shares(self, layer: int) -> np.ndarray:
+    def held_out_shares(self, layer: int, *, in_sample: bool = False) -> np.ndarray:
         """The share of a layer's assignments that goes to its r-th hottest expert, r = 1..E,
         ranked on the *other* prompts and scored on each prompt in turn (leave one prompt out),
         so that noise which made an expert look hot in the ranking does not count as a hit.
-        Needs at least two prompts; falls back to in-sample ranking with one."""
-        if len(self.prompts) < 2:
+        Needs at least two prompts; falls back to in-sample ranking with one (or ``in_sample``:
+        ranked and scored on the same counts, an optimistic bound)."""
+        if len(self.prompts) < 2 or in_sample:
             c = np.sort(np.asarray(self.layers[layer], dtype=float))[::-1]
             return c / c.sum()
         shares = np.zeros(self.n_expert)
@@ -136,7 +137,7 @@ class RoutingCounts:
         return shares / weight
 
     def mapped_onto(self, n_expert: int, n_expert_used: int, moe_layers: Sequence[int], *,
-                    model: str = "") -> RoutingCounts:
+                    model: str = "", in_sample: bool = False) -> RoutingCounts:
         """This profile's skew on another model: its MoE layers by relative depth take the
         held-out hit-share curve of the source layer at the same depth, stretched over the
         target's expert count (cumulative share as a function of the *fraction* of experts,
@@ -150,13 +151,14 @@ class RoutingCounts:
         out: dict[int, tuple[float, ...]] = {}
         for i, layer in enumerate(sorted(moe_layers)):
             j = src[min(i * len(src) // len(moe_layers), len(src) - 1)]
-            cum = np.concatenate([[0.0], np.cumsum(self.held_out_shares(j))])       # (E_src + 1,)
+            cum = np.concatenate([[0.0], np.cumsum(self.held_out_shares(j, in_sample=in_sample))])   # (E_src + 1,)
             at = np.interp(np.arange(n_expert + 1) / n_expert, np.arange(self.n_expert + 1) / self.n_expert, cum)
             share = np.diff(at)
             out[layer] = tuple(float(x) for x in share * n_expert_used * tokens)
         return RoutingCounts(n_expert, n_expert_used, tokens, out,
                              source=f"{self.source} (measured on {self.model or 'another model'}, "
-                                    f"{self.n_expert} experts; mapped onto {n_expert})",
+                                    f"{self.n_expert} experts, {'in-sample' if in_sample else 'held-out'} "
+                                    f"ranking; mapped onto {n_expert})",
                              model=model)
 
     # -- the file -----------------------------------------------------------------------------

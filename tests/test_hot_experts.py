@@ -177,3 +177,15 @@ def test_placement_stays_free_of_torch():
             "'cpu_kernels'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_held_out_ranking_scores_each_prompt_on_the_others_ranking():
+    """Two prompts that use disjoint experts: the expert the other prompt ranks hottest gets
+    none of a prompt's hits at rank 1; in-sample ranking would credit the skew to rank 1 and 2."""
+    from placement.routing import PromptCounts
+    a = PromptCounts("a", 2, {1: (2.0, 0.0, 0.0, 0.0)})
+    b = PromptCounts("b", 2, {1: (0.0, 2.0, 0.0, 0.0)})
+    r = RoutingCounts(4, 1, 4, {1: (2.0, 2.0, 0.0, 0.0)}, source="t", prompts=(a, b))
+    assert r.held_out_shares(1) == pytest.approx((0.0, 1.0, 0.0, 0.0))
+    assert r.held_out_shares(1, in_sample=True) == pytest.approx((0.5, 0.5, 0.0, 0.0))
+    assert RoutingCounts.from_yaml(r.to_yaml(), "r.yaml") == r
