@@ -63,3 +63,24 @@ class TorchExperts:
         out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
         out.index_add_(0, tok, ys.float() * w[:, None])
         return out.to(home)
+
+
+class ExpertSubset:
+    """Some of a layer's routed experts held on one device (hot experts of a CPU-resident
+    block): ``experts`` holds slices [ids] of the stacked tensors, in ``ids`` order. Called
+    with the layer's global expert ids, it computes only the assignments to its experts
+    (Σ over those of w·expert(x)); the caller adds the rest from wherever they live."""
+
+    def __init__(self, experts: TorchExperts, ids, n_expert: int):
+        ids = torch.as_tensor(list(ids), dtype=torch.long)
+        self.experts, self.device = experts, experts.device
+        # global id → local index; every other expert → one sentinel index that ``keep`` drops
+        local = torch.full((n_expert,), len(ids), dtype=torch.long)
+        local[ids] = torch.arange(len(ids))
+        self.local = local.to(self.device)
+        self.keep = torch.cat([torch.ones(len(ids), dtype=torch.bool),
+                               torch.zeros(1, dtype=torch.bool)]).to(self.device)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: (T, n_embd), ids/weights: (T, k) global → (T, n_embd) on x's device."""
+        return self.experts(x, self.local[ids.to(self.device)], weights, keep=self.keep)
