@@ -66,6 +66,7 @@ class MoE:
         self.router, self.experts, self.shared = router, experts, shared
         self.pool, self.profile = pool, profile
         self.hot, self.owned = tuple(hot), owned
+        self.stream, self.stream_min = None, None     # op offload (offload.runtime sets them)
         # the worker thread pays off only when the shared expert (or a hot expert) runs on a GPU meanwhile
         self.overlap = (shared is not None and runs_off_cpu(shared)) or any(
             h.device.type != "cpu" for h in self.hot)
@@ -80,6 +81,9 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, n_embd) normalised input on the layer's device → (T, n_embd)."""
         ids, w = self.router(x)                                   # (T, k) each
+        if self.stream is not None and x.shape[0] >= self.stream_min:
+            with self.profile.time("op_offload"):                # the CPU experts, streamed to a GPU
+                return self._gpu_side(x, ids, w) + self.stream(x, ids, w).to(x.device)
         if isinstance(self.experts, CpuExperts):
             with self.profile.time("transfer"):
                 xh, ih, wh = to_host(x), ids.cpu().numpy(), to_host(w)

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from cpu_kernels import ExpertWeights, supported_types
 from gpu.dequant import dequantize_numpy, to_torch
-from gpu.experts import ExpertSubset, TorchExperts
+from gpu.experts import ExpertSubset, StreamedExperts, TorchExperts
 from gpu.linear import Embedding, Linear
 from gpu.quant import QuantTensor, supported
 from offload.cpu_ops import CpuExperts, RawEmbedding, RawLinear, prefault, release
@@ -217,6 +217,15 @@ class WeightStore:
             owned[list(ids)] = False
             out.append(ExpertSubset(TorchExperts(**parts, compute_dtype=self._dtype(dev_name)), ids, n_expert))
         return tuple(out), owned
+
+    def streamed_experts(self, prefix: str, on: str, owned=None):
+        """Block ``prefix``'s CPU-resident experts as ``gpu.experts.StreamedExperts`` computing
+        on device ``on`` (op offload): the same mapped bytes, copied per call."""
+        names = {s: f"{prefix}.ffn_{s}_exps.weight" for s in ("gate", "up", "gate_up", "down")}
+        stages = ("gate_up", "down") if self.has(names["gate_up"]) else ("gate", "up", "down")
+        parts = {s: (self.model.tensor_data(names[s]), self.tensors[names[s]].ggml_type,
+                     self.tensors[names[s]].shape) for s in stages}
+        return StreamedExperts(parts, device=self.devices[on], compute_dtype=self._dtype(on), owned=owned)
 
     def _per_expert(self, name: str):
         """Expert e → a projection over ``name[e]`` where the plan put ``name``."""

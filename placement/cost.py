@@ -304,7 +304,7 @@ def _distinct(routing: RoutingProfile | None, n_expert: int, k: int, batch: int)
     return routing.distinct_for(n_expert, k, batch)
 
 
-def _slice_use(s: ExpertSlice, lay: LayerFootprint, batch: int, routing: RoutingProfile | None,
+def expert_slice_use(s: ExpertSlice, lay: LayerFootprint, batch: int, routing: RoutingProfile | None,
                hits: RoutingCounts | None) -> tuple[float, float]:
     """(distinct experts of the slice that a pass of ``batch`` tokens touches, expected
     (token, expert) pairs in it). With measured per-expert hit rates p_e for the layer:
@@ -353,7 +353,7 @@ def forward_features(fp: ForwardFootprint, batch: int, *, n_embd: int, act_bytes
         for dev, n_bytes in lay.reads:
             read(dev, n_bytes)
         for s in lay.experts:
-            touched, pairs = _slice_use(s, lay, batch, routing, hits)
+            touched, pairs = expert_slice_use(s, lay, batch, routing, hits)
             read(s.device, touched * s.bytes_per_expert)
             if s.device == CPU:
                 # every (token, expert) pair streams the expert through the dot products

@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     if not spec.n_expert:
         raise OffloadError(f"{plan.model_path} has no routed experts: nothing to profile")
     session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
+                                op_offload=args.op_offload,
                                 threads=args.threads, quiet=True)
     with session:
         layers = measure.moe_layers(session)

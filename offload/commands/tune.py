@@ -211,6 +211,7 @@ def main(argv=None) -> int:
         raise OffloadError(f"{plan.model_path} has no NextN (MTP) block to draft with; give --draft MTP.gguf")
     out_path = args.output or args.placement
     session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
+                                op_offload=args.op_offload,
                                 threads=args.threads, progress=True)
     with session:
         prompts = [session.tokenize(t) for t in texts]
