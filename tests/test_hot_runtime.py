@@ -54,3 +54,25 @@ def test_the_cpu_side_skips_the_hot_experts(tiny):
         ids = np.tile(np.arange(model.spec.n_expert_used), (4, 1))
         w = np.ones((4, model.spec.n_expert_used), dtype=np.float32)
         assert not np.any(moe.experts(x, ids, w, moe.owned))
+
+
+def test_load_with_a_routing_profile_plans_and_runs_hot_experts(tiny, tmp_path):
+    """offload.load(routing=PATH): the planner fills CUDA0's room with hot experts (room for
+    all of them here, but only experts with a hit are placed) and the run gives the all-CPU logits."""
+    from placement.routing import RoutingCounts
+
+    spec = open_model(str(tiny.path)).spec
+    moe = [i for i in range(spec.n_layer_trunk) if spec.is_moe_layer(i)]
+    counts = {i: tuple(float(x) for x in np.r_[np.full(spec.n_expert_used, 10.0), np.zeros(spec.n_expert - spec.n_expert_used)])
+              for i in moe}
+    path = tmp_path / "routing.yaml"
+    path.write_text(RoutingCounts(spec.n_expert, spec.n_expert_used, 10, counts, source="test").to_yaml())
+    with rt.load(tiny.path, devices="CPU=16GiB", cache_type="f32", quiet=True) as s:
+        want = s.logits(IDS)
+    with rt.load(tiny.path, devices="CUDA0=64MiB,CPU=16GiB", cpu_moe=True, fit="on", fit_target=0, ctx=256,
+                 cache_type="f32", routing=str(path), virtual_gpus=True, quiet=True) as s:
+        # only the experts with hits are worth VRAM: the first k of each MoE layer
+        assert s.plan.hot_experts == {"CUDA0": {i: tuple(range(spec.n_expert_used)) for i in moe}}
+        got = s.logits(IDS)
+        assert dict(s.allocated) == {t.name: t.weights_bytes for t in s.plan.totals if t.weights_bytes}
+    assert np.abs(got - want).max() < REL_TOL * np.abs(want).max()
