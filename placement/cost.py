@@ -164,7 +164,7 @@ def footprint_from_tensors(tensors: Sequence[TensorInfo], tensor_map: Mapping[st
         missing = [i for i in draft_layers if i not in by_layer]
         if missing:
             raise FootprintError(f"draft layer(s) {missing} not in the model")
-        d_layers = tuple(_layer_footprint(i, by_layer[i], tensor_map, n_expert_used, kv.get(i, 0))
+        d_layers = tuple(_layer_footprint(i, by_layer[i], tensor_map, n_expert_used, kv.get(i, 0), hot.get(i))
                          for i in draft_layers)
         d_ts = [t for i in draft_layers for t in by_layer[i]]
         d_out = _first_named(d_ts, MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD) or out

@@ -62,3 +62,21 @@ def test_threshold_is_where_streaming_starts_to_win(models):
     fast_cpu = complete_hardware(HardwareProfile.from_dict({"cpu_read_gbps": 250, "cpu_batched_gflops": 4000,
                                                             "gpus": {"CUDA0": {"name": "NVIDIA GeForce RTX 4090"}}}), plan)
     assert PrefillModel(plan, glm, fast_link).threshold() < t < PrefillModel(plan, glm, fast_cpu).threshold()
+
+
+def test_plan_prints_the_auto_threshold(fixture_paths, models):
+    import json
+    from pathlib import Path
+
+    from tests.test_cli_plan import offload
+
+    yaml_path = Path(__file__).resolve().parents[1] / "bench" / "profiles" / "rtx4090_epyc.yaml"
+    args = ["plan", fixture_paths["glm-4.5-air"], "--devices", "CUDA0=24GiB,CPU=128GiB", "-c", "32768",
+            "--hw-profile", str(yaml_path)]
+    op = json.loads(offload(*args, "--json").stdout)["op_offload"]
+    glm = models["glm-4.5-air"]
+    plan = make_plan(glm, parse_devices("CUDA0=24GiB,CPU=128GiB"), PlanOptions(ctx=32768))
+    m = PrefillModel(plan, glm, complete_hardware(HardwareProfile.from_yaml(yaml_path), plan))
+    assert op["threshold"] == m.threshold() and op["ubatch"] == 512
+    assert op["prefill_tps"]["streamed"] == round(m.tokens_per_second(512, streamed=True), 2)
+    assert f"passes of >= {m.threshold()} tokens" in offload(*args).stdout

@@ -170,6 +170,33 @@ LLAMA_CPP_HOT_NOTE = ("llama.cpp cannot express partial expert tensors (it place
                       "the nearest whole-tensor map, with the hot experts ({what}) left on the CPU")
 
 
+def op_offload_forecast(plan: Plan, model, hits) -> dict | None:
+    """``--op-offload auto``'s threshold for this plan and box, and predicted prefill t/s at the
+    ubatch with the RAM-resident experts on the CPU and streamed (None: nothing to stream)."""
+    from placement.op_offload import PrefillModel
+    from placement.speculative import default_profile
+
+    if not any(d.is_gpu for d in plan.devices):
+        return None
+    section = plan.speculative or {}
+    hw = SpecProfile.from_dict(section["profile"]).hardware if section.get("profile") else default_profile(plan).hardware
+    m = PrefillModel(plan, model, hw, hits=hits)
+    if not m.layers:
+        return None
+    ub = plan.settings.ubatch
+    return {"threshold": m.threshold(), "ubatch": ub,
+            "prefill_tps": {"cpu": round(m.tokens_per_second(ub, streamed=False), 2),
+                            "streamed": round(m.tokens_per_second(ub, streamed=True), 2)}}
+
+
+def format_op_offload(op: dict) -> str:
+    t = op["threshold"]
+    when = f"passes of >= {t} tokens" if t is not None else "never (streaming does not pay on this box)"
+    tps = op["prefill_tps"]
+    return (f"op offload (--op-offload auto): {when} stream the RAM-resident experts to a GPU; predicted "
+            f"prefill at ubatch {op['ubatch']}: {tps['cpu']:.1f} t/s on the CPU, {tps['streamed']:.1f} t/s streamed")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model = open_model(args.model) if args.model else None
@@ -194,6 +221,7 @@ def main(argv: list[str]) -> int:
     if hits is not None and plan.hot_experts:
         gain = hot_gain(plan, model, draft, hits=hits, max_n=args.spec_max_n,
                         profile=SpecProfile.from_dict(plan.speculative["profile"]) if plan.speculative else None)
+    op = op_offload_forecast(plan, model, hits)
     hot_note = LLAMA_CPP_HOT_NOTE.format(what=describe(plan.hot_experts, model.tensors)) if plan.hot_experts else ""
     if args.output:
         write_atomic(args.output, plan_to_yaml(plan))
@@ -202,6 +230,8 @@ def main(argv: list[str]) -> int:
         extra = {"llama_cpp_note": hot_note} if hot_note else {}
         if gain is not None:
             extra["hot_experts_forecast"] = gain.to_dict()
+        if op is not None:
+            extra["op_offload"] = op
         print(json.dumps({**plan.to_dict(), "llama_cpp_args": llama_cpp_args(plan), **extra}, indent=1))
     elif args.emit:
         if hot_note:
@@ -215,6 +245,8 @@ def main(argv: list[str]) -> int:
             print(table.format())
         if gain is not None:
             print(gain.format())
+        if op is not None:
+            print(format_op_offload(op))
         print(f"\nllama.cpp: {format_args(llama_cpp_args(plan))}")
         if hot_note:
             print(f"note: {hot_note}")
