@@ -220,8 +220,11 @@ class RoutingCounts:
         if prompts:
             if sum(p.tokens for p in prompts) != tokens:
                 raise PlacementError(f"{source}: the prompts' tokens do not add up to tokens ({tokens})")
+            for p in prompts:
+                if set(p.layers) != set(out.layers):
+                    raise PlacementError(f"{source}: prompt {p.name!r} does not count the same layers as 'layers'")
             for layer, total in out.layers.items():
-                summed = np.sum([p.layers.get(layer, (0.0,) * n_expert) for p in prompts], axis=0)
+                summed = np.sum([p.layers[layer] for p in prompts], axis=0)
                 if not np.allclose(summed, total):
                     raise PlacementError(f"{source}: the prompts' counts of {layer_key(layer)} do not add "
                                          "up to its layers entry")

@@ -14,6 +14,7 @@ import pytest
 
 from placement.cost import distinct_experts_uniform, forward_features
 from placement.devices import parse_devices
+from placement.errors import PlacementError
 from placement.hot_experts import slice_bytes
 from placement.planner import PlanOptions, make_plan
 from placement.routing import RoutingCounts, uniform_counts
@@ -189,3 +190,6 @@ def test_held_out_ranking_scores_each_prompt_on_the_others_ranking():
     assert r.held_out_shares(1) == pytest.approx((0.0, 1.0, 0.0, 0.0))
     assert r.held_out_shares(1, in_sample=True) == pytest.approx((0.5, 0.5, 0.0, 0.0))
     assert RoutingCounts.from_yaml(r.to_yaml(), "r.yaml") == r
+    with pytest.raises(PlacementError, match="prompt 'b' does not count the same layers"):
+        RoutingCounts.from_yaml(r.to_yaml().replace("    blk.1: [0, 2, 0, 0]", "    blk.2: [0, 2, 0, 0]"),
+                                "r.yaml")
