@@ -255,7 +255,7 @@ def enable_op_offload(net: CausalLM, weights: WeightStore, plan: Plan, model: Mo
     off: a CPU-backed device gains nothing). → (threshold or None, a line saying what was chosen)."""
     from offload.cpu_ops import CpuExperts
     from offload.moe import MoE
-    from placement.cost import SpecProfile
+    from placement.cost import FootprintError, SpecProfile
     from placement.op_offload import MODES, PrefillModel, choose_threshold
     from placement.speculative import default_profile
 
@@ -273,7 +273,13 @@ def enable_op_offload(net: CausalLM, weights: WeightStore, plan: Plan, model: Mo
     section = plan.speculative or {}
     hw = (SpecProfile.from_dict(section["profile"]).hardware if section.get("profile")
           else default_profile(plan).hardware)
-    threshold = choose_threshold(mode, PrefillModel(plan, model, hw))
+    try:
+        prefill = PrefillModel(plan, model, hw)
+    except FootprintError as exc:
+        if mode == "on":
+            raise OffloadError(f"--op-offload on: {exc}") from None
+        return None, f"op offload: off (the cost model cannot read this model: {exc})"
+    threshold = choose_threshold(mode, prefill)
     if threshold is None:
         return None, "op offload: off (no RAM-resident experts, or streaming never pays on this box)"
     n = 0

@@ -30,7 +30,7 @@ from placement.plan_file import load_plan_file, plan_to_yaml
 from placement.planner import (DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, DEFAULT_UBATCH, FIT_MODES, FLAG_NAMES,
                                PlanOptions, make_plan)
 from placement.report import format_plan
-from placement.cost import SpecProfile
+from placement.cost import FootprintError, SpecProfile
 from placement.hardware import HardwareProfile
 from placement.hot_experts import describe
 from placement.routing import RoutingCounts
@@ -180,7 +180,10 @@ def op_offload_forecast(plan: Plan, model, hits) -> dict | None:
         return None
     section = plan.speculative or {}
     hw = SpecProfile.from_dict(section["profile"]).hardware if section.get("profile") else default_profile(plan).hardware
-    m = PrefillModel(plan, model, hw, hits=hits)
+    try:
+        m = PrefillModel(plan, model, hw, hits=hits)
+    except FootprintError:          # a model the cost model cannot read (e.g. 2-D expert biases)
+        return None
     if not m.layers:
         return None
     ub = plan.settings.ubatch
@@ -219,8 +222,11 @@ def main(argv: list[str]) -> int:
         table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n, hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
     if hits is not None and plan.hot_experts:
-        gain = hot_gain(plan, model, draft, hits=hits, max_n=args.spec_max_n,
-                        profile=SpecProfile.from_dict(plan.speculative["profile"]) if plan.speculative else None)
+        try:
+            gain = hot_gain(plan, model, draft, hits=hits, max_n=args.spec_max_n,
+                            profile=SpecProfile.from_dict(plan.speculative["profile"]) if plan.speculative else None)
+        except FootprintError as exc:      # the plan stands; only the forecast is left out
+            print(f"offload: note: no hot-expert forecast: {exc}", file=sys.stderr)
     op = op_offload_forecast(plan, model, hits)
     hot_note = LLAMA_CPP_HOT_NOTE.format(what=describe(plan.hot_experts, model.tensors)) if plan.hot_experts else ""
     if args.output:
