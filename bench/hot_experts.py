@@ -46,7 +46,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from offload.gguf_model import open_model
-from placement.cost import SpecProfile, predicted_decode_tps, speculation_table
+from placement.cost import predicted_decode_tps, speculation_table
 from placement.devices import format_bytes, parse_devices
 from placement.hardware import HardwareProfile
 from placement.hot_experts import hot_bytes

@@ -51,7 +51,8 @@ class PrefillModel:
     def __init__(self, plan: Plan, model: PlannedModel, hw: HardwareProfile, *,
                  hits: RoutingCounts | None = None):
         gpus = [d.name for d in plan.devices if d.is_gpu]
-        fp = plan_footprint(plan, model, None).target
+        decode = plan_footprint(plan, model, None)
+        fp = decode.target
         by_layer: dict[int, list[TensorInfo]] = defaultdict(list)
         for t in model.tensors:
             if t.layer is not None:
@@ -67,7 +68,7 @@ class PrefillModel:
                 lay = replace(lay, experts=tuple(s for s in lay.experts if s.device != CPU))
             rest.append(lay)
         self.rest = ForwardFootprint(fp.input_device, tuple(rest), fp.head_home, fp.head_reads)
-        self.n_embd, self.hw, self.hits = plan_footprint(plan, model, None).n_embd, hw, hits
+        self.n_embd, self.hw, self.hits = decode.n_embd, hw, hits
         # GPU matmul FLOPs per token: GPU-resident matrices (routed experts: k of E per token)
         k = max(model.spec.n_expert_used, 1)
         self.gpu_flops_per_token = sum(

@@ -213,9 +213,7 @@ class RoutingCounts:
                       str(d.get("model", "")), tuple(float(x) for x in d.get("distinct") or ()), tuple(prompts))
         except KeyError as exc:
             raise PlacementError(f"{source}: missing key {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, PlacementError):
-                raise PlacementError(f"{source}: {exc}") from None
+        except (TypeError, ValueError) as exc:        # PlacementError is a ValueError: named too
             raise PlacementError(f"{source}: {exc}") from None
         if prompts:
             if sum(p.tokens for p in prompts) != tokens:
