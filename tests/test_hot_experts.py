@@ -172,7 +172,8 @@ def test_mapping_keeps_the_share_of_the_hottest_fraction():
 
 
 def test_placement_stays_free_of_torch():
-    code = ("import sys, placement.routing, placement.hot_experts, placement.planner, placement.speculative\n"
+    code = ("import sys, placement.routing, placement.hot_experts, placement.planner, placement.speculative, "
+            "placement.op_offload\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numba', 'offload', 'gpu', "
             "'cpu_kernels'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
