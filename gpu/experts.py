@@ -63,3 +63,49 @@ class TorchExperts:
         out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
         out.index_add_(0, tok, ys.float() * w[:, None])
         return out.to(home)
+
+
+class ExpertSubset:
+    """Some of a layer's routed experts held on one device (hot experts of a CPU-resident
+    block): ``experts`` holds slices [ids] of the stacked tensors, in ``ids`` order. Called
+    with the layer's global expert ids, it computes only the assignments to its experts
+    (Σ over those of w·expert(x)); the caller adds the rest from wherever they live."""
+
+    def __init__(self, experts: TorchExperts, ids, n_expert: int):
+        ids = torch.as_tensor(list(ids), dtype=torch.long)
+        self.experts, self.device = experts, experts.device
+        # global id → local index; every other expert → one sentinel index that ``keep`` drops
+        local = torch.full((n_expert,), len(ids), dtype=torch.long)
+        local[ids] = torch.arange(len(ids))
+        self.local = local.to(self.device)
+        self.keep = torch.cat([torch.ones(len(ids), dtype=torch.bool),
+                               torch.zeros(1, dtype=torch.bool)]).to(self.device)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: (T, n_embd), ids/weights: (T, k) global → (T, n_embd) on x's device."""
+        return self.experts(x, self.local[ids.to(self.device)], weights, keep=self.keep)
+
+
+class StreamedExperts:
+    """Routed experts that live in host RAM, run on ``device`` for a large batch ("op
+    offload"): each call copies the raw GGUF slices of the experts the batch touches (and
+    ``owned``, when given, still holds on the host) to the device and computes them there.
+    ``stages``: stage name ("gate", "up", "gate_up", "down") → (raw host array, quant type,
+    shape). The copies are plain synchronous uploads (not pinned, not double-buffered)."""
+
+    def __init__(self, stages: dict, *, device: torch.device, compute_dtype: torch.dtype,
+                 owned=None):
+        self.stages, self.device, self.dtype, self.owned = stages, device, compute_dtype, owned
+        self.n_expert = next(iter(stages.values()))[2][0]
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        touched = torch.unique(ids.cpu())
+        if self.owned is not None:
+            touched = touched[torch.as_tensor(self.owned)[touched]]
+        if touched.numel() == 0:
+            return torch.zeros_like(x)
+        sel = touched.numpy()
+        parts = {s: QuantTensor.upload(data[sel], qtype, (len(sel),) + tuple(shape[1:]), self.device)
+                 for s, (data, qtype, shape) in self.stages.items()}
+        experts = TorchExperts(**parts, compute_dtype=self.dtype)
+        return ExpertSubset(experts, sel.tolist(), self.n_expert)(x, ids, weights)

@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": ("offload.commands.bench", "speculative-decoding benchmark: baseline vs MTP n_max per task"),
     "tune": ("offload.commands.tune", "measure this box, fit the cost model, run, choose n_max for a plan"),
     "serve": ("offload.commands.serve", "OpenAI-compatible HTTP server (chat templates, prompt cache, MTP drafting)"),
+    "profile": ("offload.commands.profile", "count which routed experts each MoE layer picks over a prompt set"),
 }
 
 USAGE = "usage: offload COMMAND [ARGS...]\n\ncommands:\n" + "".join(

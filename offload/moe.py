@@ -57,28 +57,45 @@ def runs_off_cpu(ffn) -> bool:
 
 
 class MoE:
+    """``hot`` (with CPU experts only): callables ``(x, ids, w) → (T, n_embd)`` for the hot
+    experts held on GPUs (``gpu.experts.ExpertSubset``); ``owned`` the CPU kernels' mask of
+    the experts they still hold, so they never read the hot ones. Both sides' sums add up."""
+
     def __init__(self, *, router: Callable, experts, shared: Callable | None,
-                 pool: ThreadPoolExecutor, profile: Profile):
+                 pool: ThreadPoolExecutor, profile: Profile, hot: tuple = (), owned=None):
         self.router, self.experts, self.shared = router, experts, shared
         self.pool, self.profile = pool, profile
-        # the worker thread pays off only when the shared expert runs on a GPU meanwhile
-        self.overlap = shared is not None and runs_off_cpu(shared)
+        self.hot, self.owned = tuple(hot), owned
+        self.stream, self.stream_min = None, None     # op offload (offload.runtime sets them)
+        # the worker thread pays off only when the shared expert (or a hot expert) runs on a GPU meanwhile
+        self.overlap = (shared is not None and runs_off_cpu(shared)) or any(
+            h.device.type != "cpu" for h in self.hot)
+
+    def _gpu_side(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The shared expert and the hot experts: what runs in torch beside the CPU experts."""
+        y = self.shared(x) if self.shared is not None else torch.zeros_like(x)
+        for h in self.hot:
+            y = y + h(x, ids, w)
+        return y
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, n_embd) normalised input on the layer's device → (T, n_embd)."""
         ids, w = self.router(x)                                   # (T, k) each
+        if self.stream is not None and x.shape[0] >= self.stream_min:
+            with self.profile.time("op_offload"):                # the CPU experts, streamed to a GPU
+                return self._gpu_side(x, ids, w) + self.stream(x, ids, w).to(x.device)
         if isinstance(self.experts, CpuExperts):
             with self.profile.time("transfer"):
                 xh, ih, wh = to_host(x), ids.cpu().numpy(), to_host(w)
             if self.overlap:
-                job = self.pool.submit(self.experts, xh, ih, wh)     # runs while torch works below
-                y = self.shared(x)
+                job = self.pool.submit(self.experts, xh, ih, wh, self.owned)   # runs while torch works below
+                y = self._gpu_side(x, ids, w)
                 with self.profile.time("cpu_wait"):
                     routed = job.result()
             else:                       # inline: the main thread waits for all of it
                 with self.profile.time("cpu_wait"):
-                    routed = self.experts(xh, ih, wh)
-                y = self.shared(x) if self.shared is not None else torch.zeros_like(x)
+                    routed = self.experts(xh, ih, wh, self.owned)
+                y = self._gpu_side(x, ids, w)
             with self.profile.time("transfer"):
                 return y + torch.from_numpy(routed).to(x.device)
         y = self.experts(x, ids, w)

@@ -222,22 +222,24 @@ def plan_for(model: ModelFile, placement=None, devices: str | None = None, draft
 
 def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus: bool = False,
          gpu_dtype: str = "auto", threads: int | None = None, progress: bool = False,
-         quiet: bool = False, **plan_options) -> Session:
+         quiet: bool = False, op_offload: str = "auto", **plan_options) -> Session:
     """Load a GGUF model where a plan puts each tensor.
 
     ``placement``: a Plan, a plan YAML path, or None to plan now for ``devices`` (``"auto"``
     by default, or a spec like ``"CUDA0=24GiB,CPU=64GiB"``) with the planner's flags as
     keywords (see ``plan_for``). ``virtual_gpus`` backs CUDA devices with the CPU where no
     CUDA exists. ``gpu_dtype``: compute dtype of GPU-resident weights (auto/f32/f16/bf16).
-    ``threads``: CPU expert kernel threads.
+    ``threads``: CPU expert kernel threads. ``op_offload`` (auto/on/off): stream RAM-resident
+    experts to a GPU for prompt batches of at least a threshold (``enable_op_offload``).
     """
     model = open_model(model_path)
     return load_plan(model, plan_for(model, placement, devices, **plan_options), virtual_gpus=virtual_gpus,
-                     gpu_dtype=gpu_dtype, threads=threads, progress=progress, quiet=quiet)
+                     gpu_dtype=gpu_dtype, threads=threads, progress=progress, quiet=quiet, op_offload=op_offload)
 
 
 def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_dtype: str = "auto",
-              threads: int | None = None, progress: bool = False, quiet: bool = False) -> Session:
+              threads: int | None = None, progress: bool = False, quiet: bool = False,
+              op_offload: str = "auto") -> Session:
     """``load`` for an opened model and a resolved plan (what ``offload run`` calls)."""
     t0 = time.perf_counter()
     if threads is not None:
@@ -264,7 +266,8 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
     bar = Progress(len(tensors), sum(t.n_bytes for t in tensors)) if progress else None
     dtypes = compute_dtypes(devices, gpu_dtype)
-    weights = WeightStore(model, plan.tensors, devices, compute_dtype=dtypes, profile=profile, progress=bar)
+    weights = WeightStore(model, plan.tensors, devices, compute_dtype=dtypes, profile=profile, progress=bar,
+                          hot_experts=plan.hot_experts)
     draft_weights = (WeightStore(draft, plan.draft_tensors, devices, compute_dtype=dtypes, profile=profile,
                                  progress=bar) if draft is not None else None)
     ctx = BuildContext(profile=profile, pool=pool, kv_dtype=KV_DTYPES[plan.settings.cache_type],
@@ -283,10 +286,62 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
             unused = [n for n in unused if n not in replaced] + (draft_weights.unused())
         for name in unused:
             print(f"offload: note: tensor {name} is not used by the {model.spec.arch} runtime", file=sys.stderr)
+    threshold, account = enable_op_offload(net, weights, plan, model, op_offload, virtual=bool(devices.virtual))
+    if not quiet and (threshold is not None or op_offload == "on"):
+        print(f"offload: {account}", file=sys.stderr)
     session = Session(model=net, tokenizer=Tokenizer.from_gguf(model.metadata), devices=devices,
                       weights=weights, profile=profile, pool=pool, meta=model.metadata, plan=plan)
+    session.op_offload_min = threshold
     if draft_weights is not None:
         for dev, n in draft_weights.allocated.items():
             session.allocated[dev] = session.allocated.get(dev, 0) + n
     session.load_s = time.perf_counter() - t0
     return session
+
+
+def enable_op_offload(net: CausalLM, weights: WeightStore, plan: Plan, model: ModelFile, mode: str, *,
+                      virtual: bool) -> tuple[int | None, str]:
+    """``--op-offload``: give each trunk MoE layer whose experts are all in RAM a streamed copy
+    of them on a GPU (its own when it computes on one, else the plan's first), used for passes
+    of at least the threshold (``placement.op_offload``: ``on`` llama.cpp's 32, ``auto`` the
+    cost model's choice for the plan's hardware profile; on ``--virtual-gpus`` ``auto`` stays
+    off: a CPU-backed device gains nothing). → (threshold or None, a line saying what was chosen)."""
+    from offload.cpu_ops import CpuExperts
+    from offload.moe import MoE
+    from placement.cost import FootprintError, SpecProfile
+    from placement.op_offload import MODES, PrefillModel, choose_threshold
+    from placement.speculative import default_profile
+
+    if mode not in MODES:
+        raise OffloadError(f"--op-offload must be one of {', '.join(MODES)}, got {mode!r}")
+    gpus = [d.name for d in plan.devices if d.is_gpu]
+    if mode == "off":
+        return None, "op offload: off"
+    if not gpus:
+        if mode == "on":
+            raise OffloadError("--op-offload on: the plan has no GPU to stream the RAM-resident experts to")
+        return None, "op offload: off (no GPU)"
+    if mode == "auto" and virtual:
+        return None, "op offload: off (auto does not stream to CPU-backed --virtual-gpus; use on)"
+    section = plan.speculative or {}
+    hw = (SpecProfile.from_dict(section["profile"]).hardware if section.get("profile")
+          else default_profile(plan).hardware)
+    try:
+        prefill = PrefillModel(plan, model, hw)
+    except FootprintError as exc:
+        if mode == "on":
+            raise OffloadError(f"--op-offload on: {exc}") from None
+        return None, f"op offload: off (the cost model cannot read this model: {exc})"
+    threshold = choose_threshold(mode, prefill)
+    if threshold is None:
+        return None, "op offload: off (no RAM-resident experts, or streaming never pays on this box)"
+    n = 0
+    for i, block in enumerate(net.blocks):
+        moe = getattr(block, "ffn", None)
+        if isinstance(moe, MoE) and isinstance(moe.experts, CpuExperts):
+            on = block.device_name if block.device_name != "CPU" else gpus[0]
+            moe.stream, moe.stream_min = weights.streamed_experts(f"blk.{i}", on, moe.owned), threshold
+            n += 1
+    why = "llama.cpp's default" if mode == "on" else f"cost model, profile {hw.source}"
+    return threshold, (f"op offload: passes of >= {threshold} tokens stream the RAM-resident experts of "
+                       f"{n} layers to a GPU ({mode}: {why})")

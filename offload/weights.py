@@ -18,12 +18,13 @@ import warnings
 from collections import defaultdict
 from typing import Mapping
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from cpu_kernels import ExpertWeights, supported_types
 from gpu.dequant import dequantize_numpy, to_torch
-from gpu.experts import TorchExperts
+from gpu.experts import ExpertSubset, StreamedExperts, TorchExperts
 from gpu.linear import Embedding, HeadLinear, Linear
 from gpu.quant import QuantTensor, supported
 from offload.cpu_ops import CpuExperts, RawEmbedding, RawLinear, prefault, release
@@ -40,7 +41,8 @@ class WeightStore:
     (``Plan.tensors``)."""
 
     def __init__(self, model: ModelFile, device_of: Mapping[str, str], devices: DeviceMap, *,
-                 compute_dtype: Mapping[str, torch.dtype], profile: Profile, progress=None):
+                 compute_dtype: Mapping[str, torch.dtype], profile: Profile, progress=None,
+                 hot_experts: Mapping[str, Mapping[int, tuple[int, ...]]] | None = None):
         self.tensors = {t.name: t for t in model.tensors}
         missing = [n for n in self.tensors if n not in device_of]
         if missing:
@@ -52,6 +54,10 @@ class WeightStore:
         self.used: set[str] = set()
         self._uploaded: dict[tuple[str, str], QuantTensor] = {}   # (name, device): upload once
         self._counted: set[tuple[str, str]] = set()
+        self._hot: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)   # block → device → experts
+        for dev, layers in (hot_experts or {}).items():
+            for layer, ids in layers.items():
+                self._hot[layer][dev] = tuple(ids)
 
     # -- lookup ---------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -203,6 +209,45 @@ class WeightStore:
             return HeadLinear(QuantTensor(raw, qtype, self.shape(name)))
         heads = [self._per_expert(name)(h) for h in range(self.shape(name)[0])]
         return lambda x: torch.stack([p(x[:, h].contiguous()) for h, p in enumerate(heads)], dim=1)
+
+    def hot_experts(self, prefix: str):
+        """The plan's hot experts of block ``prefix`` (its expert tensors are on the CPU): per
+        device, slices [ids] of its expert tensors uploaded there as raw GGUF bytes
+        (``gpu.experts.ExpertSubset``), and the CPU kernels' ``owned`` mask without them. The
+        CPU's count drops by their bytes and their pages are released: the CPU side never reads
+        them. → (tuple of callables, owned mask or None)."""
+        layer = int(prefix.split(".")[1])
+        if not self._hot.get(layer):
+            return (), None
+        names = {s: f"{prefix}.ffn_{s}_exps.weight" for s in ("gate", "up", "gate_up", "down")}
+        stages = ("gate_up", "down") if self.has(names["gate_up"]) else ("gate", "up", "down")
+        n_expert = self.shape(names["down"])[0]
+        owned = np.ones(n_expert, dtype=bool)
+        out = []
+        for dev_name, ids in sorted(self._hot[layer].items()):
+            parts = {}
+            for s in stages:
+                t, data = self.tensors[names[s]], self.model.tensor_data(names[s])
+                if self.device_of[t.name] != CPU:
+                    raise OffloadError(f"hot experts of {prefix}: {t.name} is not on the CPU")
+                parts[s] = QuantTensor.upload(data[list(ids)], t.ggml_type, (len(ids),) + t.shape[1:],
+                                              self.devices[dev_name])
+                self.allocated[dev_name] += parts[s].nbytes
+                for e in ids:
+                    self.allocated[CPU] -= data[e].nbytes
+                    release(data[e])
+            owned[list(ids)] = False
+            out.append(ExpertSubset(TorchExperts(**parts, compute_dtype=self._dtype(dev_name)), ids, n_expert))
+        return tuple(out), owned
+
+    def streamed_experts(self, prefix: str, on: str, owned=None):
+        """Block ``prefix``'s CPU-resident experts as ``gpu.experts.StreamedExperts`` computing
+        on device ``on`` (op offload): the same mapped bytes, copied per call."""
+        names = {s: f"{prefix}.ffn_{s}_exps.weight" for s in ("gate", "up", "gate_up", "down")}
+        stages = ("gate_up", "down") if self.has(names["gate_up"]) else ("gate", "up", "down")
+        parts = {s: (self.model.tensor_data(names[s]), self.tensors[names[s]].ggml_type,
+                     self.tensors[names[s]].shape) for s in stages}
+        return StreamedExperts(parts, device=self.devices[on], compute_dtype=self._dtype(on), owned=owned)
 
     def _per_expert(self, name: str):
         """Expert e → a projection over ``name[e]`` where the plan put ``name``."""

@@ -35,6 +35,7 @@ from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
 
 from placement.acceptance import DEFAULT_MTP, AcceptanceProfile
 from placement.hardware import HardwareProfile, ProfileError
+from placement.routing import RoutingCounts
 from placement.tensors import Role, TensorInfo
 
 CPU = "CPU"
@@ -55,11 +56,14 @@ class ExpertSlice:
 
     ``-ot`` places whole tensors, so a slice usually holds all ``n_experts`` experts but only
     the matrices (gate/up/down) that were sent there; ``bytes_per_expert`` counts those.
+    Hot experts (``placement.hot_experts``) split a CPU block by expert instead: ``experts``
+    names which ones the slice holds (None: any ``n_experts`` of them, in proportion).
     """
 
     device: str
     bytes_per_expert: float
     n_experts: int
+    experts: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,8 @@ def _nextn_name(tensor: MODEL_TENSOR, layer: int) -> str:
 def footprint_from_tensors(tensors: Sequence[TensorInfo], tensor_map: Mapping[str, str], *,
                            n_expert_used: int, draft_layers: Sequence[int] | None = None,
                            n_embd: int | None = None, act_bytes: int = 4,
-                           kv_bytes: Mapping[int, int] | None = None) -> DecodeFootprint:
+                           kv_bytes: Mapping[int, int] | None = None,
+                           hot_experts: Mapping[str, Mapping[int, Sequence[int]]] | None = None) -> DecodeFootprint:
     """Build the footprint of a placed model.
 
     ``tensor_map`` is the plan's tensor name -> device. NextN layers (``TensorInfo.nextn``)
@@ -106,7 +111,8 @@ def footprint_from_tensors(tensors: Sequence[TensorInfo], tensor_map: Mapping[st
     are looked up one row per token, so they count only as the pass's input device (a tied
     output head still reads ``token_embd`` whole). ``kv_bytes`` (layer -> bytes) is the KV
     cache attention reads per pass at the context the prediction is for, on that layer's
-    home device; without it the prediction is for a short context.
+    home device; without it the prediction is for a short context. ``hot_experts`` (GPU →
+    layer → expert ids, a plan's ``hot_experts``) takes those experts out of their CPU block.
     """
     if n_expert_used <= 0:
         raise FootprintError(f"n_expert_used must be positive, got {n_expert_used}")
@@ -137,11 +143,15 @@ def footprint_from_tensors(tensors: Sequence[TensorInfo], tensor_map: Mapping[st
     head = (tensor_map[out.name], _reads([out, out_norm], tensor_map))
     input_device = tensor_map[embd.name] if embd is not None else head[0]
 
+    hot: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)
+    for dev, layers in (hot_experts or {}).items():
+        for layer, ids in layers.items():
+            hot[layer][dev] = tuple(ids)
     kv = dict(kv_bytes or {})
     unknown = sorted(set(kv) - set(by_layer))
     if unknown:
         raise FootprintError(f"kv_bytes given for layer(s) {unknown} not in the model")
-    target_layers = tuple(_layer_footprint(i, by_layer[i], tensor_map, n_expert_used, kv.get(i, 0))
+    target_layers = tuple(_layer_footprint(i, by_layer[i], tensor_map, n_expert_used, kv.get(i, 0), hot.get(i))
                           for i in sorted(by_layer) if i not in nextn_layers)
     if not target_layers:
         raise FootprintError("model has no target layers")
@@ -154,7 +164,7 @@ def footprint_from_tensors(tensors: Sequence[TensorInfo], tensor_map: Mapping[st
         missing = [i for i in draft_layers if i not in by_layer]
         if missing:
             raise FootprintError(f"draft layer(s) {missing} not in the model")
-        d_layers = tuple(_layer_footprint(i, by_layer[i], tensor_map, n_expert_used, kv.get(i, 0))
+        d_layers = tuple(_layer_footprint(i, by_layer[i], tensor_map, n_expert_used, kv.get(i, 0), hot.get(i))
                          for i in draft_layers)
         d_ts = [t for i in draft_layers for t in by_layer[i]]
         d_out = _first_named(d_ts, MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD) or out
@@ -185,7 +195,7 @@ _NOT_LAYER_READS = (MODEL_TENSOR.NEXTN_EMBED_TOKENS, MODEL_TENSOR.NEXTN_SHARED_H
 
 
 def _layer_footprint(layer: int, ts: list[TensorInfo], tensor_map: Mapping[str, str],
-                     k: int, kv_bytes: int) -> LayerFootprint:
+                     k: int, kv_bytes: int, hot: Mapping[str, tuple[int, ...]] | None = None) -> LayerFootprint:
     skip = tuple(_nextn_name(kind, layer) for kind in _NOT_LAYER_READS)
     dense = [t for t in ts if t.role is not Role.ROUTED_EXPERTS and not t.name.startswith(skip)]
     exps = [t for t in ts if t.role is Role.ROUTED_EXPERTS]
@@ -208,6 +218,13 @@ def _layer_footprint(layer: int, ts: list[TensorInfo], tensor_map: Mapping[str, 
     if n_expert and k > n_expert:
         raise FootprintError(f"blk.{layer}: n_expert_used {k} exceeds the {n_expert} experts")
     slices = tuple(ExpertSlice(dev, b, n_expert) for dev, b in sorted(per_dev.items()))
+    if hot:
+        if set(per_dev) != {CPU}:
+            raise FootprintError(f"blk.{layer}: hot experts need the block's expert tensors on the CPU")
+        held = sorted(e for ids in hot.values() for e in ids)
+        rest = tuple(sorted(set(range(n_expert)) - set(held)))
+        slices = (ExpertSlice(CPU, per_dev[CPU], len(rest), rest),) + tuple(
+            ExpertSlice(dev, per_dev[CPU], len(ids), tuple(ids)) for dev, ids in sorted(hot.items()))
     reads = dict(_reads(dense, tensor_map))
     if kv_bytes:
         reads[home] = reads.get(home, 0) + kv_bytes
@@ -287,13 +304,29 @@ def _distinct(routing: RoutingProfile | None, n_expert: int, k: int, batch: int)
     return routing.distinct_for(n_expert, k, batch)
 
 
+def expert_slice_use(s: ExpertSlice, lay: LayerFootprint, batch: int, routing: RoutingProfile | None,
+               hits: RoutingCounts | None) -> tuple[float, float]:
+    """(distinct experts of the slice that a pass of ``batch`` tokens touches, expected
+    (token, expert) pairs in it). With measured per-expert hit rates p_e for the layer:
+    Σ_slice 1−(1−p_e)^B and B·Σ_slice p_e (tokens independent); else the layer's distinct
+    count and B·k, in proportion to the slice's share of the experts."""
+    if hits is not None and lay.layer in hits.layers:
+        p = hits.hit_rates(lay.layer)
+        ids = list(range(lay.n_expert)) if s.experts is None else list(s.experts)
+        return hits.distinct_for_batch(lay.layer, batch, ids), batch * float(p[ids].sum())
+    share = s.n_experts / lay.n_expert
+    return (_distinct(routing, lay.n_expert, lay.n_expert_used, batch) * share,
+            batch * lay.n_expert_used * share)
+
+
 # ---------------------------------------------------------------------------------------------
 # One forward pass as a feature vector over HardwareProfile.linear_params().
 # ---------------------------------------------------------------------------------------------
 
 def forward_features(fp: ForwardFootprint, batch: int, *, n_embd: int, act_bytes: int = 4,
-                     routing: RoutingProfile | None = None) -> dict[str, float]:
-    """Coefficients c_p with time = Σ_p c_p·param_p for one pass of ``batch`` tokens."""
+                     routing: RoutingProfile | None = None, hits: RoutingCounts | None = None) -> dict[str, float]:
+    """Coefficients c_p with time = Σ_p c_p·param_p for one pass of ``batch`` tokens.
+    ``hits``: measured per-expert hit rates (``offload profile``) for the layers they cover."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     f: dict[str, float] = defaultdict(float)
@@ -320,12 +353,11 @@ def forward_features(fp: ForwardFootprint, batch: int, *, n_embd: int, act_bytes
         for dev, n_bytes in lay.reads:
             read(dev, n_bytes)
         for s in lay.experts:
-            share = s.n_experts / lay.n_expert
-            touched = _distinct(routing, lay.n_expert, lay.n_expert_used, batch) * share
+            touched, pairs = expert_slice_use(s, lay, batch, routing, hits)
             read(s.device, touched * s.bytes_per_expert)
             if s.device == CPU:
                 # every (token, expert) pair streams the expert through the dot products
-                f["cpu_compute"] += batch * lay.n_expert_used * share * s.bytes_per_expert
+                f["cpu_compute"] += pairs * s.bytes_per_expert
         for dev in sorted(used - {lay.home}):    # out to another device and back
             copy(lay.home, dev)
             copy(dev, lay.home)
@@ -364,16 +396,17 @@ def _breakdown(features: Mapping[str, float], params: Mapping[str, float]) -> di
 
 
 def forward_time(fp: ForwardFootprint, batch: int, hw: HardwareProfile, *, n_embd: int,
-                 act_bytes: int = 4, routing: RoutingProfile | None = None) -> float:
+                 act_bytes: int = 4, routing: RoutingProfile | None = None,
+                 hits: RoutingCounts | None = None) -> float:
     """Seconds for one pass of ``batch`` tokens."""
-    feats = forward_features(fp, batch, n_embd=n_embd, act_bytes=act_bytes, routing=routing)
+    feats = forward_features(fp, batch, n_embd=n_embd, act_bytes=act_bytes, routing=routing, hits=hits)
     return _dot(feats, hw.linear_params())
 
 
 def predicted_decode_tps(fp: DecodeFootprint, hw: HardwareProfile, *,
-                         routing: RoutingProfile | None = None) -> float:
+                         routing: RoutingProfile | None = None, hits: RoutingCounts | None = None) -> float:
     """Plain decode tokens/s (no drafting): 1 / (T_verify(1) + T_step(0)). Needs no draft head."""
-    verify = forward_time(fp.target, 1, hw, n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
+    verify = forward_time(fp.target, 1, hw, n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing, hits=hits)
     return 1.0 / (verify + hw.linear_params()["step"])
 
 
@@ -476,14 +509,14 @@ def step_time(n: int, *, draft_s: float | Sequence[float], verify_s: Sequence[fl
 
 def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
                       acceptance: AcceptanceProfile = DEFAULT_MTP, max_n: int = 6,
-                      routing: RoutingProfile | None = None) -> SpecTable:
-    """Predicted E(n), T(n), t/s and S(n) for n = 0..max_n."""
+                      routing: RoutingProfile | None = None, hits: RoutingCounts | None = None) -> SpecTable:
+    """Predicted E(n), T(n), t/s and S(n) for n = 0..max_n (``hits``: ``forward_features``)."""
     if fp.draft is None:
         raise FootprintError("model has no draft head (no NextN layer): nothing to speculate with")
     if max_n < 0:
         raise ValueError(f"max_n must be >= 0, got {max_n}")
     params = hw.linear_params()
-    kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
+    kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing, hits=hits)
     feats = [forward_features(fp.target, b, **kw) for b in range(1, max_n + 2)]
     verify = [_dot(f, params) for f in feats]
     drafts = [_dot(forward_features(fp.draft, b, **kw), params) for b in range(1, max_n + 2)]
@@ -494,8 +527,9 @@ def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
         t = step_time(n, draft_s=drafts, verify_s=verify, acceptance=acceptance,
                       step_s=params["step"], spec_step_s=params["spec_step"])
         rows.append(SpecRow(n, e, t, e / t, e * rows[0].step_s / t if rows else 1.0))
+    source = "uniform" if routing is None else routing.source
     return SpecTable(tuple(rows), draft, _breakdown({**feats[0], "step": 1.0}, params), acceptance,
-                     "uniform" if routing is None else routing.source)
+                     source if hits is None else f"per-expert hit rates ({hits.source or 'profile'})")
 
 
 def best_over_p_min(tables: Iterable[SpecTable]) -> SpecTable:

@@ -80,6 +80,11 @@ DEFAULT_FORWARD_US = 1000.0      # embedding, sampling, host sync, Python per fo
 # no prior (0); `offload tune` measures it as a step's wall time minus its passes.
 DEFAULT_STEP_US = 0.0
 DEFAULT_SPEC_STEP_US = 0.0       # extra per step when drafting (draft bookkeeping)
+# Batched (prompt) matmul rates, for the op-offload choice (placement.op_offload). Priors, not
+# measurements: a 32-core AVX-512 server CPU at ~30 GFLOP/s per core on quantized expert
+# matmuls; one GPU at ~50 % of an RTX 4090's 165 dense bf16 tensor TFLOP/s. YAML overrides them.
+DEFAULT_CPU_BATCHED_GFLOPS = 1000.0
+DEFAULT_GPU_BATCHED_TFLOPS = 80.0
 
 
 def cpu_read_gbps_from_memory(channels: int, mt_per_s: float, *,
@@ -120,7 +125,9 @@ def gpu_profile(nvml_name: str) -> GpuProfile:
 
 _GPU_DEVICE = re.compile(r"CUDA\d+")
 _FIELDS = ("cpu_read_gbps", "cpu_compute_gbps", "link_latency_us", "cpu_layer_us",
-           "gpu_layer_us", "forward_us", "step_us", "spec_step_us", "gpus", "source")
+           "gpu_layer_us", "forward_us", "step_us", "spec_step_us", "cpu_batched_gflops", "gpu_batched_tflops",
+           "gpus", "source")
+_RATES = ("cpu_batched_gflops", "gpu_batched_tflops")
 _FIXED_US = ("link_latency_us", "cpu_layer_us", "gpu_layer_us", "forward_us", "step_us", "spec_step_us")
 _GPU_FIELDS = ("name", "read_gbps", "link_gbps", "source")
 
@@ -146,10 +153,14 @@ class HardwareProfile:
     forward_us: float = DEFAULT_FORWARD_US
     step_us: float = DEFAULT_STEP_US
     spec_step_us: float = DEFAULT_SPEC_STEP_US
+    cpu_batched_gflops: float = DEFAULT_CPU_BATCHED_GFLOPS    # CPU expert matmuls on a prompt batch
+    gpu_batched_tflops: float = DEFAULT_GPU_BATCHED_TFLOPS    # a GPU's matmuls on a prompt batch
     source: str = "defaults"
 
     def __post_init__(self) -> None:
         _check_positive("cpu_read_gbps", self.cpu_read_gbps)
+        for name in _RATES:
+            _check_positive(name, getattr(self, name))
         if self.cpu_compute_gbps is not None:
             _check_positive("cpu_compute_gbps", self.cpu_compute_gbps)
         for name in _FIXED_US:
@@ -207,6 +218,8 @@ class HardwareProfile:
             forward_us=p["forward"] * 1e6,
             step_us=p["step"] * 1e6,
             spec_step_us=p["spec_step"] * 1e6,
+            cpu_batched_gflops=self.cpu_batched_gflops,
+            gpu_batched_tflops=self.gpu_batched_tflops,
             source=source,
         )
 
@@ -223,6 +236,8 @@ class HardwareProfile:
             "forward_us": self.forward_us,
             "step_us": self.step_us,
             "spec_step_us": self.spec_step_us,
+            "cpu_batched_gflops": self.cpu_batched_gflops,
+            "gpu_batched_tflops": self.gpu_batched_tflops,
             "gpus": {dev: gpu.to_dict() for dev, gpu in self.gpus.items()},
         }
 
@@ -234,7 +249,7 @@ class HardwareProfile:
             raise ProfileError("hardware profile: expected a mapping")
         _reject_unknown("hardware profile", d, _FIELDS)
         kw: dict = {}
-        for key in ("cpu_read_gbps",) + _FIXED_US:
+        for key in ("cpu_read_gbps",) + _FIXED_US + _RATES:
             if key in d:
                 kw[key] = _number(f"hardware profile: {key}", d[key])
         if d.get("cpu_compute_gbps") is not None:

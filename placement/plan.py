@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from placement.devices import CPU, Device, format_bytes
 from placement.errors import PlacementError
+from placement.hot_experts import HotExperts, check_hot, hot_footprint, to_json
 from placement.layers import LayerLayout
 from placement.compute import peak_of_group
 from placement.memory import (DeviceTotals, Footprint, MemorySettings, add_footprints, device_totals,
@@ -89,6 +90,7 @@ class Plan:
     drafting: str = "none"              # "in-model NextN", "--draft", or "none"
     notes: tuple[str, ...] = ()
     speculative: Mapping[str, Any] | None = None  # filled by the cost model (offload tune)
+    hot_experts: HotExperts = field(default_factory=dict)   # GPU → block → single experts held there
 
     @property
     def device_names(self) -> list[str]:
@@ -133,13 +135,16 @@ class Plan:
             "draft_placed_by": self.placement.placed_by(self.draft_tensors, draft=True),
             "notes": list(self.notes),
             "speculative": self.speculative,
+            "hot_experts": to_json(self.hot_experts),
         }
 
 
 def build_plan(model: PlannedModel, placement: Placement, settings: MemorySettings,
                devices: Sequence[Device], targets: Mapping[str, int], *, mode: str,
-               draft: PlannedModel | None = None, notes: Sequence[str] = ()) -> Plan:
-    """Resolve ``placement`` on the model (and draft) and total the memory per device."""
+               draft: PlannedModel | None = None, notes: Sequence[str] = (),
+               hot_experts: HotExperts | None = None) -> Plan:
+    """Resolve ``placement`` on the model (and draft) and total the memory per device;
+    ``hot_experts`` (``placement.hot_experts``) move single experts of CPU blocks to GPUs."""
     names = [d.name for d in devices]
     placement.check_devices(names)
     in_model = draft is None and model.spec.n_nextn > 0
@@ -152,18 +157,22 @@ def build_plan(model: PlannedModel, placement: Placement, settings: MemorySettin
         use = add_footprints(use, footprint(draft.spec, list(draft.tensors), draft_tensors, settings,
                                             kv_blocks=sorted({t.layer for t in draft.tensors
                                                               if t.layer is not None})))
+    hot = {dev: dict(layers) for dev, layers in (hot_experts or {}).items() if layers}
+    if hot:
+        check_hot(hot, model.tensors, tensors, names)
+        use = hot_footprint(use, hot, model.spec, model.tensors, tensors, settings)
     drafting = "--draft" if draft is not None else ("in-model NextN" if in_model else "none")
     return Plan(model.path, settings, tuple(devices), dict(targets), placement, tensors,
                 tuple(device_totals(devices, targets, use)), mode,
                 draft_path=draft.path if draft is not None else None,
-                draft_tensors=draft_tensors, drafting=drafting, notes=tuple(notes))
+                draft_tensors=draft_tensors, drafting=drafting, notes=tuple(notes), hot_experts=hot)
 
 
 def replan(plan: Plan, model: PlannedModel, settings: MemorySettings,
            draft: PlannedModel | None = None) -> Plan:
     """The same placement totalled under other settings (e.g. GPUs backed by host RAM)."""
     return build_plan(model, plan.placement, settings, plan.devices, plan.targets, mode=plan.mode,
-                      draft=draft, notes=plan.notes)
+                      draft=draft, notes=plan.notes, hot_experts=plan.hot_experts)
 
 
 def host_footprint(plan: Plan, model: PlannedModel, draft: PlannedModel | None = None) -> Footprint:

@@ -27,6 +27,7 @@ from placement.cost import SpecProfile
 from placement.devices import CPU, Device, format_bytes, normalize_device_name, parse_size, sort_devices
 from placement.draft import check_n_max, check_p_min
 from placement.errors import PlacementError
+from placement.hot_experts import HotExperts, from_json, to_json
 from placement.layers import LayerLayout
 from placement.memory import MemorySettings
 from placement.plan import Placement, Plan
@@ -42,6 +43,8 @@ HEADER = """\
 # origin (of a rule or the layout) says who chose it: your flags (-ot, --cpu-moe, --n-cpu-moe,
 # -ngl/-ts: "flags"), the auto-fit ("fit"), or a hand edit ("plan", the default).
 # Sizes are bytes (or strings such as 24GiB). `totals` is informational, recomputed on load.
+# hot_experts (from `offload plan --routing`): single experts of CPU-resident blocks held on a
+# GPU, as GPU -> blk.N -> [expert, ...]; llama.cpp cannot express them (whole tensors only).
 """
 # The speculative section's keys (placement.speculative.predict and offload tune write them)
 # and what each must be; n_max, p_min and profile have their own checks.
@@ -51,7 +54,7 @@ SPEC_TEXT = ("type", "source", "routing", "choice")
 SPEC_LISTS = ("rows", "measured_rows")
 SPEC_KEYS = {"n_max", "p_min", "profile", "tune", *SPEC_NUMBERS, *SPEC_COUNTS, *SPEC_TEXT, *SPEC_LISTS}
 TOP_KEYS = {"version", "model", "draft", "context", "cache_type", "ubatch", "devices", "layout",
-            "rules", "draft_placement", "speculative", "totals", "notes"}
+            "rules", "draft_placement", "speculative", "totals", "notes", "hot_experts"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class PlanFile:
     placement: Placement
     n_layer: int
     speculative: Mapping[str, Any] | None
+    hot_experts: HotExperts | None = None   # GPU → block → experts (checked against the model when resolved)
 
 
 def plan_to_yaml(plan: Plan) -> str:
@@ -86,6 +90,7 @@ def plan_to_yaml(plan: Plan) -> str:
         "draft_placement": {"device": plan.placement.draft_device,
                             "rules": [r.as_dict() for r in plan.placement.draft_rules]},
         "speculative": dict(plan.speculative) if plan.speculative else None,
+        **({"hot_experts": to_json(plan.hot_experts)} if plan.hot_experts else {}),
         "notes": list(plan.notes),
         "totals": {t.name: {"weights": format_bytes(t.weights_bytes), "kv_cache": format_bytes(t.kv_bytes),
                             "compute": format_bytes(t.compute_bytes), "free_after": format_bytes(t.free_after_bytes)}
@@ -320,5 +325,13 @@ def load_plan_file(text: str, source: str) -> PlanFile:
         doc.fail(("notes",), "notes must be a list of strings")
     _get(doc, top, (), "totals", (dict,), required=False)      # informational: recomputed on load
     spec = _speculative(doc, _get(doc, top, (), "speculative", (dict,), required=False))
+    try:
+        hot = from_json(top.get("hot_experts"), "hot_experts")
+    except PlacementError as exc:
+        doc.fail(("hot_experts",), str(exc))
+    for dev in hot:
+        if dev not in gpus:
+            doc.fail(("hot_experts", dev), f"hot_experts: {dev} is not one of the plan's GPUs "
+                                           f"({', '.join(gpus) or 'none'})")
     return PlanFile(model, draft, settings, tuple(devices), targets,
-                    Placement(rules, layout, draft_rules, draft_device, layout_origin), n_layer, spec)
+                    Placement(rules, layout, draft_rules, draft_device, layout_origin), n_layer, spec, hot)

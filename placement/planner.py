@@ -12,19 +12,25 @@
   the auto-fit places every tensor they leave open (``placement.fit.Pins``);
 * ``off``  — the flags alone (none given: llama.cpp's defaults, every slot on the GPUs split
   by free memory); the plan is refused if it does not fit.
+
+``routing`` (a ``placement.routing.RoutingCounts``, ``--routing routing.yaml``): after the
+whole-tensor placement, the room left above each GPU's target is filled with the hottest
+single experts of CPU-resident blocks (``placement.hot_experts``).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from placement.devices import Device, parse_size
 from placement.errors import PlacementError
 from placement.fit import Pins, fit
+from placement.hot_experts import choose_hot_experts, describe
 from placement.layers import layout_from_flags
 from placement.memory import MemorySettings
 from placement.plan import Placement, Plan, PlannedModel, build_plan
+from placement.routing import RoutingCounts
 from placement.rules import Rule, cpu_moe_rules, n_cpu_moe_rules, parse_override
 
 DEFAULT_FIT_TARGET_MIB = 1024
@@ -48,6 +54,7 @@ class PlanOptions:
     ctx: int | None = None                          # None: the model's training context
     cache_type: str = "f16"
     ubatch: int = DEFAULT_UBATCH
+    routing: RoutingCounts | None = None            # --routing: fill the GPUs' room with hot experts
 
     def __post_init__(self) -> None:
         if self.fit not in FIT_MODES:
@@ -67,7 +74,8 @@ class PlanOptions:
         False = not given): ``override_tensor`` a list of ``-ot`` values (or one), ``tensor_split``
         "3,1" or numbers, ``fit_target`` "1024,2048" or 1024 or [1024, 2048] (MiB, or sizes like "2GiB");
         ``cpu_moe``, ``n_cpu_moe``, ``n_gpu_layers``, ``fit``, ``fit_ctx``, ``ctx``,
-        ``cache_type``, ``ubatch`` as typed values."""
+        ``cache_type``, ``ubatch`` as typed values; ``routing`` a routing profile's path (or a
+        ``RoutingCounts``)."""
         unknown = sorted(set(flags) - set(FLAG_NAMES))
         if unknown:
             raise PlacementError(f"unknown planning option {unknown[0]!r} (options: {', '.join(FLAG_NAMES)})")
@@ -78,6 +86,8 @@ class PlanOptions:
             given["tensor_split"] = _numbers(given["tensor_split"])
         if "fit_target" in given:
             given["fit_target"] = _sizes(given["fit_target"])
+        if isinstance(given.get("routing"), str):
+            given["routing"] = RoutingCounts.from_file(given["routing"])
         return cls(**given)
 
     def flags_given(self) -> list[str]:
@@ -94,7 +104,7 @@ class PlanOptions:
 
 
 FLAG_NAMES = ("override_tensor", "cpu_moe", "n_cpu_moe", "n_gpu_layers", "tensor_split", "fit", "fit_target",
-              "fit_ctx", "ctx", "cache_type", "ubatch")
+              "fit_ctx", "ctx", "cache_type", "ubatch", "routing")
 
 
 def _numbers(value) -> tuple[float, ...]:
@@ -126,6 +136,30 @@ def gpu_targets(fit_target: Sequence[int], devices: Sequence[Device]) -> dict[st
 def make_plan(model: PlannedModel, devices: Sequence[Device], options: PlanOptions = PlanOptions(), *,
               draft: PlannedModel | None = None) -> Plan:
     """The plan for ``model`` (and a separate ``draft`` head) on ``devices`` (module docstring)."""
+    plan = _whole_tensor_plan(model, devices, options, draft)
+    if options.routing is None:
+        return plan
+    return add_hot_experts(plan, model, options.routing, draft)
+
+
+def add_hot_experts(plan: Plan, model: PlannedModel, routing: RoutingCounts, draft: PlannedModel | None = None) -> Plan:
+    """``plan`` with the room above each GPU's target filled by hot experts (``placement.hot_experts``)."""
+    spec = model.spec
+    routing.check_model(spec.n_expert, spec.n_expert_used,
+                        [i for i in range(spec.n_layer) if spec.is_moe_layer(i)], model.path)
+    rooms = {t.name: t.above_target_bytes for t in plan.totals if t.name != "CPU"}
+    hot = choose_hot_experts(spec=spec, tensors=model.tensors, tensor_map=plan.tensors, settings=plan.settings,
+                             rooms=rooms, computes={t.name: t.compute_bytes for t in plan.totals}, counts=routing)
+    note = (f"hot experts ({routing.source or 'routing profile'}): {describe(hot, model.tensors)}" if hot else
+            "routing profile given, but no GPU has room for a single expert of a CPU-resident block")
+    out = build_plan(model, plan.placement, plan.settings, plan.devices, plan.targets, mode=plan.mode,
+                     draft=draft, notes=plan.notes + (note,), hot_experts=hot)
+    out.check_fits()
+    return replace(out, speculative=plan.speculative)
+
+
+def _whole_tensor_plan(model: PlannedModel, devices: Sequence[Device], options: PlanOptions,
+                       draft: PlannedModel | None) -> Plan:
     n_layer = model.spec.n_layer
     targets = gpu_targets(options.fit_target, devices)
     settings = MemorySettings(model.spec.n_ctx_train if options.ctx is None else options.ctx,

@@ -96,6 +96,10 @@ def format_plan(plan: Plan, model: PlannedModel, draft: PlannedModel | None = No
         parts = _where_things_went(model.tensors, dict(plan.tensors), d.name)
         if draft is not None:
             parts += _where_things_went(draft.tensors, dict(plan.draft_tensors), d.name, label="draft ")
+        hot = plan.hot_experts.get(d.name, {})
+        if hot:
+            parts.append(f"hot experts of blocks {ranges(list(hot))} "
+                         f"({sum(len(es) for es in hot.values())} single experts)")
         lines.append(f"  {d.name:<7} " + ("; ".join(parts) if parts else "(nothing)"))
     if plan.placement.rules or plan.placement.draft_rules:
         lines.append("")

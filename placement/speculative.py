@@ -16,12 +16,14 @@ tune (date, budget, seconds, prompts, tokens per run, repeats, load average).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from placement.cost import DecodeFootprint, SpecProfile, SpecTable, footprint_from_tensors, speculation_table
+from placement.cost import (DecodeFootprint, SpecProfile, SpecTable, footprint_from_tensors, predicted_decode_tps,
+                            speculation_table)
 from placement.hardware import HardwareProfile
 from placement.plan import Plan, PlannedModel
+from placement.routing import RoutingCounts
 from placement.tensors import TensorInfo
 
 DEFAULT_MAX_N = 6
@@ -42,7 +44,8 @@ def plan_footprint(plan: Plan, model: PlannedModel, draft: PlannedModel | None) 
         tmap.update(plan.draft_tensors)
         draft_layers = sorted({t.layer for t in d_tensors if t.nextn})[:1]
     return footprint_from_tensors(tensors, tmap, n_expert_used=max(model.spec.n_expert_used, 1),
-                                  draft_layers=draft_layers, n_embd=model.spec.n_embd)
+                                  draft_layers=draft_layers, n_embd=model.spec.n_embd,
+                                  hot_experts=plan.hot_experts)
 
 
 def default_profile(plan: Plan) -> SpecProfile:
@@ -57,7 +60,8 @@ def complete_hardware(hw: HardwareProfile, plan: Plan) -> HardwareProfile:
 
 
 def predict(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *,
-            profile: SpecProfile | None = None, max_n: int = DEFAULT_MAX_N) -> tuple[SpecTable, dict[str, Any]]:
+            profile: SpecProfile | None = None, max_n: int = DEFAULT_MAX_N,
+            hits: RoutingCounts | None = None) -> tuple[SpecTable, dict[str, Any]]:
     """The n_max table for ``plan`` and the ``speculative`` section that goes with it.
 
     A section the plan already has (e.g. written by ``offload tune``) keeps its chosen
@@ -67,10 +71,51 @@ def predict(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *,
     if profile is None:
         profile = SpecProfile.from_dict(old["profile"]) if old.get("profile") else default_profile(plan)
     table = speculation_table(plan_footprint(plan, model, draft), profile.hardware,
-                              acceptance=profile.acceptance, max_n=max_n, routing=profile.routing)
+                              acceptance=profile.acceptance, max_n=max_n, routing=profile.routing, hits=hits)
     section: dict[str, Any] = {"type": "mtp", "n_max": table.best.n, "p_min": profile.acceptance.p_min,
                                "source": "predicted"}
     section.update({k: v for k, v in old.items() if k not in ("rows", "profile")})
     section.update(table.to_dict())
     section["profile"] = profile.to_dict()
     return table, section
+
+
+@dataclass(frozen=True)
+class HotGain:
+    """What a plan's hot experts buy, predicted: plain decode t/s and break-even n_max
+    (None without a draft head) for the same whole-tensor placement without and with them."""
+
+    tps_without: float
+    tps_with: float
+    break_even_without: int | None
+    break_even_with: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"predicted_plain_tps": {"without": round(self.tps_without, 4), "with": round(self.tps_with, 4)},
+                "break_even_n_max": {"without": self.break_even_without, "with": self.break_even_with}}
+
+    def format(self) -> str:
+        line = (f"hot experts: predicted plain decode {self.tps_with:.2f} t/s "
+                f"(without them {self.tps_without:.2f} t/s, {self.tps_with / self.tps_without - 1:+.1%})")
+        if self.break_even_with is not None:
+            line += f"; break-even n_max {self.break_even_with} (without them {self.break_even_without})"
+        return line
+
+
+def hot_gain(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *, hits: RoutingCounts,
+             profile: SpecProfile | None = None, max_n: int = DEFAULT_MAX_N) -> HotGain:
+    """``HotGain`` of ``plan`` with per-expert ``hits`` in both predictions (the skew lowers the
+    distinct experts a batch touches with or without hot experts)."""
+    old: Mapping[str, Any] = plan.speculative or {}
+    if profile is None:
+        profile = SpecProfile.from_dict(old["profile"]) if old.get("profile") else default_profile(plan)
+    out = []
+    for hot in ({}, plan.hot_experts):
+        fp = plan_footprint(replace(plan, hot_experts=hot), model, draft)
+        tps = predicted_decode_tps(fp, profile.hardware, routing=profile.routing, hits=hits)
+        even = None
+        if fp.draft is not None:
+            even = speculation_table(fp, profile.hardware, acceptance=profile.acceptance, max_n=max_n,
+                                     routing=profile.routing, hits=hits).break_even_n
+        out.append((tps, even))
+    return HotGain(out[0][0], out[1][0], out[0][1], out[1][1])

@@ -149,6 +149,7 @@ def main(argv=None) -> int:
     if plan.drafting == "none":
         raise NoDraftHead(plan.model_path, "offload bench")
     session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
+                                op_offload=args.op_offload,
                                 threads=args.threads, progress=True)
     stages = _stages(n_maxes)
     records: list[dict] = []

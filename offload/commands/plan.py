@@ -31,9 +31,11 @@ from placement.plan_file import load_plan_file, plan_to_yaml
 from placement.planner import (DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, DEFAULT_UBATCH, FIT_MODES, FLAG_NAMES,
                                PlanOptions, make_plan)
 from placement.report import format_plan
-from placement.cost import SpecProfile
+from placement.cost import FootprintError, SpecProfile
 from placement.hardware import HardwareProfile
-from placement.speculative import DEFAULT_MAX_N, complete_hardware, predict
+from placement.hot_experts import describe
+from placement.routing import RoutingCounts
+from placement.speculative import DEFAULT_MAX_N, complete_hardware, hot_gain, predict
 from placement.tensors import Role
 
 # what a plan file fixes, so it cannot be combined with --placement
@@ -76,6 +78,9 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"tokens per compute batch; sizes the compute buffers (default {DEFAULT_UBATCH})")
     g.add_argument("--draft", metavar="GGUF", help="a separate draft model holding only a NextN (MTP) block")
     g.add_argument("--placement", metavar="PLAN.yaml", help="load a plan file instead of planning")
+    g.add_argument("--routing", metavar="ROUTING.yaml",
+                   help="a routing profile (`offload profile`): fill the VRAM left above each GPU's target "
+                        "with the hottest single experts of CPU-resident blocks")
 
 
 def open_draft(path: str, model: ModelFile) -> ModelFile:
@@ -110,7 +115,8 @@ def plan_from_file(path: str, model: ModelFile | None, draft_path: str | None = 
                            f"has {model.spec.n_layer}")
     draft_path = draft_path or pf.draft_path
     draft = open_draft(draft_path, model) if draft_path else None
-    plan = build_plan(model, pf.placement, pf.settings, pf.devices, pf.targets, mode="plan file", draft=draft)
+    plan = build_plan(model, pf.placement, pf.settings, pf.devices, pf.targets, mode="plan file", draft=draft,
+                      hot_experts=pf.hot_experts)
     plan = dataclasses.replace(plan, speculative=pf.speculative)
     plan.check_fits()
     return plan, model, draft
@@ -161,11 +167,46 @@ def table_source(plan: Plan) -> str:
     return str(hw.get("source", "defaults"))
 
 
+LLAMA_CPP_HOT_NOTE = ("llama.cpp cannot express partial expert tensors (it places whole ones): these flags are "
+                      "the nearest whole-tensor map, with the hot experts ({what}) left on the CPU")
+
+
+def op_offload_forecast(plan: Plan, model, hits) -> dict | None:
+    """``--op-offload auto``'s threshold for this plan and box, and predicted prefill t/s at the
+    ubatch with the RAM-resident experts on the CPU and streamed (None: nothing to stream)."""
+    from placement.op_offload import PrefillModel
+    from placement.speculative import default_profile
+
+    if not any(d.is_gpu for d in plan.devices):
+        return None
+    section = plan.speculative or {}
+    hw = SpecProfile.from_dict(section["profile"]).hardware if section.get("profile") else default_profile(plan).hardware
+    try:
+        m = PrefillModel(plan, model, hw, hits=hits)
+    except FootprintError:          # a model the cost model cannot read (e.g. 2-D expert biases)
+        return None
+    if not m.layers:
+        return None
+    ub = plan.settings.ubatch
+    return {"threshold": m.threshold(), "ubatch": ub,
+            "prefill_tps": {"cpu": round(m.tokens_per_second(ub, streamed=False), 2),
+                            "streamed": round(m.tokens_per_second(ub, streamed=True), 2)}}
+
+
+def format_op_offload(op: dict) -> str:
+    t = op["threshold"]
+    when = f"passes of >= {t} tokens" if t is not None else "never (streaming does not pay on this box)"
+    tps = op["prefill_tps"]
+    return (f"op offload (--op-offload auto): {when} stream the RAM-resident experts to a GPU; predicted "
+            f"prefill at ubatch {op['ubatch']}: {tps['cpu']:.1f} t/s on the CPU, {tps['streamed']:.1f} t/s streamed")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model = open_model(args.model) if args.model else None
     plan, model, draft = plan_from_args(args, model)
-    table = None
+    hits = RoutingCounts.from_file(args.routing) if args.routing else None
+    table = gain = None
     if args.spec_type == "mtp" and plan.drafting == "none":
         raise NoDraftHead(plan.model_path, "--spec-type mtp")
     check_n_max(args.spec_max_n, "--spec-max-n")
@@ -178,14 +219,29 @@ def main(argv: list[str]) -> int:
             base = SpecProfile.from_dict(old["profile"]) if old.get("profile") else None
             hw = complete_hardware(HardwareProfile.from_yaml(args.hw_profile), plan)
             profile = SpecProfile(hw) if base is None else dataclasses.replace(base, hardware=hw)
-        table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n)
+        table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n, hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
+    if hits is not None and plan.hot_experts:
+        try:
+            gain = hot_gain(plan, model, draft, hits=hits, max_n=args.spec_max_n,
+                            profile=SpecProfile.from_dict(plan.speculative["profile"]) if plan.speculative else None)
+        except FootprintError as exc:      # the plan stands; only the forecast is left out
+            print(f"offload: note: no hot-expert forecast: {exc}", file=sys.stderr)
+    op = op_offload_forecast(plan, model, hits)
+    hot_note = LLAMA_CPP_HOT_NOTE.format(what=describe(plan.hot_experts, model.tensors)) if plan.hot_experts else ""
     if args.output:
         write_atomic(args.output, plan_to_yaml(plan))
         print(f"offload: wrote {args.output}", file=sys.stderr)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "llama_cpp_args": llama_cpp_args(plan)}, indent=1))
+        extra = {"llama_cpp_note": hot_note} if hot_note else {}
+        if gain is not None:
+            extra["hot_experts_forecast"] = gain.to_dict()
+        if op is not None:
+            extra["op_offload"] = op
+        print(json.dumps({**plan.to_dict(), "llama_cpp_args": llama_cpp_args(plan), **extra}, indent=1))
     elif args.emit:
+        if hot_note:
+            print(f"offload: note: {hot_note}", file=sys.stderr)
         print(format_args(llama_cpp_args(plan)))
     else:
         sys.stdout.write(format_plan(plan, model, draft))
@@ -193,5 +249,11 @@ def main(argv: list[str]) -> int:
             print(f"\nspeculative decoding ({plan.drafting} draft head; predicted, "
                   f"profile: {table_source(plan)}):")
             print(table.format())
+        if gain is not None:
+            print(gain.format())
+        if op is not None:
+            print(format_op_offload(op))
         print(f"\nllama.cpp: {format_args(llama_cpp_args(plan))}")
+        if hot_note:
+            print(f"note: {hot_note}")
     return 0

@@ -65,6 +65,9 @@ def add_session_arguments(p: argparse.ArgumentParser) -> None:
                         "(they stay quantized in memory); auto = bf16 on CUDA, f32 on virtual GPUs")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="threads for the CPU expert kernels (default: numba's, all cores)")
+    p.add_argument("--op-offload", choices=("auto", "on", "off"), default="auto",
+                   help="stream RAM-resident experts to a GPU for prompt batches of at least a threshold: "
+                        "auto (default) = the cost model's threshold for this box, on = llama.cpp's 32 tokens, off")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "
                         "small, and spare cores belong to the expert kernels)")
@@ -212,6 +215,7 @@ def main(argv=None) -> int:
     plan, model, _ = plan_from_args(args, model)
     spec, account = spec_settings(args, plan)
     session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
+                                op_offload=args.op_offload,
                                 progress=True, threads=args.threads)
     with session:
         print(f"offload: {session.devices.describe()}", file=sys.stderr)

@@ -212,6 +212,7 @@ def main(argv=None) -> int:
         raise NoDraftHead(plan.model_path, "offload tune")
     out_path = args.output or args.placement
     session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
+                                op_offload=args.op_offload,
                                 threads=args.threads, progress=True)
     with session:
         prompts = [session.tokenize(t) for t in texts]

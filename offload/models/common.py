@@ -267,7 +267,10 @@ def build_swiglu(w, p: str, suffix: str = "") -> SwiGLU:
 
 def build_moe(w, p: str, router: Callable, ctx: BuildContext) -> MoE:
     shared = build_swiglu(w, p, "_shexp") if w.has(f"{p}.ffn_gate_shexp.weight") else None
-    return MoE(router=router, experts=w.experts(p), shared=shared, pool=ctx.pool, profile=ctx.profile)
+    experts = w.experts(p)
+    hot, owned = w.hot_experts(p)      # after the CPU experts were made resident: drops the hot pages
+    return MoE(router=router, experts=experts, shared=shared, pool=ctx.pool, profile=ctx.profile,
+               hot=hot, owned=owned)
 
 
 def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str,
