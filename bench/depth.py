@@ -10,7 +10,7 @@ output and token embedding, F32 norms and router, the byte-level vocabulary of t
 test models (``tests.tiny_models.tiny_vocab``), so both offload and llama.cpp load them:
 
 * ``wide``: 48 blocks at Qwen3-30B-A3B widths (n_embd 2048, 32 q heads / 4 KV heads of 128,
-  expert FFN 768), about 4.8 GB;
+  expert FFN 768), 5.05 GB (4.7 GiB);
 * ``narrow``: the same 48 blocks narrow (n_embd 512, 4 q heads / 1 KV head of 128, expert FFN
   256), 0.38 GB;
 * ``sweep``: the narrow model at 4, 12, 24 and 48 blocks.
