@@ -47,8 +47,9 @@ Fixed cost per block, in µs per token (both engines):
   time beyond its reads spread over the blocks (an upper bound: it includes the head).
 
 The memory-read ceiling is ``bench.cpu_kernels.ceiling_gbps`` with ``-t`` Numba threads over
-a 1 GiB buffer, measured before and after the engines; the mean of the two is used and both
-are printed with the load average (the box may be shared: read the ratios, not the t/s).
+a 1 GiB buffer, measured before each engine process and once at the end; their median is
+used and their range printed with the load average (the box may be shared: read the ratios,
+not the t/s).
 """
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ WORKLOADS = ("wide", "narrow", "prefill", "sweep")
 SWEEP_BLOCKS = (4, 12, 24, 48)
 DECODE_PROMPT = 8
 FORMAT_VERSION = 1          # bump when the writer changes, so --keep files are rewritten
+
+
+class BenchError(Exception):
+    """Something the run needs is missing: one line, exit 2."""
 
 
 @dataclass(frozen=True)
@@ -288,10 +293,12 @@ def _llama_run(path: str, jobs: list[dict], threads: int, ctx: int) -> list[list
     return out
 
 
-def run_one(engine: str, path: Path, jobs: list[dict], args, progress) -> list[list[float]] | str:
+def run_one(engine: str, path: Path, jobs: list[dict], args, progress, ceilings: list[float]
+            ) -> list[list[float]] | str:
     """Run ``jobs`` on ``path`` with ``engine`` in a fresh process: per job the timed t/s, or
-    a one-line reason it failed."""
+    a one-line reason it failed. Appends the read ceiling measured just before it."""
     _read_through(path)
+    ceilings.append(measure_ceiling(args.threads))     # next to each process, while the box is as it is
     cmd = [sys.executable, "-m", "bench.depth", "--one", engine, str(path), json.dumps(jobs),
            "-t", str(args.threads), "--torch-threads", str(args.torch_threads)]
     progress(f"{engine} on {path.name}: {', '.join(j['kind'] for j in jobs)}")
@@ -465,14 +472,17 @@ def main(argv=None) -> int:
     if llama_why:
         progress(f"llama.cpp column left empty (llama-cpp-python: {llama_why})")
     tmp = None
-    if a.keep is not None:
-        a.keep.mkdir(parents=True, exist_ok=True)
-        folder = a.keep
-    else:
-        tmp = tempfile.TemporaryDirectory(prefix="offload-depth-")
-        folder = Path(tmp.name)
     try:
+        if a.keep is not None:
+            a.keep.mkdir(parents=True, exist_ok=True)
+            folder = a.keep
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="offload-depth-")
+            folder = Path(tmp.name)
         return _run(a, only, folder, llama_why is None, progress)
+    except (BenchError, OSError) as exc:
+        print(f"bench.depth: {exc}", file=sys.stderr)
+        return 2
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -486,7 +496,7 @@ def _model(folder: Path, spec: DepthSpec, progress) -> Path:
     need = model_bytes(spec, len(tiny_vocab()[0]))
     free = shutil.disk_usage(folder).free
     if free < need * 1.05:
-        raise SystemExit(f"bench.depth: {folder} has {free / 1e9:.1f} GB free, {path.name} needs {need / 1e9:.1f} GB")
+        raise BenchError(f"{folder} has {free / 1e9:.1f} GB free, {path.name} needs {need / 1e9:.1f} GB")
     progress(f"writing {path.name} ({need / 1e9:.2f} GB)")
     t0 = time.perf_counter()
     write_model(path, spec, progress=lambda m: progress(f"  {m}"))
@@ -496,8 +506,7 @@ def _model(folder: Path, spec: DepthSpec, progress) -> Path:
 
 def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
     progress(f"{load_average()}; models in {folder}")
-    ceil_before = measure_ceiling(a.threads)
-    progress(f"memory-read ceiling ({a.threads} threads): {ceil_before:.1f} GB/s")
+    ceilings: list[float] = []
     decode = dict(kind="decode", prompt=DECODE_PROMPT, tokens=a.tokens, repeat=a.repeat)
     prefill = dict(kind="prefill", prompt=a.prompt, repeat=a.repeat)
     # per model: [(workload label, job)], run together in one process per engine
@@ -520,23 +529,25 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
                     for label, job in jobs]
         engines = [("offload", "offload")] + ([("llama.cpp", "llama")] if with_llama else [])
         for engine, attr in engines:
-            res = run_one(engine, path, [j for _, j in jobs], a, progress)
+            res = run_one(engine, path, [j for _, j in jobs], a, progress, ceilings)
+            progress(f"  read ceiling measured before it: {ceilings[-1]:.1f} GB/s")
             for i, row in enumerate(job_rows):
                 setattr(row, attr, res if isinstance(res, str) else res[i])
         rows += job_rows
-    ceil_after = measure_ceiling(a.threads)
-    ceiling = (ceil_before + ceil_after) / 2
+    ceilings.append(measure_ceiling(a.threads))
+    ceiling = statistics.median(ceilings)
     sweep = sorted((r for r in rows if r.in_sweep), key=lambda r: r.blocks)
     fits = {e: sweep_fit(sweep, attr, ceiling) for e, attr in (("offload", "offload"), ("llama.cpp", "llama"))}
     print(f"bench.depth: qwen3moe random weights, {NARROW.n_expert} experts top-{NARROW.n_expert_used}, "
           f"{NARROW.expert_type.name} experts, {NARROW.dense_type.name} attention; {a.threads} threads "
           f"(offload torch {a.torch_threads}); decode {a.tokens} tokens after {DECODE_PROMPT}, prefill "
           f"{a.prompt}; median of {a.repeat}")
-    print(f"memory-read ceiling: {ceiling:.2f} GB/s ({ceil_before:.2f} before, {ceil_after:.2f} after); "
+    print(f"memory-read ceiling ({a.threads} threads): {ceiling:.2f} GB/s, median of {len(ceilings)} "
+          f"measured before each process and at the end (min {min(ceilings):.2f}, max {max(ceilings):.2f}); "
           f"{load_average()}")
     print_table(rows, ceiling, fits)
     if a.json:
-        doc = dict(ceiling_gbps=ceiling, ceiling_before=ceil_before, ceiling_after=ceil_after,
+        doc = dict(ceiling_gbps=ceiling, ceilings=ceilings,
                    threads=a.threads, torch_threads=a.torch_threads, tokens=a.tokens, prompt=a.prompt,
                    repeat=a.repeat, load=load_average(),
                    rows=[dict(asdict(r), offload_tps=median(r.offload), llama_tps=median(r.llama))

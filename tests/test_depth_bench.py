@@ -69,3 +69,22 @@ def test_bad_workload_is_one_line(capsys):
     assert main(["--only", "narrow,deep"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--only" in err and "deep" in err
+
+
+def test_keep_that_is_a_file_is_one_line(tmp_path, capsys):
+    not_a_dir = tmp_path / "f"
+    not_a_dir.write_text("x")
+    assert main(["--only", "narrow", "--no-llama", "--keep", str(not_a_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("bench.depth: ") and str(not_a_dir) in err[-1]
+
+
+def test_sweep_fit_is_the_slope_minus_the_reads():
+    """Seconds per token exactly 2 ms + 300 µs per block; a block reads 1 MB at a 10 GB/s
+    ceiling = 100 µs: the fit gives slope 300 µs and fixed cost 200 µs (float rounding only)."""
+    from bench.depth import Bytes, Row, sweep_fit
+    b = Bytes(total=0, active=0, active_per_block=1e6, n_layer=48)
+    rows = [Row(f"sweep {n}", "decode", n, b, offload=[1 / (2e-3 + 300e-6 * n)] * 3) for n in (4, 12, 24, 48)]
+    slope, fixed = sweep_fit(rows, "offload", 10.0)
+    assert slope == pytest.approx(300, rel=1e-9) and fixed == pytest.approx(200, rel=1e-9)
+    assert sweep_fit(rows, "llama", 10.0) is None           # that engine did not run
