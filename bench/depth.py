@@ -2,7 +2,7 @@
 qwen3moe models, the fixed cost per block, and GB/s against the memory-read ceiling.
 
     python -m bench.depth [--only wide,narrow,prefill,sweep] [-t 2] [--tokens 32]
-                          [--prompt 256] [--repeat 3] [--keep DIR] [--json PATH]
+                          [--prompt 256] [--repeat 3] [--rounds 1] [--keep DIR] [--json PATH]
 
 Models (written at run time into a temp folder, or into ``--keep DIR`` and reused from
 there by later runs): qwen3moe, 32 experts per block, top-8, Q4_0 experts, Q8_0 attention,
@@ -28,8 +28,11 @@ kernels and torch on ``--torch-threads`` (1, as ``offload run``); llama.cpp thro
 llama-cpp-python with ``n_threads = n_threads_batch = -t``, no GPU layers, ``n_batch =
 n_ubatch = --prompt``, memory-mapped weights (its default; the file is read through once
 before each process so neither engine pays disk reads). Each process warms up first (one
-untimed pass of the same workload), then times ``--repeat`` passes; the median is reported.
-Both are given the same token ids. Without llama-cpp-python only offload's column is filled.
+untimed pass of the same workload), then times ``--repeat`` passes; ``--rounds N`` runs N
+such processes per engine, alternating engines, and the median over all passes is reported.
+Both are given the same token ids; the greedy tokens' agreement is printed as a sanity check
+(llama.cpp's 8-bit activations make late divergence normal). Without llama-cpp-python only
+offload's column is filled; a crashed process leaves its cells "fail" and says why.
 
 Printed per workload: t/s of each engine and their ratio; active bytes per token (every
 non-expert tensor once — one row of the embedding — plus top-k/n_expert of the routed
@@ -62,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -240,7 +243,7 @@ def prompt_ids(n: int, n_vocab: int = 256) -> list[int]:
     return [(7 + 37 * i) % n_vocab for i in range(n)]
 
 
-def _offload_run(path: str, jobs: list[dict], threads: int, torch_threads: int, ctx: int) -> list[list[float]]:
+def _offload_run(path: str, jobs: list[dict], threads: int, torch_threads: int, ctx: int) -> list[dict]:
     import torch
 
     import offload.runtime as rt
@@ -250,53 +253,59 @@ def _offload_run(path: str, jobs: list[dict], threads: int, torch_threads: int, 
         s.warmup()
         for job in jobs:
             ids = prompt_ids(job["prompt"])
-            tps = []
+            tps, tokens = [], []
             for rep in range(job["repeat"] + 1):       # the first pass is the warm-up
                 if job["kind"] == "decode":
-                    list(s.generate(ids, max_tokens=job["tokens"] + 1, stop_at_eos=False))
+                    tokens = list(s.generate(ids, max_tokens=job["tokens"] + 1, stop_at_eos=False))
                     value = s.stats.eval_tps
                 else:
-                    list(s.generate(ids, max_tokens=1, ubatch=len(ids), stop_at_eos=False))
+                    tokens = list(s.generate(ids, max_tokens=1, ubatch=len(ids), stop_at_eos=False))
                     value = s.stats.prompt_tps
                 if rep:
                     tps.append(value)
-            out.append(tps)
+            out.append(dict(tps=tps, tokens=tokens))
     return out
 
 
-def _llama_run(path: str, jobs: list[dict], threads: int, ctx: int) -> list[list[float]]:
+def _llama_run(path: str, jobs: list[dict], threads: int, ctx: int) -> list[dict]:
     import llama_cpp
     batch = max(j["prompt"] for j in jobs)
     llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
                           n_batch=batch, n_ubatch=batch, n_gpu_layers=0, logits_all=False, verbose=False)
+    n_vocab = llm.n_vocab()
+
+    def last_token() -> int:
+        # greedy from the last position's logits (without logits_all, Llama.scores is not filled)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))))
     out = []
     for job in jobs:
         ids = prompt_ids(job["prompt"])
         tps = []
-        for rep in range(job["repeat"] + 1):
+        for rep in range(job["repeat"] + 1):           # the first pass is the warm-up
             llm.reset()
             t0 = time.perf_counter()
             llm.eval(ids)
             prompt_s = time.perf_counter() - t0
+            tokens = [last_token()]
             if job["kind"] == "decode":
-                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
                 t0 = time.perf_counter()
                 for _ in range(job["tokens"]):
-                    llm.eval([tok])
-                    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                    llm.eval([tokens[-1]])
+                    tokens.append(last_token())
                 value = job["tokens"] / (time.perf_counter() - t0)
             else:
                 value = len(ids) / prompt_s
             if rep:
                 tps.append(value)
-        out.append(tps)
+        out.append(dict(tps=tps, tokens=tokens))
     return out
 
 
 def run_one(engine: str, path: Path, jobs: list[dict], args, progress, ceilings: list[float]
-            ) -> list[list[float]] | str:
-    """Run ``jobs`` on ``path`` with ``engine`` in a fresh process: per job the timed t/s, or
-    a one-line reason it failed. Appends the read ceiling measured just before it."""
+            ) -> list[dict] | str:
+    """Run ``jobs`` on ``path`` with ``engine`` in a fresh process: per job {"tps": timed t/s,
+    "tokens": greedy ids of the last pass}, or a one-line reason it failed. Appends the read
+    ceiling measured just before it."""
     _read_through(path)
     ceilings.append(measure_ceiling(args.threads))     # next to each process, while the box is as it is
     cmd = [sys.executable, "-m", "bench.depth", "--one", engine, str(path), json.dumps(jobs),
@@ -352,6 +361,8 @@ class Row:
     bytes: Bytes
     offload: list[float] | str | None = None     # timed t/s, or why it failed, or None (not run)
     llama: list[float] | str | None = None
+    offload_tokens: list[int] = field(default_factory=list)    # greedy ids of the last pass
+    llama_tokens: list[int] = field(default_factory=list)
     in_sweep: bool = False                       # a point of the block-count fit
 
 
@@ -407,11 +418,21 @@ def print_table(rows: list[Row], ceiling: float, fits: dict) -> None:
             slope, fixed = fit
             print(f"sweep fit ({engine}): {slope:.0f} µs per block per token; minus the block's reads at the "
                   f"ceiling = fixed cost {fixed:.0f} µs per block")
+    same = [f"{r.workload} {agreement(r.offload_tokens, r.llama_tokens)}" for r in rows
+            if r.kind == "decode" and r.offload_tokens and r.llama_tokens]
+    if same:
+        print("greedy tokens equal to llama.cpp's (it quantizes activations to 8 bits, so late divergence "
+              "is expected): " + "; ".join(same))
     for r in rows:
         for engine in ("offload", "llama"):
             v = getattr(r, engine)
             if isinstance(v, str):
                 print(f"{r.workload}: {engine} failed: {v}")
+
+
+def agreement(ours: list[int], ref: list[int]) -> str:
+    """'n/m' tokens equal, position by position."""
+    return f"{sum(a == b for a, b in zip(ours, ref))}/{min(len(ours), len(ref))}"
 
 
 def measure_ceiling(threads: int) -> float:
@@ -446,7 +467,10 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-threads", type=int, default=1, help="offload's torch threads (default 1, as offload run)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per pass (default 32)")
     ap.add_argument("--prompt", type=int, default=256, help="prefill prompt tokens (default 256)")
-    ap.add_argument("--repeat", type=int, default=3, help="timed passes per workload (default 3)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed passes per workload and process (default 3)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="processes per engine and model, alternating engines (default 1); the median is "
+                         "over rounds x repeat passes")
     ap.add_argument("--keep", type=Path, default=None, help="write / reuse the model files in DIR")
     ap.add_argument("--no-llama", action="store_true", help="offload only, even if llama-cpp-python is installed")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
@@ -460,7 +484,7 @@ def main(argv=None) -> int:
         print(f"bench.depth: --only takes {', '.join(WORKLOADS)}, got {a.only!r}", file=sys.stderr)
         return 2
     for name, v in (("--threads", a.threads), ("--torch-threads", a.torch_threads), ("--tokens", a.tokens),
-                    ("--prompt", a.prompt), ("--repeat", a.repeat)):
+                    ("--prompt", a.prompt), ("--repeat", a.repeat), ("--rounds", a.rounds)):
         if v < 1:
             print(f"bench.depth: {name} must be >= 1, got {v}", file=sys.stderr)
             return 2
@@ -528,11 +552,18 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
                         in_sweep="sweep" in only and spec.n_embd == NARROW.n_embd)
                     for label, job in jobs]
         engines = [("offload", "offload")] + ([("llama.cpp", "llama")] if with_llama else [])
-        for engine, attr in engines:
-            res = run_one(engine, path, [j for _, j in jobs], a, progress, ceilings)
-            progress(f"  read ceiling measured before it: {ceilings[-1]:.1f} GB/s")
-            for i, row in enumerate(job_rows):
-                setattr(row, attr, res if isinstance(res, str) else res[i])
+        for _ in range(a.rounds):          # engines alternate, so a change in the box's load hits both
+            for engine, attr in engines:
+                if any(isinstance(getattr(r, attr), str) for r in job_rows):
+                    continue                                    # failed in an earlier round
+                res = run_one(engine, path, [j for _, j in jobs], a, progress, ceilings)
+                progress(f"  read ceiling measured before it: {ceilings[-1]:.1f} GB/s")
+                for i, row in enumerate(job_rows):
+                    if isinstance(res, str):
+                        setattr(row, attr, res)
+                        continue
+                    setattr(row, attr, (getattr(row, attr) or []) + res[i]["tps"])
+                    setattr(row, f"{attr}_tokens", res[i]["tokens"])
         rows += job_rows
     ceilings.append(measure_ceiling(a.threads))
     ceiling = statistics.median(ceilings)
@@ -541,10 +572,12 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
     print(f"bench.depth: qwen3moe random weights, {NARROW.n_expert} experts top-{NARROW.n_expert_used}, "
           f"{NARROW.expert_type.name} experts, {NARROW.dense_type.name} attention; {a.threads} threads "
           f"(offload torch {a.torch_threads}); decode {a.tokens} tokens after {DECODE_PROMPT}, prefill "
-          f"{a.prompt}; median of {a.repeat}")
+          f"{a.prompt}; median of {a.rounds} x {a.repeat} passes")
     print(f"memory-read ceiling ({a.threads} threads): {ceiling:.2f} GB/s, median of {len(ceilings)} "
           f"measured before each process and at the end (min {min(ceilings):.2f}, max {max(ceilings):.2f}); "
           f"{load_average()}")
+    sweep_only = sorted((r for r in rows if r.workload.startswith("sweep")), key=lambda r: r.blocks)
+    rows = [r for r in rows if not r.workload.startswith("sweep")] + sweep_only
     print_table(rows, ceiling, fits)
     if a.json:
         doc = dict(ceiling_gbps=ceiling, ceilings=ceilings,

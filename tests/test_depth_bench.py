@@ -88,3 +88,17 @@ def test_sweep_fit_is_the_slope_minus_the_reads():
     slope, fixed = sweep_fit(rows, "offload", 10.0)
     assert slope == pytest.approx(300, rel=1e-9) and fixed == pytest.approx(200, rel=1e-9)
     assert sweep_fit(rows, "llama", 10.0) is None           # that engine did not run
+
+
+def test_llama_cpp_reads_it_the_same(tiny_path):
+    """Where llama-cpp-python is installed (skipped otherwise): llama.cpp loads the file and its
+    last-position logits agree with offload's. llama.cpp quantizes activations to 8 bits for
+    quantized matmuls, so agreement is ~1e-2 of the logit scale (as tests/test_runtime_hf.py)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ids = prompt_ids(8)
+    llm = llama_cpp.Llama(model_path=str(tiny_path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(ids)
+    ref = np.array(llm.scores[len(ids) - 1], dtype=np.float32)
+    with rt.load(str(tiny_path), quiet=True, devices="CPU=1GiB", ctx=64) as s:
+        ours = s.logits(ids)[-1]
+    assert np.abs(ours - ref).max() / np.abs(ref).max() < 3e-2
