@@ -71,6 +71,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
 
+from bench.cpu_kernels import ceiling_gbps, load_line
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ("wide", "narrow", "prefill", "sweep")
 SWEEP_BLOCKS = (4, 12, 24, 48)
@@ -151,9 +153,8 @@ def write_model(path: Path, spec: DepthSpec, *, progress=None) -> Path:
     """Write ``spec`` as a GGUF at ``path`` (through a temp file renamed at the end, so a
     half-written file never has the final name). Streams one tensor at a time."""
     from cpu_kernels.synth import reader_shape
-    from tests.tiny_models import tiny_vocab
+    from tests.tiny_models import add_tiny_vocab
 
-    tokens, merges, types = tiny_vocab()
     rng = np.random.default_rng(spec.seed)
     tmp = path.with_name(path.name + ".part")
     w = GGUFWriter(str(tmp), "qwen3moe")
@@ -172,14 +173,7 @@ def write_model(path: Path, spec: DepthSpec, *, progress=None) -> Path:
     w.add_expert_used_count(spec.n_expert_used)
     w.add_expert_feed_forward_length(spec.n_ff_exp)
     w.add_expert_weights_norm(True)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 1)
-    w.add_eos_token_id(len(tokens) - 1)
-    plan = tensors(spec, len(tokens))
+    plan = tensors(spec, add_tiny_vocab(w))
     for name, shape, qtype, _ in plan:
         if qtype == Q.F32:
             w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
@@ -437,18 +431,12 @@ def agreement(ours: list[int], ref: list[int]) -> str:
 
 def measure_ceiling(threads: int) -> float:
     import cpu_kernels as ck
-    from bench.cpu_kernels import ceiling_gbps
     ck.set_num_threads(threads)
     buf = np.ones(1 << 30, np.uint8)        # touched pages: a zero page would read from cache
     try:
         return ceiling_gbps(buf, 5)
     finally:
         del buf
-
-
-def load_average() -> str:
-    la = os.getloadavg()
-    return f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} on {os.cpu_count()} CPUs"
 
 
 def _llama_available() -> str | None:
@@ -529,7 +517,7 @@ def _model(folder: Path, spec: DepthSpec, progress) -> Path:
 
 
 def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
-    progress(f"{load_average()}; models in {folder}")
+    progress(f"{load_line()}; models in {folder}")
     ceilings: list[float] = []
     decode = dict(kind="decode", prompt=DECODE_PROMPT, tokens=a.tokens, repeat=a.repeat)
     prefill = dict(kind="prefill", prompt=a.prompt, repeat=a.repeat)
@@ -575,14 +563,14 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
           f"{a.prompt}; median of {a.rounds} x {a.repeat} passes")
     print(f"memory-read ceiling ({a.threads} threads): {ceiling:.2f} GB/s, median of {len(ceilings)} "
           f"measured before each process and at the end (min {min(ceilings):.2f}, max {max(ceilings):.2f}); "
-          f"{load_average()}")
+          f"{load_line()}")
     sweep_only = sorted((r for r in rows if r.workload.startswith("sweep")), key=lambda r: r.blocks)
     rows = [r for r in rows if not r.workload.startswith("sweep")] + sweep_only
     print_table(rows, ceiling, fits)
     if a.json:
         doc = dict(ceiling_gbps=ceiling, ceilings=ceilings,
                    threads=a.threads, torch_threads=a.torch_threads, tokens=a.tokens, prompt=a.prompt,
-                   repeat=a.repeat, load=load_average(),
+                   repeat=a.repeat, load=load_line(),
                    rows=[dict(asdict(r), offload_tps=median(r.offload), llama_tps=median(r.llama))
                          for r in rows],
                    fits={e: (None if f is None else dict(slope_us=f[0], fixed_us=f[1])) for e, f in fits.items()})
