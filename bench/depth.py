@@ -29,7 +29,8 @@ llama-cpp-python with ``n_threads = n_threads_batch = -t``, no GPU layers, ``n_b
 n_ubatch = --prompt``, memory-mapped weights (its default; the file is read through once
 before each process so neither engine pays disk reads). Each process warms up first (one
 untimed pass of the same workload), then times ``--repeat`` passes; ``--rounds N`` runs N
-such processes per engine, alternating engines, and the median over all passes is reported.
+such processes per engine, alternating engines; the median over all passes is reported
+(``--stat best``: the fastest pass, and the highest ceiling).
 Both are given the same token ids; the greedy tokens' agreement is printed as a sanity check
 (llama.cpp's 8-bit activations make late divergence normal). Without llama-cpp-python only
 offload's column is filled; a crashed process leaves its cells "fail" and says why.
@@ -50,8 +51,8 @@ Fixed cost per block, in µs per token (both engines):
   time beyond its reads spread over the blocks (an upper bound: it includes the head).
 
 The memory-read ceiling is ``bench.cpu_kernels.ceiling_gbps`` with ``-t`` Numba threads over
-a 1 GiB buffer, measured before each engine process and once at the end; their median is
-used and their range printed with the load average (the box may be shared: read the ratios,
+a 1 GiB buffer, measured before each engine process and once at the end; their median (or
+with ``--stat best`` their maximum) is used and their range printed with the load average (the box may be shared: read the ratios,
 not the t/s).
 """
 from __future__ import annotations
@@ -360,8 +361,12 @@ class Row:
     in_sweep: bool = False                       # a point of the block-count fit
 
 
-def median(v) -> float | None:
-    return statistics.median(v) if isinstance(v, list) and v else None
+STATS = {"median": statistics.median, "best": max}     # how passes (t/s) and ceilings are summarised
+
+
+def summary(v, stat: str = "median") -> float | None:
+    """The passes' t/s (or ceilings) summarised by ``stat``; None where it did not run or failed."""
+    return STATS[stat](v) if isinstance(v, list) and v else None
 
 
 def fixed_per_block(tps: float | None, b: Bytes, ceiling: float) -> float | None:
@@ -371,9 +376,9 @@ def fixed_per_block(tps: float | None, b: Bytes, ceiling: float) -> float | None
     return (1 / tps - b.active / (ceiling * 1e9)) / b.n_layer * 1e6
 
 
-def sweep_fit(rows: list[Row], engine: str, ceiling: float) -> tuple[float, float] | None:
+def sweep_fit(rows: list[Row], engine: str, ceiling: float, stat: str = "median") -> tuple[float, float] | None:
     """(slope µs per block, fixed cost µs per block) from the sweep rows, or None."""
-    pts = [(r.blocks, 1 / t) for r in rows if (t := median(getattr(r, engine))) is not None]
+    pts = [(r.blocks, 1 / t) for r in rows if (t := summary(getattr(r, engine), stat)) is not None]
     if len(pts) < 2:
         return None
     blocks, secs = np.array(pts, float).T
@@ -386,12 +391,12 @@ def _fmt(v, spec=".2f", width=8) -> str:
     return f"{v:{width}{spec}}" if isinstance(v, (int, float)) else f"{'-' if v is None else 'fail':>{width}}"
 
 
-def print_table(rows: list[Row], ceiling: float, fits: dict) -> None:
+def print_table(rows: list[Row], ceiling: float, fits: dict, stat: str = "median") -> None:
     print(f"\n{'workload':<16} {'offload t/s':>11} {'llama t/s':>10} {'ratio':>6} {'MB/token':>9} "
           f"{'off GB/s':>8} {'/ceil':>6} {'llama GB/s':>10} {'/ceil':>6} {'limit t/s':>9} "
           f"{'off µs/blk':>10} {'llama µs/blk':>12}")
     for r in rows:
-        o, ll = median(r.offload), median(r.llama)
+        o, ll = summary(r.offload, stat), summary(r.llama, stat)
         ratio = o / ll if o and ll else None
         if r.kind == "decode":
             mb, limit = r.bytes.active / 1e6, ceiling * 1e9 / r.bytes.active
@@ -457,8 +462,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=256, help="prefill prompt tokens (default 256)")
     ap.add_argument("--repeat", type=int, default=3, help="timed passes per workload and process (default 3)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="processes per engine and model, alternating engines (default 1); the median is "
-                         "over rounds x repeat passes")
+                    help="processes per engine and model, alternating engines (default 1)")
+    ap.add_argument("--stat", choices=tuple(STATS), default="median",
+                    help="summary of the rounds x repeat passes and of the ceilings: median (default), or "
+                         "best (fastest pass, highest ceiling: on a busy shared box contention only adds time)")
     ap.add_argument("--keep", type=Path, default=None, help="write / reuse the model files in DIR")
     ap.add_argument("--no-llama", action="store_true", help="offload only, even if llama-cpp-python is installed")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
@@ -554,24 +561,25 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
                     setattr(row, f"{attr}_tokens", res[i]["tokens"])
         rows += job_rows
     ceilings.append(measure_ceiling(a.threads))
-    ceiling = statistics.median(ceilings)
+    ceiling = summary(ceilings, a.stat)
     sweep = sorted((r for r in rows if r.in_sweep), key=lambda r: r.blocks)
-    fits = {e: sweep_fit(sweep, attr, ceiling) for e, attr in (("offload", "offload"), ("llama.cpp", "llama"))}
+    fits = {e: sweep_fit(sweep, attr, ceiling, a.stat) for e, attr in (("offload", "offload"), ("llama.cpp", "llama"))}
     print(f"bench.depth: qwen3moe random weights, {NARROW.n_expert} experts top-{NARROW.n_expert_used}, "
           f"{NARROW.expert_type.name} experts, {NARROW.dense_type.name} attention; {a.threads} threads "
           f"(offload torch {a.torch_threads}); decode {a.tokens} tokens after {DECODE_PROMPT}, prefill "
-          f"{a.prompt}; median of {a.rounds} x {a.repeat} passes")
-    print(f"memory-read ceiling ({a.threads} threads): {ceiling:.2f} GB/s, median of {len(ceilings)} "
+          f"{a.prompt}; {a.stat} of {a.rounds} x {a.repeat} passes")
+    print(f"memory-read ceiling ({a.threads} threads): {ceiling:.2f} GB/s, {a.stat} of {len(ceilings)} "
           f"measured before each process and at the end (min {min(ceilings):.2f}, max {max(ceilings):.2f}); "
           f"{load_line()}")
     sweep_only = sorted((r for r in rows if r.workload.startswith("sweep")), key=lambda r: r.blocks)
     rows = [r for r in rows if not r.workload.startswith("sweep")] + sweep_only
-    print_table(rows, ceiling, fits)
+    print_table(rows, ceiling, fits, a.stat)
     if a.json:
         doc = dict(ceiling_gbps=ceiling, ceilings=ceilings,
                    threads=a.threads, torch_threads=a.torch_threads, tokens=a.tokens, prompt=a.prompt,
-                   repeat=a.repeat, load=load_line(),
-                   rows=[dict(asdict(r), offload_tps=median(r.offload), llama_tps=median(r.llama))
+                   repeat=a.repeat, rounds=a.rounds, stat=a.stat, load=load_line(),
+                   rows=[dict(asdict(r), offload_tps=summary(r.offload, a.stat),
+                             llama_tps=summary(r.llama, a.stat))
                          for r in rows],
                    fits={e: (None if f is None else dict(slope_us=f[0], fixed_us=f[1])) for e, f in fits.items()})
         tmp = a.json.with_name(a.json.name + ".tmp")

@@ -88,6 +88,9 @@ def test_sweep_fit_is_the_slope_minus_the_reads():
     slope, fixed = sweep_fit(rows, "offload", 10.0)
     assert slope == pytest.approx(300, rel=1e-9) and fixed == pytest.approx(200, rel=1e-9)
     assert sweep_fit(rows, "llama", 10.0) is None           # that engine did not run
+    for r in rows:                                           # a slower pass (contention) besides each
+        r.offload = [r.offload[0] / 2, r.offload[0]]
+    assert sweep_fit(rows, "offload", 10.0, "best")[1] == pytest.approx(200, rel=1e-9)
 
 
 def test_llama_cpp_reads_it_the_same(tiny_path):
