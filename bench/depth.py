@@ -68,6 +68,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
@@ -111,27 +112,35 @@ WIDE = DepthSpec()
 NARROW = DepthSpec(n_embd=512, n_head=4, n_head_kv=1, n_ff_exp=256)
 
 
-def tensors(spec: DepthSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], Q, float]]:
-    """(GGUF name, shape in numpy order, type, weight std) in file order, as llama.cpp names
-    qwen3moe's tensors. Norm weights (std < 0) are 1 + |std| * N(0, 1)."""
+class TensorPlan(NamedTuple):
+    name: str                       # GGUF name, as llama.cpp names qwen3moe's tensors
+    shape: tuple[int, ...]          # numpy order
+    qtype: Q
+    std: float                      # of the weight values
+    mean: float = 0.0               # norm weights: 1 + 0.1 * N(0, 1)
+
+
+def tensors(spec: DepthSpec, n_vocab: int) -> list[TensorPlan]:
+    """The model's tensors in file order."""
     d, hd, e, f = spec.n_embd, spec.head_dim, spec.n_expert, spec.n_ff_exp
     qd, kvd, dense, exps = spec.n_head * hd, spec.n_head_kv * hd, spec.dense_type, spec.expert_type
-    out = [("token_embd.weight", (n_vocab, d), dense, 1.0)]
+    T = TensorPlan
+    out = [T("token_embd.weight", (n_vocab, d), dense, 1.0)]
     for i in range(spec.n_layer):
         p = f"blk.{i}."
-        out += [(p + "attn_norm.weight", (d,), Q.F32, -0.1),
-                (p + "attn_q.weight", (qd, d), dense, d ** -0.5),
-                (p + "attn_k.weight", (kvd, d), dense, d ** -0.5),
-                (p + "attn_v.weight", (kvd, d), dense, d ** -0.5),
-                (p + "attn_output.weight", (d, qd), dense, qd ** -0.5),
-                (p + "attn_q_norm.weight", (hd,), Q.F32, -0.1),
-                (p + "attn_k_norm.weight", (hd,), Q.F32, -0.1),
-                (p + "ffn_norm.weight", (d,), Q.F32, -0.1),
-                (p + "ffn_gate_inp.weight", (e, d), Q.F32, d ** -0.5),
-                (p + "ffn_gate_exps.weight", (e, f, d), exps, d ** -0.5),
-                (p + "ffn_up_exps.weight", (e, f, d), exps, d ** -0.5),
-                (p + "ffn_down_exps.weight", (e, d, f), exps, f ** -0.5)]
-    out += [("output_norm.weight", (d,), Q.F32, -0.1), ("output.weight", (n_vocab, d), dense, d ** -0.5)]
+        out += [T(p + "attn_norm.weight", (d,), Q.F32, 0.1, 1.0),
+                T(p + "attn_q.weight", (qd, d), dense, d ** -0.5),
+                T(p + "attn_k.weight", (kvd, d), dense, d ** -0.5),
+                T(p + "attn_v.weight", (kvd, d), dense, d ** -0.5),
+                T(p + "attn_output.weight", (d, qd), dense, qd ** -0.5),
+                T(p + "attn_q_norm.weight", (hd,), Q.F32, 0.1, 1.0),
+                T(p + "attn_k_norm.weight", (hd,), Q.F32, 0.1, 1.0),
+                T(p + "ffn_norm.weight", (d,), Q.F32, 0.1, 1.0),
+                T(p + "ffn_gate_inp.weight", (e, d), Q.F32, d ** -0.5),
+                T(p + "ffn_gate_exps.weight", (e, f, d), exps, d ** -0.5),
+                T(p + "ffn_up_exps.weight", (e, f, d), exps, d ** -0.5),
+                T(p + "ffn_down_exps.weight", (e, d, f), exps, f ** -0.5)]
+    out += [T("output_norm.weight", (d,), Q.F32, 0.1, 1.0), T("output.weight", (n_vocab, d), dense, d ** -0.5)]
     return out
 
 
@@ -139,14 +148,13 @@ def tensors(spec: DepthSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], Q
 _CODE_STD = {Q.Q4_0: 4.61, Q.Q8_0: 73.9}
 
 
-def _random_data(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q, std: float) -> np.ndarray:
+def _random_data(rng: np.random.Generator, t: TensorPlan) -> np.ndarray:
     from cpu_kernels.synth import reader_shape, set_scales
-    if qtype == Q.F32:
-        v = rng.standard_normal(shape, dtype=np.float32)
-        return (1.0 + abs(std) * v).astype(np.float32) if std < 0 else v * np.float32(std)
-    rshape = reader_shape(qtype, shape)
+    if t.qtype == Q.F32:
+        return np.float32(t.mean) + rng.standard_normal(t.shape, dtype=np.float32) * np.float32(t.std)
+    rshape = reader_shape(t.qtype, t.shape)
     raw = np.frombuffer(rng.bytes(int(np.prod(rshape))), np.uint8).reshape(rshape).copy()
-    set_scales(raw, qtype, rng, std / _CODE_STD[qtype])
+    set_scales(raw, t.qtype, rng, t.std / _CODE_STD[t.qtype])
     return raw
 
 
@@ -175,7 +183,7 @@ def write_model(path: Path, spec: DepthSpec, *, progress=None) -> Path:
     w.add_expert_feed_forward_length(spec.n_ff_exp)
     w.add_expert_weights_norm(True)
     plan = tensors(spec, add_tiny_vocab(w))
-    for name, shape, qtype, _ in plan:
+    for name, shape, qtype, *_ in plan:
         if qtype == Q.F32:
             w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
         else:
@@ -186,8 +194,8 @@ def write_model(path: Path, spec: DepthSpec, *, progress=None) -> Path:
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         step = max(1, len(plan) // 8)
-        for i, (name, shape, qtype, std) in enumerate(plan):
-            w.write_tensor_data(_random_data(rng, shape, qtype, std))
+        for i, t in enumerate(plan):
+            w.write_tensor_data(_random_data(rng, t))
             if progress is not None and (i + 1) % step == 0:
                 progress(f"{i + 1}/{len(plan)} tensors")
         w.close()
@@ -199,7 +207,7 @@ def write_model(path: Path, spec: DepthSpec, *, progress=None) -> Path:
 
 def model_bytes(spec: DepthSpec, n_vocab: int) -> int:
     return sum(GGML_QUANT_SIZES[q][1] * int(np.prod(s)) // GGML_QUANT_SIZES[q][0]
-               for _, s, q, _ in tensors(spec, n_vocab))
+               for _, s, q, *_ in tensors(spec, n_vocab))
 
 
 @dataclass(frozen=True)
