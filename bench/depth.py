@@ -206,8 +206,9 @@ def write_model(path: Path, spec: DepthSpec, *, progress=None) -> Path:
 
 
 def model_bytes(spec: DepthSpec, n_vocab: int) -> int:
-    return sum(GGML_QUANT_SIZES[q][1] * int(np.prod(s)) // GGML_QUANT_SIZES[q][0]
-               for _, s, q, *_ in tensors(spec, n_vocab))
+    """Bytes of tensor data the writer writes (alignment padding aside)."""
+    return sum(int(np.prod(t.shape)) // GGML_QUANT_SIZES[t.qtype][0] * GGML_QUANT_SIZES[t.qtype][1]
+               for t in tensors(spec, n_vocab))
 
 
 @dataclass(frozen=True)
