@@ -52,8 +52,9 @@ Fixed cost per block, in µs per token (both engines):
 
 The memory-read ceiling is ``bench.cpu_kernels.ceiling_gbps`` with ``-t`` Numba threads over
 a 1 GiB buffer, measured before each engine process and once at the end; their median (or
-with ``--stat best`` their maximum) is used and their range printed with the load average (the box may be shared: read the ratios,
-not the t/s).
+with ``--stat best`` their maximum) is used and their range printed with the load average
+(the box may be shared: read the ratios, not the t/s; with a load average above the core
+count, two-thread runs of both engines mostly measure scheduling).
 """
 from __future__ import annotations
 
@@ -574,10 +575,10 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
     sweep = sorted((r for r in rows if r.in_sweep), key=lambda r: r.blocks)
     fits = {e: sweep_fit(sweep, attr, ceiling, a.stat) for e, attr in (("offload", "offload"), ("llama.cpp", "llama"))}
     print(f"bench.depth: qwen3moe random weights, {NARROW.n_expert} experts top-{NARROW.n_expert_used}, "
-          f"{NARROW.expert_type.name} experts, {NARROW.dense_type.name} attention; {a.threads} threads "
+          f"{NARROW.expert_type.name} experts, {NARROW.dense_type.name} attention; threads -t {a.threads} "
           f"(offload torch {a.torch_threads}); decode {a.tokens} tokens after {DECODE_PROMPT}, prefill "
           f"{a.prompt}; {a.stat} of {a.rounds} x {a.repeat} passes")
-    print(f"memory-read ceiling ({a.threads} threads): {ceiling:.2f} GB/s, {a.stat} of {len(ceilings)} "
+    print(f"memory-read ceiling (-t {a.threads}): {ceiling:.2f} GB/s, {a.stat} of {len(ceilings)} "
           f"measured before each process and at the end (min {min(ceilings):.2f}, max {max(ceilings):.2f}); "
           f"{load_line()}")
     sweep_only = sorted((r for r in rows if r.workload.startswith("sweep")), key=lambda r: r.blocks)
