@@ -97,7 +97,7 @@ def test_bad_serve_flags_are_one_line_and_status_2(tmp_path, capsys):
         (["--chat-template", str(tmp_path / "missing.jinja")], "cannot read --chat-template"),
         (["--chat-template", str(broken)], "broken.jinja) line 1"),
         (["--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1"),
-        (["--spec-n-max", "-1"], "--spec-n-max must be >= 0"),
+        (["--spec-n-max", "-1"], "--spec-n-max must be an integer >= 0"),
         ([str(tmp_path / "nope.gguf")], "model file not found"),
     ]
     try:
