@@ -129,6 +129,7 @@ class TinySpec:
     rope_base: float = 10000.0
     rms_eps: float = 1e-5
     seed: int = 0
+    experts_as_f32: bool = False  # write the routed experts' dequantized values as F32 (same draws)
 
     @property
     def n_vocab(self) -> int:
@@ -183,6 +184,8 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel
 
     def put(name, shape, qtype, std, mean=0.0):
         data, raw_dtype, deq = random_tensor(rng, shape, qtype, std)
+        if spec.experts_as_f32 and name.endswith("_exps.weight"):
+            data, raw_dtype = deq, None
         if mean:
             data = data + np.float32(mean)
             deq = data
