@@ -5,13 +5,15 @@ These types do not store weights as bit fields: each group of 8 weights (4 for I
 index into a fixed grid of byte vectors (``iq2xxs_grid`` …), plus sign bits (IQ2/IQ3) or a
 ±1/8 shift (IQ1). A unit is 4 groups of 8: the decoder gathers 4 grid entries (8 bytes each;
 IQ3's two 4-byte entries form one), applies the signs in byte lanes and widens to floats
-(``lattice_f32``), or hands the same bytes to the int8 engine as codes + 128
-(``lattice_codes``). IQ1's values are kept as 8 * grid ± 1 (integers, |v| <= 9) with d / 8,
-so the shift needs no separate term and its int8 codes are exact.
+(``LATTICE[kind][0]``), or hands the same bytes to the int8 engine as codes + 128
+(``LATTICE[kind][1]``). IQ1's values are kept as 8 * grid ± 1 (integers, |v| <= 9) with
+d / 8, so the shift needs no separate term and its int8 codes are exact. ggml's
+``ksigns_iq2xs`` table (7 sign bits + their parity) is computed in vector lanes rather than
+looked up; ``KSIGNS`` holds the reference values the tests hold that rule to.
 
 The grids and ``ksigns_iq2xs`` are ggml's reference values, taken from gguf-py at import
-(``gguf.quants``: the tables its numpy dequantizers use) into ``GRIDS`` / ``KSIGNS``, and are
-compile-time constants of the kernels.
+(``gguf.quants``: the tables its numpy dequantizers use) into ``GRIDS`` / ``KSIGNS``; the
+grids are compile-time constants of the kernels.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .pair8 import i8x64
@@ -56,30 +59,42 @@ def _const(ty, vals):
     return ir.Constant(ir.VectorType(ty, len(vals)), [int(v) for v in vals])
 
 
-def _unit_bytes(context, builder, sig, args, i, shifted):
+def _unit_bytes(context, builder, sig, args, i, kind):
     """<32 x i8> signed values of one unit from (g0, g1, g2, g3, s) at args[i:i + 5]:
-    byte j of g_l is weight 8l + j. Signed grids: negated where bit j of byte l of s is
-    set. ``shifted`` (IQ1): 8 * value + 1, or - 1 where bit l of s is set."""
+    byte j of g_l is weight 8l + j. kind "signs": negated where bit j of byte l of s is
+    set; "ksigns": s holds four 7-bit ksigns_iq2xs indices (group l at bit 7l) and the
+    sign bits are computed, not looked up (bit j < 7 of the index; bit 7 its parity, one
+    vector popcount); "shifted" (IQ1): 8 * value + 1, or - 1 where bit l of s is set."""
     v = ir.Constant(ir.VectorType(_I64, 4), None)
     for l in range(4):
         g = context.cast(builder, args[i + l], sig.args[i + l], types.uint64)
         v = builder.insert_element(v, g, ir.Constant(_I32, l))
     b = builder.bitcast(v, ir.VectorType(_I8, 32))
     s = context.cast(builder, args[i + 4], sig.args[i + 4], types.uint32)
+    zero8 = _const(_I8, [0] * 32)
+    if kind == "ksigns":
+        v32 = ir.VectorType(_I32, 32)
+        s32 = builder.shuffle_vector(builder.insert_element(ir.Constant(v32, None), s, ir.Constant(_I32, 0)),
+                                     ir.Constant(v32, None), _const(_I32, [0] * 32))
+        shift = [7 * (j // 8) + (j % 8 if j % 8 < 7 else 0) for j in range(32)]
+        mask = [1 if j % 8 < 7 else 127 for j in range(32)]
+        x = builder.and_(builder.lshr(s32, _const(_I32, shift)), _const(_I32, mask))
+        pop = builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32]),
+                                                          "llvm.ctpop.v32i32"), [x])
+        neg = builder.trunc(builder.and_(pop, _const(_I32, [1] * 32)), ir.VectorType(_I1, 32))
+        return builder.select(neg, builder.sub(zero8, b), b)
     s4 = builder.bitcast(s, ir.VectorType(_I8, 4))
-    if shifted:
+    if kind == "shifted":
         s32 = builder.shuffle_vector(s4, s4, _const(_I32, [0] * 32))
-        neg = builder.icmp_unsigned("!=", builder.and_(s32, _const(_I8, [1 << (j // 8) for j in range(32)])),
-                                    _const(_I8, [0] * 32))
+        neg = builder.icmp_unsigned("!=", builder.and_(s32, _const(_I8, [1 << (j // 8) for j in range(32)])), zero8)
         return builder.add(builder.shl(b, _const(_I8, [3] * 32)),
                            builder.select(neg, _const(_I8, [-1] * 32), _const(_I8, [1] * 32)))
     s32 = builder.shuffle_vector(s4, s4, _const(_I32, [j // 8 for j in range(32)]))
-    neg = builder.icmp_unsigned("!=", builder.and_(s32, _const(_I8, [1 << (j % 8) for j in range(32)])),
-                                _const(_I8, [0] * 32))
-    return builder.select(neg, builder.sub(_const(_I8, [0] * 32), b), b)
+    neg = builder.icmp_unsigned("!=", builder.and_(s32, _const(_I8, [1 << (j % 8) for j in range(32)])), zero8)
+    return builder.select(neg, builder.sub(zero8, b), b)
 
 
-def _lattice(shifted):
+def _lattice(kind):
     @intrinsic
     def floats(typingctx, g0, g1, g2, g3, s):
         """(v0, v1): the unit's weights 0..15 and 16..31 as float vectors."""
@@ -87,7 +102,7 @@ def _lattice(shifted):
             return None
 
         def codegen(context, builder, sig, args):
-            b = _unit_bytes(context, builder, sig, args, 0, shifted)
+            b = _unit_bytes(context, builder, sig, args, 0, kind)
             halves = [builder.sitofp(builder.shuffle_vector(b, b, _const(_I32, range(16 * h, 16 * h + 16))), _VF)
                       for h in (0, 1)]
             return context.make_tuple(builder, sig.return_type, halves)
@@ -100,21 +115,21 @@ def _lattice(shifted):
             return None
 
         def codegen(context, builder, sig, args):
-            a = _unit_bytes(context, builder, sig, args, 0, shifted)
-            b = _unit_bytes(context, builder, sig, args, 5, shifted)
+            a = _unit_bytes(context, builder, sig, args, 0, kind)
+            b = _unit_bytes(context, builder, sig, args, 5, kind)
             v = builder.shuffle_vector(a, b, _const(_I32, range(64)))
             return builder.xor(v, _const(_I8, [0x80] * 64))
         return i8x64(g0, g1, g2, g3, s, h0, h1, h2, h3, t), codegen
     return floats, codes
 
 
-lattice_f32, lattice_codes = _lattice(False)
-shifted_f32, shifted_codes = _lattice(True)
+LATTICE = {kind: _lattice(kind) for kind in ("signs", "ksigns", "shifted")}
 
 
-def _decoders(unit, shifted=False):
-    """(quants, codes) of a type from ``unit(w, ob, k) -> (g0, g1, g2, g3, s)``."""
-    to_f32, to_codes = (shifted_f32, shifted_codes) if shifted else (lattice_f32, lattice_codes)
+def _decoders(unit, kind):
+    """(quants, codes) of a type from ``unit(w, ob, k) -> (g0, g1, g2, g3, s)`` (s as
+    ``_unit_bytes`` reads it for ``kind``)."""
+    to_f32, to_codes = LATTICE[kind]
 
     @_jit
     def quants(w, ob, k):
@@ -167,14 +182,6 @@ def f16_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
-@_jit
-def _signs4(aux):
-    """The four sign bytes of a unit from 4 x 7-bit ksigns indices in aux's low 28 bits."""
-    a = np.int64(aux)
-    return (np.int64(KSIGNS[a & 127]) | np.int64(KSIGNS[(a >> 7) & 127]) << 8
-            | np.int64(KSIGNS[(a >> 14) & 127]) << 16 | np.int64(KSIGNS[(a >> 21) & 127]) << 24)
-
-
 _K = [L // 2 for L in range(16)]       # unit of each scale lane
 
 
@@ -191,7 +198,7 @@ def scales_iq2_xxs(w, ob):
 def unit_iq2_xxs(w, ob, k):
     q = ob + 2 + 8 * k
     return (IQ2XXS_GRID[ld_u8(w, q)], IQ2XXS_GRID[ld_u8(w, q + 1)], IQ2XXS_GRID[ld_u8(w, q + 2)],
-            IQ2XXS_GRID[ld_u8(w, q + 3)], _signs4(ld_u32(w, q + 4)))
+            IQ2XXS_GRID[ld_u8(w, q + 3)], ld_u32(w, q + 4) & 0x0FFFFFFF)
 
 
 # block_iq2_xs { ggml_half d; uint16_t qs[32]; uint8_t scales[8]; }  74 bytes
@@ -215,8 +222,7 @@ def scales_iq2_xs(w, ob):
 def unit_iq2_xs(w, ob, k):
     q = ob + 2 + 8 * k
     q0, q1, q2, q3 = ld_u16(w, q), ld_u16(w, q + 2), ld_u16(w, q + 4), ld_u16(w, q + 6)
-    s = (np.int64(KSIGNS[q0 >> 9]) | np.int64(KSIGNS[q1 >> 9]) << 8 | np.int64(KSIGNS[q2 >> 9]) << 16
-         | np.int64(KSIGNS[q3 >> 9]) << 24)
+    s = np.int64(q0 >> 9) | np.int64(q1 >> 9) << 7 | np.int64(q2 >> 9) << 14 | np.int64(q3 >> 9) << 21
     return IQ2XS_GRID[q0 & 511], IQ2XS_GRID[q1 & 511], IQ2XS_GRID[q2 & 511], IQ2XS_GRID[q3 & 511], s
 
 
@@ -258,7 +264,7 @@ def unit_iq3_xxs(w, ob, k):
     g = IQ3XXS_GRID
     return (_iq3(g, ld_u8(w, q), ld_u8(w, q + 1)), _iq3(g, ld_u8(w, q + 2), ld_u8(w, q + 3)),
             _iq3(g, ld_u8(w, q + 4), ld_u8(w, q + 5)), _iq3(g, ld_u8(w, q + 6), ld_u8(w, q + 7)),
-            _signs4(ld_u32(w, ob + 66 + 4 * k)))
+            ld_u32(w, ob + 66 + 4 * k) & 0x0FFFFFFF)
 
 
 # block_iq3_s { ggml_half d; uint8_t qs[64]; uint8_t qh[8]; uint8_t signs[32]; uint8_t scales[4]; }
@@ -342,16 +348,16 @@ def unit_iq1_m(w, ob, k):
             g[np.int64(ld_u8(w, q + 2)) | (h1 & 7) << 8], g[np.int64(ld_u8(w, q + 3)) | (h1 & 0x70) << 4], s)
 
 
-_TYPES = (  # type, scales, unit decoder, same d for both halves, IQ1's shifted values
-    (T.IQ2_XXS, scales_iq2_xxs, unit_iq2_xxs, True, False),
-    (T.IQ2_XS, scales_iq2_xs, unit_iq2_xs, False, False),
-    (T.IQ2_S, scales_iq2_s, unit_iq2_s, False, False),
-    (T.IQ3_XXS, scales_iq3_xxs, unit_iq3_xxs, True, False),
-    (T.IQ3_S, scales_iq3_s, unit_iq3_s, True, False),
-    (T.IQ1_S, scales_iq1_s, unit_iq1_s, True, True),
-    (T.IQ1_M, scales_iq1_m, unit_iq1_m, False, True),
+_TYPES = (  # type, scales, unit decoder, same d for both halves, how the unit's s is read
+    (T.IQ2_XXS, scales_iq2_xxs, unit_iq2_xxs, True, "ksigns"),
+    (T.IQ2_XS, scales_iq2_xs, unit_iq2_xs, False, "ksigns"),
+    (T.IQ2_S, scales_iq2_s, unit_iq2_s, False, "signs"),
+    (T.IQ3_XXS, scales_iq3_xxs, unit_iq3_xxs, True, "ksigns"),
+    (T.IQ3_S, scales_iq3_s, unit_iq3_s, True, "signs"),
+    (T.IQ1_S, scales_iq1_s, unit_iq1_s, True, "shifted"),
+    (T.IQ1_M, scales_iq1_m, unit_iq1_m, False, "shifted"),
 )
-for _qt, _scales, _unit, _same_d, _shifted in _TYPES:
-    _quants, _codes = _decoders(_unit, _shifted)
+for _qt, _scales, _unit, _same_d, _kind in _TYPES:
+    _quants, _codes = _decoders(_unit, _kind)
     register(_qt, units_per_block=8, scales=_scales, quants=_quants, same_d=_same_d,
              codes=_codes, code_offset=128)

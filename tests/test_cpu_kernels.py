@@ -72,6 +72,15 @@ def test_matmul_random_blocks(qt):
         check_close(ck.matmul(x, w, qt), x, W)
 
 
+def test_ksigns_rule_is_ggmls_table():
+    """The lattice decoders compute ksigns_iq2xs (7 sign bits, bit 7 their parity) instead
+    of looking it up: the rule against the reference values gguf-py carries."""
+    from cpu_kernels.iquants import KSIGNS
+    i = np.arange(128)
+    parity = np.array([bin(v).count("1") & 1 for v in i])
+    assert np.array_equal(KSIGNS, i | parity << 7)
+
+
 @pytest.mark.parametrize("qt", QUANTIZABLE, ids=lambda t: t.name)
 def test_matmul_quantized_gaussian_weights(qt):
     rng = seed(2, qt)
