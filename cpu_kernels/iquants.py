@@ -3,13 +3,13 @@ IQ1_M (256-weight super-blocks, 8 units of 32). Contract as in ``registry``.
 
 These types do not store weights as bit fields: each group of 8 weights (4 for IQ3) is an
 index into a fixed grid of byte vectors (``iq2xxs_grid`` …), plus sign bits (IQ2/IQ3) or a
-±1/8 shift (IQ1). A unit is 4 groups of 8: the decoder gathers 4 grid entries (8 bytes each;
-IQ3's two 4-byte entries form one), applies the signs in byte lanes and widens to floats
-(``LATTICE[kind][0]``), or hands the same bytes to the int8 engine as codes + 128
-(``LATTICE[kind][1]``). IQ1's values are kept as 8 * grid ± 1 (integers, |v| <= 9) with
-d / 8, so the shift needs no separate term and its int8 codes are exact. ggml's
-``ksigns_iq2xs`` table (7 sign bits + their parity) is computed in vector lanes rather than
-looked up; ``KSIGNS`` holds the reference values the tests hold that rule to.
+±1/8 shift (IQ1). A unit is 4 groups of 8: per type, scalar code gathers 4 grid words (8
+bytes each; IQ3's two 4-byte entries form one) and a 32-bit word of signs; ``LATTICE``
+turns them into float vectors (the negation is one masked byte subtract), or into
+codes + 128 for the int8 engine. IQ1's values are kept as 8 * grid ± 1 (integers,
+|v| <= 9) with d / 8, so the shift needs no separate term and its int8 codes are exact.
+ggml's ``ksigns_iq2xs`` (7 sign bits + their parity) is computed in vector lanes;
+``KSIGNS`` holds the reference values a test holds that rule to.
 
 The grids and ``ksigns_iq2xs`` are ggml's reference values, taken from gguf-py at import
 (``gguf.quants``: the tables its numpy dequantizers use) into ``GRIDS`` / ``KSIGNS``; the
@@ -59,39 +59,39 @@ def _const(ty, vals):
     return ir.Constant(ir.VectorType(ty, len(vals)), [int(v) for v in vals])
 
 
+def _negative_lanes(builder, s, kind):
+    """<32 x i1>: which of the unit's 32 weights are negative, from the u32 s. "mask" and
+    "shifted": s is that mask (lane 8l + j at bit 8l + j; one kmov). "ksigns": s holds four
+    7-bit ksigns_iq2xs indices (group l at bit 7l) and the table is computed in vector
+    lanes: lane j < 7 of a group is bit j of its index, lane 7 their parity (one popcount)
+    — measured faster than four scalar table loads per unit."""
+    if kind != "ksigns":
+        return builder.bitcast(s, ir.VectorType(_I1, 32))
+    v32 = ir.VectorType(_I32, 32)
+    s32 = builder.shuffle_vector(builder.insert_element(ir.Constant(v32, None), s, ir.Constant(_I32, 0)),
+                                 ir.Constant(v32, None), _const(_I32, [0] * 32))
+    shift = [7 * (j // 8) + (j % 8 if j % 8 < 7 else 0) for j in range(32)]
+    mask = [1 if j % 8 < 7 else 127 for j in range(32)]
+    x = builder.and_(builder.lshr(s32, _const(_I32, shift)), _const(_I32, mask))
+    pop = builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32]),
+                                                      "llvm.ctpop.v32i32"), [x])
+    return builder.trunc(builder.and_(pop, _const(_I32, [1] * 32)), ir.VectorType(_I1, 32))
+
+
 def _unit_bytes(context, builder, sig, args, i, kind):
     """<32 x i8> signed values of one unit from (g0, g1, g2, g3, s) at args[i:i + 5]:
-    byte j of g_l is weight 8l + j. kind "signs": negated where bit j of byte l of s is
-    set; "ksigns": s holds four 7-bit ksigns_iq2xs indices (group l at bit 7l) and the
-    sign bits are computed, not looked up (bit j < 7 of the index; bit 7 its parity, one
-    vector popcount); "shifted" (IQ1): 8 * value + 1, or - 1 where bit l of s is set."""
+    byte j of g_l is weight 8l + j; lanes ``_negative_lanes`` marks are negated, or for
+    IQ1 ("shifted") 8 * value - 1 where marked and 8 * value + 1 elsewhere."""
     v = ir.Constant(ir.VectorType(_I64, 4), None)
     for l in range(4):
         g = context.cast(builder, args[i + l], sig.args[i + l], types.uint64)
         v = builder.insert_element(v, g, ir.Constant(_I32, l))
     b = builder.bitcast(v, ir.VectorType(_I8, 32))
-    s = context.cast(builder, args[i + 4], sig.args[i + 4], types.uint32)
-    zero8 = _const(_I8, [0] * 32)
-    if kind == "ksigns":
-        v32 = ir.VectorType(_I32, 32)
-        s32 = builder.shuffle_vector(builder.insert_element(ir.Constant(v32, None), s, ir.Constant(_I32, 0)),
-                                     ir.Constant(v32, None), _const(_I32, [0] * 32))
-        shift = [7 * (j // 8) + (j % 8 if j % 8 < 7 else 0) for j in range(32)]
-        mask = [1 if j % 8 < 7 else 127 for j in range(32)]
-        x = builder.and_(builder.lshr(s32, _const(_I32, shift)), _const(_I32, mask))
-        pop = builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32]),
-                                                          "llvm.ctpop.v32i32"), [x])
-        neg = builder.trunc(builder.and_(pop, _const(_I32, [1] * 32)), ir.VectorType(_I1, 32))
-        return builder.select(neg, builder.sub(zero8, b), b)
-    s4 = builder.bitcast(s, ir.VectorType(_I8, 4))
+    neg = _negative_lanes(builder, context.cast(builder, args[i + 4], sig.args[i + 4], types.uint32), kind)
     if kind == "shifted":
-        s32 = builder.shuffle_vector(s4, s4, _const(_I32, [0] * 32))
-        neg = builder.icmp_unsigned("!=", builder.and_(s32, _const(_I8, [1 << (j // 8) for j in range(32)])), zero8)
         return builder.add(builder.shl(b, _const(_I8, [3] * 32)),
                            builder.select(neg, _const(_I8, [-1] * 32), _const(_I8, [1] * 32)))
-    s32 = builder.shuffle_vector(s4, s4, _const(_I32, [j // 8 for j in range(32)]))
-    neg = builder.icmp_unsigned("!=", builder.and_(s32, _const(_I8, [1 << (j % 8) for j in range(32)])), zero8)
-    return builder.select(neg, builder.sub(zero8, b), b)
+    return builder.select(neg, builder.sub(_const(_I8, [0] * 32), b), b)
 
 
 def _lattice(kind):
@@ -123,12 +123,12 @@ def _lattice(kind):
     return floats, codes
 
 
-LATTICE = {kind: _lattice(kind) for kind in ("signs", "ksigns", "shifted")}
+LATTICE = {kind: _lattice(kind) for kind in ("mask", "ksigns", "shifted")}
 
 
 def _decoders(unit, kind):
-    """(quants, codes) of a type from ``unit(w, ob, k) -> (g0, g1, g2, g3, s)`` (s as
-    ``_unit_bytes`` reads it for ``kind``)."""
+    """(quants, codes) of a type from ``unit(w, ob, k) -> (g0, g1, g2, g3, s)``: four grid
+    words and the unit's signs as ``_negative_lanes`` reads them for ``kind``."""
     to_f32, to_codes = LATTICE[kind]
 
     @_jit
@@ -310,7 +310,7 @@ def unit_iq1_s(w, ob, k):
     g = IQ1S_GRID
     return (g[np.int64(ld_u8(w, q)) | (h & 7) << 8], g[np.int64(ld_u8(w, q + 1)) | (h & 56) << 5],
             g[np.int64(ld_u8(w, q + 2)) | (h & 448) << 2], g[np.int64(ld_u8(w, q + 3)) | (h & 3584) >> 1],
-            (h >> 15) * 15)
+            (h >> 15) * 0xFFFFFFFF)
 
 
 # block_iq1_m { uint8_t qs[32]; uint8_t qh[16]; uint8_t scales[8]; }  56 bytes (no d field)
@@ -343,17 +343,18 @@ def unit_iq1_m(w, ob, k):
     h0 = np.int64(ld_u8(w, ob + 32 + 2 * k))
     h1 = np.int64(ld_u8(w, ob + 33 + 2 * k))
     g = IQ1S_GRID
-    s = (h0 >> 3) & 1 | (h0 >> 6) & 2 | (h1 >> 1) & 4 | (h1 >> 4) & 8
+    # delta signs (bit 3 of each qh nibble) spread to their group's 8 lanes
+    s = ((h0 >> 3) & 1) * 0xFF | ((h0 >> 7) & 1) * 0xFF00 | ((h1 >> 3) & 1) * 0xFF0000 | ((h1 >> 7) & 1) * 0xFF000000
     return (g[np.int64(ld_u8(w, q)) | (h0 & 7) << 8], g[np.int64(ld_u8(w, q + 1)) | (h0 & 0x70) << 4],
             g[np.int64(ld_u8(w, q + 2)) | (h1 & 7) << 8], g[np.int64(ld_u8(w, q + 3)) | (h1 & 0x70) << 4], s)
 
 
-_TYPES = (  # type, scales, unit decoder, same d for both halves, how the unit's s is read
+_TYPES = (  # type, scales, unit decoder, same d for both halves, how the unit's signs come
     (T.IQ2_XXS, scales_iq2_xxs, unit_iq2_xxs, True, "ksigns"),
     (T.IQ2_XS, scales_iq2_xs, unit_iq2_xs, False, "ksigns"),
-    (T.IQ2_S, scales_iq2_s, unit_iq2_s, False, "signs"),
+    (T.IQ2_S, scales_iq2_s, unit_iq2_s, False, "mask"),
     (T.IQ3_XXS, scales_iq3_xxs, unit_iq3_xxs, True, "ksigns"),
-    (T.IQ3_S, scales_iq3_s, unit_iq3_s, True, "signs"),
+    (T.IQ3_S, scales_iq3_s, unit_iq3_s, True, "mask"),
     (T.IQ1_S, scales_iq1_s, unit_iq1_s, True, "shifted"),
     (T.IQ1_M, scales_iq1_m, unit_iq1_m, False, "shifted"),
 )
