@@ -208,8 +208,8 @@ def _iq_table(name: str, device: torch.device) -> torch.Tensor:
 
 
 def _sign_bits(s: torch.Tensor) -> torch.Tensor:
-    """(..., ) sign bytes → (..., 8) ±1.0, bit j negating weight j."""
-    bits = (s.to(torch.int32)[..., None] >> torch.arange(8, device=s.device)) & 1
+    """(..., ) sign bytes (uint8) → (..., 8) ±1.0, bit j negating weight j."""
+    bits = (s[..., None] >> torch.arange(8, device=s.device, dtype=torch.uint8)) & 1
     return torch.where(bits == 0, 1.0, -1.0)
 
 
@@ -294,7 +294,8 @@ def _iq1_m(b):     # qs[32], qh[16] (3 index bits + delta sign per 8), scales u1
     n = b.shape[0]
     sc = _u16(b[:, 48:56])                                              # (n, 4)
     d = ((sc & 0xF000) >> torch.tensor([12, 8, 4, 0], device=b.device)).sum(1)
-    d = d.to(torch.int16).view(torch.float16).float().reshape(n, 1, 1, 1, 1)
+    d = torch.where(d >= 0x8000, d - 0x10000, d).to(torch.int16)        # the f16's bits, in range
+    d = d.view(torch.float16).float().reshape(n, 1, 1, 1, 1)
     s = (sc[..., None] >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7
     dl = d * (2 * s + 1).float().reshape(n, 8, 2, 1, 1)
     qh = _bits(b[:, 32:48], 4).long().reshape(n, 8, 2, 2)
