@@ -340,13 +340,13 @@ def scales_iq1_m(w, ob):
 @_jit
 def unit_iq1_m(w, ob, k):
     q = ob + 4 * k
-    h0 = np.int64(ld_u8(w, ob + 32 + 2 * k))
-    h1 = np.int64(ld_u8(w, ob + 33 + 2 * k))
+    h = np.int64(ld_u16(w, ob + 32 + 2 * k))      # qh[2k], qh[2k + 1]: one nibble per group
     g = IQ1S_GRID
-    # delta signs (bit 3 of each qh nibble) spread to their group's 8 lanes
-    s = ((h0 >> 3) & 1) * 0xFF | ((h0 >> 7) & 1) * 0xFF00 | ((h1 >> 3) & 1) * 0xFF0000 | ((h1 >> 7) & 1) * 0xFF000000
-    return (g[np.int64(ld_u8(w, q)) | (h0 & 7) << 8], g[np.int64(ld_u8(w, q + 1)) | (h0 & 0x70) << 4],
-            g[np.int64(ld_u8(w, q + 2)) | (h1 & 7) << 8], g[np.int64(ld_u8(w, q + 3)) | (h1 & 0x70) << 4], s)
+    # delta sign of group l (bit 4l + 3 of h) moved to bit 8l, then spread over its byte
+    x = h & 0x8888
+    s = ((x & 0x8) | (x & 0x80) << 4 | (x & 0x800) << 8 | (x & 0x8000) << 12) >> 3
+    return (g[np.int64(ld_u8(w, q)) | (h & 7) << 8], g[np.int64(ld_u8(w, q + 1)) | (h & 0x70) << 4],
+            g[np.int64(ld_u8(w, q + 2)) | (h & 0x700)], g[np.int64(ld_u8(w, q + 3)) | (h & 0x7000) >> 4], s * 0xFF)
 
 
 _TYPES = (  # type, scales, unit decoder, same d for both halves, how the unit's signs come
