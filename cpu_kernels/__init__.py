@@ -11,12 +11,12 @@
 
 Layers: ``simd``/``simd8`` (explicit vector ops as LLVM IR), one decoder module per quant
 family registered by ``GGMLQuantizationType`` (``floats``, ``legacy``, ``kquants``,
-``nonlinear``), ``rowdot``/``rowdot8`` (four rows x tokens), drivers ``matmul`` and ``moe``.
+``nonlinear``, ``iquants``), ``rowdot``/``rowdot8`` (four rows x tokens), drivers ``matmul`` and ``moe``.
 """
 from __future__ import annotations
 
 # Importing the families registers their decoders.
-from . import floats, kquants, legacy, nonlinear  # noqa: F401
+from . import floats, iquants, kquants, legacy, nonlinear  # noqa: F401
 from .matmul import matmul
 from .moe import ExpertWeights, moe_ffn
 from .registry import UnsupportedQuantType, supported_types

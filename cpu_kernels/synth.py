@@ -16,8 +16,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 _F16_FIELDS = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,),
+    T.IQ3_XXS: (0,), T.IQ3_S: (0,), T.IQ1_S: (0,),
 }
+# IQ1_M has no d field: its f16 scale is the top nibbles of the u16 at these offsets.
+_F16_NIBBLES = {T.IQ1_M: (48, 50, 52, 54)}
 _E8M0_FIELDS = {T.MXFP4: (0,)}
 
 
@@ -55,7 +58,7 @@ def random_blocks(qtype: T, shape: tuple[int, ...], rng: np.random.Generator,
 def set_scales(data: np.ndarray, qtype: T, rng: np.random.Generator, scale: float = 0.01) -> None:
     """Overwrite the scale fields of every block in ``data`` (uint8, raw blocks, in place)
     with sane random values, leaving the quant bytes as they are."""
-    if qtype not in _F16_FIELDS and qtype not in _E8M0_FIELDS:
+    if qtype not in _F16_FIELDS and qtype not in _E8M0_FIELDS and qtype not in _F16_NIBBLES:
         raise ValueError(f"set_scales: no layout for {qtype.name}")
     size = GGML_QUANT_SIZES[qtype][1]
     blocks = data.reshape(-1, size)
@@ -65,6 +68,14 @@ def set_scales(data: np.ndarray, qtype: T, rng: np.random.Generator, scale: floa
         if i == 0:
             mag *= rng.choice(np.array([-1.0, 1.0], np.float32), n)
         blocks[:, off:off + 2] = mag.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype in _F16_NIBBLES:
+        mag = rng.uniform(0.5, 1.5, n).astype(np.float32) * np.float32(scale)
+        mag *= rng.choice(np.array([-1.0, 1.0], np.float32), n)
+        bits = mag.astype(np.float16).view(np.uint16)
+        for i, off in enumerate(_F16_NIBBLES[qtype]):
+            u = blocks[:, off:off + 2].copy().view(np.uint16)[:, 0]
+            u = (u & np.uint16(0x0FFF)) | (((bits >> np.uint16(4 * i)) & np.uint16(15)) << np.uint16(12))
+            blocks[:, off:off + 2] = u.astype(np.uint16).view(np.uint8).reshape(-1, 2)
     for off in _E8M0_FIELDS.get(qtype, ()):
         # e8m0 scale 2**(e - 128) (ggml's half scale): around `scale`.
         e0 = int(np.round(np.log2(scale))) + 128

@@ -10,11 +10,13 @@ Each function takes blocks ``(N, type_size)`` uint8 and returns ``(N, block_size
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
 
 from gpu import fused
 
@@ -187,6 +189,121 @@ def _iq4_xs(b):  # d f16, scales_h u16, scales_l[4], qs[128]; 8 sub-blocks of 32
     qs = b[:, 8:].reshape(n, 8, 16)
     q = _lookup(_IQ4NL, torch.cat((qs & 0x0F, qs >> 4), -1))            # (n, 8, 32)
     return (dl[..., None] * q).reshape(n, 256)
+
+
+# ---- lattice ("i-") quants: groups of 8 (IQ3: 4) weights index a fixed grid, plus signs.
+# The grids and ggml's ksigns_iq2xs are gguf-py's (the values its numpy dequantizers use),
+# copied once per device. Arithmetic in gguf-py's order, so results are bit-identical.
+
+@functools.lru_cache(maxsize=None)
+def _iq_table(name: str, device: torch.device) -> torch.Tensor:
+    """gguf-py's grid of type ``name`` as float32 (entries, 8 or 4), or "ksigns": (128, 8)
+    of ±1.0 (bit j of ksigns_iq2xs[i] set: weight j negated)."""
+    if name == "ksigns":
+        k = np.frombuffer(gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8)
+        t = np.where((k[:, None] >> np.arange(8)) & 1, np.float32(-1), np.float32(1))
+    else:
+        cls = getattr(gguf_quants, name)
+        cls.init_grid()
+        t = np.asarray(cls.grid, dtype=np.float32).reshape(cls.grid_shape)
+    return torch.from_numpy(np.ascontiguousarray(t)).to(device)
+
+
+def _sign_bits(s: torch.Tensor) -> torch.Tensor:
+    """(..., ) sign bytes (uint8) → (..., 8) ±1.0, bit j negating weight j."""
+    bits = (s[..., None] >> torch.arange(8, device=s.device, dtype=torch.uint8)) & 1
+    return torch.where(bits == 0, 1.0, -1.0)
+
+
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    """(..., 4k) uint8 → (..., k) int64, little-endian words."""
+    return b.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _u16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _ksigns(aux: torch.Tensor) -> torch.Tensor:
+    """(n, 8) u32 words with 4 x 7-bit ksigns indices → (n, 8, 4, 8) ±1.0."""
+    idx = (aux[..., None] >> torch.tensor([0, 7, 14, 21], device=aux.device)) & 127
+    return _iq_table("ksigns", aux.device)[idx]
+
+
+@_register(Q.IQ2_XXS)
+def _iq2_xxs(b):   # d f16, per 32: 4 grid indices (u8) + u32 (4 x 7-bit ksigns, 4-bit scale)
+    n = b.shape[0]
+    d = _f16(b[:, :2]).reshape(n, 1, 1, 1)
+    w = _u32(b[:, 2:]).reshape(n, 8, 2)
+    db = d * (0.5 + (w[..., 1] >> 28).float().reshape(n, 8, 1, 1)) * 0.25
+    idx = b[:, 2:].reshape(n, 8, 8)[..., :4].long()
+    return (db * _iq_table("IQ2_XXS", b.device)[idx] * _ksigns(w[..., 1])).reshape(n, 256)
+
+
+@_register(Q.IQ2_XS)
+def _iq2_xs(b):    # d f16, qs u16[32] (9-bit index, 7-bit ksigns index), scales[8] (nibble per 16)
+    n = b.shape[0]
+    d = _f16(b[:, :2]).reshape(n, 1, 1, 1)
+    qs = _u16(b[:, 2:66]).reshape(n, 16, 2)
+    db = d * (0.5 + _bits(b[:, 66:74], 4).float().reshape(n, 16, 1, 1)) * 0.25
+    grid = _iq_table("IQ2_XS", b.device)[qs & 511]
+    return (db * grid * _iq_table("ksigns", b.device)[qs >> 9]).reshape(n, 256)
+
+
+@_register(Q.IQ2_S)
+def _iq2_s(b):     # d f16, qs[32], signs[32], qh[8] (2 high index bits per 8), scales[8]
+    n = b.shape[0]
+    d = _f16(b[:, :2]).reshape(n, 1, 1, 1)
+    idx = b[:, 2:34].long() | (_bits(b[:, 66:74], 2).long() << 8)
+    db = d * (0.5 + _bits(b[:, 74:82], 4).float().reshape(n, 16, 1, 1)) * 0.25
+    grid = _iq_table("IQ2_S", b.device)[idx].reshape(n, 16, 2, 8)
+    return (db * grid * _sign_bits(b[:, 34:66]).reshape(n, 16, 2, 8)).reshape(n, 256)
+
+
+@_register(Q.IQ3_XXS)
+def _iq3_xxs(b):   # d f16, qs[64] (indices of 4), u32[8] (4 x 7-bit ksigns, 4-bit scale)
+    n = b.shape[0]
+    d = _f16(b[:, :2]).reshape(n, 1, 1, 1)
+    aux = _u32(b[:, 66:98])
+    db = d * (0.5 + (aux >> 28).float().reshape(n, 8, 1, 1)) * 0.5
+    grid = _iq_table("IQ3_XXS", b.device)[b[:, 2:66].long()].reshape(n, 8, 4, 8)
+    return (db * grid * _ksigns(aux)).reshape(n, 256)
+
+
+@_register(Q.IQ3_S)
+def _iq3_s(b):     # d f16, qs[64], qh[8] (9th index bits), signs[32], scales[4] (nibble per 32)
+    n = b.shape[0]
+    d = _f16(b[:, :2]).reshape(n, 1, 1)
+    idx = b[:, 2:66].long() | (_bits(b[:, 66:74], 1).long() << 8)
+    db = d * (1 + 2 * _bits(b[:, 106:110], 4).float().reshape(n, 8, 1))
+    grid = _iq_table("IQ3_S", b.device)[idx].reshape(n, 8, 32)
+    return (db * grid * _sign_bits(b[:, 74:106]).reshape(n, 8, 32)).reshape(n, 256)
+
+
+@_register(Q.IQ1_S)
+def _iq1_s(b):     # d f16, qs[32], qh u16[8]: 3 high index bits per 8, scale (bits 12-14), delta sign
+    n = b.shape[0]
+    d = _f16(b[:, :2]).reshape(n, 1, 1, 1)
+    qh = _u16(b[:, 34:50]).reshape(n, 8, 1)
+    dl = d * (2 * ((qh >> 12) & 7) + 1).float().reshape(n, 8, 1, 1)
+    delta = torch.where((qh & 0x8000) == 0, 0.125, -0.125).reshape(n, 8, 1, 1)
+    idx = b[:, 2:34].long().reshape(n, 8, 4) | (((qh >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7) << 8)
+    return (dl * (_iq_table("IQ1_S", b.device)[idx] + delta)).reshape(n, 256)
+
+
+@_register(Q.IQ1_M)
+def _iq1_m(b):     # qs[32], qh[16] (3 index bits + delta sign per 8), scales u16[4]: 3-bit scale per 16, d in top nibbles
+    n = b.shape[0]
+    sc = _u16(b[:, 48:56])                                              # (n, 4)
+    d = ((sc & 0xF000) >> torch.tensor([12, 8, 4, 0], device=b.device)).sum(1)
+    d = torch.where(d >= 0x8000, d - 0x10000, d).to(torch.int16)        # the f16's bits, in range
+    d = d.view(torch.float16).float().reshape(n, 1, 1, 1, 1)
+    s = (sc[..., None] >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7
+    dl = d * (2 * s + 1).float().reshape(n, 8, 2, 1, 1)
+    qh = _bits(b[:, 32:48], 4).long().reshape(n, 8, 2, 2)
+    idx = b[:, :32].long().reshape(n, 8, 2, 2) | ((qh & 7) << 8)
+    delta = torch.where((qh & 8) == 0, 0.125, -0.125)[..., None]
+    return (dl * (_iq_table("IQ1_S", b.device)[idx] + delta)).reshape(n, 256)
 
 
 def dequantize(raw: torch.Tensor, qtype: Q, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:

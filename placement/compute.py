@@ -54,14 +54,22 @@ DEQUANT_BYTES: dict[Q, float] = {
     Q.BF16: 8.0, Q.Q8_0: 8.125, Q.Q4_0: 8.125, Q.Q4_1: 8.125, Q.Q5_0: 8.125, Q.Q5_1: 8.125,
     Q.IQ4_NL: 13.125, Q.MXFP4: 13.125, Q.Q2_K: 12.8125, Q.Q3_K: 13.5, Q.Q4_K: 12.375,
     Q.Q5_K: 13.375, Q.Q6_K: 18.375, Q.IQ4_XS: 13.625,
+    # lattice types: int64 grid indices, gathered float32 grid rows, ±1 signs, products
+    Q.IQ2_XXS: 13.75, Q.IQ2_XS: 17.375, Q.IQ2_S: 17.375, Q.IQ3_XXS: 16.5, Q.IQ3_S: 18.25,
+    Q.IQ1_S: 9.5625, Q.IQ1_M: 11.5,
 }
 # gguf.quants.dequantize (numpy), which the CPU embedding lookup runs on the gathered rows,
 # works over groups of 16–31 rows (_apply_over_grouped_rows): a float32 result per group, all
 # kept until they are concatenated into the float32 output, and one group's temporaries at a
 # time — at most NUMPY_GROUP_SCRATCH bytes per value (the largest of gguf's dequantizers,
-# Q5_K's, is 11.5; checked for every type in tests/test_memory_runtime.py).
+# Q5_K's, is 11.5; the lattice types' grid gathers take more, with a fixed part that shows
+# for a single row: NUMPY_GROUP_SCRATCH_OF; checked for every type in
+# tests/test_memory_runtime.py).
 NUMPY_GROUP_ROWS = 31
 NUMPY_GROUP_SCRATCH = 12
+NUMPY_GROUP_SCRATCH_OF: dict[Q, float] = {
+    Q.IQ2_XXS: 17, Q.IQ2_XS: 17, Q.IQ2_S: 17, Q.IQ3_XXS: 17, Q.IQ3_S: 17, Q.IQ1_S: 13, Q.IQ1_M: 13,
+}
 
 
 def cpu_lookup_bytes(embd: TensorInfo, n: int) -> int:
@@ -73,7 +81,8 @@ def cpu_lookup_bytes(embd: TensorInfo, n: int) -> int:
         return raw
     if embd.ggml_type == Q.F16:
         return raw + n * cols * F32                                # .astype(float32)
-    return raw + 2 * n * cols * F32 + min(n, NUMPY_GROUP_ROWS) * cols * NUMPY_GROUP_SCRATCH
+    scratch = NUMPY_GROUP_SCRATCH_OF.get(embd.ggml_type, NUMPY_GROUP_SCRATCH)
+    return raw + 2 * n * cols * F32 + int(min(n, NUMPY_GROUP_ROWS) * cols * scratch)
 
 
 def dequant_bytes_per_value(qtype: Q, dtype: str) -> float:

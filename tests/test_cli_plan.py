@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.test_gguf_model import _tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +44,22 @@ def test_json_and_emit(fixture_paths):
     emitted = offload("plan", *common, "--emit", "llama.cpp")
     assert emitted.returncode == 0 and emitted.stdout.count("\n") == 1
     assert shlex.split(emitted.stdout) == doc["llama_cpp_args"]
+
+
+@pytest.mark.parametrize("devices,where", [
+    ("CUDA0=24GiB,CPU=192GiB", {"CUDA0", "CPU"}),     # one 24 GB card + 192 GB RAM
+    ("CPU=160GiB", {"CPU"}),                           # CPU only
+])
+def test_deepseek_r1_1_58_bit_plans(fixture_paths, devices, where):
+    """DeepSeek-R1 UD-IQ1_S (IQ1_S / IQ2_XXS routed experts, issue 13) at its full 160k
+    context: the planner fits it and routed experts land on the CPU, where they run."""
+    r = offload("plan", fixture_paths["deepseek-r1-ud-iq1_s"], "--devices", devices, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert len(doc["tensors"]) == 1025 and set(doc["tensors"].values()) == where
+    assert all(d["free_after_bytes"] >= 0 for d in doc["devices"])
+    assert doc["tensors"]["blk.30.ffn_gate_exps.weight"] == "CPU"
+    assert doc["tensors"]["blk.3.ffn_down_exps.weight"] == "CPU"
 
 
 def test_output_file_loads_back(tmp_path, fixture_paths):

@@ -29,9 +29,13 @@ from cpu_kernels.synth import random_blocks
 TOL = 1e-5
 ISSUE_TYPES = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K,
                T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, T.IQ4_NL, T.IQ4_XS}
+# The 1-3-bit lattice types (issue 13): grids + signs, 256-weight blocks.
+IQ_TYPES = {T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M}
+ISSUE_TYPES |= IQ_TYPES
 # Types gguf-py can quantize (real quantized data rather than random blocks).
 QUANTIZABLE = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
-BLOCK = {T.Q2_K: 256, T.Q3_K: 256, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256, T.IQ4_XS: 256}
+BLOCK = {T.Q2_K: 256, T.Q3_K: 256, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256, T.IQ4_XS: 256,
+         **{t: 256 for t in IQ_TYPES}}
 
 
 def dequant(w: np.ndarray, qt: T) -> np.ndarray:
@@ -66,6 +70,15 @@ def test_matmul_random_blocks(qt):
     for b in (1, 3, 16, 17):                          # 17 spans two token tiles
         x = rng.standard_normal((b, cols)).astype(np.float32)
         check_close(ck.matmul(x, w, qt), x, W)
+
+
+def test_ksigns_rule_is_ggmls_table():
+    """The lattice decoders compute ksigns_iq2xs (7 sign bits, bit 7 their parity) instead
+    of looking it up: the rule against the reference values gguf-py carries."""
+    from cpu_kernels.iquants import KSIGNS
+    i = np.arange(128)
+    parity = np.array([bin(v).count("1") & 1 for v in i])
+    assert np.array_equal(KSIGNS, i | parity << 7)
 
 
 @pytest.mark.parametrize("qt", QUANTIZABLE, ids=lambda t: t.name)
@@ -142,9 +155,9 @@ def test_reader_memmaps_used_in_place(tmp_path):
 
 
 def test_unsupported_type_names_type_and_tensor():
-    w = np.zeros((4, 66), np.uint8)
-    with pytest.raises(ck.UnsupportedQuantType, match=r"IQ2_XXS.*blk\.7\.ffn_down\.weight"):
-        ck.matmul(np.ones((1, 256), np.float32), w, T.IQ2_XXS, name="blk.7.ffn_down.weight")
+    w = np.zeros((4, 54), np.uint8)
+    with pytest.raises(ck.UnsupportedQuantType, match=r"TQ1_0.*blk\.7\.ffn_down\.weight"):
+        ck.matmul(np.ones((1, 256), np.float32), w, T.TQ1_0, name="blk.7.ffn_down.weight")
     with pytest.raises(ck.UnsupportedQuantType, match=r"TQ2_0.*blk\.1\.ffn_down_exps"):
         ck.ExpertWeights(np.zeros((2, 8, 36), np.uint8), np.zeros((2, 8, 36), np.uint8),
                          np.zeros((2, 8, 4), np.uint8), T.Q8_0, T.Q8_0, T.TQ2_0, name="blk.1")
@@ -218,6 +231,11 @@ MOE_CASES = [  # gate/up type, down type, fused gate_up
     (T.Q4_K, T.Q6_K, False),
     (T.Q8_0, T.Q4_0, False),
     (T.MXFP4, T.IQ4_XS, True),
+    # the lattice types, each at least once (DeepSeek's 1.58-bit: IQ1_S gate/up, IQ2_XXS down)
+    (T.IQ1_S, T.IQ2_XXS, False),
+    (T.IQ2_XS, T.IQ3_XXS, False),
+    (T.IQ1_M, T.IQ2_S, True),
+    (T.IQ3_S, T.IQ1_M, False),
 ]
 
 
@@ -362,6 +380,8 @@ INT8_MOE_CASES = [  # gate/up type, down type, fused gate_up, n_ff
     (T.Q4_K, T.Q6_K, False, 512),     # 256-weight blocks: unit pairs (simd8.idot2)
     (T.Q4_0, T.Q8_0, False, 480),     # pair engine; n_ff = 15 blocks: down's last block alone
     (T.MXFP4, T.Q5_1, True, 480),     # value table and e8m0 scales; mins and 5th bits
+    (T.IQ1_S, T.IQ2_XXS, False, 512),  # lattice types: grid bytes + 128 as codes
+    (T.IQ3_S, T.IQ1_M, True, 512),
 ]
 
 

@@ -23,7 +23,8 @@ Q = GGMLQuantizationType
     # tensor counts from llama.cpp loader logs of the published GGUFs; sizes from their
     # "file size" lines where the recipe matches (gpt-oss-120b mxfp4: 59.02 GiB)
     ("qwen3-30b-a3b", 579, None), ("glm-4.5-air", 803, None), ("deepseek-v3", 1086, None),
-    ("gpt-oss-120b", 687, 59.02), ("deepseek-v3-mtp", 22, None)])
+    ("gpt-oss-120b", 687, 59.02), ("deepseek-v3-mtp", 22, None),
+    ("deepseek-r1-ud-iq1_s", 1025, 130.60)])
 def test_inventory_counts(models, name, count, gib):
     m = models[name]
     assert len(m.tensors) == count

@@ -96,8 +96,8 @@ def test_unsupported_cache_type_and_tiny_context_are_refused(tiny, capsys):
 
 
 def test_experts_of_a_type_without_cpu_kernel_are_refused_at_load(tmp_path, capsys):
-    iq2 = write_tiny_model(tmp_path / "iq2.gguf", TinySpec(expert_type=Q.IQ2_XXS, seed=5))
-    p = run_here(capsys, iq2.path, "-n", "2")
+    tq2 = write_tiny_model(tmp_path / "tq2.gguf", TinySpec(expert_type=Q.TQ2_0, seed=5))
+    p = run_here(capsys, tq2.path, "-n", "2")
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stdout == ""
-    assert "ffn_gate_exps.weight is IQ2_XXS" in last and "no CPU kernel" in last
+    assert "ffn_gate_exps.weight is TQ2_0" in last and "no CPU kernel" in last

@@ -16,6 +16,8 @@ from gguf import (GGML_QUANT_SIZES, ExpertGatingFuncType, GGMLQuantizationType a
                   RopeScalingType, TokenType)
 from gguf.quants import dequantize, quantize
 
+from cpu_kernels.synth import set_scales
+
 # byte offsets of the fp16 scale fields in one block of each type, and a divisor that keeps
 # the dequantized values near the wanted std (block layouts as ggml's block_q4_0 … block_q6_K)
 _F16_FIELDS = {
@@ -23,7 +25,9 @@ _F16_FIELDS = {
     Q.Q8_0: ((0,), 64.0), Q.IQ4_NL: ((0,), 64.0), Q.IQ4_XS: ((0,), 1024.0),
     Q.Q2_K: ((80, 82), 20.0), Q.Q3_K: ((108,), 64.0), Q.Q4_K: ((0, 2), 256.0),
     Q.Q5_K: ((0, 2), 512.0), Q.Q6_K: ((208,), 1024.0),
-    Q.IQ2_XXS: ((0,), 4.0),      # no CPU kernel: for the tests that such a file is refused
+    Q.IQ2_XXS: ((0,), 64.0), Q.IQ2_XS: ((0,), 64.0), Q.IQ2_S: ((0,), 64.0),
+    Q.IQ3_XXS: ((0,), 64.0), Q.IQ3_S: ((0,), 16.0), Q.IQ1_S: ((0,), 8.0),
+    Q.TQ2_0: ((64,), 1.0),       # no CPU kernel: for the tests that such a file is refused
 }
 
 
@@ -34,6 +38,9 @@ def random_blocks(rng: np.random.Generator, n_blocks: int, qtype: Q, std: float)
     raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
     if qtype == Q.MXFP4:       # E8M0 block exponent: 2^(e-128) near std/6
         raw[:, 0] = np.clip(np.round(np.log2(std / 6) + 128 + rng.integers(-1, 2, n_blocks)), 1, 254)
+        return raw
+    if qtype not in _F16_FIELDS:  # IQ1_M: its scale is split over nibbles (synth knows where)
+        set_scales(raw, qtype, rng, std / 8)
         return raw
     offsets, div = _F16_FIELDS[qtype]
     for off in offsets:
@@ -154,6 +161,7 @@ class TinySpec:
     yarn_beta_fast: float = 32.0  # written only when not ggml's default
     embd_std: float = 1.0
     nextn_echo: float = 0.0      # > 0: eh_proj = [echo·I, 0], a head that passes token t+1 on
+    experts_as_f32: bool = False  # write the routed experts' dequantized values as F32 (same draws)
 
     @property
     def n_vocab(self) -> int:
@@ -207,7 +215,10 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weig
     weights = {}
 
     def put(name, shape, qtype, std, mean=0.0):
-        data, raw_dtype, deq = random_tensor(rng, shape, qtype, std, dequantized=keep_weights)
+        as_f32 = spec.experts_as_f32 and name.endswith("_exps.weight")
+        data, raw_dtype, deq = random_tensor(rng, shape, qtype, std, dequantized=keep_weights or as_f32)
+        if as_f32:
+            data, raw_dtype = deq, None
         if mean:
             data = data + np.float32(mean)
             deq = data
