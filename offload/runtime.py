@@ -265,7 +265,8 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     draft_weights = (WeightStore(draft, plan.draft_tensors, devices, compute_dtype=dtypes, profile=profile,
                                  progress=bar) if draft is not None else None)
     ctx = BuildContext(profile=profile, pool=pool, kv_dtype=KV_DTYPES[plan.settings.cache_type],
-                       kv_cells=pad(plan.settings.ctx, CACHE_PAD))   # what the planner counted
+                       kv_cells=pad(plan.settings.ctx, CACHE_PAD),   # what the planner counted
+                       ubatch=plan.settings.ubatch)
     with torch.inference_mode():
         net = arch.build(cfg, weights, ctx, draft=draft_weights)
     if bar is not None:
