@@ -75,7 +75,11 @@ class PromptCache:
         # drafting primes the head from the trunk states of the evaluated positions, so the
         # trunk is reused only as far as the head's pairs reach
         n_cached = head_ok if drafting else min(common, len(ids) - 1)
-        state.truncate(n_cached)
+        try:
+            state.truncate(n_cached)
+        except ValueError:      # a sliding-window cache no longer holds the rows that prefix needs
+            self.state = state = model.new_state(head)
+            head_cache, n_cached = state.nextn_cache, 0
         if head_cache is not None:
             head_cache.truncate(min(head_ok, n_cached))
         self.tokens = list(ids)

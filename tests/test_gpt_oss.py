@@ -56,3 +56,70 @@ def test_moe_ffn_swiglu_oai_with_biases_matches_float64(qtype, tol):
     # the default stays SiLU without biases
     plain = moe_ffn(x, ids, wts, w)
     assert np.abs(plain - got).max() > 0.1
+
+
+IDS_LONG = list(np.random.default_rng(5).integers(1, 290, 300))
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16"])
+def test_window_cache_keeps_the_window_and_decodes_like_transformers(tmp_path, cache_type):
+    """300 tokens in 16-token micro-batches with a 4-token window: the windowed blocks' caches
+    stop at the planner's min(pad256(ctx), pad256(window + ubatch)) = 256 cells (rows older
+    than the window dropped), the full blocks' at pad256(300) = 512, each cache's bytes are
+    ``kv_bytes``, and every logit matches transformers over the whole sequence (f32 cache:
+    float rounding, 1e-4 of the logit scale; f16 cache: 1e-2)."""
+    import offload.runtime as rt
+    from offload.gguf_model import open_model
+    from placement.memory import MemorySettings, kv_bytes
+    from tests.hf_reference import hf_causal_lm
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    spec = TinySpec(arch="gpt-oss", expert_type=Q.MXFP4, window=4, n_layer=2, seed=33)
+    tiny = write_tiny_model(tmp_path / "oss.gguf", spec)
+    with torch.no_grad():
+        ref = hf_causal_lm(tiny)(torch.tensor([IDS_LONG])).logits[0].numpy()
+    ctx, ubatch = 300, 16
+    settings = MemorySettings(ctx=ctx, cache_type=cache_type, ubatch=ubatch)
+    with rt.load(tiny.path, cache_type=cache_type, ctx=ctx, ubatch=ubatch, quiet=True) as s, torch.inference_mode():
+        state = s.model.new_state()
+        ids = torch.tensor(IDS_LONG)
+        ours = np.concatenate([s.model.forward(ids[i:i + ubatch], state)[0].numpy()
+                               for i in range(0, len(IDS_LONG), ubatch)])
+        model = open_model(tiny.path)
+        for i, cache in enumerate(state.caches):
+            windowed = model.spec.is_swa_layer(i)
+            assert cache.k.shape[1] == (256 if windowed else 512)
+            assert (cache.start > 0) == windowed and cache.length == len(IDS_LONG)
+            assert cache.nbytes == kv_bytes(model.spec, i, settings)
+        # rolling back inside the last micro-batch and running it again gives the same logits
+        state.truncate(len(IDS_LONG) - 3)
+        again = s.model.forward(ids[-3:], state)[0].numpy()
+        assert np.abs(again - ours[-3:]).max() < 1e-5
+        with pytest.raises(ValueError, match="cannot roll back"):
+            state.truncate(10)
+    err = np.abs(ours - ref).max() / np.abs(ref).max()
+    assert err < (1e-4 if cache_type == "f32" else 1e-2), err
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.99
+
+
+def test_prompt_cache_falls_back_to_a_fresh_state_past_the_window(tmp_path):
+    """A second prompt that shares only an early prefix with the first: the windowed caches
+    have dropped the rows that prefix needs, so the prompt cache starts fresh (n_cached 0)
+    and the answer equals a fresh run; a prompt that extends the last one is still reused."""
+    import offload.runtime as rt
+    from offload.runtime import PromptCache
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    tiny = write_tiny_model(tmp_path / "oss.gguf", TinySpec(arch="gpt-oss", n_layer=2, window=4, seed=34))
+    first = IDS_LONG[:290]
+    branch = IDS_LONG[:20] + [7, 8, 9]
+    with rt.load(tiny.path, ctx=400, ubatch=16, quiet=True) as s:
+        s.prompt_cache = PromptCache()
+        out = list(s.generate(first, max_tokens=4, stop_at_eos=False, cache_prompt=True))
+        more = first + out + [11]
+        got = list(s.generate(more, max_tokens=4, stop_at_eos=False, cache_prompt=True))
+        assert s.stats.n_prompt_cached >= len(first)
+        assert got == list(s.generate(more, max_tokens=4, stop_at_eos=False))
+        got = list(s.generate(branch, max_tokens=4, stop_at_eos=False, cache_prompt=True))
+        assert s.stats.n_prompt_cached == 0
+        assert got == list(s.generate(branch, max_tokens=4, stop_at_eos=False))
