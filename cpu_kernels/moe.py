@@ -211,11 +211,18 @@ def _weighted_sum(out, assign_tok, assign_w, Y):
 
 
 def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """gpt-oss's clamped GLU: g ≤ limit, |u| ≤ limit, (u + 1) · g · σ(α·g)."""
-    g = np.minimum(g, SWIGLU_OAI_LIMIT)
-    u = np.clip(u, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    """gpt-oss's clamped GLU: g ≤ limit, |u| ≤ limit, (u + 1) · g · σ(α·g). float32, in place:
+    the result is ``g`` and ``u`` is overwritten (one temporary beside them: placement.compute
+    counts three)."""
+    g = np.minimum(g, SWIGLU_OAI_LIMIT, out=g)
+    u = np.clip(u, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT, out=u)
+    s = np.multiply(g, -SWIGLU_OAI_ALPHA, dtype=f32)
     with np.errstate(over="ignore"):           # exp(+large) = inf: σ → 0, as it should
-        return ((u + f32(1)) * g / (f32(1) + np.exp(-SWIGLU_OAI_ALPHA * g))).astype(f32)
+        np.exp(s, out=s)
+    s += f32(1)
+    u += f32(1)
+    np.divide(g, s, out=g)
+    return np.multiply(g, u, out=g)
 
 
 def _project(kern, raw, row0: int, n_rows: int, A_in, slot_expert, slot_start, n_threads):

@@ -170,7 +170,8 @@ def cache_value_bytes(s: MemorySettings) -> float:
 
 def forward_model(spec: ModelSpec, tensors: Sequence[TensorInfo], s: MemorySettings) -> ForwardModel:
     return ForwardModel(spec, tensors, s.ubatch, s.ctx, cache_value_bytes(s),
-                        Devices(s.gpu_dtype, s.host_backed), lambda layer: kv_bytes(spec, layer, s))
+                        Devices(s.gpu_dtype, s.host_backed), lambda layer: kv_bytes(spec, layer, s),
+                        kv_cells=lambda layer: kv_cells(spec, layer, s))
 
 
 def forward_steps(spec: ModelSpec, tensors: Sequence[TensorInfo], placement: Mapping[str, str],

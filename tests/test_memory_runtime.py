@@ -172,6 +172,8 @@ ARCHS = {
     # the older attn_kv_b layout: full per-head keys and values, unfused attention
     "deepseek2-kv_b": TinySpec(**WIDE, arch="deepseek2", q_lora_rank=0, kv_lora_rank=128, qk_nope=64,
                                n_rot=32, v_head_dim=64, mla=False, gating="softmax"),
+    # sinks (explicit attention), a 64-token window on the even blocks, biased swiglu_oai experts
+    "gpt-oss": TinySpec(**WIDE, arch="gpt-oss", n_head_kv=2, head_dim=64, window=64, yarn_factor=4.0),
 }
 
 
