@@ -149,3 +149,30 @@ def test_kv_per_device_is_the_plan_with_virtual_gpus(tmp_path, capsys):
             print(f"\n  {dev}: KV planned {planned[dev]:,} B, allocated {allocated.get(dev, 0):,} B", end="")
     assert cells == [256, 768]
     assert len(planned) == 3 and allocated == planned
+
+
+SPLIT_TEXTS = ["def the(self):\n    return x", "Don'T STOP the def; x/y\n\n  12345 HelloWorld",
+               "héllo wörld 日本語 🙂\t\n", "THE the The'S i'M  \n\n\n x123 4567"]
+
+
+def test_gpt4o_pre_tokenizer_splits_as_llama_cpp(tmp_path):
+    """gpt-oss files name the "gpt-4o" pre-tokenizer: our token ids equal llama.cpp's on text
+    where its case-aware split and the other splits differ (skipped without llama-cpp-python).
+    The extra merges make the split visible: "n'T" (a contraction kept with its word, any
+    case) and "oW" (only when "HelloWorld" is not split at the case change) — GPT-2's split
+    gives the first never and the second always."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from offload.gguf_model import open_model
+    from offload.tokenizer import Tokenizer
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    tiny = write_tiny_model(tmp_path / "oss.gguf", TinySpec(arch="gpt-oss", n_layer=2, tokenizer_pre="gpt-4o",
+                                                                    extra_merges=("n '", "n' T", "o W")))
+    ours = Tokenizer.from_gguf(open_model(tiny.path).metadata)
+    llm = llama_cpp.Llama(model_path=str(tiny.path), vocab_only=True, verbose=False)
+    for text in SPLIT_TEXTS:
+        assert ours.encode(text, add_bos=False) == llm.tokenize(text.encode(), add_bos=False, special=False), text
+    vocab = open_model(tiny.path).metadata["tokenizer.ggml.tokens"]
+    vocab = list(vocab.values()) if hasattr(vocab, "values") else list(vocab)
+    ids = ours.encode(SPLIT_TEXTS[1], add_bos=False)
+    assert vocab.index("n'T") in ids and vocab.index("oW") not in ids

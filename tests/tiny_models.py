@@ -77,9 +77,10 @@ _WORDS = ["the", " the", " def", "def", " return", " self", " import", " in", " 
           " for", "   ", "    ", " x", " =", "()", "):", "\n\n", "\n    "]
 
 
-def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
-    """Byte-level BPE vocabulary: 256 byte tokens, merges building a few words, one control
-    token. Returns (tokens, merges "a b", token types)."""
+def tiny_vocab(extra_merges: tuple[str, ...] = ()) -> tuple[list[str], list[str], list[int]]:
+    """Byte-level BPE vocabulary: 256 byte tokens, merges building a few words (and
+    ``extra_merges``, "a b" in byte-level characters), one control token. Returns (tokens,
+    merges "a b", token types)."""
     b2u = bytes_to_unicode()
     tokens = [b2u[b] for b in range(256)]
     merges = []
@@ -91,6 +92,9 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
                 merges.append(f"{cur} {c}")
                 tokens.append(cur + c)
             cur = cur + c
+    for m in extra_merges:
+        merges.append(m)
+        tokens.append(m.replace(" ", ""))
     types = [TokenType.NORMAL] * len(tokens)
     tokens.append("<|endoftext|>")
     types.append(TokenType.CONTROL)
@@ -141,10 +145,11 @@ class TinySpec:
     # gpt-oss: sliding window of the even blocks; yarn_factor / yarn_orig_ctx as above
     window: int = 4
     tokenizer_pre: str = "gpt-2"
+    extra_merges: tuple[str, ...] = ()
 
     @property
     def n_vocab(self) -> int:
-        return len(tiny_vocab()[0])
+        return len(tiny_vocab(self.extra_merges)[0])
 
 
 @dataclass
@@ -191,7 +196,7 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel
         w.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX if spec.gating == "softmax"
                                  else ExpertGatingFuncType.SIGMOID)
         w.add_nextn_predict_layers(1 if spec.nextn else 0)
-    tokens, merges, types = tiny_vocab()
+    tokens, merges, types = tiny_vocab(spec.extra_merges)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(spec.tokenizer_pre)
     w.add_token_list(tokens)
