@@ -176,3 +176,29 @@ def test_gpt4o_pre_tokenizer_splits_as_llama_cpp(tmp_path):
     vocab = list(vocab.values()) if hasattr(vocab, "values") else list(vocab)
     ids = ours.encode(SPLIT_TEXTS[1], add_bos=False)
     assert vocab.index("n'T") in ids and vocab.index("oW") not in ids
+
+
+def test_offload_run_end_to_end(tmp_path, capsys):
+    """A small gpt-oss (MXFP4 experts, YaRN, a 16-token window, the gpt-4o tokenizer) through
+    ``offload run`` on a plan with a virtual GPU and two blocks' experts on the CPU: exits 0
+    and prints what greedy generation through the API gives; ``offload bench`` (a
+    speculative-decoding benchmark) refuses in one line — gpt-oss has no draft head."""
+    import offload.runtime as rt
+    from offload.cli import main
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    tiny = write_tiny_model(tmp_path / "oss.gguf", TinySpec(
+        arch="gpt-oss", expert_type=Q.MXFP4, n_layer=4, n_embd=512, n_head=8, n_head_kv=2, head_dim=64,
+        n_expert=16, n_expert_used=4, window=16, yarn_factor=32.0, yarn_orig_ctx=64, tokenizer_pre="gpt-4o",
+        seed=36))
+    prompt = "def main(argv):\n    return"
+    plan = ["--devices", "CUDA0=4GiB,CPU=8GiB", "--n-cpu-moe", "2", "-c", "1024"]
+    assert main(["run", str(tiny.path), "-p", prompt, "-n", "24", "--ignore-eos", "--virtual-gpus", *plan]) == 0
+    out = capsys.readouterr().out
+    with rt.load(tiny.path, devices="CUDA0=4GiB,CPU=8GiB", n_cpu_moe=2, ctx=1024, virtual_gpus=True,
+                 quiet=True) as s:
+        ids = list(s.generate(prompt, max_tokens=24, stop_at_eos=False))
+        text = s.detokenize(ids)
+    assert len(ids) == 24 and text in out
+    assert main(["bench", str(tiny.path), "--virtual-gpus", *plan]) == 2
+    assert "no NextN (MTP) block" in capsys.readouterr().err
