@@ -183,11 +183,11 @@ class WeightStore:
                                up_type=raw.get("up", none)[1], down_type=raw["down"][1],
                                gate_up=raw.get("gate_up", none)[0],
                                gate_up_type=raw.get("gate_up", none)[1], name=prefix)
-            return CpuExperts(ew, self.profile, act=act, biases={k: b.numpy() for k, b in biases.items()})
+            return CpuExperts(ew, self.profile, act=act, biases={k: b.cpu().numpy() for k, b in biases.items()})
         if len(homes) == 1:
             return TorchExperts(**{s: self._upload(names[s]) for s in stages},
                                 compute_dtype=self._dtype(self.device_of[names["down"]]), act=act,
-                                biases=biases)
+                                biases={k: b.to(self.device(names["down"])) for k, b in biases.items()})
         return StagedExperts(**{s: self._per_expert(names[s]) for s in stages})
 
     def _expert_biases(self, prefix: str, stages) -> dict[str, torch.Tensor]:
