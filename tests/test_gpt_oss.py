@@ -202,3 +202,24 @@ def test_offload_run_end_to_end(tmp_path, capsys):
     assert len(ids) == 24 and text in out
     assert main(["bench", str(tiny.path), "--virtual-gpus", *plan]) == 2
     assert "no NextN (MTP) block" in capsys.readouterr().err
+
+
+def test_torch_experts_on_a_virtual_gpu_match_transformers(tmp_path):
+    """The torch side of the same math: experts (biased swiglu_oai, gpu.experts.TorchExperts),
+    attention with sinks and the router on a virtual GPU, two blocks' experts on the CPU —
+    logits within float rounding of transformers (1e-4 of the logit scale)."""
+    import offload.runtime as rt
+    from tests.hf_reference import hf_causal_lm
+    from tests.tiny_models import TinySpec, write_tiny_model
+
+    tiny = write_tiny_model(tmp_path / "oss.gguf", TinySpec(arch="gpt-oss", expert_type=Q.MXFP4, n_layer=4,
+                                                            window=4, yarn_factor=4.0, yarn_orig_ctx=4, seed=37))
+    ids = IDS_LONG[:40]
+    with torch.no_grad():
+        ref = hf_causal_lm(tiny)(torch.tensor([ids])).logits[0].numpy()
+    with rt.load(tiny.path, devices="CUDA0=4GiB,CPU=8GiB", n_cpu_moe=2, virtual_gpus=True, gpu_dtype="f32",
+                 cache_type="f32", quiet=True) as s:
+        assert {type(b.ffn.experts).__name__ for b in s.model.blocks} == {"CpuExperts", "TorchExperts"}
+        ours = s.logits(ids)
+    assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.99
