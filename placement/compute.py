@@ -141,6 +141,18 @@ def projection(t: TensorInfo, dev: str, home: str, n: int, kinds: Devices, *,
     return {dev: int(x_in + max(linear, after)), home: y}
 
 
+def sink_attention_bytes(T: int, L: int, H: int, Qw: int, KVw: int, cache_bytes: float) -> int:
+    """gpu.attention.attend_with_sinks's peak, c queries at a time: the cache upcast to
+    float32 (unless it is), q's head-major copy and the (T, H·D) output throughout; per chunk
+    the (H, c, L) scores, the chunk's mask (int64 distances and three bool arrays) and index
+    vectors, the q chunk and its product, the row maxima and sums."""
+    f = F32
+    c = max(1, min(T, SCORE_VALUES // max(1, H * L)))
+    upcast = 0 if cache_bytes == F32 else L * KVw * f
+    return (upcast + 2 * T * Qw * f + H * c * L * f + c * L * (INT64 + 3) + (c + L) * INT64
+            + 2 * c * Qw * f + 2 * H * c * f)
+
+
 def _plus(*parts: Moment) -> Moment:
     out: Moment = {}
     for p in parts:
@@ -274,14 +286,7 @@ class ForwardModel:
         moments.append(_plus(qkv, {h: int(T * (Kw + Vw) * self.kvb) + self.kv_block_bytes(i) // 2}))
         mask = T * L + (T + L) * INT64                          # bool (T, L) mask + its index vectors
         if b.sinks:
-            # gpu.attention.attend_with_sinks, c queries at a time: the cache upcast to float32,
-            # q's head-major copy and the (T, H·D) output throughout; per chunk the (H, c, L)
-            # scores, the chunk's mask (int64 distances and bools), q chunk and its product,
-            # the row maxima and sums
-            c = max(1, min(T, SCORE_VALUES // max(1, H * L)))
-            upcast = 0 if self.kvb == F32 else L * (Kw + Vw) * f
-            sdpa = (upcast + 2 * T * Qw * f + H * c * L * f + c * L * (INT64 + 3) + (c + L) * INT64
-                    + 2 * c * Qw * f + 2 * H * c * f)
+            sdpa = sink_attention_bytes(T, L, H, Qw, Kw + Vw, self.kvb)
             after = 2 * T * Qw * f                              # the output + its (T, H·D) copy
         elif self.kinds.torch_cpu(h):
             # CPU SDPA (flash kernel): the bool mask as a float (T, L) bias; a non-f32 cache
