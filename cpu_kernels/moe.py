@@ -23,7 +23,8 @@ from .rowdot8 import dot4_i8
 
 f32 = np.float32
 TOKEN_TILE = 16
-ACTIVATIONS = {"silu": 0}
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}     # 1: computed beside the kernels (see _biased_glu)
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = f32(1.702), f32(7.0)    # gpt-oss (llama.cpp's constants)
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,8 +210,66 @@ def _weighted_sum(out, assign_tok, assign_w, Y):
         Y[assign_tok[a]] += assign_w[a] * out[a]
 
 
-def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act: str = "silu"):
+def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """gpt-oss's clamped GLU: g ≤ limit, |u| ≤ limit, (u + 1) · g · σ(α·g). float32, in place:
+    the result is ``g`` and ``u`` is overwritten (one temporary beside them: placement.compute
+    counts three)."""
+    g = np.minimum(g, SWIGLU_OAI_LIMIT, out=g)
+    u = np.clip(u, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT, out=u)
+    s = np.multiply(g, -SWIGLU_OAI_ALPHA, dtype=f32)
+    with np.errstate(over="ignore"):           # exp(+large) = inf: σ → 0, as it should
+        np.exp(s, out=s)
+    s += f32(1)
+    u += f32(1)
+    np.divide(g, s, out=g)
+    return np.multiply(g, u, out=g)
+
+
+def _project(kern, raw, row0: int, n_rows: int, A_in, slot_expert, slot_start, n_threads):
+    """(A, n_rows): rows row0.. of each assignment's expert matrix times its row of A_in —
+    the grouped down-projection kernel applied to another matrix."""
+    if use_int8(kern):
+        q, dq, s16, s4, d8 = quantized_activations(A_in)
+    else:
+        q, dq, s16, s4, d8 = None, None, sums16(A_in), None, None
+    out = np.empty((A_in.shape[0], n_rows), f32)
+    view = raw if row0 == 0 and raw.shape[1] == n_rows else raw[:, row0:row0 + n_rows]
+    _down_phase(kern.tag, view, A_in, s16, q, dq, s4, d8, slot_expert, slot_start, out, n_threads)
+    return out
+
+
+def _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias):
+    """H for an activation or biases the fused gate/up phase does not do: gate and up
+    projected separately, biased per expert, then the activation in numpy."""
+    (gk, gb, g0, _), (uk, ub, u0, _) = w._parts
+    Xa = np.ascontiguousarray(X[tok])                                 # one row per assignment
+    g = _project(gk, gb, g0, w.n_ff, Xa, slot_expert, slot_start, n_threads)
+    u = _project(uk, ub, u0, w.n_ff, Xa, slot_expert, slot_start, n_threads)
+    if gate_bias is not None:
+        g += gate_bias[flat]
+    if up_bias is not None:
+        u += up_bias[flat]
+    if act == "swiglu_oai":
+        return swiglu_oai(g, u)
+    with np.errstate(over="ignore"):
+        return (g / (f32(1) + np.exp(-g)) * u).astype(f32)
+
+
+def _bias(b, rows: int, w: ExpertWeights, what: str):
+    if b is None:
+        return None
+    b = np.asarray(b, dtype=f32)
+    if b.shape != (w.n_expert, rows):
+        raise ValueError(f"{w.name}: {what} bias of shape {b.shape}, expected ({w.n_expert}, {rows})")
+    return b
+
+
+def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act: str = "silu",
+            gate_bias=None, up_bias=None, down_bias=None):
     """Sum over the k routed experts of each token of ``weight * down(act(gate(x)) * up(x))``.
+    ``act``: "silu" (silu(g)·u) or "swiglu_oai" (gpt-oss's clamped GLU); ``gate_bias`` /
+    ``up_bias`` [E, n_ff] and ``down_bias`` [E, n_embd]: per-expert biases added to each
+    projection (gpt-oss), or None.
 
     x: float32 [B, n_embd]; expert_ids: int [B, k]; expert_weights: float32 [B, k]
     (already normalised/scaled by the router). owned: bool [E] or None (= all experts):
@@ -230,6 +289,8 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
         raise ValueError(f"{w.name}: expert_ids must be integers, got {ids.dtype}")
     if ids.size and (ids.min() < 0 or ids.max() >= w.n_expert):
         raise ValueError(f"{w.name}: expert id outside 0..{w.n_expert - 1}")
+    gate_bias, up_bias = _bias(gate_bias, w.n_ff, w, "gate"), _bias(up_bias, w.n_ff, w, "up")
+    down_bias = _bias(down_bias, w.n_embd, w, "down")
     Y = np.zeros((B, w.n_embd), f32)
 
     # Group (token, expert) pairs by expert: a stable sort keeps token order per expert.
@@ -253,18 +314,23 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     (gk, gb, g0, _), (uk, ub, u0, _) = w._parts
     dk, db = w._down
     n_threads = settings.apply_threads()
-    H = np.empty((flat.size, w.n_ff), f32)
-    if use_int8(gk) and use_int8(uk):
-        xq, dx, xs16, xs4, dx8 = quantized_activations(X)
+    if act != "silu" or gate_bias is not None or up_bias is not None:
+        H = _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias)
     else:
-        xq, dx, xs16, xs4, dx8 = None, None, sums16(X), None, None
-    _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
-                   tok, H, n_threads, ACTIVATIONS[act])
+        H = np.empty((flat.size, w.n_ff), f32)
+        if use_int8(gk) and use_int8(uk):
+            xq, dx, xs16, xs4, dx8 = quantized_activations(X)
+        else:
+            xq, dx, xs16, xs4, dx8 = None, None, sums16(X), None, None
+        _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
+                       tok, H, n_threads, ACTIVATIONS[act])
     if use_int8(dk):
         hq, hdx, hs16, hxs4, hdx8 = quantized_activations(H)
     else:
         hq, hdx, hs16, hxs4, hdx8 = None, None, sums16(H), None, None
     out = np.empty((flat.size, w.n_embd), f32)
     _down_phase(dk.tag, db, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, n_threads)
+    if down_bias is not None:
+        out += down_bias[flat]
     _weighted_sum(out, tok, wsel, Y)
     return Y

@@ -1,7 +1,13 @@
-"""Causal self-attention with GQA, optional per-head q/k RMSNorm, partial NeoX RoPE.
+"""Causal self-attention with GQA, optional per-head q/k RMSNorm, partial NeoX RoPE,
+optionally a sliding window and per-head attention sinks (gpt-oss).
 
-q/k/v biases live in the projections (``Linear(weight, bias)``), so GLM's biased and
+q/k/v/o biases live in the projections (``Linear(weight, bias)``), so GLM's biased and
 Qwen3's unbiased attention are the same class. Keys are cached after RoPE.
+
+A sink is a learned per-head logit that joins each query's softmax as one more column with
+no value: it takes probability mass away from the keys without adding anything. torch's fused
+attention has no such column, so attention with sinks is computed explicitly, a chunk of
+queries at a time (at most ``SCORE_VALUES`` float32 scores live at once).
 """
 from __future__ import annotations
 
@@ -20,13 +26,15 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 class Attention:
     def __init__(self, *, q: Projection, k: Projection, v: Projection, o: Projection,
                  n_head: int, n_head_kv: int, head_dim: int, rope: Rope,
-                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                 scale: float | None = None, sinks: torch.Tensor | None = None, window: int = 0):
         if n_head % n_head_kv:
             raise ValueError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
         self.q, self.k, self.v, self.o = q, k, v, o
         self.n_head, self.n_head_kv, self.head_dim = n_head, n_head_kv, head_dim
         self.rope = rope
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.scale, self.sinks, self.window = scale, sinks, window
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x: (T, n_embd) on the layer's device; positions: (T,) RoPE positions.
@@ -46,22 +54,33 @@ class Attention:
         k = self.rope(k, positions)
         keys, values = cache.append(k.transpose(0, 1).to(cache.k.dtype),
                                     v.transpose(0, 1).to(cache.v.dtype))  # (Hkv, L, D)
-        out = attend(q, keys, values)                             # (T, H, D)
+        out = attend(q, keys, values, scale=self.scale, sinks=self.sinks, window=self.window)  # (T, H, D)
         return self.o(out.reshape(t, self.n_head * self.head_dim))
 
 
+def visible(first: int, t: int, n_keys: int, window: int, device) -> torch.Tensor:
+    """(t, n_keys) bool: which keys the queries at cache indices first..first+t-1 see —
+    themselves and the keys before, only the last ``window`` positions when ``window`` > 0."""
+    qi = torch.arange(first, first + t, device=device)[:, None]
+    kj = torch.arange(n_keys, device=device)[None, :]
+    return (kj <= qi) & (qi - kj < window) if window else kj <= qi
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of T new queries over the L cached keys, the last T of which are
     theirs (cache index order is sequence order). q: (T, H, Dk); keys: (Hkv, L, Dk); values:
-    (Hkv, L, Dv) with H a multiple of Hkv → (T, H, Dv) float32. ``scale``: default 1/√Dk."""
+    (Hkv, L, Dv) with H a multiple of Hkv → (T, H, Dv) float32. ``scale``: default 1/√Dk.
+    ``sinks``: (H,) per-head sink logits; ``window``: a query sees only the last ``window``
+    positions (0: all)."""
+    if sinks is not None:
+        return attend_with_sinks(q, keys, values, sinks, scale=scale, window=window)
     t, n_head = q.shape[0], q.shape[1]
     n_keys = keys.shape[1]
     mask = None
-    if t > 1:
+    if t > 1 or window and n_keys > window:
         # query i sits at cache index n_keys - t + i and sees keys 0..that index
-        qi = torch.arange(n_keys - t, n_keys, device=q.device)[:, None]
-        mask = torch.arange(n_keys, device=q.device)[None, :] <= qi  # (T, L)
+        mask = visible(n_keys - t, t, n_keys, window, q.device)             # (T, L)
     # CUDA computes in the cache dtype; torch's CPU kernels are slow and loose in half
     # precision, so a CPU-backed layer upcasts its (f16/bf16) cache for the product
     dtype = torch.float32 if q.device.type == "cpu" else keys.dtype
@@ -69,3 +88,37 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
         q.transpose(0, 1)[None].to(dtype), keys[None].to(dtype), values[None].to(dtype),
         attn_mask=mask, scale=scale, enable_gqa=n_head != keys.shape[0])   # (1, H, T, Dv)
     return out[0].transpose(0, 1).float()
+
+
+SCORE_VALUES = 16 << 20     # float32 scores live at once in attend_with_sinks (64 MiB)
+
+
+def query_chunk(n_head: int, t: int, n_keys: int) -> int:
+    """Queries per chunk of ``attend_with_sinks`` (placement.compute counts the same)."""
+    return max(1, min(t, SCORE_VALUES // max(1, n_head * n_keys)))
+
+
+def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sinks: torch.Tensor, *,
+                      scale: float | None = None, window: int = 0) -> torch.Tensor:
+    """``attend`` with a sink column in each softmax, in float32, a chunk of queries at a
+    time: scores (H, c, L) → masked → exp(s − m) / (Σ exp(s − m) + exp(sink − m)), m the row
+    maximum over keys and sink, all in place in the one score buffer."""
+    t, n_head, dk = q.shape
+    n_kv, n_keys, dv = values.shape
+    g = n_head // n_kv                       # query head h reads KV head h // g
+    scale = dk ** -0.5 if scale is None else scale
+    k, v = keys.float(), values.float()
+    qh = q.float().permute(1, 0, 2).reshape(n_kv, g, t, dk)
+    sink = sinks.float().to(q.device)[:, None, None]                 # (H, 1, 1)
+    out = torch.empty(n_head, t, dv, device=q.device)
+    step = query_chunk(n_head, t, n_keys)
+    for c0 in range(0, t, step):
+        c = min(step, t - c0)
+        s = torch.matmul(qh[:, :, c0:c0 + c].reshape(n_kv, g * c, dk), k.transpose(1, 2))
+        s = s.mul_(scale).view(n_head, c, n_keys)
+        s.masked_fill_(~visible(n_keys - t + c0, c, n_keys, window, q.device), float("-inf"))
+        m = torch.maximum(s.amax(-1, keepdim=True), sink)
+        s.sub_(m).exp_()
+        s.div_(s.sum(-1, keepdim=True) + torch.exp(sink - m))
+        out[:, c0:c0 + c] = torch.matmul(s.view(n_kv, g * c, n_keys), v).view(n_head, c, dv)
+    return out.transpose(0, 1)

@@ -7,8 +7,8 @@ over touched experts, never over tokens × experts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from gpu.ffn import GLU
 from gpu.quant import QuantTensor
 
 
@@ -38,11 +38,15 @@ class TorchExperts:
 
     def __init__(self, *, down: QuantTensor, gate: QuantTensor | None = None,
                  up: QuantTensor | None = None, gate_up: QuantTensor | None = None,
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, act: str = "silu",
+                 biases: dict[str, torch.Tensor] | None = None):
+        """``act``: a ``gpu.ffn.GLU`` name; ``biases``: "gate"/"up" (E, n_ff), "down" (E, n_embd)
+        float32 per-expert biases on the experts' device (gpt-oss), or None."""
         if gate_up is None and (gate is None or up is None):
             raise ValueError("experts need gate and up, or a fused gate_up")
         self.gate, self.up, self.gate_up, self.down = gate, up, gate_up, down
         self.device, self.dtype = down.device, compute_dtype
+        self.glu, self.biases = GLU[act], biases or {}
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,7 +63,11 @@ class TorchExperts:
                 g, u = self.gate_up[e].linear(xe, self.dtype).chunk(2, dim=-1)
             else:
                 g, u = self.gate[e].linear(xe, self.dtype), self.up[e].linear(xe, self.dtype)
-            ys[s:s + n] = self.down[e].linear(F.silu(g) * u, self.dtype)
+            b = self.biases
+            if "gate" in b:
+                g, u = g + b["gate"][e].to(g.dtype), u + b["up"][e].to(u.dtype)
+            y = self.down[e].linear(self.glu(g, u), self.dtype)
+            ys[s:s + n] = y + b["down"][e].to(y.dtype) if "down" in b else y
         out = torch.zeros(x.shape, dtype=torch.float32, device=self.device)
         out.index_add_(0, tok, ys.float() * w[:, None])
         return out.to(home)

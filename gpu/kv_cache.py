@@ -15,6 +15,8 @@ import torch
 
 
 class KVCache:
+    start = 0      # the position of the oldest row kept (a window cache drops old rows)
+
     def __init__(self, n_head_kv: int, head_dim: int, *, head_dim_v: int | None = None,
                  device: torch.device, dtype: torch.dtype = torch.float32, capacity: int = 256,
                  max_cells: int | None = None):
@@ -63,3 +65,42 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+
+
+class WindowKVCache(KVCache):
+    """The cache of a sliding-window block: only the keys a query can still see are kept.
+
+    Query p sees keys p - window + 1 .. p. ``length`` stays the number of positions seen (the
+    sequence length); ``start`` is the position of the oldest row kept. The storage never
+    exceeds ``max_cells`` (the planner's ``min(pad256(ctx), pad256(window + ubatch))``): when an
+    append of T rows would overflow it, the rows older than the last ``window - 1`` are dropped
+    first (one shift, amortised over many appends). Rolling back (``truncate``) works as far as
+    the rows kept allow — always within the batch just appended, which is what speculative
+    verify needs; further back raises."""
+
+    def __init__(self, n_head_kv: int, head_dim: int, *, window: int, max_cells: int,
+                 device: torch.device, dtype: torch.dtype = torch.float32):
+        super().__init__(n_head_kv, head_dim, device=device, dtype=dtype, max_cells=max_cells)
+        self.window, self.start = window, 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor | None = None):
+        stored = self.length - self.start
+        t = k.shape[1]
+        if stored + t > self.max_cells and stored > self.window - 1:
+            keep = self.window - 1
+            drop = stored - keep
+            for buf in (self.k, self.v):
+                buf[:, :keep] = buf[:, drop:stored].clone()
+            self.start += drop
+        # the parent appends at ``length``: shift the view so it indexes the stored rows
+        self.length -= self.start
+        try:
+            return super().append(k, v)
+        finally:
+            self.length += self.start
+
+    def truncate(self, n: int) -> None:
+        if 0 <= n <= self.length and self.start > max(0, n - self.window + 1):
+            raise ValueError(f"sliding-window cache keeps positions {self.start}..{self.length - 1}: "
+                             f"cannot roll back to {n}")
+        super().truncate(n)

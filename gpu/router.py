@@ -1,6 +1,6 @@
 """MoE routers: logits → (expert ids (T, k) int64, weights (T, k) float32).
 
-Both compute in float32 on the router's device. Ties in top-k follow ``torch.topk``.
+All compute in float32 on the router's device. Ties in top-k follow ``torch.topk``.
 """
 from __future__ import annotations
 
@@ -59,3 +59,14 @@ class SoftmaxRouter:
         if self.norm:
             w = w / w.sum(-1, keepdim=True)
         return ids, w * self.scale
+
+
+class TopKSoftmaxRouter:
+    """gpt-oss: top-k of the (biased) router logits, then a softmax over those k only."""
+
+    def __init__(self, proj: Projection, *, k: int):
+        self.proj, self.k = proj, k
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(self.proj(x).float(), self.k, dim=-1)    # proj carries the bias
+        return ids, torch.softmax(top, dim=-1)

@@ -63,15 +63,18 @@ class RawEmbedding:
 class CpuExperts:
     """One MoE layer's routed experts in RAM, run by ``cpu_kernels.moe_ffn`` (GIL released)."""
 
-    def __init__(self, weights: ExpertWeights, profile: Profile):
+    def __init__(self, weights: ExpertWeights, profile: Profile, *, act: str = "silu",
+                 biases: dict[str, np.ndarray] | None = None):
+        """``act`` / ``biases`` ("gate", "up", "down" float32 arrays): as ``moe_ffn`` takes them."""
         self.weights, self.profile = weights, profile
+        self.act, self.biases = act, {f"{k}_bias": v for k, v in (biases or {}).items()}
         self.device = torch.device("cpu")
 
     def __call__(self, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
                  owned: np.ndarray | None = None) -> np.ndarray:
         """Host arrays in, host array out — called from the worker thread."""
         with self.profile.time("cpu_experts"):
-            return moe_ffn(x, ids, w, self.weights, owned=owned)
+            return moe_ffn(x, ids, w, self.weights, owned=owned, act=self.act, **self.biases)
 
 
 PAGE = mmap.PAGESIZE

@@ -76,7 +76,11 @@ class PromptCache:
         # drafting primes the head from the trunk states of the evaluated positions, so the
         # trunk is reused only as far as the head's pairs reach
         n_cached = head_ok if drafting else min(common, len(ids) - 1)
-        state.truncate(n_cached)
+        try:
+            state.truncate(n_cached)
+        except ValueError:      # a sliding-window cache no longer holds the rows that prefix needs
+            self.state = state = model.new_state(head)
+            head_cache, n_cached = state.nextn_cache, 0
         if head_cache is not None:
             head_cache.truncate(min(head_ok, n_cached))
         self.tokens = list(ids)
@@ -271,7 +275,8 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     draft_weights = (WeightStore(draft, plan.draft_tensors, devices, compute_dtype=dtypes, profile=profile,
                                  progress=bar) if draft is not None else None)
     ctx = BuildContext(profile=profile, pool=pool, kv_dtype=KV_DTYPES[plan.settings.cache_type],
-                       kv_cells=pad(plan.settings.ctx, CACHE_PAD))   # what the planner counted
+                       kv_cells=pad(plan.settings.ctx, CACHE_PAD),   # what the planner counted
+                       ubatch=plan.settings.ubatch)
     with torch.inference_mode():
         net = arch.build(cfg, weights, ctx, draft=draft_weights)
     if bar is not None:

@@ -174,12 +174,18 @@ class WeightStore:
             return RawEmbedding(data, qtype, self.shape(name)[1])
         return Embedding(self._upload(name))
 
-    def experts(self, prefix: str):
-        """Routed experts ``{prefix}.ffn_{gate,up,gate_up,down}_exps.weight`` → a callable
-        ``(x, ids, w) → (T, n_embd)`` (or CpuExperts, which the MoE layer runs in a thread)."""
+    def experts(self, prefix: str, *, act: str = "silu"):
+        """Routed experts ``{prefix}.ffn_{gate,up,gate_up,down}_exps.weight`` (+ their
+        ``.bias`` per expert where the file has them, gpt-oss) → a callable ``(x, ids, w) →
+        (T, n_embd)`` (or CpuExperts, which the MoE layer runs in a thread). ``act``: the
+        gated activation (``gpu.ffn.GLU`` / ``cpu_kernels.moe_ffn`` names)."""
         names = {s: f"{prefix}.ffn_{s}_exps.weight" for s in ("gate", "up", "gate_up", "down")}
         stages = ("gate_up", "down") if self.has(names["gate_up"]) else ("gate", "up", "down")
         homes = {self.device_of[names[s]] for s in stages}
+        biases = self._expert_biases(prefix, stages)
+        if biases and len(homes) > 1:
+            raise OffloadError(f"{prefix}: experts with biases split across devices are not supported; "
+                               "keep ffn_*_exps of a block on one device")
         if homes == {CPU}:
             raw = {s: self._cpu_matrix(names[s]) for s in stages}
             none = (None, None)
@@ -188,11 +194,23 @@ class WeightStore:
                                up_type=raw.get("up", none)[1], down_type=raw["down"][1],
                                gate_up=raw.get("gate_up", none)[0],
                                gate_up_type=raw.get("gate_up", none)[1], name=prefix)
-            return CpuExperts(ew, self.profile)
+            return CpuExperts(ew, self.profile, act=act, biases={k: b.cpu().numpy() for k, b in biases.items()})
         if len(homes) == 1:
             return TorchExperts(**{s: self._upload(names[s]) for s in stages},
-                                compute_dtype=self._dtype(self.device_of[names["down"]]))
+                                compute_dtype=self._dtype(self.device_of[names["down"]]), act=act,
+                                biases={k: b.to(self.device(names["down"])) for k, b in biases.items()})
         return StagedExperts(**{s: self._per_expert(names[s]) for s in stages})
+
+    def _expert_biases(self, prefix: str, stages) -> dict[str, torch.Tensor]:
+        """{"gate", "up", "down"} → (E, rows) float32 biases where the file has all of them."""
+        names = {s: f"{prefix}.ffn_{s}_exps.bias" for s in ("gate", "up", "down")}
+        have = [s for s, n in names.items() if self.has(n)]
+        if not have:
+            return {}
+        if "gate_up" in stages or len(have) != 3:
+            raise OffloadError(f"{prefix}: expert biases need ffn_gate_exps/ffn_up_exps/ffn_down_exps.bias "
+                               f"with separate gate and up (found {', '.join(have)})")
+        return {s: self.vector(n) for s, n in names.items()}
 
     def per_head(self, name: str):
         """A (H, out, in) tensor as one projection per head: (T, H, in) → (T, H, out). On the

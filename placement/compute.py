@@ -42,6 +42,7 @@ F32 = 4
 INT64 = 8
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 CHUNK_VALUES = 16 << 20     # gpu.quant._CHUNK_ELEMS: values dequantized per step of a matrix
+SCORE_VALUES = 16 << 20     # gpu.attention.SCORE_VALUES: float32 scores live at once with sinks
 ROUTING_BYTES = 64          # moe_ffn / group_by_expert index arrays, per (token, expert) pair
                             # (flat, tok, order, first: int64; weights f32; keep bool; ≤ 53 B)
 
@@ -149,6 +150,18 @@ def projection(t: TensorInfo, dev: str, home: str, n: int, kinds: Devices, *,
     return {dev: int(x_in + max(linear, after)), home: y}
 
 
+def sink_attention_bytes(T: int, L: int, H: int, Qw: int, KVw: int, cache_bytes: float) -> int:
+    """gpu.attention.attend_with_sinks's peak, c queries at a time: the cache upcast to
+    float32 (unless it is), q's head-major copy and the (T, H·D) output throughout; per chunk
+    the (H, c, L) scores, the chunk's mask (int64 distances and three bool arrays) and index
+    vectors, the q chunk and its product, the row maxima and sums."""
+    f = F32
+    c = max(1, min(T, SCORE_VALUES // max(1, H * L)))
+    upcast = 0 if cache_bytes == F32 else L * KVw * f
+    return (upcast + 2 * T * Qw * f + H * c * L * f + c * L * (INT64 + 3) + (c + L) * INT64
+            + 2 * c * Qw * f + 2 * H * c * f)
+
+
 def _plus(*parts: Moment) -> Moment:
     out: Moment = {}
     for p in parts:
@@ -165,6 +178,8 @@ class BlockTensors:
     heads: dict[str, TensorInfo]          # per-head stacks (H, out, in): MLA's "attn_k_b", "attn_v_b"
     attn_bias: set[str]
     q_norm: bool
+    sinks: bool                           # attn_sinks (gpt-oss): attention computed explicitly
+    expert_bias: bool                     # ffn_*_exps.bias (gpt-oss): gate/up run unfused
     router: TensorInfo | None
     experts: list[TensorInfo]             # ffn_{gate,up,gate_up,down}_exps
     shared: dict[str, TensorInfo]         # "gate"/"up"/"down" of the shared expert
@@ -173,7 +188,7 @@ class BlockTensors:
 
     @classmethod
     def of(cls, tensors: Iterable[TensorInfo]) -> "BlockTensors":
-        b = cls({}, {}, set(), False, None, [], {}, {}, {})
+        b = cls({}, {}, set(), False, False, False, None, [], {}, {}, {})
         for t in tensors:
             kind = t.name.split(".")[2] if t.name.count(".") >= 3 else ""
             if t.role is Role.ATTENTION and len(t.shape) == 2:
@@ -184,6 +199,10 @@ class BlockTensors:
                 b.attn_bias.add(kind)
             elif t.name.endswith("attn_q_norm.weight"):
                 b.q_norm = True
+            elif t.name.endswith("attn_sinks.weight"):
+                b.sinks = True
+            elif t.role is Role.ROUTED_EXPERTS and t.name.endswith(".bias"):
+                b.expert_bias = True
             elif t.role is Role.ROUTER and len(t.shape) == 2:
                 b.router = t
             elif t.role is Role.ROUTED_EXPERTS and len(t.shape) == 3:
@@ -202,10 +221,12 @@ class ForwardModel:
     ``device_of(tensor) → device`` (the placement) and return lists of moments."""
 
     def __init__(self, spec: ModelSpec, tensors: Sequence[TensorInfo], T: int, L: int,
-                 cache_bytes: float, kinds: Devices, kv_block_bytes: Callable[[int], int]):
+                 cache_bytes: float, kinds: Devices, kv_block_bytes: Callable[[int], int],
+                 kv_cells: Callable[[int], int] | None = None):
         self.spec, self.kinds = spec, kinds
         self.T, self.L, self.kvb = T, L, cache_bytes
         self.kv_block_bytes = kv_block_bytes
+        self.kv_cells = kv_cells
         by_block: dict[int, list[TensorInfo]] = defaultdict(list)
         self.globals: dict[str, TensorInfo] = {}
         for t in tensors:
@@ -246,6 +267,8 @@ class ForwardModel:
         if "attn_kv_a_mqa" in b.attn:
             return self.latent_attention(i, b, h, device_of)
         s, T, L = self.spec, self.T, self.L
+        if self.kv_cells is not None:       # a sliding-window cache holds at most its cells
+            L = min(L, self.kv_cells(i))
         H, Dk, Dv, Hkv = s.n_head, s.head_dim_k, s.head_dim_v, s.n_head_kv[i]
         Qw, Kw, Vw = H * Dk, Hkv * Dk, Hkv * Dv
         f = F32
@@ -272,7 +295,10 @@ class ForwardModel:
         # KVCache.append: k, v cast to the cache dtype; growing storage holds the old copy too
         moments.append(_plus(qkv, {h: int(T * (Kw + Vw) * self.kvb) + self.kv_block_bytes(i) // 2}))
         mask = T * L + (T + L) * INT64                          # bool (T, L) mask + its index vectors
-        if self.kinds.torch_cpu(h):
+        if b.sinks:
+            sdpa = sink_attention_bytes(T, L, H, Qw, Kw + Vw, self.kvb)
+            after = 2 * T * Qw * f                              # the output + its (T, H·D) copy
+        elif self.kinds.torch_cpu(h):
             # CPU SDPA (flash kernel): the bool mask as a float (T, L) bias; a non-f32 cache
             # upcast to float32 for the product (K and V of L keys); output (T, H·D)
             sdpa = mask + T * L * f + (0 if self.kvb == F32 else L * (Kw + Vw) * f) + T * Qw * f
@@ -281,6 +307,7 @@ class ForwardModel:
             # CUDA: q cast to the cache dtype; the mask as a bias in that dtype; output in it
             sdpa = mask + int(T * Qw * self.kvb * 2 + T * L * self.kvb)
             after = mask + int(T * Qw * self.kvb) + T * Qw * (f + int(self.kvb))
+        mask = 0 if b.sinks else mask
         moments += [_plus(qkv, {h: sdpa}), _plus(qkv, {h: after}),
                     _plus(qkv, {h: mask + T * Qw * f}, proj("attn_output")),
                     {h: 3 * te}]                       # x, attn output, x + attn → h
@@ -390,6 +417,8 @@ class ForwardModel:
             # sums16 of X and H, the routing index arrays; the main thread made host copies
             # of x/ids/weights first when home is a GPU
             worker = te + A * n_ff * f + A * E * f + (T * E // 16 + A * n_ff // 16) * f + A * ROUTING_BYTES
+            if b.expert_bias:   # moe_ffn's _biased_glu: X per assignment, g, u and σ's temporary
+                worker = max(worker, te + A * E * f + A * E // 16 * f + 3 * A * n_ff * f + A * ROUTING_BYTES)
             copies = {CPU: te + T * k * (INT64 + f)} if h != CPU else {}
             moved = {h: te} if h != CPU else {}        # Y moved home (a view on the CPU)
             return [_plus(copies, {CPU: worker}), _plus({CPU: te}, moved)], True

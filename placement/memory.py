@@ -40,6 +40,10 @@ walks the pass as the code runs it and gives the bytes live on each device at ea
                                + T·L·4 (mask as a float bias) + L·(K + V)·4 (f16/bf16 cache
                                upcast) + T·Q·4 (output);
                            SDPA on CUDA  mask + T·Q·2·cb + T·L·cb  (cb = cache bytes/value)
+                           with sinks (gpt-oss, explicit, c = min(T, 16 Mi // (H·L)) queries
+                               at a time)  2·T·Q·4 + L·(K + V)·4 (upcast unless f32)
+                               + H·c·L·4 (scores) + c·L·11 + (c + L)·8 (mask) + 2·c·Q·4;
+                         L = ctx, or a sliding-window block's cells when fewer
     FFN, home          = 3·T·E·4 (x, h, ffn_norm(h)) + T·k·12 (expert ids, weights)
                          + dense FFN / shared expert: 3·T·n_ff·4 beside one projection;
                          router: 2·T·n_expert·4;
@@ -47,6 +51,8 @@ walks the pass as the code runs it and gives the bytes live on each device at ea
                            at the same time as the shared expert): T·E·4 + A·n_ff_exp·4
                            + A·E·4 + (T·E + A·n_ff_exp)/16·4 + A·64 (routing indices),
                            + host copies T·E·4 + T·k·12 when the home is a GPU;  A = T·k
+                           with expert biases (gpt-oss) at least T·E·4 + A·E·4·17/16
+                           + 3·A·n_ff_exp·4 + A·64 (gate and up apart, then swiglu_oai)
                          routed experts on a GPU: 2·A·E·c + 3·T·n_ff_exp·c + one expert
                            matrix dequantized, then A·E·4
     output, its device = 2·T·E·4 + the output projection of the last row (logits="last")
@@ -170,7 +176,8 @@ def cache_value_bytes(s: MemorySettings) -> float:
 
 def forward_model(spec: ModelSpec, tensors: Sequence[TensorInfo], s: MemorySettings) -> ForwardModel:
     return ForwardModel(spec, tensors, s.ubatch, s.ctx, cache_value_bytes(s),
-                        Devices(s.gpu_dtype, s.host_backed), lambda layer: kv_bytes(spec, layer, s))
+                        Devices(s.gpu_dtype, s.host_backed), lambda layer: kv_bytes(spec, layer, s),
+                        kv_cells=lambda layer: kv_cells(spec, layer, s))
 
 
 def forward_steps(spec: ModelSpec, tensors: Sequence[TensorInfo], placement: Mapping[str, str],

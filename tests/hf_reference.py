@@ -78,6 +78,51 @@ def _block_state(weights, i: int, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
+# gpt-oss: its own names, and experts stored transposed (x @ W) with gate/up interleaved
+_GPT_OSS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+} | {f"attn_{a}.{t}": f"self_attn.{b}_proj.{t}" for a, b in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))
+     for t in ("weight", "bias")}
+
+
+def _interleave(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """(…, n) gate and up → (…, 2n) with gate at even, up at odd positions (HF's gate_up)."""
+    out = np.empty(g.shape[:-1] + (2 * g.shape[-1],), np.float32)
+    out[..., 0::2], out[..., 1::2] = g, u
+    return out
+
+
+def _gpt_oss_block_state(weights, i: int, prefix: str) -> dict[str, torch.Tensor]:
+    b = lambda n: weights[f"blk.{i}.{n}"]  # noqa: E731
+    out = {prefix + dst: b(src) for src, dst in _GPT_OSS.items()}
+    out[prefix + "mlp.experts.gate_up_proj"] = _interleave(b("ffn_gate_exps.weight").transpose(0, 2, 1),
+                                                           b("ffn_up_exps.weight").transpose(0, 2, 1))
+    out[prefix + "mlp.experts.gate_up_proj_bias"] = _interleave(b("ffn_gate_exps.bias"), b("ffn_up_exps.bias"))
+    out[prefix + "mlp.experts.down_proj"] = b("ffn_down_exps.weight").transpose(0, 2, 1)
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
+
+
+def _gpt_oss_config(tiny: TinyModel, common: dict):
+    """YaRN with ``truncate`` on: llama.cpp (and so offload) floors/ceils the correction
+    range; the released gpt-oss config says truncate false, which HF alone follows."""
+    from transformers import GptOssConfig
+    s = tiny.spec
+    rope = {"rope_type": "default", "rope_theta": s.rope_base}
+    if s.yarn_factor > 1:
+        rope = {"rope_type": "yarn", "rope_theta": s.rope_base, "factor": s.yarn_factor, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": True, "original_max_position_embeddings": s.yarn_orig_ctx}
+    keep = {k: v for k, v in common.items() if k not in ("moe_intermediate_size", "intermediate_size")}
+    return GptOssConfig(**keep, num_hidden_layers=s.n_layer, num_local_experts=s.n_expert,
+                        intermediate_size=s.n_ff_exp, sliding_window=s.window, rope_parameters=rope,
+                        max_position_embeddings=int(s.yarn_orig_ctx * s.yarn_factor) if s.yarn_factor > 1 else 4096,
+                        attention_bias=True)
+
+
 def hf_config(tiny: TinyModel, *, mtp: bool = False):
     s = tiny.spec
     common = dict(vocab_size=s.n_vocab, hidden_size=s.n_embd, num_attention_heads=s.n_head,
@@ -96,6 +141,8 @@ def hf_config(tiny: TinyModel, *, mtp: bool = False):
                                               "partial_rotary_factor": s.n_rot / s.head_dim})
     if s.arch == "deepseek2":
         return _deepseek_config(tiny, common, mtp=mtp)
+    if s.arch == "gpt-oss":
+        return _gpt_oss_config(tiny, common)
     from transformers import Qwen3MoeConfig
     return Qwen3MoeConfig(**common, num_hidden_layers=s.n_layer, num_experts=s.n_expert,
                           norm_topk_prob=s.weights_norm, decoder_sparse_step=1,
@@ -130,19 +177,21 @@ def _deepseek_config(tiny: TinyModel, common: dict, *, mtp: bool):
 
 def hf_causal_lm(tiny: TinyModel):
     """The trunk as ``Glm4MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``DeepseekV3ForCausalLM``
-    / ``DeepseekV2ForCausalLM`` in float64."""
+    / ``DeepseekV2ForCausalLM`` / ``GptOssForCausalLM`` in float64."""
     import transformers
     arch, s = tiny.spec.arch, tiny.spec
     cls = {"glm4moe": "Glm4MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-           "deepseek2": "DeepseekV2ForCausalLM" if s.gating == "softmax" else "DeepseekV3ForCausalLM"}[arch]
+           "deepseek2": "DeepseekV2ForCausalLM" if s.gating == "softmax" else "DeepseekV3ForCausalLM",
+           "gpt-oss": "GptOssForCausalLM"}[arch]
     cls = getattr(transformers, cls)
     torch.manual_seed(0)
     model = cls(hf_config(tiny)).eval()
     state = {dst: torch.from_numpy(tiny.weights[src]) for src, dst in _GLOBAL.items() if src in tiny.weights}
     if tiny.spec.tied_output:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    block_state = _gpt_oss_block_state if arch == "gpt-oss" else _block_state
     for i in range(tiny.spec.n_layer):
-        state |= _block_state(tiny.weights, i, f"model.layers.{i}.")
+        state |= block_state(tiny.weights, i, f"model.layers.{i}.")
     _load_exactly(model, state)
     return model.double()
 

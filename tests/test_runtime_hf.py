@@ -1,6 +1,6 @@
 """Layer 3: each architecture's forward vs the independent Hugging Face implementation
 (``Glm4MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``DeepseekV3ForCausalLM`` /
-``DeepseekV2ForCausalLM`` / transformers' ``MtpLayer``), built in float64 from the same
+``DeepseekV2ForCausalLM`` / ``GptOssForCausalLM`` / transformers' ``MtpLayer``), built in float64 from the same
 dequantized weights, over several expert quant types."""
 from __future__ import annotations
 
@@ -45,6 +45,15 @@ CASES = {
                                           q_lora_rank=0, gating="softmax", weights_norm=False, seed=23),
     "deepseek2-kv_b-Q6_K": TinySpec(arch="deepseek2", expert_type=Q.Q6_K, rms_eps=1e-6, nextn=False,
                                     mla=False, yarn_factor=4.0, yarn_orig_ctx=4, seed=24),
+    # gpt-oss: a 4-token window so the 12-token prompt crosses it in the even blocks; YaRN
+    # with a 4-token original context (the ramp covers the head); sinks, biases and the ±7
+    # clamps of swiglu_oai all active (tests.tiny_models.write_gpt_oss_block)
+    "gpt-oss-F32-yarn": TinySpec(arch="gpt-oss", expert_type=Q.F32, n_head=4, n_head_kv=2, window=4,
+                                 yarn_factor=4.0, yarn_orig_ctx=4, seed=30),
+    "gpt-oss-MXFP4-yarn": TinySpec(arch="gpt-oss", expert_type=Q.MXFP4, window=4, yarn_factor=32.0,
+                                   yarn_orig_ctx=4, seed=31),
+    "gpt-oss-MXFP4-Q8_0-tied": TinySpec(arch="gpt-oss", expert_type=Q.MXFP4, dense_type=Q.Q8_0, embd_type=Q.Q8_0,
+                                        tied_output=True, n_head_kv=1, window=3, seed=32),
 }
 
 
@@ -102,6 +111,8 @@ def test_nextn_head_matches_transformers_mtp_layer(case, tmp_path):
 LLAMA_CPP_CASES = {name: CASES[name] for name in ("glm4moe-Q8_0", "glm4moe-Q4_K-tied", "qwen3moe-Q8_0",
                                                    "deepseek2-v3-F32-yarn-groups", "deepseek2-kv_b-Q6_K")}
 LLAMA_CPP_CASES |= {
+    "gpt-oss-F32-yarn": CASES["gpt-oss-F32-yarn"],
+    "gpt-oss-MXFP4-yarn": CASES["gpt-oss-MXFP4-yarn"],
     "deepseek2-v3-Q8_0-mtp": TinySpec(arch="deepseek2", expert_type=Q.Q8_0, rms_eps=1e-6, seed=25),
     # llama.cpp reads q from attn_q (no q LoRA) only for 26- or 27-block files (its "lite"
     # rule), so the V2-Lite shape is tested at 26 blocks; F32 experts — at this depth one

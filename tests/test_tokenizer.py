@@ -34,7 +34,7 @@ def test_byte_level_bpe_known_answer():
     assert tok.eos_ids == {eot} and not tok.add_bos
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe", "glm4"])
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe", "glm4", "gpt-4o"])
 def test_byte_level_bpe_round_trips(pre):
     tok = Tokenizer.from_gguf(gpt2_meta(pre))
     for text in TEXTS:

@@ -1,4 +1,4 @@
-"""Tiny random glm4moe / qwen3moe / deepseek2 GGUFs written with ``gguf.GGUFWriter``, exactly as
+"""Tiny random glm4moe / qwen3moe / deepseek2 / gpt-oss GGUFs written with ``gguf.GGUFWriter``, exactly as
 llama.cpp names and lays them out, with routed experts in a chosen quant type.
 
 ``write_tiny_model`` returns the file path and the dequantized float32 weights by GGUF
@@ -86,9 +86,10 @@ _WORDS = ["the", " the", " def", "def", " return", " self", " import", " in", " 
           " for", "   ", "    ", " x", " =", "()", "):", "\n\n", "\n    "]
 
 
-def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
-    """Byte-level BPE vocabulary: 256 byte tokens, merges building a few words, one control
-    token. Returns (tokens, merges "a b", token types)."""
+def tiny_vocab(extra_merges: tuple[str, ...] = ()) -> tuple[list[str], list[str], list[int]]:
+    """Byte-level BPE vocabulary: 256 byte tokens, merges building a few words (and
+    ``extra_merges``, "a b" in byte-level characters), one control token. Returns (tokens,
+    merges "a b", token types)."""
     b2u = bytes_to_unicode()
     tokens = [b2u[b] for b in range(256)]
     merges = []
@@ -100,18 +101,21 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
                 merges.append(f"{cur} {c}")
                 tokens.append(cur + c)
             cur = cur + c
+    for m in extra_merges:
+        merges.append(m)
+        tokens.append(m.replace(" ", ""))
     types = [TokenType.NORMAL] * len(tokens)
     tokens.append("<|endoftext|>")
     types.append(TokenType.CONTROL)
     return tokens, merges, [int(t) for t in types]
 
 
-def add_tiny_vocab(w: GGUFWriter) -> int:
-    """Write ``tiny_vocab`` as a GPT-2 style BPE tokenizer (BOS = EOS = its control token);
-    returns the vocabulary size."""
-    tokens, merges, types = tiny_vocab()
+def add_tiny_vocab(w: GGUFWriter, extra_merges: tuple[str, ...] = (), pre: str = "gpt-2") -> int:
+    """Write ``tiny_vocab`` as a GPT-2 style BPE tokenizer (BOS = EOS = its control token) with
+    pre-tokenizer ``pre``; returns the vocabulary size."""
+    tokens, merges, types = tiny_vocab(extra_merges)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
@@ -162,10 +166,14 @@ class TinySpec:
     embd_std: float = 1.0
     nextn_echo: float = 0.0      # > 0: eh_proj = [echo·I, 0], a head that passes token t+1 on
     experts_as_f32: bool = False  # write the routed experts' dequantized values as F32 (same draws)
+    # gpt-oss: sliding window of the even blocks; yarn_factor / yarn_orig_ctx as above
+    window: int = 4
+    tokenizer_pre: str = "gpt-2"
+    extra_merges: tuple[str, ...] = ()
 
     @property
     def n_vocab(self) -> int:
-        return len(tiny_vocab()[0])
+        return len(tiny_vocab(self.extra_merges)[0])
 
 
 @dataclass
@@ -180,7 +188,7 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weig
     dequantization that makes them, the slow part of writing a wide benchmark model."""
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
-    glm, ds = spec.arch == "glm4moe", spec.arch == "deepseek2"
+    glm, ds, oss = spec.arch == "glm4moe", spec.arch == "deepseek2", spec.arch == "gpt-oss"
     lead = glm or ds              # leading dense blocks, shared experts, NextN
     arch = spec.arch
     w = GGUFWriter(str(path), arch)
@@ -196,13 +204,17 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weig
         w.add_head_count_kv(spec.n_head_kv)
         w.add_key_length(spec.head_dim)
         w.add_value_length(spec.head_dim)
-        w.add_rope_dimension_count(spec.n_rot if glm else spec.head_dim)
+        if not oss:           # gpt-oss files carry no rope dimension count (the whole head)
+            w.add_rope_dimension_count(spec.n_rot if glm else spec.head_dim)
+    if oss:
+        write_gpt_oss_metadata(w, spec)
     w.add_rope_freq_base(spec.rope_base)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_expert_count(spec.n_expert)
     w.add_expert_used_count(spec.n_expert_used)
     w.add_expert_feed_forward_length(spec.n_ff_exp)
-    w.add_expert_weights_norm(spec.weights_norm)
+    if not oss:
+        w.add_expert_weights_norm(spec.weights_norm)
     if lead:
         w.add_leading_dense_block_count(spec.n_dense)
         w.add_expert_shared_count(spec.n_shared)
@@ -210,7 +222,7 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weig
         w.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX if spec.gating == "softmax"
                                  else ExpertGatingFuncType.SIGMOID)
         w.add_nextn_predict_layers(1 if spec.nextn else 0)
-    add_tiny_vocab(w)
+    add_tiny_vocab(w, spec.extra_merges, spec.tokenizer_pre)
 
     weights = {}
 
@@ -236,6 +248,9 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weig
         norm(f"{p}.attn_norm.weight", d)
         if ds:
             write_mla_block(spec, p, put, lin, norm)
+        elif oss:
+            write_gpt_oss_block(spec, p, put, lin, norm)
+            continue
         else:
             lin(f"{p}.attn_q.weight", spec.n_head * hd, d)
             lin(f"{p}.attn_k.weight", spec.n_head_kv * hd, d)
@@ -338,3 +353,36 @@ def write_mla_block(spec: TinySpec, p: str, put, lin, norm) -> None:
     else:
         lin(f"{p}.attn_kv_b.weight", h * (spec.qk_nope + spec.v_head_dim), r)
     lin(f"{p}.attn_output.weight", d, h * spec.v_head_dim)
+
+
+def write_gpt_oss_metadata(w: GGUFWriter, spec: TinySpec) -> None:
+    """gpt-oss's keys beyond the common ones: the sliding window (the even blocks use it,
+    llama.cpp's fixed pattern) and YaRN."""
+    w.add_sliding_window(spec.window)
+    if spec.yarn_factor > 1:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(spec.yarn_orig_ctx)
+
+
+def write_gpt_oss_block(spec: TinySpec, p: str, put, lin, norm) -> None:
+    """One gpt-oss block in llama.cpp's layout (attn_norm written by the caller): biased
+    q/k/v/o, ``attn_sinks``, ``post_attention_norm``, a biased router and separate biased
+    gate/up/down experts. Biases and sinks are large enough to matter (std 0.5–1)."""
+    d, hd, e, f = spec.n_embd, spec.head_dim, spec.n_expert, spec.n_ff_exp
+    for name, rows in (("attn_q", spec.n_head * hd), ("attn_k", spec.n_head_kv * hd), ("attn_v", spec.n_head_kv * hd)):
+        lin(f"{p}.{name}.weight", rows, d)
+        put(f"{p}.{name}.bias", (rows,), Q.F32, 0.5)
+    lin(f"{p}.attn_output.weight", d, spec.n_head * hd)
+    put(f"{p}.attn_output.bias", (d,), Q.F32, 0.1)
+    put(f"{p}.attn_sinks.weight", (spec.n_head,), Q.F32, 1.0)
+    norm(f"{p}.post_attention_norm.weight", d)
+    put(f"{p}.ffn_gate_inp.weight", (e, d), Q.F32, d ** -0.5)
+    put(f"{p}.ffn_gate_inp.bias", (e,), Q.F32, 0.5)
+    # std 2/√d: gate and up reach the ±7 clamp now and then
+    put(f"{p}.ffn_gate_exps.weight", (e, f, d), spec.expert_type, 2 * d ** -0.5)
+    put(f"{p}.ffn_up_exps.weight", (e, f, d), spec.expert_type, 2 * d ** -0.5)
+    put(f"{p}.ffn_down_exps.weight", (e, d, f), spec.expert_type, f ** -0.5)
+    put(f"{p}.ffn_gate_exps.bias", (e, f), Q.F32, 1.0)
+    put(f"{p}.ffn_up_exps.bias", (e, f), Q.F32, 1.0)
+    put(f"{p}.ffn_down_exps.bias", (e, d), Q.F32, 0.1)

@@ -1,4 +1,5 @@
-"""One module per architecture; the module name is the registry key (``general.architecture``).
+"""One module per architecture; the module name is the registry key (``general.architecture``,
+with "-" spelled "_": ``gpt-oss`` is ``gpt_oss``).
 
 Each module provides ``config_from_gguf(spec, metadata) -> ModelConfig`` and
 ``build(config, weights, ctx, draft=None) -> CausalLM`` (``draft``: the WeightStore of a
@@ -16,11 +17,11 @@ _NOT_ARCHITECTURES = {"common"}
 
 
 def supported() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(__path__)
+    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(__path__)
                   if m.name not in _NOT_ARCHITECTURES and not m.name.startswith("_"))
 
 
 def architecture(name: str) -> ModuleType:
     if name not in supported():
         raise OffloadError(f"unsupported architecture {name!r} (supported: {', '.join(supported())})")
-    return importlib.import_module(f"{__name__}.{name}")
+    return importlib.import_module(f"{__name__}.{name.replace('-', '_')}")

@@ -16,7 +16,7 @@ from gpu.attention import Attention
 from gpu.ffn import SwiGLU
 from gpu.kv_cache import KVCache
 from gpu.norm import RMSNorm
-from gpu.rope import Rope, RopeSpec, rope_for
+from gpu.rope import Rope, RopeSpec, YaRN, rope_for
 from offload.errors import OffloadError
 from offload.gguf_header import LazyArray
 from offload.moe import MoE
@@ -76,6 +76,20 @@ def config_fields(spec: ModelSpec, meta: Mapping, *, expert_weights_norm_default
         expert_weights_norm=bool(get(Keys.LLM.EXPERT_WEIGHTS_NORM, expert_weights_norm_default)),
         expert_weights_scale=float(get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0)),
         n_nextn=spec.n_nextn, context_length=spec.n_ctx_train)
+
+
+def yarn_scaling(spec: ModelSpec, meta: Mapping) -> YaRN | None:
+    """``rope.scaling.*`` → YaRN (None without scaling); any other scaling is refused."""
+    get = lambda t, d=None: meta_value(meta, t, spec.arch, d)  # noqa: E731
+    scaling = get(Keys.Rope.SCALING_TYPE, "none")
+    factor = float(get(Keys.Rope.SCALING_FACTOR, 1.0) or 1.0)
+    if scaling == "yarn" and factor > 1.0:
+        return YaRN(factor, int(get(Keys.Rope.SCALING_ORIG_CTX_LEN, spec.n_ctx_train)),
+                    beta_fast=float(get(Keys.Rope.SCALING_YARN_BETA_FAST, 32.0)),
+                    beta_slow=float(get(Keys.Rope.SCALING_YARN_BETA_SLOW, 1.0)))
+    if scaling not in ("none", "yarn") or factor != 1.0:
+        raise OffloadError(f"{spec.arch}: RoPE scaling {scaling!r} (factor {factor}) is not supported (yarn only)")
+    return None
 
 
 def common_config(spec: ModelSpec, meta: Mapping, *,
@@ -217,6 +231,7 @@ class BuildContext:
     pool: ThreadPoolExecutor
     kv_dtype: torch.dtype = torch.float32
     kv_cells: int | None = None       # the planner's cells per cache (context padded to 256)
+    ubatch: int = 512                 # the plan's micro-batch (sizes sliding-window caches)
     ropes: dict = field(default_factory=dict)
 
     def cache(self, cfg: ModelConfig) -> Callable[[torch.device], KVCache]:
@@ -291,11 +306,12 @@ def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str
                  cache=a.cache)
 
 
-def build_trunk(w, cfg: ModelConfig, ctx: BuildContext, **block) -> tuple:
+def build_trunk(w, cfg: ModelConfig, ctx: BuildContext, *, build: Callable = build_block, **block) -> tuple:
     """Embedding, trunk blocks, output norm and head (``output`` or tied ``token_embd``).
-    ``block``: ``build_block``'s keywords (ffn_norm, make_router, attention)."""
+    ``build(w, cfg, i, ctx, **block)`` makes block i (default ``build_block``, whose keywords
+    are ffn_norm, make_router, attention); an architecture may bring its own."""
     embed = w.embedding("token_embd.weight")
-    blocks = [build_block(w, cfg, i, ctx, **block) for i in range(cfg.n_layer)]
+    blocks = [build(w, cfg, i, ctx, **block) for i in range(cfg.n_layer)]
     # the output layer is output_norm's slot; a tied model reads token_embd there (a second
     # copy when token_embd lives elsewhere, as llama.cpp does and the planner counts)
     out_dev = w.device_name("output_norm.weight")

@@ -29,7 +29,8 @@ from gpu.rope import RopeSpec, YaRN
 from gpu.router import SigmoidRouter, SoftmaxRouter
 from offload.errors import OffloadError
 from offload.models.common import (BuildContext, BuiltAttention, CausalLM, ModelConfig, build_nextn,
-                                   build_trunk, config_fields, meta_value, nextn_layer)
+                                   build_trunk, config_fields, meta_value, nextn_layer,
+                                   yarn_scaling)
 from placement.tensors import ModelSpec
 
 FFN_NORM = "ffn_norm"
@@ -72,16 +73,8 @@ def config_from_gguf(spec: ModelSpec, meta) -> Deepseek2Config:
     if not spec.kv_lora_rank or not 0 < spec.n_rot < head_dim:
         raise OffloadError(f"deepseek2: kv_lora_rank {spec.kv_lora_rank} / rope dims {spec.n_rot} "
                            f"do not describe MLA with {head_dim}-wide heads")
-    yarn, mscale = None, 1.0
-    scaling = get(Keys.Rope.SCALING_TYPE, "none")
-    factor = float(get(Keys.Rope.SCALING_FACTOR, 1.0) or 1.0)
-    if scaling == "yarn" and factor > 1.0:
-        yarn = YaRN(factor, int(get(Keys.Rope.SCALING_ORIG_CTX_LEN, spec.n_ctx_train)),
-                    beta_fast=float(get(Keys.Rope.SCALING_YARN_BETA_FAST, 32.0)),
-                    beta_slow=float(get(Keys.Rope.SCALING_YARN_BETA_SLOW, 1.0)))
-        mscale = 1.0 + float(get(Keys.Rope.SCALING_YARN_LOG_MUL, 0.0)) * math.log(factor)
-    elif scaling not in ("none", "yarn") or factor != 1.0:
-        raise OffloadError(f"deepseek2: RoPE scaling {scaling!r} (factor {factor}) is not supported (yarn only)")
+    yarn = yarn_scaling(spec, meta)
+    mscale = 1.0 if yarn is None else 1.0 + float(get(Keys.Rope.SCALING_YARN_LOG_MUL, 0.0)) * math.log(yarn.factor)
     gating = int(get(Keys.LLM.EXPERT_GATING_FUNC, ExpertGatingFuncType.SOFTMAX))
     n_group = int(get(Keys.LLM.EXPERT_GROUP_COUNT, 1) or 1)
     if gating not in (ExpertGatingFuncType.SOFTMAX, ExpertGatingFuncType.SIGMOID):
