@@ -25,7 +25,15 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (H_kv, T, D). Returns the cached keys/values (H_kv, length, D) incl. these."""
-        t = k.shape[1]
+        need = self.reserve(k.shape[1])
+        self.k[:, self.length:need] = k
+        self.v[:, self.length:need] = v
+        self.length = need
+        return self.k[:, :need], self.v[:, :need]
+
+    def reserve(self, t: int) -> int:
+        """Make room for t more positions (a compiled block writes them in place, then
+        advances ``length``); returns length + t."""
         need = self.length + t
         if need > self.k.shape[1]:
             cap = max(need, 2 * self.k.shape[1])
@@ -36,10 +44,7 @@ class KVCache:
             k_new[:, :self.length] = self.k[:, :self.length]
             v_new[:, :self.length] = self.v[:, :self.length]
             self.k, self.v = k_new, v_new
-        self.k[:, self.length:need] = k
-        self.v[:, self.length:need] = v
-        self.length = need
-        return self.k[:, :need], self.v[:, :need]
+        return need
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions (rollback of rejected draft tokens)."""

@@ -17,6 +17,7 @@ from gpu.ffn import SwiGLU
 from gpu.kv_cache import KVCache
 from gpu.norm import RMSNorm
 from gpu.rope import Rope
+from offload.compiled_block import compile_block
 from offload.errors import OffloadError
 from offload.gguf_header import LazyArray
 from offload.moe import MoE
@@ -245,7 +246,8 @@ def build_moe(w, p: str, router: Callable, ctx: BuildContext) -> MoE:
 def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str,
                 make_router: Callable) -> Block:
     """Block i: MoE when it has a router (``ffn_gate_inp``), dense FFN otherwise.
-    ``make_router(prefix, device)`` builds the architecture's router."""
+    ``make_router(prefix, device)`` builds the architecture's router. A wholly CPU-resident
+    block runs compiled (``offload.compiled_block``; this Block stays its reference)."""
     p = f"blk.{i}"
     home_name, home, attn = build_attention(w, cfg, i, ctx)
     norm = lambda n: RMSNorm(w.vector(n).to(home), cfg.rms_eps)  # noqa: E731
@@ -253,9 +255,9 @@ def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str
         ffn = build_moe(w, p, make_router(p, home), ctx)
     else:
         ffn = build_swiglu(w, p)
-    return Block(device_name=home_name, device=home, attn_norm=norm(f"{p}.attn_norm.weight"), attn=attn,
-                 ffn_norm=norm(f"{p}.{ffn_norm}.weight"), ffn=ffn, profile=ctx.profile,
-                 cache=ctx.cache(cfg))
+    return compile_block(Block(device_name=home_name, device=home, attn_norm=norm(f"{p}.attn_norm.weight"),
+                               attn=attn, ffn_norm=norm(f"{p}.{ffn_norm}.weight"), ffn=ffn,
+                               profile=ctx.profile, cache=ctx.cache(cfg)))
 
 
 def build_trunk(w, cfg: ModelConfig, ctx: BuildContext, *, ffn_norm: str,
