@@ -31,8 +31,9 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .moe import _down_phase, _gate_up_phase, _silu_glu
-from .registry import source_digest
+from .registry import QTagType, source_digest
 from .rowdot import dot4
+from .simd import st_bf16, st_f16, st_f32, vbf16, vf16, vf32, vfma, vload, vsplat, vstore, vsum, vzero
 
 f32 = np.float32
 TOKEN_TILE = 16
@@ -58,6 +59,52 @@ def _rows4(tag, w, r0, X, xs16, Y, acc, cacc, res, toks, sc):
         for i in range(nt):
             for r in range(nr):
                 Y[t0 + i, r0 + r] = res[i, r]
+
+
+# The KV cache is raw bytes (H_kv, cells, D · element size) in F32, F16 or BF16 (the plan's
+# --cache-type); its QTag selects how 16 values are read and one is written.
+_KV_READ = {"F32": vf32, "F16": vf16, "BF16": vbf16}
+_KV_WRITE = {"F32": st_f32, "F16": st_f16, "BF16": st_bf16}
+KV_TYPES = tuple(_KV_READ)
+
+
+def kv_read16(tag, buf, off):
+    """16 cache values at byte off as a float32 vector (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def kv_write(tag, buf, off, x):
+    """Store float32 x at byte off in the cache's format (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def kv_size(tag):
+    """Bytes per cache value (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(kv_read16)
+def _kv_read16(tag, buf, off):
+    if isinstance(tag, QTagType) and tag.qname in _KV_READ:
+        fn = _KV_READ[tag.qname]
+        return lambda tag, buf, off: fn(buf, off)
+    return None
+
+
+@overload(kv_write)
+def _kv_write(tag, buf, off, x):
+    if isinstance(tag, QTagType) and tag.qname in _KV_WRITE:
+        fn = _KV_WRITE[tag.qname]
+        return lambda tag, buf, off, x: fn(buf, off, x)
+    return None
+
+
+@overload(kv_size)
+def _kv_size(tag):
+    if isinstance(tag, QTagType) and tag.qname in _KV_READ:
+        n = 4 if tag.qname == "F32" else 2
+        return lambda tag: n
+    return None
 
 
 def n_groups(w):
@@ -98,38 +145,48 @@ def _build(salt):
                         _rows4(t2, w2, 4 * (it - g0 - g1), X, xs16, y2, acc, cacc, res, toks, sc)
 
     @njit(parallel=True, **_kw)
-    def attend(q, kc, vc, n_past, out, n_head, scale):
+    def attend(q, kvt, kc, vc, n_past, out, n_head, scale):
         """out (T, H·D) = softmax(q·K^T·scale) V per head over cache cells 0..n_past+i
-        (query i sits at cell n_past + i: causal). kc, vc: (H_kv, cells, D) float32."""
+        (query i sits at cell n_past + i: causal). kc, vc: raw cache bytes (H_kv, cells,
+        D · size) of type ``kvt``; D is a multiple of 16 (one vector per 16 dims)."""
         _salt = salt  # noqa: F841
         t = q.shape[0]
-        n_kv, _, d = kc.shape
+        n_kv = kc.shape[0]
+        d = q.shape[1] // n_head
+        es = kv_size(kvt)
+        ks0, ks1 = kc.strides[0], kc.strides[1]
+        vs0, vs1 = vc.strides[0], vc.strides[1]
         group = n_head // n_kv
+        qf = q.reshape(-1)
+        of = out.reshape(-1)
         for h in prange(n_head):
             g = h // group
             s = np.empty(n_past + t, f32)
             for i in range(t):
                 n_keys = n_past + i + 1
+                qo = (i * n_head + h) * d
                 m = f32(0)
                 for j in range(n_keys):
-                    a = f32(0)
-                    for c in range(d):
-                        a += q[i, h * d + c] * kc[g, j, c]
-                    a *= scale
-                    s[j] = a
-                    m = a if j == 0 else max(m, a)
+                    ko = g * ks0 + j * ks1
+                    a = vzero()
+                    for c in range(0, d, 16):
+                        a = vfma(vload(qf, qo + c), kv_read16(kvt, kc, ko + c * es), a)
+                    sj = vsum(a) * scale
+                    s[j] = sj
+                    m = sj if j == 0 else max(m, sj)
                 tot = f32(0)
                 for j in range(n_keys):
                     e = np.exp(s[j] - m)
                     s[j] = e
                     tot += e
                 inv = f32(1) / tot
-                for c in range(d):
-                    out[i, h * d + c] = 0
+                for c in range(0, d, 16):
+                    vstore(of, qo + c, vzero())
                 for j in range(n_keys):
-                    p = s[j] * inv
-                    for c in range(d):
-                        out[i, h * d + c] += p * vc[g, j, c]
+                    p = vsplat(s[j] * inv)
+                    vo = g * vs0 + j * vs1
+                    for c in range(0, d, 16):
+                        vstore(of, qo + c, vfma(p, kv_read16(kvt, vc, vo + c * es), vload(of, qo + c)))
 
     return project3, attend
 
@@ -284,7 +341,7 @@ def _glu_down(G, U, td, dw, Y, chunks):
 
 
 @njit(**_kw)
-def block_step(x, y, positions, cos, sin, kc, vc, n_past, eps,
+def block_step(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
                attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
                n_head, n_rot, ffn_norm,
                tr, wr, probs_b, route_kind, k_used, w_norm, w_scale,
@@ -302,7 +359,9 @@ def block_step(x, y, positions, cos, sin, kc, vc, n_past, eps,
     (or the dense FFN) ``wsg``/``wsu``/``wsd`` or None.
     """
     t_n, n_embd = x.shape
-    n_kv, _, d = kc.shape
+    n_kv = kc.shape[0]
+    d = wq.shape[0] // n_head
+    es = kv_size(kvt)
     cols16 = n_embd // 16
     xn = np.empty((t_n, n_embd), f32)
     xs = np.empty((t_n, cols16), f32)
@@ -315,17 +374,19 @@ def block_step(x, y, positions, cos, sin, kc, vc, n_past, eps,
     project3(tq, wq, q, tk, wk, k, tv, wv, v, xn, xs, chunks)
     _heads(q, bq, q_norm, eps, n_head, d, n_rot, positions, cos, sin)
     _heads(k, bk, k_norm, eps, n_kv, d, n_rot, positions, cos, sin)
-    for t in range(t_n):
-        for g in range(n_kv):
-            for c in range(d):
-                kc[g, n_past + t, c] = k[t, g * d + c]
-                vc[g, n_past + t, c] = v[t, g * d + c]
     if bv is not None:
         for t in range(t_n):
             for c in range(n_kv * d):
-                vc[c // d, n_past + t, c % d] += bv[c]
+                v[t, c] += bv[c]
+    for t in range(t_n):
+        for g in range(n_kv):
+            ko = g * kc.strides[0] + (n_past + t) * kc.strides[1]
+            vo = g * vc.strides[0] + (n_past + t) * vc.strides[1]
+            for c in range(d):
+                kv_write(kvt, kc, ko + c * es, k[t, g * d + c])
+                kv_write(kvt, vc, vo + c * es, v[t, g * d + c])
     att = np.empty((t_n, n_head * d), f32)
-    attend(q, kc, vc, n_past, att, n_head, f32(1) / np.sqrt(f32(d)))
+    attend(q, kvt, kc, vc, n_past, att, n_head, f32(1) / np.sqrt(f32(d)))
     atts = np.empty((t_n, n_head * d // 16), f32)
     sums16(att, atts)
     project3(to, wo, y, None, None, None, None, None, None, att, atts, chunks)

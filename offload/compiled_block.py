@@ -9,12 +9,12 @@ goes straight to that compiled entry point — no registry lookup, type dispatch
 argument typing per call (measured on this box: ~0.8 µs for a 50-argument call, against
 ~30 µs through the dispatcher). Larger batches (prompt prefill) go to the reference block,
 whose matmuls amortise their dispatch over many tokens and whose torch attention is faster
-there. Both paths share the block's KV cache (``gpu.kv_cache.KVCache`` in float32), so
+there. Both paths share the block's KV cache (``gpu.kv_cache.KVCache``, f32/f16/bf16), so
 ``length`` / ``truncate(n)`` — the speculative loop's rollback — work unchanged, and a
 prefill by one path is read by the other.
 
-Anything the compiled block does not cover (a tensor on a GPU, a half-precision KV cache,
-an attention or router kind other than GQA + sigmoid/softmax top-k) keeps the reference
+Anything the compiled block does not cover (a tensor on a GPU, a quantized KV cache, an
+attention or router kind other than GQA + sigmoid/softmax top-k) keeps the reference
 block. ``OFFLOAD_BLOCKS=reference`` forces the reference path everywhere.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import os
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from cpu_kernels import block as kb
 from cpu_kernels import settings
@@ -33,6 +34,7 @@ from gpu.router import SigmoidRouter, SoftmaxRouter
 from offload.cpu_ops import CpuExperts, RawLinear
 from offload.moe import MoE
 
+KV_TYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 MAX_TOKENS = 16          # decode and verify batches; prefill batches use the reference block
 ENV = "OFFLOAD_BLOCKS"   # "reference": the torch path for every block
 
@@ -113,12 +115,12 @@ class CompiledBlock:
     """Block interface (``device_name``, ``device``, ``new_cache()``, ``__call__``) over
     ``block_step``; ``reference`` is the torch block it was bound from (prefill, fallback)."""
 
-    def __init__(self, reference, eps: float, bound: tuple):
+    def __init__(self, reference, eps: float, bound: tuple, kv_tag):
         self.reference = reference
         self.device_name, self.device = reference.device_name, reference.device
         self.profile = reference.profile
         self.rope = reference.attn.rope
-        self._eps, self._bound = float(eps), bound
+        self._eps, self._bound, self._kv_tag = float(eps), bound, kv_tag
         self._entry = None
         ffn = reference.ffn
         self._bound_parts = (ffn, getattr(ffn, "router", None))
@@ -145,7 +147,7 @@ class CompiledBlock:
         need = cache.reserve(t)
         cos, sin = self.rope.tables(int(pos[-1]) + 1 if t else 1)
         y = np.empty_like(xh)
-        args = (xh, y, pos, cos.numpy(), sin.numpy(), cache.k.numpy(), cache.v.numpy(),
+        args = (xh, y, pos, cos.numpy(), sin.numpy(), self._kv_tag, _bytes(cache.k), _bytes(cache.v),
                 cache.length, self._eps) + self._bound + (settings.apply_threads(),)
         with self.profile.time("cpu_block"):
             if self._entry is not None:
@@ -154,6 +156,11 @@ class CompiledBlock:
                 self._entry = _first_call(args)
         cache.length = need
         return torch.from_numpy(y)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A cache tensor's storage as uint8 (H_kv, cells, D · element size), no copy."""
+    return t.view(torch.uint8).numpy()
 
 
 def _first_call(args):
@@ -167,15 +174,15 @@ def _first_call(args):
 
 
 def compile_block(block):
-    """``CompiledBlock`` for a wholly CPU-resident GQA block with a float32 KV cache;
+    """``CompiledBlock`` for a wholly CPU-resident GQA block with an f32/f16/bf16 KV cache;
     the block itself otherwise (or when ``OFFLOAD_BLOCKS=reference``)."""
     if not compiled_enabled():
         return block
     cache = block.new_cache()
-    if getattr(cache, "k", None) is None or cache.k.dtype != torch.float32 or cache.k.device.type != "cpu":
+    if getattr(cache, "k", None) is None or cache.k.dtype not in KV_TYPES or cache.k.device.type != "cpu":
         return block
     bound = _bind(block)
     if bound is None:
         return block
     eps, args = bound
-    return CompiledBlock(block, eps, args)
+    return CompiledBlock(block, eps, args, get_kernel(KV_TYPES[cache.k.dtype]).tag)
