@@ -1,0 +1,552 @@
+"""Depth benchmark: offload's CPU decode and prefill next to llama.cpp's on random-weight
+qwen3moe models, the fixed cost per block, and GB/s against the memory-read ceiling.
+
+    python -m bench.depth [--only wide,narrow,prefill,sweep] [-t 2] [--tokens 32]
+                          [--prompt 256] [--repeat 3] [--keep DIR] [--json PATH]
+
+Models (written at run time into a temp folder, or into ``--keep DIR`` and reused from
+there by later runs): qwen3moe, 32 experts per block, top-8, Q4_0 experts, Q8_0 attention,
+output and token embedding, F32 norms and router, the byte-level vocabulary of the tiny
+test models (``tests.tiny_models.tiny_vocab``), so both offload and llama.cpp load them:
+
+* ``wide``: 48 blocks at Qwen3-30B-A3B widths (n_embd 2048, 32 q heads / 4 KV heads of 128,
+  expert FFN 768), 5.05 GB (4.7 GiB);
+* ``narrow``: the same 48 blocks narrow (n_embd 512, 4 q heads / 1 KV head of 128, expert FFN
+  256), 0.38 GB;
+* ``sweep``: the narrow model at 4, 12, 24 and 48 blocks.
+
+Quantized weights are random quant bytes with sane random fp16 scales
+(``cpu_kernels.synth.set_scales``; magnitude so a row's output has about the input's scale);
+every bit pattern of a Q4_0 / Q8_0 block is valid, and whatever the bytes dequantize to *is*
+the weight, so no float slab has to be quantized (4.8 GB is written in about a minute).
+
+Workloads (``--only``): ``wide`` and ``narrow`` = greedy decode of ``--tokens`` tokens after an
+8-token prompt; ``prefill`` = one ``--prompt``-token prompt (256) on the wide model, as one
+ubatch; ``sweep`` = decode on each sweep model. Each engine and model runs in a fresh
+process (``--one``), CPU only, ``-t`` threads: offload with ``threads=-t`` for its Numba
+kernels and torch on ``--torch-threads`` (1, as ``offload run``); llama.cpp through
+llama-cpp-python with ``n_threads = n_threads_batch = -t``, no GPU layers, ``n_batch =
+n_ubatch = --prompt``, memory-mapped weights (its default; the file is read through once
+before each process so neither engine pays disk reads). Each process warms up first (one
+untimed pass of the same workload), then times ``--repeat`` passes; the median is reported.
+Both are given the same token ids. Without llama-cpp-python only offload's column is filled.
+
+Printed per workload: t/s of each engine and their ratio; active bytes per token (every
+non-expert tensor once — one row of the embedding — plus top-k/n_expert of the routed
+expert bytes: what one decode token must read), GB/s = active bytes x t/s and its ratio to
+the ceiling, and the physical limit t/s = ceiling / active bytes. For prefill the bytes are
+the whole model read once per ubatch (a 256-token batch touches every expert), so its GB/s
+is bytes per batch / time per batch and its limit is left out (prefill is compute-bound).
+
+Fixed cost per block, in µs per token (both engines):
+
+* sweep fit: least squares of seconds per token s(L) = a + b*L over the sweep's block
+  counts L; fixed cost = b - (active bytes of one block / ceiling), i.e. the slope minus the
+  time the block's weight bytes take at the read ceiling;
+* on the ``wide`` / ``narrow`` rows: (s - active bytes / ceiling) / blocks, the whole token's
+  time beyond its reads spread over the blocks (an upper bound: it includes the head).
+
+The memory-read ceiling is ``bench.cpu_kernels.ceiling_gbps`` with ``-t`` Numba threads over
+a 1 GiB buffer, measured before and after the engines; the mean of the two is used and both
+are printed with the load average (the box may be shared: read the ratios, not the t/s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = ("wide", "narrow", "prefill", "sweep")
+SWEEP_BLOCKS = (4, 12, 24, 48)
+DECODE_PROMPT = 8
+FORMAT_VERSION = 1          # bump when the writer changes, so --keep files are rewritten
+
+
+@dataclass(frozen=True)
+class DepthSpec:
+    """One random qwen3moe model of the benchmark."""
+    n_layer: int = 48
+    n_embd: int = 2048
+    n_head: int = 32
+    n_head_kv: int = 4
+    head_dim: int = 128
+    n_expert: int = 32
+    n_expert_used: int = 8
+    n_ff_exp: int = 768
+    expert_type: Q = Q.Q4_0
+    dense_type: Q = Q.Q8_0          # attention, output, token embedding
+    seed: int = 0
+
+    @property
+    def file_name(self) -> str:
+        return (f"depth-v{FORMAT_VERSION}-qwen3moe-L{self.n_layer}-d{self.n_embd}-h{self.n_head}x{self.n_head_kv}"
+                f"x{self.head_dim}-e{self.n_expert}k{self.n_expert_used}f{self.n_ff_exp}-"
+                f"{self.expert_type.name}-{self.dense_type.name}-s{self.seed}.gguf")
+
+
+WIDE = DepthSpec()
+NARROW = DepthSpec(n_embd=512, n_head=4, n_head_kv=1, n_ff_exp=256)
+
+
+def tensors(spec: DepthSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], Q, float]]:
+    """(GGUF name, shape in numpy order, type, weight std) in file order, as llama.cpp names
+    qwen3moe's tensors. Norm weights (std < 0) are 1 + |std| * N(0, 1)."""
+    d, hd, e, f = spec.n_embd, spec.head_dim, spec.n_expert, spec.n_ff_exp
+    qd, kvd, dense, exps = spec.n_head * hd, spec.n_head_kv * hd, spec.dense_type, spec.expert_type
+    out = [("token_embd.weight", (n_vocab, d), dense, 1.0)]
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        out += [(p + "attn_norm.weight", (d,), Q.F32, -0.1),
+                (p + "attn_q.weight", (qd, d), dense, d ** -0.5),
+                (p + "attn_k.weight", (kvd, d), dense, d ** -0.5),
+                (p + "attn_v.weight", (kvd, d), dense, d ** -0.5),
+                (p + "attn_output.weight", (d, qd), dense, qd ** -0.5),
+                (p + "attn_q_norm.weight", (hd,), Q.F32, -0.1),
+                (p + "attn_k_norm.weight", (hd,), Q.F32, -0.1),
+                (p + "ffn_norm.weight", (d,), Q.F32, -0.1),
+                (p + "ffn_gate_inp.weight", (e, d), Q.F32, d ** -0.5),
+                (p + "ffn_gate_exps.weight", (e, f, d), exps, d ** -0.5),
+                (p + "ffn_up_exps.weight", (e, f, d), exps, d ** -0.5),
+                (p + "ffn_down_exps.weight", (e, d, f), exps, f ** -0.5)]
+    out += [("output_norm.weight", (d,), Q.F32, -0.1), ("output.weight", (n_vocab, d), dense, d ** -0.5)]
+    return out
+
+
+# std of the integer code a random block holds: Q4_0 (q - 8), q uniform 0..15; Q8_0 int8
+_CODE_STD = {Q.Q4_0: 4.61, Q.Q8_0: 73.9}
+
+
+def _random_data(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q, std: float) -> np.ndarray:
+    from cpu_kernels.synth import reader_shape, set_scales
+    if qtype == Q.F32:
+        v = rng.standard_normal(shape, dtype=np.float32)
+        return (1.0 + abs(std) * v).astype(np.float32) if std < 0 else v * np.float32(std)
+    rshape = reader_shape(qtype, shape)
+    raw = np.frombuffer(rng.bytes(int(np.prod(rshape))), np.uint8).reshape(rshape).copy()
+    set_scales(raw, qtype, rng, std / _CODE_STD[qtype])
+    return raw
+
+
+def write_model(path: Path, spec: DepthSpec, *, progress=None) -> Path:
+    """Write ``spec`` as a GGUF at ``path`` (through a temp file renamed at the end, so a
+    half-written file never has the final name). Streams one tensor at a time."""
+    from cpu_kernels.synth import reader_shape
+    from tests.tiny_models import tiny_vocab
+
+    tokens, merges, types = tiny_vocab()
+    rng = np.random.default_rng(spec.seed)
+    tmp = path.with_name(path.name + ".part")
+    w = GGUFWriter(str(tmp), "qwen3moe")
+    w.add_block_count(spec.n_layer)
+    w.add_context_length(4096)
+    w.add_embedding_length(spec.n_embd)
+    w.add_feed_forward_length(spec.n_ff_exp)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_rope_dimension_count(spec.head_dim)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(spec.n_expert)
+    w.add_expert_used_count(spec.n_expert_used)
+    w.add_expert_feed_forward_length(spec.n_ff_exp)
+    w.add_expert_weights_norm(True)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 1)
+    w.add_eos_token_id(len(tokens) - 1)
+    plan = tensors(spec, len(tokens))
+    for name, shape, qtype, _ in plan:
+        if qtype == Q.F32:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+        else:
+            rshape = reader_shape(qtype, shape)
+            w.add_tensor_info(name, rshape, np.dtype(np.uint8), int(np.prod(rshape)), raw_dtype=qtype)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        step = max(1, len(plan) // 8)
+        for i, (name, shape, qtype, std) in enumerate(plan):
+            w.write_tensor_data(_random_data(rng, shape, qtype, std))
+            if progress is not None and (i + 1) % step == 0:
+                progress(f"{i + 1}/{len(plan)} tensors")
+        w.close()
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def model_bytes(spec: DepthSpec, n_vocab: int) -> int:
+    return sum(GGML_QUANT_SIZES[q][1] * int(np.prod(s)) // GGML_QUANT_SIZES[q][0]
+               for _, s, q, _ in tensors(spec, n_vocab))
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """What a model's token reads, from its GGUF header."""
+    total: int              # every tensor
+    active: int             # one decode token: non-expert tensors, one embedding row, k/E of the experts
+    active_per_block: float
+    n_layer: int
+
+
+def token_bytes(path: Path) -> Bytes:
+    from offload.gguf_model import open_model
+    from placement.tensors import Role
+    m = open_model(path)
+    k_of_e = m.spec.n_expert_used / m.spec.n_expert
+    total = active = per_block = 0.0
+    for t in m.tensors:
+        if t.role is Role.EMBEDDING:
+            share = 1 / t.shape[0]
+        elif t.role is Role.ROUTED_EXPERTS:
+            share = k_of_e
+        else:
+            share = 1.0
+        total += t.n_bytes
+        active += t.n_bytes * share
+        if t.layer is not None:
+            per_block += t.n_bytes * share
+    return Bytes(int(total), int(active), per_block / m.spec.n_layer, m.spec.n_layer)
+
+
+# -- one engine on one model, in its own process ------------------------------------------
+
+def prompt_ids(n: int, n_vocab: int = 256) -> list[int]:
+    """Fixed token ids (byte tokens), the same for both engines."""
+    return [(7 + 37 * i) % n_vocab for i in range(n)]
+
+
+def _offload_run(path: str, jobs: list[dict], threads: int, torch_threads: int, ctx: int) -> list[list[float]]:
+    import torch
+
+    import offload.runtime as rt
+    torch.set_num_threads(torch_threads)
+    out = []
+    with rt.load(path, quiet=True, threads=threads, devices="CPU=64GiB", ctx=ctx) as s:
+        s.warmup()
+        for job in jobs:
+            ids = prompt_ids(job["prompt"])
+            tps = []
+            for rep in range(job["repeat"] + 1):       # the first pass is the warm-up
+                if job["kind"] == "decode":
+                    list(s.generate(ids, max_tokens=job["tokens"] + 1, stop_at_eos=False))
+                    value = s.stats.eval_tps
+                else:
+                    list(s.generate(ids, max_tokens=1, ubatch=len(ids), stop_at_eos=False))
+                    value = s.stats.prompt_tps
+                if rep:
+                    tps.append(value)
+            out.append(tps)
+    return out
+
+
+def _llama_run(path: str, jobs: list[dict], threads: int, ctx: int) -> list[list[float]]:
+    import llama_cpp
+    batch = max(j["prompt"] for j in jobs)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
+                          n_batch=batch, n_ubatch=batch, n_gpu_layers=0, logits_all=False, verbose=False)
+    out = []
+    for job in jobs:
+        ids = prompt_ids(job["prompt"])
+        tps = []
+        for rep in range(job["repeat"] + 1):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(ids)
+            prompt_s = time.perf_counter() - t0
+            if job["kind"] == "decode":
+                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                t0 = time.perf_counter()
+                for _ in range(job["tokens"]):
+                    llm.eval([tok])
+                    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                value = job["tokens"] / (time.perf_counter() - t0)
+            else:
+                value = len(ids) / prompt_s
+            if rep:
+                tps.append(value)
+        out.append(tps)
+    return out
+
+
+def run_one(engine: str, path: Path, jobs: list[dict], args, progress) -> list[list[float]] | str:
+    """Run ``jobs`` on ``path`` with ``engine`` in a fresh process: per job the timed t/s, or
+    a one-line reason it failed."""
+    _read_through(path)
+    cmd = [sys.executable, "-m", "bench.depth", "--one", engine, str(path), json.dumps(jobs),
+           "-t", str(args.threads), "--torch-threads", str(args.torch_threads)]
+    progress(f"{engine} on {path.name}: {', '.join(j['kind'] for j in jobs)}")
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_child_env())
+    if r.returncode:
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        why = lines[-1] if lines else ""
+        sig = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+        progress(f"  {engine} failed ({sig}): {why}")
+        return f"{sig}: {why}"[:200]
+    progress(f"  done in {time.perf_counter() - t0:.0f} s")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")      # see offload.commands.run.quiet_openmp
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _read_through(path: Path) -> None:
+    """Read the file once so it sits in the page cache: neither engine pays disk reads."""
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(64 << 20)
+        while f.readinto(buf):
+            pass
+
+
+def _one_main(engine: str, path: str, jobs_json: str, threads: int, torch_threads: int) -> int:
+    jobs = json.loads(jobs_json)
+    ctx = max(j["prompt"] + j.get("tokens", 0) for j in jobs) + 16
+    if engine == "offload":
+        out = _offload_run(path, jobs, threads, torch_threads, ctx)
+    elif engine == "llama.cpp":
+        out = _llama_run(path, jobs, threads, ctx)
+    else:
+        raise SystemExit(f"bench.depth: unknown engine {engine!r}")
+    print(json.dumps(out))
+    return 0
+
+
+# -- the run ------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    workload: str
+    kind: str                   # decode | prefill
+    blocks: int
+    bytes: Bytes
+    offload: list[float] | str | None = None     # timed t/s, or why it failed, or None (not run)
+    llama: list[float] | str | None = None
+    in_sweep: bool = False                       # a point of the block-count fit
+
+
+def median(v) -> float | None:
+    return statistics.median(v) if isinstance(v, list) and v else None
+
+
+def fixed_per_block(tps: float | None, b: Bytes, ceiling: float) -> float | None:
+    """µs per block of a decode token's time beyond its reads at the ceiling."""
+    if not tps:
+        return None
+    return (1 / tps - b.active / (ceiling * 1e9)) / b.n_layer * 1e6
+
+
+def sweep_fit(rows: list[Row], engine: str, ceiling: float) -> tuple[float, float] | None:
+    """(slope µs per block, fixed cost µs per block) from the sweep rows, or None."""
+    pts = [(r.blocks, 1 / t) for r in rows if (t := median(getattr(r, engine))) is not None]
+    if len(pts) < 2:
+        return None
+    blocks, secs = np.array(pts, float).T
+    slope = np.polyfit(blocks, secs, 1)[0]
+    read = rows[-1].bytes.active_per_block / (ceiling * 1e9)
+    return slope * 1e6, (slope - read) * 1e6
+
+
+def _fmt(v, spec=".2f", width=8) -> str:
+    return f"{v:{width}{spec}}" if isinstance(v, (int, float)) else f"{'-' if v is None else 'fail':>{width}}"
+
+
+def print_table(rows: list[Row], ceiling: float, fits: dict) -> None:
+    print(f"\n{'workload':<16} {'offload t/s':>11} {'llama t/s':>10} {'ratio':>6} {'MB/token':>9} "
+          f"{'off GB/s':>8} {'/ceil':>6} {'llama GB/s':>10} {'/ceil':>6} {'limit t/s':>9} "
+          f"{'off µs/blk':>10} {'llama µs/blk':>12}")
+    for r in rows:
+        o, ll = median(r.offload), median(r.llama)
+        ratio = o / ll if o and ll else None
+        if r.kind == "decode":
+            mb, limit = r.bytes.active / 1e6, ceiling * 1e9 / r.bytes.active
+            gb = lambda t: t * r.bytes.active / 1e9 if t else None                  # noqa: E731
+            fo, fl = fixed_per_block(o, r.bytes, ceiling), fixed_per_block(ll, r.bytes, ceiling)
+        else:           # the whole model once per prompt batch
+            n = r.blocks
+            mb, limit = r.bytes.total / 1e6, None
+            gb = lambda t: t / n * r.bytes.total / 1e9 if t else None               # noqa: E731
+            fo = fl = None
+        go, gl = gb(o), gb(ll)
+        print(f"{r.workload:<16} {_fmt(o, '.2f', 11)} {_fmt(ll, '.2f', 10)} {_fmt(ratio, '.2f', 6)} "
+              f"{mb:9.1f} {_fmt(go, '.2f', 8)} {_fmt(go and go / ceiling, '.2f', 6)} {_fmt(gl, '.2f', 10)} "
+              f"{_fmt(gl and gl / ceiling, '.2f', 6)} {_fmt(limit, '.1f', 9)} {_fmt(fo, '.0f', 10)} "
+              f"{_fmt(fl, '.0f', 12)}")
+    for engine, fit in fits.items():
+        if fit is not None:
+            slope, fixed = fit
+            print(f"sweep fit ({engine}): {slope:.0f} µs per block per token; minus the block's reads at the "
+                  f"ceiling = fixed cost {fixed:.0f} µs per block")
+    for r in rows:
+        for engine in ("offload", "llama"):
+            v = getattr(r, engine)
+            if isinstance(v, str):
+                print(f"{r.workload}: {engine} failed: {v}")
+
+
+def measure_ceiling(threads: int) -> float:
+    import cpu_kernels as ck
+    from bench.cpu_kernels import ceiling_gbps
+    ck.set_num_threads(threads)
+    buf = np.ones(1 << 30, np.uint8)        # touched pages: a zero page would read from cache
+    try:
+        return ceiling_gbps(buf, 5)
+    finally:
+        del buf
+
+
+def load_average() -> str:
+    la = os.getloadavg()
+    return f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} on {os.cpu_count()} CPUs"
+
+
+def _llama_available() -> str | None:
+    """None if llama-cpp-python imports, else the reason."""
+    r = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True)
+    if r.returncode:
+        lines = r.stderr.strip().splitlines()
+        return lines[-1] if lines else f"exit {r.returncode}"
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--torch-threads", type=int, default=1, help="offload's torch threads (default 1, as offload run)")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per pass (default 32)")
+    ap.add_argument("--prompt", type=int, default=256, help="prefill prompt tokens (default 256)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed passes per workload (default 3)")
+    ap.add_argument("--keep", type=Path, default=None, help="write / reuse the model files in DIR")
+    ap.add_argument("--no-llama", action="store_true", help="offload only, even if llama-cpp-python is installed")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    ap.add_argument("--one", nargs=3, metavar=("ENGINE", "MODEL", "JOBS"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.one:
+        return _one_main(*a.one, a.threads, a.torch_threads)
+    only = [w.strip() for w in a.only.split(",") if w.strip()]
+    bad = [w for w in only if w not in WORKLOADS]
+    if bad or not only:
+        print(f"bench.depth: --only takes {', '.join(WORKLOADS)}, got {a.only!r}", file=sys.stderr)
+        return 2
+    for name, v in (("--threads", a.threads), ("--torch-threads", a.torch_threads), ("--tokens", a.tokens),
+                    ("--prompt", a.prompt), ("--repeat", a.repeat)):
+        if v < 1:
+            print(f"bench.depth: {name} must be >= 1, got {v}", file=sys.stderr)
+            return 2
+
+    def progress(msg: str) -> None:
+        print(f"[depth {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    llama_why = "--no-llama" if a.no_llama else _llama_available()
+    if llama_why:
+        progress(f"llama.cpp column left empty (llama-cpp-python: {llama_why})")
+    tmp = None
+    if a.keep is not None:
+        a.keep.mkdir(parents=True, exist_ok=True)
+        folder = a.keep
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="offload-depth-")
+        folder = Path(tmp.name)
+    try:
+        return _run(a, only, folder, llama_why is None, progress)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _model(folder: Path, spec: DepthSpec, progress) -> Path:
+    from tests.tiny_models import tiny_vocab
+    path = folder / spec.file_name
+    if path.exists():
+        return path
+    need = model_bytes(spec, len(tiny_vocab()[0]))
+    free = shutil.disk_usage(folder).free
+    if free < need * 1.05:
+        raise SystemExit(f"bench.depth: {folder} has {free / 1e9:.1f} GB free, {path.name} needs {need / 1e9:.1f} GB")
+    progress(f"writing {path.name} ({need / 1e9:.2f} GB)")
+    t0 = time.perf_counter()
+    write_model(path, spec, progress=lambda m: progress(f"  {m}"))
+    progress(f"  written in {time.perf_counter() - t0:.0f} s")
+    return path
+
+
+def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
+    progress(f"{load_average()}; models in {folder}")
+    ceil_before = measure_ceiling(a.threads)
+    progress(f"memory-read ceiling ({a.threads} threads): {ceil_before:.1f} GB/s")
+    decode = dict(kind="decode", prompt=DECODE_PROMPT, tokens=a.tokens, repeat=a.repeat)
+    prefill = dict(kind="prefill", prompt=a.prompt, repeat=a.repeat)
+    # per model: [(workload label, job)], run together in one process per engine
+    work: list[tuple[DepthSpec, list[tuple[str, dict]]]] = []
+    if "wide" in only or "prefill" in only:
+        jobs = ([("decode wide", decode)] if "wide" in only else []) + \
+               ([(f"prefill {a.prompt} wide", prefill)] if "prefill" in only else [])
+        work.append((WIDE, jobs))
+    if "narrow" in only or "sweep" in only:
+        work.append((NARROW, [("decode narrow" if "narrow" in only else "sweep 48 blocks", decode)]))
+    if "sweep" in only:
+        work += [(replace(NARROW, n_layer=n), [(f"sweep {n} blocks", decode)])
+                 for n in SWEEP_BLOCKS if n != NARROW.n_layer]
+    rows: list[Row] = []
+    for spec, jobs in work:
+        path = _model(folder, spec, progress)
+        b = token_bytes(path)
+        job_rows = [Row(label, job["kind"], spec.n_layer if job["kind"] == "decode" else a.prompt, b,
+                        in_sweep="sweep" in only and spec.n_embd == NARROW.n_embd)
+                    for label, job in jobs]
+        engines = [("offload", "offload")] + ([("llama.cpp", "llama")] if with_llama else [])
+        for engine, attr in engines:
+            res = run_one(engine, path, [j for _, j in jobs], a, progress)
+            for i, row in enumerate(job_rows):
+                setattr(row, attr, res if isinstance(res, str) else res[i])
+        rows += job_rows
+    ceil_after = measure_ceiling(a.threads)
+    ceiling = (ceil_before + ceil_after) / 2
+    sweep = sorted((r for r in rows if r.in_sweep), key=lambda r: r.blocks)
+    fits = {e: sweep_fit(sweep, attr, ceiling) for e, attr in (("offload", "offload"), ("llama.cpp", "llama"))}
+    print(f"bench.depth: qwen3moe random weights, {NARROW.n_expert} experts top-{NARROW.n_expert_used}, "
+          f"{NARROW.expert_type.name} experts, {NARROW.dense_type.name} attention; {a.threads} threads "
+          f"(offload torch {a.torch_threads}); decode {a.tokens} tokens after {DECODE_PROMPT}, prefill "
+          f"{a.prompt}; median of {a.repeat}")
+    print(f"memory-read ceiling: {ceiling:.2f} GB/s ({ceil_before:.2f} before, {ceil_after:.2f} after); "
+          f"{load_average()}")
+    print_table(rows, ceiling, fits)
+    if a.json:
+        doc = dict(ceiling_gbps=ceiling, ceiling_before=ceil_before, ceiling_after=ceil_after,
+                   threads=a.threads, torch_threads=a.torch_threads, tokens=a.tokens, prompt=a.prompt,
+                   repeat=a.repeat, load=load_average(),
+                   rows=[dict(asdict(r), offload_tps=median(r.offload), llama_tps=median(r.llama))
+                         for r in rows],
+                   fits={e: (None if f is None else dict(slope_us=f[0], fixed_us=f[1])) for e, f in fits.items()})
+        tmp = a.json.with_name(a.json.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
