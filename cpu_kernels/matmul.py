@@ -16,7 +16,7 @@ TOKEN_TILE = 16      # tokens per pass over a row group (bounds the accumulator 
 
 
 def _build(salt):
-    @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
     def matmul_kernel(tag, w, X, xs16, Y, chunks):
         """Y[t, r] = W[r] . X[t]; w: uint8 [rows, row_bytes]; row groups of 4 split into
         ``chunks`` parallel pieces (one per thread: numba.get_num_threads() inside a
@@ -47,7 +47,7 @@ def _build(salt):
                     for i in range(nt):
                         for r in range(nr):
                             Y[t0 + i, r0 + r] = res[i, r]
-    @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
     def matmul_i8_kernel(tag, w, xq, dx, xs16, xs4, dx8, Y, chunks):
         """As matmul_kernel with int8-quantized activations (``rowdot8``)."""
         _salt = salt  # noqa: F841

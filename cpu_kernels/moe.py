@@ -91,7 +91,7 @@ class ExpertWeights:
 TINY = np.float32(np.finfo(np.float32).tiny)
 
 
-@njit
+@njit(error_model="numpy")
 def _silu_glu(g, u, act):
     """act 0: SiLU-gated, silu(g) * u. exp() only of non-positive numbers (no overflow
     under fast-math, which assumes no infinities), and results below float32's smallest
@@ -113,7 +113,7 @@ def _build(salt):
     # arrays makes Numba prune the int8 branch at compile time (and vice versa), so each
     # mode compiles only its own inner routine.
 
-    @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
     def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
                       assign_tok, H, chunks, act):
         """H[a] = act(gate_e . x) * (up_e . x); work items = (slot, 4 rows of n_ff).
@@ -158,7 +158,7 @@ def _build(salt):
                         for r in range(nr):
                             H[a0 + i, r0 + r] = _silu_glu(rg[i, r], ru[i, r], act)
 
-    @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
     def down_phase(dtag, dw, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks):
         """out[a] = down_e . H[a]; work items = (slot, 4 rows of n_embd).
         H/hs16 (float path: hq, hdx, hxs4, hdx8 None) or hq/hdx/hs16/hxs4/hdx8 (int8 path)."""
@@ -201,7 +201,7 @@ def _build(salt):
 _gate_up_phase, _down_phase = _build(source_digest())
 
 
-@njit(nogil=True, cache=True, fastmath=True)
+@njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
 def _weighted_sum(out, assign_tok, assign_w, Y):
     """Y[t] += w_a * out[a] for every assignment a of token t (one token's assignments
     sit in different slots, so this runs after the expert phases)."""
