@@ -1,12 +1,13 @@
-"""``block_step``: one whole pre-norm decoder block (GQA attention + MoE or dense SwiGLU FFN)
-for a few tokens, as one compiled call over raw GGUF weights.
+"""One whole pre-norm decoder block (GQA attention + MoE or dense SwiGLU FFN) for a few
+tokens, as two compiled calls over raw GGUF weights: ``attention_half`` then ``moe_half``
+or ``dense_half``.
 
-Why one call: at decode a block's weights are read in well under a millisecond on a
+Why so few calls: at decode a block's weights are read in well under a millisecond on a
 server, so what the block costs beyond its bytes — Python calls, eager torch ops, kernel
-dispatch, about 40 of them per block — decides the speed. Here the block is one entry
+dispatch, about 40 of them per block — decides the speed. Here each block half is one entry
 (``offload.compiled_block`` binds its arguments once at load and calls the compiled entry
-point directly, skipping Numba's per-call type dispatch), which runs seven parallel regions
-on Numba's warm thread pool:
+points directly, skipping Numba's per-call type dispatch); an MoE block runs seven parallel
+regions on Numba's thread pool:
 
     attn_norm → [q | k | v] → bias, q/k norm, RoPE, KV append → [attention over heads]
       → [o] + residual → ffn_norm → [router | shared gate | shared up]
@@ -18,9 +19,9 @@ same activations, as one work list; the routed phases are ``moe``'s). Everything
 them is a few hundred scalar operations per token. The math is the reference path's
 (``offload.models.common.Block`` over ``gpu.*``); only the float rounding order differs.
 
-Absent parts are ``None`` (no q/k bias or norm, no shared expert, a dense FFN has no router
-and no routed experts): Numba prunes those branches when it specialises the entry for a
-block's argument types (quant tags included), so each kind of block compiles once.
+Absent parts are ``None`` (no q/k bias or norm, no shared expert): Numba prunes those
+branches when it specialises an entry for a block's argument types (quant tags included),
+so each kind of block compiles once.
 Every function uses ``error_model="numpy"``: non-finite or all-zero data give values
 (NaN/inf propagate), never a Python exception from inside a kernel.
 """
@@ -341,31 +342,22 @@ def _glu_down(G, U, td, dw, Y, chunks):
 
 
 @njit(**_kw)
-def block_step(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
-               attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
-               n_head, n_rot, ffn_norm,
-               tr, wr, probs_b, route_kind, k_used, w_norm, w_scale,
-               tg, wg, g0, tu, wu, u0, td, wd, n_ff,
-               tsg, wsg, tsu, wsu, tsd, wsd, chunks):
-    """y = the block applied to x (T, n_embd) at cache cells n_past.. (written here: the
-    caller has made room and advances the cache length by T afterwards).
+def attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
+                   attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
+                   n_head, n_rot, chunks):
+    """y = x + attention(attn_norm(x)) for x (T, n_embd) at cache cells n_past.. (written
+    here: the caller has made room and advances the cache length by T afterwards).
 
-    Attention: ``w*`` raw GGUF rows, ``t*`` their QTags, ``b*`` biases or None,
-    ``q_norm``/``k_norm`` per-head RMSNorm weights or None; ``cos``/``sin`` (positions,
-    n_rot/2) tables. FFN: a router ``wr`` (None for a dense FFN) with ``probs_b``,
-    ``route_kind``, ``k_used``, ``w_norm``, ``w_scale``; routed experts ``wg``/``wu``/``wd``
-    (gate and up may be one fused tensor: row offsets ``g0``/``u0``; ``n_ff`` rows each);
-    the shared expert
-    (or the dense FFN) ``wsg``/``wsu``/``wsd`` or None.
+    ``w*`` raw GGUF rows, ``t*`` their QTags, ``b*`` biases or None, ``q_norm``/``k_norm``
+    per-head RMSNorm weights or None; ``cos``/``sin`` (positions, n_rot/2) tables; ``kc``,
+    ``vc`` the cache's raw bytes, ``kvt`` its type's QTag.
     """
     t_n, n_embd = x.shape
     n_kv = kc.shape[0]
     d = wq.shape[0] // n_head
     es = kv_size(kvt)
-    cols16 = n_embd // 16
     xn = np.empty((t_n, n_embd), f32)
-    xs = np.empty((t_n, cols16), f32)
-    # -- attention --------------------------------------------------------------------
+    xs = np.empty((t_n, n_embd // 16), f32)
     rms_norm(x, attn_norm, eps, xn)
     sums16(xn, xs)
     q = np.empty((t_n, n_head * d), f32)
@@ -393,51 +385,77 @@ def block_step(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
     for t in range(t_n):
         for c in range(n_embd):
             y[t, c] += x[t, c]
-    # -- FFN ----------------------------------------------------------------------------
+
+
+@njit(**_kw)
+def dense_half(y, eps, ffn_norm, tg, wg, tu, wu, td, wd, chunks):
+    """y += down(silu(gate(h)) · up(h)), h = ffn_norm(y): a dense FFN block's second half."""
+    t_n, n_embd = y.shape
+    xn = np.empty((t_n, n_embd), f32)
+    xs = np.empty((t_n, n_embd // 16), f32)
     rms_norm(y, ffn_norm, eps, xn)
     sums16(xn, xs)
-    f = np.zeros((t_n, n_embd), f32)
-    if wr is None:                                       # dense SwiGLU
-        _swiglu(tsg, wsg, tsu, wsu, tsd, wsd, xn, xs, f, chunks)
+    f = np.empty((t_n, n_embd), f32)
+    _swiglu(tg, wg, tu, wu, td, wd, xn, xs, f, chunks)
+    for t in range(t_n):
+        for c in range(n_embd):
+            y[t, c] += f[t, c]
+
+
+@njit(**_kw)
+def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_scale,
+             tg, wg, g0, tu, wu, u0, td, wd, n_ff, tsg, wsg, tsu, wsu, tsd, wsd, chunks):
+    """y += routed experts + shared expert of h = ffn_norm(y): an MoE block's second half.
+
+    Router ``wr`` with ``probs_b`` (or None), ``route_kind``, ``k_used``, ``w_norm``,
+    ``w_scale``; routed experts ``wg``/``wu``/``wd`` (gate and up may be one fused tensor:
+    row offsets ``g0``/``u0``; ``n_ff`` rows each); the shared expert ``wsg``/``wsu``/``wsd``
+    or None. Routed outputs are summed in moe_ffn's order (assignments sorted by expert).
+    """
+    t_n, n_embd = y.shape
+    xn = np.empty((t_n, n_embd), f32)
+    xs = np.empty((t_n, n_embd // 16), f32)
+    rms_norm(y, ffn_norm, eps, xn)
+    sums16(xn, xs)
+    n_expert = wr.shape[0]
+    logits = np.empty((t_n, n_expert), f32)
+    if wsg is not None:                              # router and shared gate/up together
+        n_sh = wsg.shape[0]
+        G = np.empty((t_n, n_sh), f32)
+        U = np.empty((t_n, n_sh), f32)
+        project3(tr, wr, logits, tsg, wsg, G, tsu, wsu, U, xn, xs, chunks)
     else:
-        n_expert = wr.shape[0]
-        logits = np.empty((t_n, n_expert), f32)
-        if wsg is not None:                              # router and shared gate/up together
-            n_sh = wsg.shape[0]
-            G = np.empty((t_n, n_sh), f32)
-            U = np.empty((t_n, n_sh), f32)
-            project3(tr, wr, logits, tsg, wsg, G, tsu, wsu, U, xn, xs, chunks)
-        else:
-            project3(tr, wr, logits, None, None, None, None, None, None, xn, xs, chunks)
-        ids = np.empty((t_n, k_used), np.int64)
-        wts = np.empty((t_n, k_used), f32)
-        _route(logits, probs_b, route_kind, k_used, w_norm, w_scale, ids, wts)
-        n_a = t_n * k_used
-        slot_expert = np.empty(n_a, np.int64)
-        slot_start = np.empty(n_a + 1, np.int64)
-        assign_tok = np.empty(n_a, np.int64)
-        assign_slot = np.empty(n_a, np.int64)
-        n_slots = _group(ids, n_expert, slot_expert, slot_start, assign_tok, assign_slot)
-        H = np.empty((n_a, n_ff), f32)
-        _gate_up_phase(tg, wg, g0, tu, wu, u0, xn, xs, None, None, None, None,
-                       slot_expert[:n_slots], slot_start[:n_slots + 1], assign_tok, H, chunks, 0)
-        hs = np.empty((n_a, n_ff // 16), f32)
-        sums16(H, hs)
-        out = np.empty((n_a, n_embd), f32)
-        _down_phase(td, wd, H, hs, None, None, None, None, slot_expert[:n_slots],
-                    slot_start[:n_slots + 1], out, chunks)
-        for a in range(n_a):
-            s = assign_slot[a]
-            wa = wts[s // k_used, s % k_used]
-            t = assign_tok[a]
+        project3(tr, wr, logits, None, None, None, None, None, None, xn, xs, chunks)
+    ids = np.empty((t_n, k_used), np.int64)
+    wts = np.empty((t_n, k_used), f32)
+    _route(logits, probs_b, route_kind, k_used, w_norm, w_scale, ids, wts)
+    n_a = t_n * k_used
+    slot_expert = np.empty(n_a, np.int64)
+    slot_start = np.empty(n_a + 1, np.int64)
+    assign_tok = np.empty(n_a, np.int64)
+    assign_slot = np.empty(n_a, np.int64)
+    n_slots = _group(ids, n_expert, slot_expert, slot_start, assign_tok, assign_slot)
+    H = np.empty((n_a, n_ff), f32)
+    _gate_up_phase(tg, wg, g0, tu, wu, u0, xn, xs, None, None, None, None,
+                   slot_expert[:n_slots], slot_start[:n_slots + 1], assign_tok, H, chunks, 0)
+    hs = np.empty((n_a, n_ff // 16), f32)
+    sums16(H, hs)
+    out = np.empty((n_a, n_embd), f32)
+    _down_phase(td, wd, H, hs, None, None, None, None, slot_expert[:n_slots],
+                slot_start[:n_slots + 1], out, chunks)
+    f = np.zeros((t_n, n_embd), f32)
+    for a in range(n_a):
+        s = assign_slot[a]
+        wa = wts[s // k_used, s % k_used]
+        t = assign_tok[a]
+        for c in range(n_embd):
+            f[t, c] += wa * out[a, c]
+    if wsg is not None:
+        sh = np.empty((t_n, n_embd), f32)
+        _glu_down(G, U, tsd, wsd, sh, chunks)
+        for t in range(t_n):
             for c in range(n_embd):
-                f[t, c] += wa * out[a, c]
-        if wsg is not None:
-            sh = np.empty((t_n, n_embd), f32)
-            _glu_down(G, U, tsd, wsd, sh, chunks)
-            for t in range(t_n):
-                for c in range(n_embd):
-                    f[t, c] += sh[t, c]
+                f[t, c] += sh[t, c]
     for t in range(t_n):
         for c in range(n_embd):
             y[t, c] += f[t, c]

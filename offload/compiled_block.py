@@ -1,11 +1,12 @@
 """The compiled CPU block: a decoder block whose every tensor is in RAM runs decode and
-verify steps (T <= ``MAX_TOKENS``) as one call of ``cpu_kernels.block.block_step``.
+verify steps (T <= ``MAX_TOKENS``) as two compiled calls, ``cpu_kernels.block``'s
+``attention_half`` and ``moe_half`` (or ``dense_half``).
 
 Design (see README "Compiled CPU blocks"): at load, ``compile_block`` reads the reference
 ``Block`` (the torch path, built as usual) and binds its raw GGUF views, quant tags, norm
-weights, biases and routing settings into one argument tuple; the first call compiles (or
-loads from Numba's cache) the entry for exactly those argument types, and every later call
-goes straight to that compiled entry point — no registry lookup, type dispatch or Numba
+weights, biases and routing settings into an argument tuple per half; the first call compiles
+(or loads from Numba's cache) the entries for exactly those argument types, and every later call
+goes straight to those compiled entry points — no registry lookup, type dispatch or Numba
 argument typing per call (measured on this box: ~0.8 µs for a 50-argument call, against
 ~30 µs through the dispatcher). Larger batches (prompt prefill) go to the reference block,
 whose matmuls amortise their dispatch over many tokens and whose torch attention is faster
@@ -56,8 +57,8 @@ def _vec(t) -> np.ndarray | None:
 
 
 def _bind(block) -> tuple | None:
-    """The block's arguments to ``block_step`` after the per-call ones, or None when the
-    compiled block does not cover this block."""
+    """(eps, attention arguments, FFN half, its arguments) after the per-call ones, or None
+    when the compiled block does not cover this block."""
     attn, ffn = block.attn, block.ffn
     if block.device.type != "cpu" or type(attn).__name__ != "Attention":
         return None
@@ -69,20 +70,17 @@ def _bind(block) -> tuple | None:
     if wq.shape[0] != attn.n_head * d or wk.shape[0] != attn.n_head_kv * d or d % 16 or \
             wo.shape[0] % 16:
         return None
-    eps = block.attn_norm.eps
     attn_args = (_vec(block.attn_norm.weight), tq, wq, _vec(attn.q.bias), tk, wk, _vec(attn.k.bias),
                  tv, wv, _vec(attn.v.bias), to, wo,
                  None if attn.q_norm is None else _vec(attn.q_norm.weight),
                  None if attn.k_norm is None else _vec(attn.k_norm.weight),
-                 attn.n_head, attn.rope.n_rot, _vec(block.ffn_norm.weight))
-    none_experts = (None, None, 0, None, None, 0, None, None, 0)
+                 attn.n_head, attn.rope.n_rot)
+    head = (block.attn_norm.eps, attn_args)
     if isinstance(ffn, SwiGLU):
         dense = [_raw(p) for p in (ffn.gate, ffn.up, ffn.down)]
-        if None in dense:
+        if None in dense or dense[0][1].shape[0] % 16:
             return None
-        ffn_args = ((None, None, None, 0, 0, False, 1.0) + none_experts
-                    + tuple(x for pair in dense for x in pair))
-        return eps, attn_args + ffn_args
+        return head + (kb.dense_half, (_vec(block.ffn_norm.weight),) + tuple(x for pair in dense for x in pair))
     if not isinstance(ffn, MoE) or not isinstance(ffn.experts, CpuExperts):
         return None
     router = ffn.router
@@ -98,7 +96,7 @@ def _bind(block) -> tuple | None:
     shared = (None,) * 6
     if ffn.shared is not None:
         sh = [_raw(p) for p in (ffn.shared.gate, ffn.shared.up, ffn.shared.down)]
-        if None in sh:
+        if None in sh or sh[0][1].shape[0] % 16:
             return None
         shared = tuple(x for pair in sh for x in pair)
     ew = ffn.experts.weights
@@ -106,22 +104,23 @@ def _bind(block) -> tuple | None:
     dk, db = ew._down
     if ew.n_ff % 16:
         return None
-    ffn_args = ((rp[0], rp[1], bias, kind, router.k, bool(router.norm), float(router.scale))
-                + (gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, ew.n_ff) + shared)
-    return eps, attn_args + ffn_args
+    moe_args = ((_vec(block.ffn_norm.weight), rp[0], rp[1], bias, kind, router.k, bool(router.norm),
+                 float(router.scale), gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, ew.n_ff) + shared)
+    return head + (kb.moe_half, moe_args)
 
 
 class CompiledBlock:
     """Block interface (``device_name``, ``device``, ``new_cache()``, ``__call__``) over
-    ``block_step``; ``reference`` is the torch block it was bound from (prefill, fallback)."""
+    ``cpu_kernels.block``; ``reference`` is the torch block it was bound from (prefill, fallback)."""
 
-    def __init__(self, reference, eps: float, bound: tuple, kv_tag):
+    def __init__(self, reference, eps: float, attn_args: tuple, ffn_half, ffn_args: tuple, kv_tag):
         self.reference = reference
         self.device_name, self.device = reference.device_name, reference.device
         self.profile = reference.profile
         self.rope = reference.attn.rope
-        self._eps, self._bound, self._kv_tag = float(eps), bound, kv_tag
-        self._entry = None
+        self._eps, self._kv_tag = float(eps), kv_tag
+        self._attn_args, self._ffn_half, self._ffn_args = attn_args, ffn_half, ffn_args
+        self._attn_entry = self._ffn_entry = None
         ffn = reference.ffn
         self._bound_parts = (ffn, getattr(ffn, "router", None))
 
@@ -147,13 +146,17 @@ class CompiledBlock:
         need = cache.reserve(t)
         cos, sin = self.rope.tables(int(pos[-1]) + 1 if t else 1)
         y = np.empty_like(xh)
-        args = (xh, y, pos, cos.numpy(), sin.numpy(), self._kv_tag, _bytes(cache.k), _bytes(cache.v),
-                cache.length, self._eps) + self._bound + (settings.apply_threads(),)
+        chunks = settings.apply_threads()
+        attn = (xh, y, pos, cos.numpy(), sin.numpy(), self._kv_tag, _bytes(cache.k), _bytes(cache.v),
+                cache.length, self._eps) + self._attn_args + (chunks,)
+        ffn = (y, self._eps) + self._ffn_args + (chunks,)
         with self.profile.time("cpu_block"):
-            if self._entry is not None:
-                self._entry(*args)
+            if self._ffn_entry is not None:
+                self._attn_entry(*attn)
+                self._ffn_entry(*ffn)
             else:
-                self._entry = _first_call(args)
+                self._attn_entry = _first_call(kb.attention_half, attn)
+                self._ffn_entry = _first_call(self._ffn_half, ffn)
         cache.length = need
         return torch.from_numpy(y)
 
@@ -163,11 +166,10 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy()
 
 
-def _first_call(args):
-    """Run ``block_step`` through Numba's dispatcher (compiling or loading it for these
-    argument types) and return the compiled entry point, which later calls use directly:
-    they pass the same types (the bound tuple is fixed, the per-call arrays keep theirs)."""
-    fn = kb.block_step
+def _first_call(fn, args):
+    """Run ``fn`` through Numba's dispatcher (compiling or loading it for these argument
+    types) and return the compiled entry point, which later calls use directly: they pass
+    the same types (the bound arguments are fixed, the per-call arrays keep theirs)."""
     fn(*args)
     sig = tuple(fn.typeof_pyval(a) for a in args)
     return fn.overloads[sig].entry_point if sig in fn.overloads else (lambda *a: fn(*a))
@@ -184,5 +186,4 @@ def compile_block(block):
     bound = _bind(block)
     if bound is None:
         return block
-    eps, args = bound
-    return CompiledBlock(block, eps, args, get_kernel(KV_TYPES[cache.k.dtype]).tag)
+    return CompiledBlock(block, *bound, get_kernel(KV_TYPES[cache.k.dtype]).tag)
