@@ -2,7 +2,7 @@
 qwen3moe models, the fixed cost per block, and GB/s against the memory-read ceiling.
 
     python -m bench.depth [--only wide,narrow,prefill,sweep] [-t 2] [--tokens 32]
-                          [--prompt 256] [--repeat 3] [--keep DIR] [--json PATH]
+                          [--prompt 256] [--repeat 3] [--rounds 1] [--keep DIR] [--json PATH]
 
 Models (written at run time into a temp folder, or into ``--keep DIR`` and reused from
 there by later runs): qwen3moe, 32 experts per block, top-8, Q4_0 experts, Q8_0 attention,
@@ -28,8 +28,11 @@ kernels and torch on ``--torch-threads`` (1, as ``offload run``); llama.cpp thro
 llama-cpp-python with ``n_threads = n_threads_batch = -t``, no GPU layers, ``n_batch =
 n_ubatch = --prompt``, memory-mapped weights (its default; the file is read through once
 before each process so neither engine pays disk reads). Each process warms up first (one
-untimed pass of the same workload), then times ``--repeat`` passes; the median is reported.
-Both are given the same token ids. Without llama-cpp-python only offload's column is filled.
+untimed pass of the same workload), then times ``--repeat`` passes; ``--rounds N`` runs N
+such processes per engine, alternating engines, and the median over all passes is reported.
+Both are given the same token ids; the greedy tokens' agreement is printed as a sanity check
+(llama.cpp's 8-bit activations make late divergence normal). Without llama-cpp-python only
+offload's column is filled; a crashed process leaves its cells "fail" and says why.
 
 Printed per workload: t/s of each engine and their ratio; active bytes per token (every
 non-expert tensor once — one row of the embedding — plus top-k/n_expert of the routed
@@ -47,8 +50,9 @@ Fixed cost per block, in µs per token (both engines):
   time beyond its reads spread over the blocks (an upper bound: it includes the head).
 
 The memory-read ceiling is ``bench.cpu_kernels.ceiling_gbps`` with ``-t`` Numba threads over
-a 1 GiB buffer, measured before and after the engines; the mean of the two is used and both
-are printed with the load average (the box may be shared: read the ratios, not the t/s).
+a 1 GiB buffer, measured before each engine process and once at the end; their median is
+used and their range printed with the load average (the box may be shared: read the ratios,
+not the t/s).
 """
 from __future__ import annotations
 
@@ -61,17 +65,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
+
+from bench.cpu_kernels import ceiling_gbps, load_line
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ("wide", "narrow", "prefill", "sweep")
 SWEEP_BLOCKS = (4, 12, 24, 48)
 DECODE_PROMPT = 8
 FORMAT_VERSION = 1          # bump when the writer changes, so --keep files are rewritten
+
+
+class BenchError(Exception):
+    """Something the run needs is missing: one line, exit 2."""
 
 
 @dataclass(frozen=True)
@@ -143,9 +153,8 @@ def write_model(path: Path, spec: DepthSpec, *, progress=None) -> Path:
     """Write ``spec`` as a GGUF at ``path`` (through a temp file renamed at the end, so a
     half-written file never has the final name). Streams one tensor at a time."""
     from cpu_kernels.synth import reader_shape
-    from tests.tiny_models import tiny_vocab
+    from tests.tiny_models import add_tiny_vocab
 
-    tokens, merges, types = tiny_vocab()
     rng = np.random.default_rng(spec.seed)
     tmp = path.with_name(path.name + ".part")
     w = GGUFWriter(str(tmp), "qwen3moe")
@@ -164,14 +173,7 @@ def write_model(path: Path, spec: DepthSpec, *, progress=None) -> Path:
     w.add_expert_used_count(spec.n_expert_used)
     w.add_expert_feed_forward_length(spec.n_ff_exp)
     w.add_expert_weights_norm(True)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 1)
-    w.add_eos_token_id(len(tokens) - 1)
-    plan = tensors(spec, len(tokens))
+    plan = tensors(spec, add_tiny_vocab(w))
     for name, shape, qtype, _ in plan:
         if qtype == Q.F32:
             w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
@@ -235,7 +237,7 @@ def prompt_ids(n: int, n_vocab: int = 256) -> list[int]:
     return [(7 + 37 * i) % n_vocab for i in range(n)]
 
 
-def _offload_run(path: str, jobs: list[dict], threads: int, torch_threads: int, ctx: int) -> list[list[float]]:
+def _offload_run(path: str, jobs: list[dict], threads: int, torch_threads: int, ctx: int) -> list[dict]:
     import torch
 
     import offload.runtime as rt
@@ -245,53 +247,61 @@ def _offload_run(path: str, jobs: list[dict], threads: int, torch_threads: int, 
         s.warmup()
         for job in jobs:
             ids = prompt_ids(job["prompt"])
-            tps = []
+            tps, tokens = [], []
             for rep in range(job["repeat"] + 1):       # the first pass is the warm-up
                 if job["kind"] == "decode":
-                    list(s.generate(ids, max_tokens=job["tokens"] + 1, stop_at_eos=False))
+                    tokens = list(s.generate(ids, max_tokens=job["tokens"] + 1, stop_at_eos=False))
                     value = s.stats.eval_tps
                 else:
-                    list(s.generate(ids, max_tokens=1, ubatch=len(ids), stop_at_eos=False))
+                    tokens = list(s.generate(ids, max_tokens=1, ubatch=len(ids), stop_at_eos=False))
                     value = s.stats.prompt_tps
                 if rep:
                     tps.append(value)
-            out.append(tps)
+            out.append(dict(tps=tps, tokens=tokens))
     return out
 
 
-def _llama_run(path: str, jobs: list[dict], threads: int, ctx: int) -> list[list[float]]:
+def _llama_run(path: str, jobs: list[dict], threads: int, ctx: int) -> list[dict]:
     import llama_cpp
     batch = max(j["prompt"] for j in jobs)
     llm = llama_cpp.Llama(model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
                           n_batch=batch, n_ubatch=batch, n_gpu_layers=0, logits_all=False, verbose=False)
+    n_vocab = llm.n_vocab()
+
+    def last_token() -> int:
+        # greedy from the last position's logits (without logits_all, Llama.scores is not filled)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))))
     out = []
     for job in jobs:
         ids = prompt_ids(job["prompt"])
         tps = []
-        for rep in range(job["repeat"] + 1):
+        for rep in range(job["repeat"] + 1):           # the first pass is the warm-up
             llm.reset()
             t0 = time.perf_counter()
             llm.eval(ids)
             prompt_s = time.perf_counter() - t0
+            tokens = [last_token()]
             if job["kind"] == "decode":
-                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
                 t0 = time.perf_counter()
                 for _ in range(job["tokens"]):
-                    llm.eval([tok])
-                    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                    llm.eval([tokens[-1]])
+                    tokens.append(last_token())
                 value = job["tokens"] / (time.perf_counter() - t0)
             else:
                 value = len(ids) / prompt_s
             if rep:
                 tps.append(value)
-        out.append(tps)
+        out.append(dict(tps=tps, tokens=tokens))
     return out
 
 
-def run_one(engine: str, path: Path, jobs: list[dict], args, progress) -> list[list[float]] | str:
-    """Run ``jobs`` on ``path`` with ``engine`` in a fresh process: per job the timed t/s, or
-    a one-line reason it failed."""
+def run_one(engine: str, path: Path, jobs: list[dict], args, progress, ceilings: list[float]
+            ) -> list[dict] | str:
+    """Run ``jobs`` on ``path`` with ``engine`` in a fresh process: per job {"tps": timed t/s,
+    "tokens": greedy ids of the last pass}, or a one-line reason it failed. Appends the read
+    ceiling measured just before it."""
     _read_through(path)
+    ceilings.append(measure_ceiling(args.threads))     # next to each process, while the box is as it is
     cmd = [sys.executable, "-m", "bench.depth", "--one", engine, str(path), json.dumps(jobs),
            "-t", str(args.threads), "--torch-threads", str(args.torch_threads)]
     progress(f"{engine} on {path.name}: {', '.join(j['kind'] for j in jobs)}")
@@ -345,6 +355,8 @@ class Row:
     bytes: Bytes
     offload: list[float] | str | None = None     # timed t/s, or why it failed, or None (not run)
     llama: list[float] | str | None = None
+    offload_tokens: list[int] = field(default_factory=list)    # greedy ids of the last pass
+    llama_tokens: list[int] = field(default_factory=list)
     in_sweep: bool = False                       # a point of the block-count fit
 
 
@@ -400,6 +412,11 @@ def print_table(rows: list[Row], ceiling: float, fits: dict) -> None:
             slope, fixed = fit
             print(f"sweep fit ({engine}): {slope:.0f} µs per block per token; minus the block's reads at the "
                   f"ceiling = fixed cost {fixed:.0f} µs per block")
+    same = [f"{r.workload} {agreement(r.offload_tokens, r.llama_tokens)}" for r in rows
+            if r.kind == "decode" and r.offload_tokens and r.llama_tokens]
+    if same:
+        print("greedy tokens equal to llama.cpp's (it quantizes activations to 8 bits, so late divergence "
+              "is expected): " + "; ".join(same))
     for r in rows:
         for engine in ("offload", "llama"):
             v = getattr(r, engine)
@@ -407,20 +424,19 @@ def print_table(rows: list[Row], ceiling: float, fits: dict) -> None:
                 print(f"{r.workload}: {engine} failed: {v}")
 
 
+def agreement(ours: list[int], ref: list[int]) -> str:
+    """'n/m' tokens equal, position by position."""
+    return f"{sum(a == b for a, b in zip(ours, ref))}/{min(len(ours), len(ref))}"
+
+
 def measure_ceiling(threads: int) -> float:
     import cpu_kernels as ck
-    from bench.cpu_kernels import ceiling_gbps
     ck.set_num_threads(threads)
     buf = np.ones(1 << 30, np.uint8)        # touched pages: a zero page would read from cache
     try:
         return ceiling_gbps(buf, 5)
     finally:
         del buf
-
-
-def load_average() -> str:
-    la = os.getloadavg()
-    return f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} on {os.cpu_count()} CPUs"
 
 
 def _llama_available() -> str | None:
@@ -439,7 +455,10 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-threads", type=int, default=1, help="offload's torch threads (default 1, as offload run)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per pass (default 32)")
     ap.add_argument("--prompt", type=int, default=256, help="prefill prompt tokens (default 256)")
-    ap.add_argument("--repeat", type=int, default=3, help="timed passes per workload (default 3)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed passes per workload and process (default 3)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="processes per engine and model, alternating engines (default 1); the median is "
+                         "over rounds x repeat passes")
     ap.add_argument("--keep", type=Path, default=None, help="write / reuse the model files in DIR")
     ap.add_argument("--no-llama", action="store_true", help="offload only, even if llama-cpp-python is installed")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
@@ -453,7 +472,7 @@ def main(argv=None) -> int:
         print(f"bench.depth: --only takes {', '.join(WORKLOADS)}, got {a.only!r}", file=sys.stderr)
         return 2
     for name, v in (("--threads", a.threads), ("--torch-threads", a.torch_threads), ("--tokens", a.tokens),
-                    ("--prompt", a.prompt), ("--repeat", a.repeat)):
+                    ("--prompt", a.prompt), ("--repeat", a.repeat), ("--rounds", a.rounds)):
         if v < 1:
             print(f"bench.depth: {name} must be >= 1, got {v}", file=sys.stderr)
             return 2
@@ -465,14 +484,17 @@ def main(argv=None) -> int:
     if llama_why:
         progress(f"llama.cpp column left empty (llama-cpp-python: {llama_why})")
     tmp = None
-    if a.keep is not None:
-        a.keep.mkdir(parents=True, exist_ok=True)
-        folder = a.keep
-    else:
-        tmp = tempfile.TemporaryDirectory(prefix="offload-depth-")
-        folder = Path(tmp.name)
     try:
+        if a.keep is not None:
+            a.keep.mkdir(parents=True, exist_ok=True)
+            folder = a.keep
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="offload-depth-")
+            folder = Path(tmp.name)
         return _run(a, only, folder, llama_why is None, progress)
+    except (BenchError, OSError) as exc:
+        print(f"bench.depth: {exc}", file=sys.stderr)
+        return 2
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -486,7 +508,7 @@ def _model(folder: Path, spec: DepthSpec, progress) -> Path:
     need = model_bytes(spec, len(tiny_vocab()[0]))
     free = shutil.disk_usage(folder).free
     if free < need * 1.05:
-        raise SystemExit(f"bench.depth: {folder} has {free / 1e9:.1f} GB free, {path.name} needs {need / 1e9:.1f} GB")
+        raise BenchError(f"{folder} has {free / 1e9:.1f} GB free, {path.name} needs {need / 1e9:.1f} GB")
     progress(f"writing {path.name} ({need / 1e9:.2f} GB)")
     t0 = time.perf_counter()
     write_model(path, spec, progress=lambda m: progress(f"  {m}"))
@@ -495,9 +517,8 @@ def _model(folder: Path, spec: DepthSpec, progress) -> Path:
 
 
 def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
-    progress(f"{load_average()}; models in {folder}")
-    ceil_before = measure_ceiling(a.threads)
-    progress(f"memory-read ceiling ({a.threads} threads): {ceil_before:.1f} GB/s")
+    progress(f"{load_line()}; models in {folder}")
+    ceilings: list[float] = []
     decode = dict(kind="decode", prompt=DECODE_PROMPT, tokens=a.tokens, repeat=a.repeat)
     prefill = dict(kind="prefill", prompt=a.prompt, repeat=a.repeat)
     # per model: [(workload label, job)], run together in one process per engine
@@ -519,26 +540,37 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
                         in_sweep="sweep" in only and spec.n_embd == NARROW.n_embd)
                     for label, job in jobs]
         engines = [("offload", "offload")] + ([("llama.cpp", "llama")] if with_llama else [])
-        for engine, attr in engines:
-            res = run_one(engine, path, [j for _, j in jobs], a, progress)
-            for i, row in enumerate(job_rows):
-                setattr(row, attr, res if isinstance(res, str) else res[i])
+        for _ in range(a.rounds):          # engines alternate, so a change in the box's load hits both
+            for engine, attr in engines:
+                if any(isinstance(getattr(r, attr), str) for r in job_rows):
+                    continue                                    # failed in an earlier round
+                res = run_one(engine, path, [j for _, j in jobs], a, progress, ceilings)
+                progress(f"  read ceiling measured before it: {ceilings[-1]:.1f} GB/s")
+                for i, row in enumerate(job_rows):
+                    if isinstance(res, str):
+                        setattr(row, attr, res)
+                        continue
+                    setattr(row, attr, (getattr(row, attr) or []) + res[i]["tps"])
+                    setattr(row, f"{attr}_tokens", res[i]["tokens"])
         rows += job_rows
-    ceil_after = measure_ceiling(a.threads)
-    ceiling = (ceil_before + ceil_after) / 2
+    ceilings.append(measure_ceiling(a.threads))
+    ceiling = statistics.median(ceilings)
     sweep = sorted((r for r in rows if r.in_sweep), key=lambda r: r.blocks)
     fits = {e: sweep_fit(sweep, attr, ceiling) for e, attr in (("offload", "offload"), ("llama.cpp", "llama"))}
     print(f"bench.depth: qwen3moe random weights, {NARROW.n_expert} experts top-{NARROW.n_expert_used}, "
           f"{NARROW.expert_type.name} experts, {NARROW.dense_type.name} attention; {a.threads} threads "
           f"(offload torch {a.torch_threads}); decode {a.tokens} tokens after {DECODE_PROMPT}, prefill "
-          f"{a.prompt}; median of {a.repeat}")
-    print(f"memory-read ceiling: {ceiling:.2f} GB/s ({ceil_before:.2f} before, {ceil_after:.2f} after); "
-          f"{load_average()}")
+          f"{a.prompt}; median of {a.rounds} x {a.repeat} passes")
+    print(f"memory-read ceiling ({a.threads} threads): {ceiling:.2f} GB/s, median of {len(ceilings)} "
+          f"measured before each process and at the end (min {min(ceilings):.2f}, max {max(ceilings):.2f}); "
+          f"{load_line()}")
+    sweep_only = sorted((r for r in rows if r.workload.startswith("sweep")), key=lambda r: r.blocks)
+    rows = [r for r in rows if not r.workload.startswith("sweep")] + sweep_only
     print_table(rows, ceiling, fits)
     if a.json:
-        doc = dict(ceiling_gbps=ceiling, ceiling_before=ceil_before, ceiling_after=ceil_after,
+        doc = dict(ceiling_gbps=ceiling, ceilings=ceilings,
                    threads=a.threads, torch_threads=a.torch_threads, tokens=a.tokens, prompt=a.prompt,
-                   repeat=a.repeat, load=load_average(),
+                   repeat=a.repeat, load=load_line(),
                    rows=[dict(asdict(r), offload_tps=median(r.offload), llama_tps=median(r.llama))
                          for r in rows],
                    fits={e: (None if f is None else dict(slope_us=f[0], fixed_us=f[1])) for e, f in fits.items()})

@@ -69,3 +69,36 @@ def test_bad_workload_is_one_line(capsys):
     assert main(["--only", "narrow,deep"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--only" in err and "deep" in err
+
+
+def test_keep_that_is_a_file_is_one_line(tmp_path, capsys):
+    not_a_dir = tmp_path / "f"
+    not_a_dir.write_text("x")
+    assert main(["--only", "narrow", "--no-llama", "--keep", str(not_a_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("bench.depth: ") and str(not_a_dir) in err[-1]
+
+
+def test_sweep_fit_is_the_slope_minus_the_reads():
+    """Seconds per token exactly 2 ms + 300 µs per block; a block reads 1 MB at a 10 GB/s
+    ceiling = 100 µs: the fit gives slope 300 µs and fixed cost 200 µs (float rounding only)."""
+    from bench.depth import Bytes, Row, sweep_fit
+    b = Bytes(total=0, active=0, active_per_block=1e6, n_layer=48)
+    rows = [Row(f"sweep {n}", "decode", n, b, offload=[1 / (2e-3 + 300e-6 * n)] * 3) for n in (4, 12, 24, 48)]
+    slope, fixed = sweep_fit(rows, "offload", 10.0)
+    assert slope == pytest.approx(300, rel=1e-9) and fixed == pytest.approx(200, rel=1e-9)
+    assert sweep_fit(rows, "llama", 10.0) is None           # that engine did not run
+
+
+def test_llama_cpp_reads_it_the_same(tiny_path):
+    """Where llama-cpp-python is installed (skipped otherwise): llama.cpp loads the file and its
+    last-position logits agree with offload's. llama.cpp quantizes activations to 8 bits for
+    quantized matmuls, so agreement is ~1e-2 of the logit scale (as tests/test_runtime_hf.py)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ids = prompt_ids(8)
+    llm = llama_cpp.Llama(model_path=str(tiny_path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(ids)
+    ref = np.array(llm.scores[len(ids) - 1], dtype=np.float32)
+    with rt.load(str(tiny_path), quiet=True, devices="CPU=1GiB", ctx=64) as s:
+        ours = s.logits(ids)[-1]
+    assert np.abs(ours - ref).max() / np.abs(ref).max() < 3e-2

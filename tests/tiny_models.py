@@ -96,6 +96,20 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, [int(t) for t in types]
 
 
+def add_tiny_vocab(w: GGUFWriter) -> int:
+    """Write ``tiny_vocab`` as a GPT-2 style BPE tokenizer (BOS = EOS = its control token);
+    returns the vocabulary size."""
+    tokens, merges, types = tiny_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 1)
+    w.add_eos_token_id(len(tokens) - 1)
+    return len(tokens)
+
+
 @dataclass(frozen=True)
 class TinySpec:
     arch: str = "glm4moe"
@@ -163,14 +177,7 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> TinyModel
         w.add_expert_weights_scale(spec.weights_scale)
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         w.add_nextn_predict_layers(1 if spec.nextn else 0)
-    tokens, merges, types = tiny_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 1)
-    w.add_eos_token_id(len(tokens) - 1)
+    add_tiny_vocab(w)
 
     weights = {}
 
