@@ -7,6 +7,7 @@ holds more than the plan counted.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -19,6 +20,7 @@ class KVCache:
         self.k = torch.empty(n_head_kv, capacity, head_dim, device=device, dtype=dtype)
         self.v = torch.empty_like(self.k)
         self.length = 0
+        self._raw: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self.length
@@ -44,7 +46,15 @@ class KVCache:
             k_new[:, :self.length] = self.k[:, :self.length]
             v_new[:, :self.length] = self.v[:, :self.length]
             self.k, self.v = k_new, v_new
+            self._raw = None
         return need
+
+    def raw(self) -> tuple[np.ndarray, np.ndarray]:
+        """The CPU storage of k and v as uint8 numpy views (H_kv, cells, D · element size),
+        no copy; kept until the storage grows (compiled CPU blocks write and read it)."""
+        if self._raw is None:
+            self._raw = (self.k.view(torch.uint8).numpy(), self.v.view(torch.uint8).numpy())
+        return self._raw
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions (rollback of rejected draft tokens)."""

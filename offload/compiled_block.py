@@ -32,7 +32,7 @@ from cpu_kernels.layout import weight_bytes
 from cpu_kernels.registry import get_kernel
 from gpu.ffn import SwiGLU
 from gpu.router import SigmoidRouter, SoftmaxRouter
-from offload.cpu_ops import CpuExperts, RawLinear
+from offload.cpu_ops import CpuExperts, RawLinear, to_host
 from offload.moe import MoE
 
 KV_TYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
@@ -121,6 +121,7 @@ class CompiledBlock:
         self._eps, self._kv_tag = float(eps), kv_tag
         self._attn_args, self._ffn_half, self._ffn_args = attn_args, ffn_half, ffn_args
         self._attn_entry = self._ffn_entry = None
+        self._rope_tables = (None, None, None)        # (cos tensor, cos, sin as numpy)
         ffn = reference.ffn
         self._bound_parts = (ffn, getattr(ffn, "router", None))
 
@@ -141,14 +142,14 @@ class CompiledBlock:
         t = x.shape[0]
         if t > MAX_TOKENS or self._rebound():
             return self.reference(x, positions, cache)
-        xh = np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy())
+        xh = to_host(x)
         pos = positions.numpy()
         need = cache.reserve(t)
-        cos, sin = self.rope.tables(int(pos[-1]) + 1 if t else 1)
+        cos, sin = self._tables(int(pos[-1]) + 1 if t else 1)
         y = np.empty_like(xh)
         chunks = settings.apply_threads()
-        attn = (xh, y, pos, cos.numpy(), sin.numpy(), self._kv_tag, _bytes(cache.k), _bytes(cache.v),
-                cache.length, self._eps) + self._attn_args + (chunks,)
+        kc, vc = cache.raw()
+        attn = (xh, y, pos, cos, sin, self._kv_tag, kc, vc, cache.length, self._eps) + self._attn_args + (chunks,)
         ffn = (y, self._eps) + self._ffn_args + (chunks,)
         with self.profile.time("cpu_block"):
             if self._ffn_entry is not None:
@@ -160,10 +161,12 @@ class CompiledBlock:
         cache.length = need
         return torch.from_numpy(y)
 
-
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    """A cache tensor's storage as uint8 (H_kv, cells, D · element size), no copy."""
-    return t.view(torch.uint8).numpy()
+    def _tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """RoPE cos/sin tables as numpy, converted again only when the table grows."""
+        cos, sin = self.rope.tables(n_pos)
+        if cos is not self._rope_tables[0]:
+            self._rope_tables = (cos, cos.numpy(), sin.numpy())
+        return self._rope_tables[1], self._rope_tables[2]
 
 
 def _first_call(fn, args):
