@@ -93,17 +93,21 @@ def quantized_activations(X: np.ndarray):
     return xq, dx, xs16, xs4, dx8
 
 
-def use_int8(kern) -> bool:
-    return settings.int8_activations() and kern.has_int8 and has_vnni()
+def use_int8(kern, int8: bool | None = None) -> bool:
+    """int8 activations for this type: ``int8`` (None: the process setting), where the type
+    has an int8 decoder and the CPU a u8 x s8 dot product."""
+    want = settings.int8_activations() if int8 is None else int8
+    return want and kern.has_int8 and has_vnni()
 
 
-def matmul(x, w, qtype, *, name: str = "") -> np.ndarray:
+def matmul(x, w, qtype, *, name: str = "", int8: bool | None = None) -> np.ndarray:
     """``x @ W.T`` for a GGUF weight ``W`` given as its raw data.
 
     x: float32 [B, cols] (or [cols], giving [rows]); w: ``ReaderTensor.data`` of a 2-D
     tensor, or ``data[e]`` for one expert of a 3-D ``*_exps`` tensor, used in place.
     Returns float32 [B, rows]. Unsupported ``qtype`` -> ``UnsupportedQuantType`` naming
-    the type and ``name``.
+    the type and ``name``. ``int8``: int8 activations for this call (None: the process
+    setting, ``set_int8_activations``).
     """
     kern = get_kernel(qtype, name)
     wb = weight_bytes(w, kern, 2, name)
@@ -113,7 +117,7 @@ def matmul(x, w, qtype, *, name: str = "") -> np.ndarray:
     Y = np.empty((X.shape[0], wb.shape[0]), f32)
     if X.shape[0] and wb.shape[0]:
         n_threads = settings.apply_threads()
-        if use_int8(kern):
+        if use_int8(kern, int8):
             _matmul_i8_kernel(kern.tag, wb, *quantized_activations(X), Y, n_threads)
         else:
             _matmul_kernel(kern.tag, wb, X, sums16(X), Y, n_threads)

@@ -209,12 +209,14 @@ def _weighted_sum(out, assign_tok, assign_w, Y):
         Y[assign_tok[a]] += assign_w[a] * out[a]
 
 
-def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act: str = "silu"):
+def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act: str = "silu",
+            int8: bool | None = None):
     """Sum over the k routed experts of each token of ``weight * down(act(gate(x)) * up(x))``.
 
     x: float32 [B, n_embd]; expert_ids: int [B, k]; expert_weights: float32 [B, k]
     (already normalised/scaled by the router). owned: bool [E] or None (= all experts):
     experts not owned contribute nothing here (the caller adds them, e.g. GPU experts).
+    int8: int8 activations for this call (None: the process setting).
     Returns float32 [B, n_embd]. The compiled phases run with the GIL released.
     """
     if act not in ACTIVATIONS:
@@ -254,13 +256,13 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     dk, db = w._down
     n_threads = settings.apply_threads()
     H = np.empty((flat.size, w.n_ff), f32)
-    if use_int8(gk) and use_int8(uk):
+    if use_int8(gk, int8) and use_int8(uk, int8):
         xq, dx, xs16, xs4, dx8 = quantized_activations(X)
     else:
         xq, dx, xs16, xs4, dx8 = None, None, sums16(X), None, None
     _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
                    tok, H, n_threads, ACTIVATIONS[act])
-    if use_int8(dk):
+    if use_int8(dk, int8):
         hq, hdx, hs16, hxs4, hdx8 = quantized_activations(H)
     else:
         hq, hdx, hs16, hxs4, hdx8 = None, None, sums16(H), None, None

@@ -16,6 +16,7 @@ import torch
 from cpu_kernels import set_num_threads
 from gpu.kv_cache import KVCache
 from offload.commands.plan import add_placement_arguments, plan_from_args
+from offload.compiled_block import MAX_TOKENS
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, open_model
@@ -178,22 +179,26 @@ def plan_for(model: ModelFile, placement=None, devices: str | None = None, **pla
 
 def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus: bool = False,
          gpu_dtype: str = "auto", threads: int | None = None, progress: bool = False,
-         quiet: bool = False, **plan_options) -> Session:
+         quiet: bool = False, int8_prefill: bool = True, **plan_options) -> Session:
     """Load a GGUF model where a plan puts each tensor.
 
     ``placement``: a Plan, a plan YAML path, or None to plan now for ``devices`` (``"auto"``
     by default, or a spec like ``"CUDA0=24GiB,CPU=64GiB"``) with the planner's flags as
     keywords (see ``plan_for``). ``virtual_gpus`` backs CUDA devices with the CPU where no
     CUDA exists. ``gpu_dtype``: compute dtype of GPU-resident weights (auto/f32/f16/bf16).
-    ``threads``: CPU expert kernel threads.
+    ``threads``: CPU expert kernel threads. ``int8_prefill``: prompt batches (more than
+    ``compiled_block.MAX_TOKENS`` tokens) quantize activations to int8 for the CPU kernels
+    (llama.cpp's Q8 activations; faster with VNNI, error bound in ``cpu_kernels.settings``).
     """
     model = open_model(model_path)
     return load_plan(model, plan_for(model, placement, devices, **plan_options), virtual_gpus=virtual_gpus,
-                     gpu_dtype=gpu_dtype, threads=threads, progress=progress, quiet=quiet)
+                     gpu_dtype=gpu_dtype, threads=threads, progress=progress, quiet=quiet,
+                     int8_prefill=int8_prefill)
 
 
 def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_dtype: str = "auto",
-              threads: int | None = None, progress: bool = False, quiet: bool = False) -> Session:
+              threads: int | None = None, progress: bool = False, quiet: bool = False,
+              int8_prefill: bool = True) -> Session:
     """``load`` for an opened model and a resolved plan (what ``offload run`` calls)."""
     t0 = time.perf_counter()
     if threads is not None:
@@ -217,9 +222,12 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
     bar = Progress(len(tensors), sum(t.n_bytes for t in tensors)) if progress else None
     dtypes = compute_dtypes(devices, gpu_dtype)
-    weights = WeightStore(model, plan.tensors, devices, compute_dtype=dtypes, profile=profile, progress=bar)
+    # prompt batches (more tokens than a compiled decode/verify step) use int8 activations
+    int8_batch = MAX_TOKENS + 1 if int8_prefill else None
+    weights = WeightStore(model, plan.tensors, devices, compute_dtype=dtypes, profile=profile, progress=bar,
+                          int8_batch=int8_batch)
     draft_weights = (WeightStore(draft, plan.draft_tensors, devices, compute_dtype=dtypes, profile=profile,
-                                 progress=bar) if draft is not None else None)
+                                 progress=bar, int8_batch=int8_batch) if draft is not None else None)
     ctx = BuildContext(profile=profile, pool=pool, kv_dtype=KV_DTYPES[plan.settings.cache_type],
                        kv_cells=pad(plan.settings.ctx, CACHE_PAD))   # what the planner counted
     with torch.inference_mode():
