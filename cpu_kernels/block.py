@@ -33,33 +33,13 @@ from numba.extending import overload
 
 from .moe import _down_phase, _gate_up_phase, _silu_glu
 from .registry import QTagType, source_digest
-from .rowdot import dot4
+from .rowdot import rows4, rows4_scratch
 from .simd import st_bf16, st_f16, st_f32, vbf16, vf16, vf32, vfma, vload, vsplat, vstore, vsum, vzero
 
 f32 = np.float32
-TOKEN_TILE = 16
 SIGMOID, SOFTMAX = 0, 1        # router kinds (gpu.router.SigmoidRouter / SoftmaxRouter)
 
 _kw = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
-
-
-@njit(**_kw)
-def _rows4(tag, w, r0, X, xs16, Y, acc, cacc, res, toks, sc):
-    """Y[:, r0:r0 + 4] = X @ W[r0:r0 + 4]^T (rows past the end clipped)."""
-    rows = w.shape[0]
-    rs = w.strides[0]
-    last = rows - 1
-    nr = min(4, rows - r0)
-    n, cols = X.shape
-    for t0 in range(0, n, TOKEN_TILE):
-        nt = min(TOKEN_TILE, n - t0)
-        for i in range(nt):
-            toks[i] = t0 + i
-        dot4(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
-             min(r0 + 3, last) * rs, cols, X, xs16, toks, nt, acc, cacc, res, sc)
-        for i in range(nt):
-            for r in range(nr):
-                Y[t0 + i, r0 + r] = res[i, r]
 
 
 # The KV cache is raw bytes (H_kv, cells, D · element size) in F32, F16 or BF16 (the plan's
@@ -130,20 +110,16 @@ def _build(salt):
         items = g0 + g1 + g2
         pieces = max(1, min(items, chunks))
         for ch in prange(pieces):
-            acc = np.empty(TOKEN_TILE * 64, f32)
-            cacc = np.empty(TOKEN_TILE * 4, f32)
-            res = np.empty((TOKEN_TILE, 4), f32)
-            toks = np.empty(TOKEN_TILE, np.int64)
-            sc = np.empty(64, f32)
+            acc, cacc, res, toks, sc = rows4_scratch()
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
                 if it < g0:
-                    _rows4(t0, w0, 4 * it, X, xs16, y0, acc, cacc, res, toks, sc)
+                    rows4(t0, w0, 4 * it, X, xs16, y0, acc, cacc, res, toks, sc)
                 if w1 is not None:
                     if g0 <= it < g0 + g1:
-                        _rows4(t1, w1, 4 * (it - g0), X, xs16, y1, acc, cacc, res, toks, sc)
+                        rows4(t1, w1, 4 * (it - g0), X, xs16, y1, acc, cacc, res, toks, sc)
                 if w2 is not None:
                     if it >= g0 + g1:
-                        _rows4(t2, w2, 4 * (it - g0 - g1), X, xs16, y2, acc, cacc, res, toks, sc)
+                        rows4(t2, w2, 4 * (it - g0 - g1), X, xs16, y2, acc, cacc, res, toks, sc)
 
     @njit(parallel=True, **_kw)
     def attend(q, kvt, kc, vc, n_past, out, n_head, scale):

@@ -7,12 +7,11 @@ from numba import njit, prange
 from . import settings
 from .layout import activations, row_cols, sums16, weight_bytes
 from .registry import get_kernel, source_digest
-from .rowdot import dot4
+from .rowdot import TOKEN_TILE, rows4, rows4_scratch
 from .rowdot8 import DX_PAD, S4_PAD, XQ_PAD, dot4_i8, quantize_rows
 from .simd8 import has_vnni
 
 f32 = np.float32
-TOKEN_TILE = 16      # tokens per pass over a row group (bounds the accumulator scratch)
 
 
 def _build(salt):
@@ -22,31 +21,12 @@ def _build(salt):
         ``chunks`` parallel pieces (one per thread: numba.get_num_threads() inside a
         jitted function would make it uncacheable)."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
-        rows = w.shape[0]
-        rs = w.strides[0]
-        n, cols = X.shape
-        groups = (rows + 3) // 4
+        groups = (w.shape[0] + 3) // 4
         chunks = max(1, min(groups, chunks))
         for ch in prange(chunks):
-            acc = np.empty(TOKEN_TILE * 64, f32)
-            cacc = np.empty(TOKEN_TILE * 4, f32)
-            res = np.empty((TOKEN_TILE, 4), f32)
-            toks = np.empty(TOKEN_TILE, np.int64)
-            sc = np.empty(64, f32)
+            acc, cacc, res, toks, sc = rows4_scratch()
             for g in range(ch * groups // chunks, (ch + 1) * groups // chunks):
-                r0 = 4 * g
-                last = rows - 1
-                nr = min(4, rows - r0)
-                for t0 in range(0, n, TOKEN_TILE):
-                    nt = min(TOKEN_TILE, n - t0)
-                    for i in range(nt):
-                        toks[i] = t0 + i
-                    # Rows past the end repeat the last row; their results are dropped.
-                    dot4(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
-                         min(r0 + 3, last) * rs, cols, X, xs16, toks, nt, acc, cacc, res, sc)
-                    for i in range(nt):
-                        for r in range(nr):
-                            Y[t0 + i, r0 + r] = res[i, r]
+                rows4(tag, w, 4 * g, X, xs16, Y, acc, cacc, res, toks, sc)
     @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
     def matmul_i8_kernel(tag, w, xq, dx, xs16, xs4, dx8, Y, chunks):
         """As matmul_kernel with int8-quantized activations (``rowdot8``)."""

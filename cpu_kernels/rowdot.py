@@ -212,3 +212,34 @@ def dot4(tag, w, ro0, ro1, ro2, ro3, cols, X, xs16, toks, n_t, acc, cacc, res, s
             res[i, 1] += elem(tag, w, ro1, c) * xv
             res[i, 2] += elem(tag, w, ro2, c) * xv
             res[i, 3] += elem(tag, w, ro3, c) * xv
+
+
+TOKEN_TILE = 16      # tokens per pass over a row group (bounds the accumulator scratch)
+
+
+@njit(error_model="numpy")
+def rows4_scratch():
+    """One thread's scratch for rows4: (acc, cacc, res, toks, sc)."""
+    return (np.empty(TOKEN_TILE * 64, f32), np.empty(TOKEN_TILE * 4, f32), np.empty((TOKEN_TILE, 4), f32),
+            np.empty(TOKEN_TILE, np.int64), np.empty(64, f32))
+
+
+@njit(fastmath=True, error_model="numpy")
+def rows4(tag, w, r0, X, xs16, Y, acc, cacc, res, toks, sc):
+    """Y[:, r0:r0 + 4] = X @ W[r0:r0 + 4]^T over all tokens of X, TOKEN_TILE at a time
+    (w: uint8 [rows, row_bytes]; rows past the end repeat the last one, results dropped).
+    Scratch as dot4's, for TOKEN_TILE tokens; toks int64 [TOKEN_TILE]."""
+    rows = w.shape[0]
+    rs = w.strides[0]
+    last = rows - 1
+    nr = min(4, rows - r0)
+    n, cols = X.shape
+    for t0 in range(0, n, TOKEN_TILE):
+        nt = min(TOKEN_TILE, n - t0)
+        for i in range(nt):
+            toks[i] = t0 + i
+        dot4(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
+             min(r0 + 3, last) * rs, cols, X, xs16, toks, nt, acc, cacc, res, sc)
+        for i in range(nt):
+            for r in range(nr):
+                Y[t0 + i, r0 + r] = res[i, r]
