@@ -144,6 +144,8 @@ class CompiledBlock:
             return self.reference(x, positions, cache)
         xh = to_host(x)
         pos = positions.numpy()
+        if pos.dtype != np.int64 or not pos.flags.c_contiguous:    # the entry was compiled for these
+            pos = np.ascontiguousarray(pos, dtype=np.int64)
         need = cache.reserve(t)
         cos, sin = self._tables(int(pos[-1]) + 1 if t else 1)
         y = np.empty_like(xh)
