@@ -127,6 +127,8 @@ class CompiledBlock:
 
     def __getattr__(self, name):
         # the reference block's parts (attn, ffn, norms) for code that inspects blocks
+        if name == "reference":          # not yet set (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.reference, name)
 
     def _rebound(self) -> bool:
