@@ -179,7 +179,7 @@ def plan_for(model: ModelFile, placement=None, devices: str | None = None, **pla
 
 def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus: bool = False,
          gpu_dtype: str = "auto", threads: int | None = None, progress: bool = False,
-         quiet: bool = False, int8_prefill: bool = True, **plan_options) -> Session:
+         quiet: bool = False, int8_prefill: bool = False, **plan_options) -> Session:
     """Load a GGUF model where a plan puts each tensor.
 
     ``placement``: a Plan, a plan YAML path, or None to plan now for ``devices`` (``"auto"``
@@ -189,6 +189,8 @@ def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus
     ``threads``: CPU expert kernel threads. ``int8_prefill``: prompt batches (more than
     ``compiled_block.MAX_TOKENS`` tokens) quantize activations to int8 for the CPU kernels
     (llama.cpp's Q8 activations; faster with VNNI, error bound in ``cpu_kernels.settings``).
+    Off by default until the planner's compute model counts the quantized activations
+    (``placement.compute``: about 3.1·cols + 256 more bytes per row than the float path).
     """
     model = open_model(model_path)
     return load_plan(model, plan_for(model, placement, devices, **plan_options), virtual_gpus=virtual_gpus,
@@ -198,7 +200,7 @@ def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus
 
 def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_dtype: str = "auto",
               threads: int | None = None, progress: bool = False, quiet: bool = False,
-              int8_prefill: bool = True) -> Session:
+              int8_prefill: bool = False) -> Session:
     """``load`` for an opened model and a resolved plan (what ``offload run`` calls)."""
     t0 = time.perf_counter()
     if threads is not None:
