@@ -1,7 +1,8 @@
 """Numba CPU kernels over raw GGUF quant blocks (numpy + numba only).
 
-    matmul(x, w, qtype, *, name="")         x[B, cols] @ W^T from W's raw GGUF data
-    moe_ffn(x, ids, weights, experts, *, owned=None, act="silu")
+    matmul(x, w, qtype, *, name="", int8=None)
+                                            x[B, cols] @ W^T from W's raw GGUF data
+    moe_ffn(x, ids, weights, experts, *, owned=None, act="silu", int8=None)
                                             routed-expert FFN, tokens grouped by expert
     ExpertWeights(gate, up, down, ...)      one layer's *_exps tensors, used in place
     set_num_threads(n)                      threads the kernels use

@@ -13,7 +13,7 @@ from .simd import f32_from_bits, ld_f16, ld_u16, ld_u32, vbf16, vf16, vf32, vset
 
 f32 = np.float32
 u32 = np.uint32
-_jit = njit(fastmath=True)
+_jit = njit(fastmath=True, error_model="numpy")
 
 
 @_jit

@@ -18,7 +18,7 @@ from .registry import register
 from .simd import byte_fields, ld_f16, vbits, vbits2, vi8
 
 f32 = np.float32
-_jit = njit(fastmath=True)
+_jit = njit(fastmath=True, error_model="numpy")
 _G = range(16)                       # 16-weight groups g = 2k + half
 _K = [g // 2 for g in _G]            # unit of each lane
 

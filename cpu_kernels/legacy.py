@@ -18,7 +18,7 @@ from .registry import register
 from .simd import ld_f16, ld_u32, vbit_lanes, vbits, vi8, vset2
 
 f32 = np.float32
-_jit = njit(fastmath=True)
+_jit = njit(fastmath=True, error_model="numpy")
 
 
 @_jit

@@ -7,47 +7,27 @@ from numba import njit, prange
 from . import settings
 from .layout import activations, row_cols, sums16, weight_bytes
 from .registry import get_kernel, source_digest
-from .rowdot import dot4
+from .rowdot import TOKEN_TILE, rows4, rows4_scratch
 from .rowdot8 import DX_PAD, S4_PAD, XQ_PAD, dot4_i8, quantize_rows
 from .simd8 import has_vnni
 
 f32 = np.float32
-TOKEN_TILE = 16      # tokens per pass over a row group (bounds the accumulator scratch)
 
 
 def _build(salt):
-    @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
     def matmul_kernel(tag, w, X, xs16, Y, chunks):
         """Y[t, r] = W[r] . X[t]; w: uint8 [rows, row_bytes]; row groups of 4 split into
         ``chunks`` parallel pieces (one per thread: numba.get_num_threads() inside a
         jitted function would make it uncacheable)."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
-        rows = w.shape[0]
-        rs = w.strides[0]
-        n, cols = X.shape
-        groups = (rows + 3) // 4
+        groups = (w.shape[0] + 3) // 4
         chunks = max(1, min(groups, chunks))
         for ch in prange(chunks):
-            acc = np.empty(TOKEN_TILE * 64, f32)
-            cacc = np.empty(TOKEN_TILE * 4, f32)
-            res = np.empty((TOKEN_TILE, 4), f32)
-            toks = np.empty(TOKEN_TILE, np.int64)
-            sc = np.empty(64, f32)
+            acc, cacc, res, toks, sc = rows4_scratch()
             for g in range(ch * groups // chunks, (ch + 1) * groups // chunks):
-                r0 = 4 * g
-                last = rows - 1
-                nr = min(4, rows - r0)
-                for t0 in range(0, n, TOKEN_TILE):
-                    nt = min(TOKEN_TILE, n - t0)
-                    for i in range(nt):
-                        toks[i] = t0 + i
-                    # Rows past the end repeat the last row; their results are dropped.
-                    dot4(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
-                         min(r0 + 3, last) * rs, cols, X, xs16, toks, nt, acc, cacc, res, sc)
-                    for i in range(nt):
-                        for r in range(nr):
-                            Y[t0 + i, r0 + r] = res[i, r]
-    @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+                rows4(tag, w, 4 * g, X, xs16, Y, acc, cacc, res, toks, sc)
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
     def matmul_i8_kernel(tag, w, xq, dx, xs16, xs4, dx8, Y, chunks):
         """As matmul_kernel with int8-quantized activations (``rowdot8``)."""
         _salt = salt  # noqa: F841
@@ -93,17 +73,21 @@ def quantized_activations(X: np.ndarray):
     return xq, dx, xs16, xs4, dx8
 
 
-def use_int8(kern) -> bool:
-    return settings.int8_activations() and kern.has_int8 and has_vnni()
+def use_int8(kern, int8: bool | None = None) -> bool:
+    """int8 activations for this type: ``int8`` (None: the process setting), where the type
+    has an int8 decoder and the CPU a u8 x s8 dot product."""
+    want = settings.int8_activations() if int8 is None else int8
+    return want and kern.has_int8 and has_vnni()
 
 
-def matmul(x, w, qtype, *, name: str = "") -> np.ndarray:
+def matmul(x, w, qtype, *, name: str = "", int8: bool | None = None) -> np.ndarray:
     """``x @ W.T`` for a GGUF weight ``W`` given as its raw data.
 
     x: float32 [B, cols] (or [cols], giving [rows]); w: ``ReaderTensor.data`` of a 2-D
     tensor, or ``data[e]`` for one expert of a 3-D ``*_exps`` tensor, used in place.
     Returns float32 [B, rows]. Unsupported ``qtype`` -> ``UnsupportedQuantType`` naming
-    the type and ``name``.
+    the type and ``name``. ``int8``: int8 activations for this call (None: the process
+    setting, ``set_int8_activations``).
     """
     kern = get_kernel(qtype, name)
     wb = weight_bytes(w, kern, 2, name)
@@ -113,7 +97,7 @@ def matmul(x, w, qtype, *, name: str = "") -> np.ndarray:
     Y = np.empty((X.shape[0], wb.shape[0]), f32)
     if X.shape[0] and wb.shape[0]:
         n_threads = settings.apply_threads()
-        if use_int8(kern):
+        if use_int8(kern, int8):
             _matmul_i8_kernel(kern.tag, wb, *quantized_activations(X), Y, n_threads)
         else:
             _matmul_kernel(kern.tag, wb, X, sums16(X), Y, n_threads)

@@ -92,7 +92,7 @@ class ExpertWeights:
 TINY = np.float32(np.finfo(np.float32).tiny)
 
 
-@njit
+@njit(error_model="numpy")
 def _silu_glu(g, u, act):
     """act 0: SiLU-gated, silu(g) * u. exp() only of non-positive numbers (no overflow
     under fast-math, which assumes no infinities), and results below float32's smallest
@@ -114,7 +114,7 @@ def _build(salt):
     # arrays makes Numba prune the int8 branch at compile time (and vice versa), so each
     # mode compiles only its own inner routine.
 
-    @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
     def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
                       assign_tok, H, chunks, act):
         """H[a] = act(gate_e . x) * (up_e . x); work items = (slot, 4 rows of n_ff).
@@ -159,7 +159,7 @@ def _build(salt):
                         for r in range(nr):
                             H[a0 + i, r0 + r] = _silu_glu(rg[i, r], ru[i, r], act)
 
-    @njit(parallel=True, nogil=True, cache=True, fastmath=True)
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
     def down_phase(dtag, dw, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks):
         """out[a] = down_e . H[a]; work items = (slot, 4 rows of n_embd).
         H/hs16 (float path: hq, hdx, hxs4, hdx8 None) or hq/hdx/hs16/hxs4/hdx8 (int8 path)."""
@@ -202,7 +202,7 @@ def _build(salt):
 _gate_up_phase, _down_phase = _build(source_digest())
 
 
-@njit(nogil=True, cache=True, fastmath=True)
+@njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
 def _weighted_sum(out, assign_tok, assign_w, Y):
     """Y[t] += w_a * out[a] for every assignment a of token t (one token's assignments
     sit in different slots, so this runs after the expert phases)."""
@@ -225,10 +225,10 @@ def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.multiply(g, u, out=g)
 
 
-def _project(kern, raw, row0: int, n_rows: int, A_in, slot_expert, slot_start, n_threads):
+def _project(kern, raw, row0: int, n_rows: int, A_in, slot_expert, slot_start, n_threads, int8=None):
     """(A, n_rows): rows row0.. of each assignment's expert matrix times its row of A_in —
     the grouped down-projection kernel applied to another matrix."""
-    if use_int8(kern):
+    if use_int8(kern, int8):
         q, dq, s16, s4, d8 = quantized_activations(A_in)
     else:
         q, dq, s16, s4, d8 = None, None, sums16(A_in), None, None
@@ -238,13 +238,13 @@ def _project(kern, raw, row0: int, n_rows: int, A_in, slot_expert, slot_start, n
     return out
 
 
-def _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias):
+def _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias, int8=None):
     """H for an activation or biases the fused gate/up phase does not do: gate and up
     projected separately, biased per expert, then the activation in numpy."""
     (gk, gb, g0, _), (uk, ub, u0, _) = w._parts
     Xa = np.ascontiguousarray(X[tok])                                 # one row per assignment
-    g = _project(gk, gb, g0, w.n_ff, Xa, slot_expert, slot_start, n_threads)
-    u = _project(uk, ub, u0, w.n_ff, Xa, slot_expert, slot_start, n_threads)
+    g = _project(gk, gb, g0, w.n_ff, Xa, slot_expert, slot_start, n_threads, int8)
+    u = _project(uk, ub, u0, w.n_ff, Xa, slot_expert, slot_start, n_threads, int8)
     if gate_bias is not None:
         g += gate_bias[flat]
     if up_bias is not None:
@@ -265,7 +265,7 @@ def _bias(b, rows: int, w: ExpertWeights, what: str):
 
 
 def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act: str = "silu",
-            gate_bias=None, up_bias=None, down_bias=None):
+            gate_bias=None, up_bias=None, down_bias=None, int8: bool | None = None):
     """Sum over the k routed experts of each token of ``weight * down(act(gate(x)) * up(x))``.
     ``act``: "silu" (silu(g)·u) or "swiglu_oai" (gpt-oss's clamped GLU); ``gate_bias`` /
     ``up_bias`` [E, n_ff] and ``down_bias`` [E, n_embd]: per-expert biases added to each
@@ -274,6 +274,7 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     x: float32 [B, n_embd]; expert_ids: int [B, k]; expert_weights: float32 [B, k]
     (already normalised/scaled by the router). owned: bool [E] or None (= all experts):
     experts not owned contribute nothing here (the caller adds them, e.g. GPU experts).
+    int8: int8 activations for this call (None: the process setting).
     Returns float32 [B, n_embd]. The compiled phases run with the GIL released.
     """
     if act not in ACTIVATIONS:
@@ -315,16 +316,16 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     dk, db = w._down
     n_threads = settings.apply_threads()
     if act != "silu" or gate_bias is not None or up_bias is not None:
-        H = _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias)
+        H = _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias, int8)
     else:
         H = np.empty((flat.size, w.n_ff), f32)
-        if use_int8(gk) and use_int8(uk):
+        if use_int8(gk, int8) and use_int8(uk, int8):
             xq, dx, xs16, xs4, dx8 = quantized_activations(X)
         else:
             xq, dx, xs16, xs4, dx8 = None, None, sums16(X), None, None
         _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
                        tok, H, n_threads, ACTIVATIONS[act])
-    if use_int8(dk):
+    if use_int8(dk, int8):
         hq, hdx, hs16, hxs4, hdx8 = quantized_activations(H)
     else:
         hq, hdx, hs16, hxs4, hdx8 = None, None, sums16(H), None, None

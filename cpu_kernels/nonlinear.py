@@ -16,7 +16,7 @@ from .simd import byte_fields, f32_from_bits, ld_f16, ld_u8, vload, vlut16, vset
 f32 = np.float32
 i32 = np.int32
 u32 = np.uint32
-_jit = njit(fastmath=True)
+_jit = njit(fastmath=True, error_model="numpy")
 
 # ggml's kvalues_mxfp4: e2m1 values doubled (0.5 -> 1); the scale is halved to match.
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)

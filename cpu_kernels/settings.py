@@ -5,9 +5,12 @@ Numba's thread count is per calling thread, so the drivers re-apply ours on ever
 """
 from __future__ import annotations
 
+import threading
+
 import numba
 
 _threads: int | None = None
+_applied = threading.local()      # what this thread last gave numba.set_num_threads
 _int8 = False
 
 
@@ -22,9 +25,13 @@ def set_num_threads(n: int | None) -> None:
 
 
 def apply_threads() -> int:
-    """Make the calling thread use the configured count; returns it."""
+    """Make the calling thread use the configured count; returns it. Numba's setter is
+    called only when this thread's count changes (it costs microseconds, and the compiled
+    block asks twice per layer and token)."""
     n = _threads if _threads is not None else numba.config.NUMBA_NUM_THREADS
-    numba.set_num_threads(n)
+    if getattr(_applied, "n", None) != n:
+        numba.set_num_threads(n)
+        _applied.n = n
     return n
 
 

@@ -405,6 +405,38 @@ def f32_from_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
+# ---------------------------------------------------------------- scalar stores (KV cache)
+
+def _scalar_store(convert):
+    @intrinsic
+    def store(typingctx, arr, off, x):
+        """Write float32 ``x`` at byte ``off`` of ``arr`` in the element format."""
+        if not (_is_array(arr) and _is_int(off) and x == types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            v = convert(builder, args[2])
+            builder.store(v, builder.bitcast(p, v.type.as_pointer()), align=1)
+            return context.get_dummy_value()
+        return types.none(arr, off, x), codegen
+    return store
+
+
+def _to_bf16(builder, x):
+    """float32 -> bfloat16 bits, round to nearest even, NaN kept NaN (as torch converts)."""
+    b = builder.bitcast(x, _I32)
+    lsb = builder.and_(builder.lshr(b, ir.Constant(_I32, 16)), ir.Constant(_I32, 1))
+    r = builder.lshr(builder.add(b, builder.add(lsb, ir.Constant(_I32, 0x7FFF))), ir.Constant(_I32, 16))
+    nan = builder.fcmp_unordered("uno", x, x)
+    return builder.trunc(builder.select(nan, ir.Constant(_I32, 0x7FC0), r), _I16)
+
+
+st_f32 = _scalar_store(lambda builder, x: x)
+st_f16 = _scalar_store(lambda builder, x: builder.fptrunc(x, ir.HalfType()))   # IEEE round to nearest even
+st_bf16 = _scalar_store(_to_bf16)
+
+
 # Scale tables: an f16's float32 value (ggml's 65,536-entry table), and MXFP4's e8m0 byte
 # as ggml's e8m0_to_fp32_half: 2**(e - 128) (subnormal for e < 2). One copy per process:
 # compiled code refers to them as external symbols (their addresses are registered with

@@ -11,6 +11,7 @@ llama.cpp's V-less MLA cache and the planner count it.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -28,6 +29,7 @@ class KVCache:
         self.v = (torch.empty(n_head_kv, capacity, head_dim_v, device=device, dtype=dtype)
                   if head_dim_v else None)
         self.length = 0
+        self._raw: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self.length
@@ -41,7 +43,16 @@ class KVCache:
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k, v: (H_kv, T, D) (v None for a K-only cache). Returns the cached keys/values
         (H_kv, length, D) incl. these (values None for a K-only cache)."""
-        t = k.shape[1]
+        need = self.reserve(k.shape[1])
+        self.k[:, self.length:need] = k
+        if self.v is not None:
+            self.v[:, self.length:need] = v
+        self.length = need
+        return self.k[:, :need], (None if self.v is None else self.v[:, :need])
+
+    def reserve(self, t: int) -> int:
+        """Make room for t more positions (a compiled block writes them in place, then
+        advances ``length``); returns length + t."""
         need = self.length + t
         if need > self.k.shape[1]:
             cap = max(need, 2 * self.k.shape[1])
@@ -50,11 +61,15 @@ class KVCache:
             self.k = self._grow(self.k, cap)
             if self.v is not None:
                 self.v = self._grow(self.v, cap)
-        self.k[:, self.length:need] = k
-        if self.v is not None:
-            self.v[:, self.length:need] = v
-        self.length = need
-        return self.k[:, :need], (None if self.v is None else self.v[:, :need])
+            self._raw = None
+        return need
+
+    def raw(self) -> tuple[np.ndarray, np.ndarray]:
+        """The CPU storage of k and v as uint8 numpy views (H_kv, cells, D · element size),
+        no copy; kept until the storage grows (compiled CPU blocks write and read it)."""
+        if self._raw is None:
+            self._raw = (self.k.view(torch.uint8).numpy(), self.v.view(torch.uint8).numpy())
+        return self._raw
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions (rollback of rejected draft tokens)."""

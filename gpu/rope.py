@@ -85,6 +85,11 @@ class Rope:
         self._cos = ang.cos().float().to(self.device)
         self._sin = ang.sin().float().to(self.device)
 
+    def tables(self, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (>= n_pos, n_rot/2) float32 on the device: angle pos·inv_freq[j]."""
+        self._ensure(n_pos)
+        return self._cos, self._sin
+
     def _factors(self, positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(C, S), each (T, 1, dim) on the device, for ``positions`` (T,)."""
         key = (positions, dim)

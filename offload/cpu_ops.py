@@ -29,17 +29,27 @@ def to_host(x: torch.Tensor) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
+def int8_for(batch: int, int8_batch: int | None) -> bool | None:
+    """Whether a batch of ``batch`` tokens uses int8 activations: from ``int8_batch`` tokens
+    on (prompt prefill: llama.cpp's Q8 activations, VNNI dot products; error bound in
+    ``cpu_kernels.settings``); None (no threshold) leaves it to the process setting."""
+    return None if int8_batch is None else batch >= int8_batch
+
+
 class RawLinear:
-    """``y = x @ W^T (+ b)`` with W the raw GGUF data of a 2-D tensor."""
+    """``y = x @ W^T (+ b)`` with W the raw GGUF data of a 2-D tensor; batches of at least
+    ``int8_batch`` tokens use int8 activations (see ``int8_for``)."""
 
     def __init__(self, data: np.ndarray, qtype: GGMLQuantizationType, *, bias: torch.Tensor | None = None,
-                 name: str = ""):
+                 name: str = "", int8_batch: int | None = None):
         self.data, self.qtype, self.bias, self.name = data, qtype, bias, name
+        self.int8_batch = int8_batch
         self.device = torch.device("cpu")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         home = x.device
-        y = torch.from_numpy(matmul(to_host(x), self.data, self.qtype, name=self.name))
+        y = torch.from_numpy(matmul(to_host(x), self.data, self.qtype, name=self.name,
+                                    int8=int8_for(x.shape[0] if x.dim() > 1 else 1, self.int8_batch)))
         if self.bias is not None:
             y += self.bias
         return y if home.type == "cpu" else y.to(home)
@@ -64,9 +74,10 @@ class CpuExperts:
     """One MoE layer's routed experts in RAM, run by ``cpu_kernels.moe_ffn`` (GIL released)."""
 
     def __init__(self, weights: ExpertWeights, profile: Profile, *, act: str = "silu",
-                 biases: dict[str, np.ndarray] | None = None):
-        """``act`` / ``biases`` ("gate", "up", "down" float32 arrays): as ``moe_ffn`` takes them."""
-        self.weights, self.profile = weights, profile
+                 biases: dict[str, np.ndarray] | None = None, int8_batch: int | None = None):
+        """``act`` / ``biases`` ("gate", "up", "down" float32 arrays): as ``moe_ffn`` takes them;
+        ``int8_batch``: batches of at least this many tokens use int8 activations."""
+        self.weights, self.profile, self.int8_batch = weights, profile, int8_batch
         self.act, self.biases = act, {f"{k}_bias": v for k, v in (biases or {}).items()}
         self.device = torch.device("cpu")
 
@@ -74,7 +85,8 @@ class CpuExperts:
                  owned: np.ndarray | None = None) -> np.ndarray:
         """Host arrays in, host array out — called from the worker thread."""
         with self.profile.time("cpu_experts"):
-            return moe_ffn(x, ids, w, self.weights, owned=owned, act=self.act, **self.biases)
+            return moe_ffn(x, ids, w, self.weights, owned=owned, act=self.act,
+                           int8=int8_for(x.shape[0], self.int8_batch), **self.biases)
 
 
 PAGE = mmap.PAGESIZE

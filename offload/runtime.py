@@ -15,6 +15,7 @@ import torch
 from cpu_kernels import set_num_threads
 from gpu.kv_cache import KVCache
 from offload.commands.plan import open_draft, plan_from_file
+from offload.compiled_block import MAX_TOKENS
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, check_shapes, open_model
@@ -226,7 +227,7 @@ def plan_for(model: ModelFile, placement=None, devices: str | None = None, draft
 
 def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus: bool = False,
          gpu_dtype: str = "auto", threads: int | None = None, progress: bool = False,
-         quiet: bool = False, op_offload: str = "auto", **plan_options) -> Session:
+         quiet: bool = False, op_offload: str = "auto", int8_prefill: bool = False, **plan_options) -> Session:
     """Load a GGUF model where a plan puts each tensor.
 
     ``placement``: a Plan, a plan YAML path, or None to plan now for ``devices`` (``"auto"``
@@ -235,15 +236,21 @@ def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus
     CUDA exists. ``gpu_dtype``: compute dtype of GPU-resident weights (auto/f32/f16/bf16).
     ``threads``: CPU expert kernel threads. ``op_offload`` (auto/on/off): stream RAM-resident
     experts to a GPU for prompt batches of at least a threshold (``enable_op_offload``).
+    ``int8_prefill``: prompt batches (more than ``compiled_block.MAX_TOKENS`` tokens) quantize
+    activations to int8 for the CPU kernels (llama.cpp's Q8 activations; faster with VNNI,
+    error bound in ``cpu_kernels.settings``). Off by default until the planner's compute model
+    counts the quantized activations (``placement.compute``: about 3.1·cols + 256 more bytes
+    per row than the float path).
     """
     model = open_model(model_path)
     return load_plan(model, plan_for(model, placement, devices, **plan_options), virtual_gpus=virtual_gpus,
-                     gpu_dtype=gpu_dtype, threads=threads, progress=progress, quiet=quiet, op_offload=op_offload)
+                     gpu_dtype=gpu_dtype, threads=threads, progress=progress, quiet=quiet, op_offload=op_offload,
+                     int8_prefill=int8_prefill)
 
 
 def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_dtype: str = "auto",
               threads: int | None = None, progress: bool = False, quiet: bool = False,
-              op_offload: str = "auto") -> Session:
+              op_offload: str = "auto", int8_prefill: bool = False) -> Session:
     """``load`` for an opened model and a resolved plan (what ``offload run`` calls)."""
     t0 = time.perf_counter()
     if threads is not None:
@@ -270,10 +277,12 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
     bar = Progress(len(tensors), sum(t.n_bytes for t in tensors)) if progress else None
     dtypes = compute_dtypes(devices, gpu_dtype)
+    # prompt batches (more tokens than a compiled decode/verify step) use int8 activations
+    int8_batch = MAX_TOKENS + 1 if int8_prefill else None
     weights = WeightStore(model, plan.tensors, devices, compute_dtype=dtypes, profile=profile, progress=bar,
-                          hot_experts=plan.hot_experts)
+                          hot_experts=plan.hot_experts, int8_batch=int8_batch)
     draft_weights = (WeightStore(draft, plan.draft_tensors, devices, compute_dtype=dtypes, profile=profile,
-                                 progress=bar) if draft is not None else None)
+                                 progress=bar, int8_batch=int8_batch) if draft is not None else None)
     ctx = BuildContext(profile=profile, pool=pool, kv_dtype=KV_DTYPES[plan.settings.cache_type],
                        kv_cells=pad(plan.settings.ctx, CACHE_PAD),   # what the planner counted
                        ubatch=plan.settings.ubatch)

@@ -136,8 +136,10 @@ class RunStats:
                 continue
             cpu, wait = prof.get("cpu_experts", 0.0), prof.get("cpu_wait", 0.0)
             xfer, samp = prof.get("transfer", 0.0), prof.get("sampling", 0.0)
-            rest = max(total - wait - xfer - samp, 0.0)
-            out.append(f"{phase:>6} split     = CPU experts {ms(cpu):.1f} ms (main thread waited {ms(wait):.1f} ms), "
+            blocks = prof.get("cpu_block", 0.0)          # offload.compiled_block
+            rest = max(total - wait - xfer - samp - blocks, 0.0)
+            out.append(f"{phase:>6} split     = compiled CPU blocks {ms(blocks):.1f} ms, "
+                       f"CPU experts {ms(cpu):.1f} ms (main thread waited {ms(wait):.1f} ms), "
                        f"transfers {ms(xfer):.1f} ms, sampling {ms(samp):.1f} ms, "
                        f"torch/dense part {ms(rest):.1f} ms ({100 * rest / total:.0f}%)")
         if self.memory:

@@ -42,7 +42,8 @@ class WeightStore:
 
     def __init__(self, model: ModelFile, device_of: Mapping[str, str], devices: DeviceMap, *,
                  compute_dtype: Mapping[str, torch.dtype], profile: Profile, progress=None,
-                 hot_experts: Mapping[str, Mapping[int, tuple[int, ...]]] | None = None):
+                 hot_experts: Mapping[str, Mapping[int, tuple[int, ...]]] | None = None,
+                 int8_batch: int | None = None):
         self.tensors = {t.name: t for t in model.tensors}
         missing = [n for n in self.tensors if n not in device_of]
         if missing:
@@ -50,6 +51,7 @@ class WeightStore:
                                f"({len(missing)} tensor(s) unplaced) — was it made for another model?")
         self.model, self.device_of, self.devices = model, device_of, devices
         self.compute_dtype, self.profile, self.progress = compute_dtype, profile, progress
+        self.int8_batch = int8_batch     # CPU matmuls: int8 activations from this batch on
         self.allocated: dict[str, int] = defaultdict(int)
         self.used: set[str] = set()
         self._uploaded: dict[tuple[str, str], QuantTensor] = {}   # (name, device): upload once
@@ -163,7 +165,7 @@ class WeightStore:
         dev_name = on or self.device_name(name)
         if dev_name == CPU:
             data, qtype = self._cpu_matrix(name)
-            return RawLinear(data, qtype, bias=b, name=name)
+            return RawLinear(data, qtype, bias=b, name=name, int8_batch=self.int8_batch)
         w = self._upload(name, dev_name)
         return Linear(w, None if b is None else b.to(w.device),
                       compute_dtype=torch.float32 if float32 else self._dtype(dev_name), name=name)
@@ -194,7 +196,8 @@ class WeightStore:
                                up_type=raw.get("up", none)[1], down_type=raw["down"][1],
                                gate_up=raw.get("gate_up", none)[0],
                                gate_up_type=raw.get("gate_up", none)[1], name=prefix)
-            return CpuExperts(ew, self.profile, act=act, biases={k: b.cpu().numpy() for k, b in biases.items()})
+            return CpuExperts(ew, self.profile, act=act, biases={k: b.cpu().numpy() for k, b in biases.items()},
+                              int8_batch=self.int8_batch)
         if len(homes) == 1:
             return TorchExperts(**{s: self._upload(names[s]) for s in stages},
                                 compute_dtype=self._dtype(self.device_of[names["down"]]), act=act,
@@ -271,6 +274,6 @@ class WeightStore:
         """Expert e → a projection over ``name[e]`` where the plan put ``name``."""
         if self.device_of[name] == CPU:
             data, qtype = self._cpu_matrix(name)
-            return lambda e: RawLinear(data[e], qtype, name=name)
+            return lambda e: RawLinear(data[e], qtype, name=name, int8_batch=self.int8_batch)
         w, dtype = self._upload(name), self._dtype(self.device_of[name])
         return lambda e: Linear(w[e], compute_dtype=dtype, name=name)

@@ -492,3 +492,59 @@ def test_kernels_compiled_for_other_cpus(target, tmp_path):
     for row in rows:
         assert row["vnni"] is want_int8 and row["int8"] is want_int8, row
         assert row["err"] <= 1.0, row
+
+
+# ---------------------------------------------------------------- data never raises
+
+BAD_DATA_TYPES = [T.F16, T.Q8_0, T.Q4_K]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("qt", BAD_DATA_TYPES, ids=lambda t: t.name)
+def test_zero_and_non_finite_data_give_values_not_errors(qt, int8):
+    """All-zero weights/activations give exact zeros; NaN/inf in one token's activations or
+    in one row's weights stay in that token's / row's outputs: the kernels are compiled
+    with ``error_model="numpy"``, so no data makes them raise (ZeroDivisionError etc.)."""
+    from cpu_kernels.simd8 import has_vnni
+    if int8 and not has_vnni():
+        pytest.skip("int8 path needs AVX512-VNNI or AVX-VNNI")
+    rng = seed(21, qt)
+    cols, rows = 256, 12
+    w = random_blocks(qt, (rows, cols), rng)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    ck.set_int8_activations(int8)
+    try:
+        clean = ck.matmul(x, w, qt)
+        assert not np.any(ck.matmul(np.zeros_like(x), w, qt))
+        assert not np.any(ck.matmul(x, np.zeros_like(w), qt))
+        for bad in (np.nan, np.inf, -np.inf):
+            xb = x.copy()
+            xb[1, 7] = bad
+            y = ck.matmul(xb, w, qt)
+            np.testing.assert_array_equal(y[[0, 2]], clean[[0, 2]])
+            wb = w.copy()
+            row = np.full(wb[4].nbytes // 2, bad, np.float16)      # every f16 field of row 4 bad
+            wb[4] = np.frombuffer(row.tobytes(), wb.dtype)
+            y = ck.matmul(x, wb, qt)
+            np.testing.assert_array_equal(np.delete(y, 4, axis=1), np.delete(clean, 4, axis=1))
+        # the expert FFN: a NaN routing weight, NaN activations, all-zero experts
+        E, n_ff = 4, 64
+        gu = [random_blocks(qt, (E, n_ff, cols), rng) for _ in range(2)]
+        down = random_blocks(qt, (E, cols, n_ff if qt != T.Q4_K else 256), rng)
+        if qt == T.Q4_K:
+            gu = [random_blocks(qt, (E, 256, cols), rng) for _ in range(2)]
+        ew = ck.ExpertWeights(gu[0], gu[1], down, qt, qt, qt)
+        ids = np.array([[0, 1], [2, 3], [1, 2]])
+        wts = np.full((3, 2), 0.5, np.float32)
+        ref = ck.moe_ffn(x, ids, wts, ew)
+        wn = wts.copy()
+        wn[1, 0] = np.nan
+        xn = x.copy()
+        xn[1] = np.nan
+        for xi, wi in ((x, wn), (xn, wts)):
+            y = ck.moe_ffn(xi, ids, wi, ew)
+            np.testing.assert_array_equal(y[[0, 2]], ref[[0, 2]])
+        zero = ck.ExpertWeights(*(np.zeros_like(a) for a in (gu[0], gu[1], down)), qt, qt, qt)
+        assert not np.any(ck.moe_ffn(x, ids, wts, zero))
+    finally:
+        ck.set_int8_activations(False)

@@ -17,6 +17,7 @@ from gpu.ffn import SwiGLU
 from gpu.kv_cache import KVCache
 from gpu.norm import RMSNorm
 from gpu.rope import Rope, RopeSpec, YaRN, rope_for
+from offload.compiled_block import compile_block
 from offload.errors import OffloadError
 from offload.gguf_header import LazyArray
 from offload.moe import MoE
@@ -292,7 +293,8 @@ def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str
                 make_router: Callable, attention: Callable = build_attention) -> Block:
     """Block i: MoE when it has a router (``ffn_gate_inp``), dense FFN otherwise.
     ``make_router(prefix, device)`` builds the architecture's router; ``attention(w, cfg, i,
-    ctx) -> BuiltAttention`` its attention kind (GQA by default) with its cache."""
+    ctx) -> BuiltAttention`` its attention kind (GQA by default) with its cache. A wholly CPU-resident
+    GQA block runs compiled (``offload.compiled_block``; this Block stays its reference)."""
     p = f"blk.{i}"
     a = attention(w, cfg, i, ctx)
     home_name, home = a.device_name, a.device
@@ -301,9 +303,9 @@ def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str
         ffn = build_moe(w, p, make_router(p, home), ctx)
     else:
         ffn = build_swiglu(w, p)
-    return Block(device_name=home_name, device=home, attn_norm=norm(f"{p}.attn_norm.weight"), attn=a.attn,
-                 ffn_norm=norm(f"{p}.{ffn_norm}.weight"), ffn=ffn, profile=ctx.profile,
-                 cache=a.cache)
+    return compile_block(Block(device_name=home_name, device=home, attn_norm=norm(f"{p}.attn_norm.weight"),
+                               attn=a.attn, ffn_norm=norm(f"{p}.{ffn_norm}.weight"), ffn=ffn,
+                               profile=ctx.profile, cache=a.cache))
 
 
 def build_trunk(w, cfg: ModelConfig, ctx: BuildContext, *, build: Callable = build_block, **block) -> tuple:

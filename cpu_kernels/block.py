@@ -1,0 +1,437 @@
+"""One whole pre-norm decoder block (GQA attention + MoE or dense SwiGLU FFN) for a few
+tokens, as two compiled calls over raw GGUF weights: ``attention_half`` then ``moe_half``
+or ``dense_half``.
+
+Why so few calls: at decode a block's weights are read in well under a millisecond on a
+server, so what the block costs beyond its bytes — Python calls, eager torch ops, kernel
+dispatch, about 40 of them per block — decides the speed. Here each block half is one entry
+(``offload.compiled_block`` binds its arguments once at load and calls the compiled entry
+points directly, skipping Numba's per-call type dispatch); an MoE block runs seven parallel
+regions on Numba's thread pool:
+
+    attn_norm → [q | k | v] → bias, q/k norm, RoPE, KV append → [attention over heads]
+      → [o] + residual → ffn_norm → [router | shared gate | shared up]
+      → top-k, tokens grouped by expert → [routed gate·up] → [routed down] → [shared down]
+      → weighted sum + residual
+
+Brackets are parallel regions (``project3``: row groups of up to three matrices that read the
+same activations, as one work list; the routed phases are ``moe``'s). Everything between
+them is a few hundred scalar operations per token. The math is the reference path's
+(``offload.models.common.Block`` over ``gpu.*``); only the float rounding order differs.
+
+Absent parts are ``None`` (no q/k bias or norm, no shared expert): Numba prunes those
+branches when it specialises an entry for a block's argument types (quant tags included),
+so each kind of block compiles once.
+Every function uses ``error_model="numpy"``: non-finite or all-zero data give values
+(NaN/inf propagate), never a Python exception from inside a kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from .moe import _down_phase, _gate_up_phase, _silu_glu
+from .registry import QTagType, source_digest
+from .rowdot import rows4, rows4_scratch
+from .simd import st_bf16, st_f16, st_f32, vbf16, vf16, vf32, vfma, vload, vsplat, vstore, vsum, vzero
+
+f32 = np.float32
+SIGMOID, SOFTMAX = 0, 1        # router kinds (gpu.router.SigmoidRouter / SoftmaxRouter)
+
+_kw = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
+
+
+# The KV cache is raw bytes (H_kv, cells, D · element size) in F32, F16 or BF16 (the plan's
+# --cache-type); its QTag selects how 16 values are read and one is written.
+_KV_READ = {"F32": vf32, "F16": vf16, "BF16": vbf16}
+_KV_WRITE = {"F32": st_f32, "F16": st_f16, "BF16": st_bf16}
+KV_TYPES = tuple(_KV_READ)
+
+
+def kv_read16(tag, buf, off):
+    """16 cache values at byte off as a float32 vector (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def kv_write(tag, buf, off, x):
+    """Store float32 x at byte off in the cache's format (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def kv_size(tag):
+    """Bytes per cache value (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(kv_read16)
+def _kv_read16(tag, buf, off):
+    if isinstance(tag, QTagType) and tag.qname in _KV_READ:
+        fn = _KV_READ[tag.qname]
+        return lambda tag, buf, off: fn(buf, off)
+    return None
+
+
+@overload(kv_write)
+def _kv_write(tag, buf, off, x):
+    if isinstance(tag, QTagType) and tag.qname in _KV_WRITE:
+        fn = _KV_WRITE[tag.qname]
+        return lambda tag, buf, off, x: fn(buf, off, x)
+    return None
+
+
+@overload(kv_size)
+def _kv_size(tag):
+    if isinstance(tag, QTagType) and tag.qname in _KV_READ:
+        n = 4 if tag.qname == "F32" else 2
+        return lambda tag: n
+    return None
+
+
+def n_groups(w):
+    """4-row groups of a weight (0 for None; jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(n_groups)
+def _n_groups(w):
+    if isinstance(w, types.NoneType):
+        return lambda w: 0
+    return lambda w: (w.shape[0] + 3) // 4
+
+
+def _build(salt):
+    @njit(parallel=True, **_kw)
+    def project3(t0, w0, y0, t1, w1, y1, t2, w2, y2, X, xs16, chunks):
+        """y_i = X @ W_i^T for up to three matrices (w1/w2 may be None) over one work list
+        of 4-row groups, so q/k/v (or router + shared gate + up) are one parallel region."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        g0, g1, g2 = n_groups(w0), n_groups(w1), n_groups(w2)
+        items = g0 + g1 + g2
+        pieces = max(1, min(items, chunks))
+        for ch in prange(pieces):
+            acc, cacc, res, toks, sc = rows4_scratch()
+            for it in range(ch * items // pieces, (ch + 1) * items // pieces):
+                if it < g0:
+                    rows4(t0, w0, 4 * it, X, xs16, y0, acc, cacc, res, toks, sc)
+                if w1 is not None:
+                    if g0 <= it < g0 + g1:
+                        rows4(t1, w1, 4 * (it - g0), X, xs16, y1, acc, cacc, res, toks, sc)
+                if w2 is not None:
+                    if it >= g0 + g1:
+                        rows4(t2, w2, 4 * (it - g0 - g1), X, xs16, y2, acc, cacc, res, toks, sc)
+
+    @njit(parallel=True, **_kw)
+    def attend(q, kvt, kc, vc, n_past, out, n_head, scale):
+        """out (T, H·D) = softmax(q·K^T·scale) V per head over cache cells 0..n_past+i
+        (query i sits at cell n_past + i: causal). kc, vc: raw cache bytes (H_kv, cells,
+        D · size) of type ``kvt``; D is a multiple of 16 (one vector per 16 dims)."""
+        _salt = salt  # noqa: F841
+        t = q.shape[0]
+        n_kv = kc.shape[0]
+        d = q.shape[1] // n_head
+        es = kv_size(kvt)
+        ks0, ks1 = kc.strides[0], kc.strides[1]
+        vs0, vs1 = vc.strides[0], vc.strides[1]
+        group = n_head // n_kv
+        qf = q.reshape(-1)
+        of = out.reshape(-1)
+        for h in prange(n_head):
+            g = h // group
+            s = np.empty(n_past + t, f32)
+            for i in range(t):
+                n_keys = n_past + i + 1
+                qo = (i * n_head + h) * d
+                m = f32(0)
+                for j in range(n_keys):
+                    ko = g * ks0 + j * ks1
+                    a = vzero()
+                    for c in range(0, d, 16):
+                        a = vfma(vload(qf, qo + c), kv_read16(kvt, kc, ko + c * es), a)
+                    sj = vsum(a) * scale
+                    s[j] = sj
+                    m = sj if j == 0 else max(m, sj)
+                tot = f32(0)
+                for j in range(n_keys):
+                    e = np.exp(s[j] - m)
+                    s[j] = e
+                    tot += e
+                inv = f32(1) / tot
+                for c in range(0, d, 16):
+                    vstore(of, qo + c, vzero())
+                for j in range(n_keys):
+                    p = vsplat(s[j] * inv)
+                    vo = g * vs0 + j * vs1
+                    for c in range(0, d, 16):
+                        vstore(of, qo + c, vfma(p, kv_read16(kvt, vc, vo + c * es), vload(of, qo + c)))
+
+    return project3, attend
+
+
+project3, attend = _build(source_digest())
+
+
+@njit(**_kw)
+def rms_norm(x, w, eps, out):
+    """out[t] = x[t] / sqrt(mean(x[t]²) + eps) · w (rows of any width)."""
+    n = x.shape[1]
+    for t in range(x.shape[0]):
+        ss = f32(0)
+        for c in range(n):
+            ss += x[t, c] * x[t, c]
+        r = f32(1) / np.sqrt(ss / f32(n) + f32(eps))
+        for c in range(n):
+            out[t, c] = x[t, c] * r * w[c]
+
+
+@njit(**_kw)
+def sums16(x, out):
+    """out[t, g] = sum of x[t, 16 g : 16 g + 16] (the decoders' offsets multiply these)."""
+    for t in range(x.shape[0]):
+        for g in range(out.shape[1]):
+            s = f32(0)
+            for c in range(16 * g, 16 * g + 16):
+                s += x[t, c]
+            out[t, g] = s
+
+
+@njit(**_kw)
+def _heads(y, bias, norm, eps, n_heads, d, n_rot, positions, cos, sin):
+    """In place on y (T, n_heads·d): + bias, per-head RMSNorm, NeoX RoPE on the first n_rot
+    dims (pairs j, j + n_rot/2), as gpu.attention does before caching."""
+    half = n_rot // 2
+    for t in range(y.shape[0]):
+        p = positions[t]
+        for h in range(n_heads):
+            o = h * d
+            if bias is not None:
+                for c in range(d):
+                    y[t, o + c] += bias[o + c]
+            if norm is not None:
+                ss = f32(0)
+                for c in range(d):
+                    ss += y[t, o + c] * y[t, o + c]
+                r = f32(1) / np.sqrt(ss / f32(d) + f32(eps))
+                for c in range(d):
+                    y[t, o + c] = y[t, o + c] * r * norm[c]
+            for j in range(half):
+                a = y[t, o + j]
+                b = y[t, o + j + half]
+                y[t, o + j] = a * cos[p, j] - b * sin[p, j]
+                y[t, o + j + half] = b * cos[p, j] + a * sin[p, j]
+
+
+@njit(nogil=True, cache=True, error_model="numpy")     # no fastmath: NaN checks must stay
+def _route(logits, bias, kind, k, norm, scale, ids, wts):
+    """Per token: top-k experts and their weights, as gpu.router: sigmoid scores (+ bias for
+    the choice only) or softmax probabilities; optionally normalised; scaled. Ties go to
+    the lower expert id."""
+    t_n, e_n = logits.shape
+    sc = np.empty(e_n, f32)
+    ch = np.empty(e_n, f32)
+    for t in range(t_n):
+        if kind == SIGMOID:
+            for e in range(e_n):
+                sc[e] = f32(1) / (f32(1) + np.exp(-logits[t, e]))
+                ch[e] = sc[e]
+            if bias is not None:
+                for e in range(e_n):
+                    ch[e] += bias[e]
+        else:
+            m = logits[t, 0]
+            for e in range(1, e_n):
+                m = max(m, logits[t, e])
+            tot = f32(0)
+            for e in range(e_n):
+                sc[e] = np.exp(logits[t, e] - m)
+                tot += sc[e]
+            for e in range(e_n):
+                sc[e] = sc[e] / tot
+                ch[e] = sc[e]
+        tot = f32(0)
+        for j in range(k):
+            best = -1
+            for e in range(e_n):
+                if ch[e] == ch[e] and (best < 0 or ch[e] > ch[best]):   # skips NaN
+                    best = e
+            if best < 0:            # all NaN: take the first unused id, weight NaN
+                best = 0
+                while ch[best] == f32(-np.inf):
+                    best += 1
+            ids[t, j] = best
+            wts[t, j] = sc[best]
+            tot += sc[best]
+            ch[best] = f32(-np.inf)
+        for j in range(k):
+            if norm:
+                wts[t, j] = wts[t, j] / tot
+            wts[t, j] *= f32(scale)
+
+
+@njit(**_kw)
+def _group(ids, n_expert, slot_expert, slot_start, assign_tok, assign_slot):
+    """Counting sort of the (token, j) assignments by expert (stable: token order within an
+    expert, as moe_ffn's argsort). Returns the number of distinct experts (slots)."""
+    count = np.zeros(n_expert + 1, np.int64)
+    t_n, k = ids.shape
+    for t in range(t_n):
+        for j in range(k):
+            count[ids[t, j] + 1] += 1
+    for e in range(n_expert):
+        count[e + 1] += count[e]
+    n_slots = 0
+    for e in range(n_expert):
+        if count[e + 1] > count[e]:
+            slot_expert[n_slots] = e
+            slot_start[n_slots] = count[e]
+            n_slots += 1
+    slot_start[n_slots] = t_n * k
+    for t in range(t_n):
+        for j in range(k):
+            e = ids[t, j]
+            assign_tok[count[e]] = t
+            assign_slot[count[e]] = t * k + j
+            count[e] += 1
+    return n_slots
+
+
+@njit(**_kw)
+def _swiglu(tg, gw, tu, uw, td, dw, X, xs16, Y, chunks):
+    """Y = down(silu(gate(X)) · up(X)) (dense FFN or shared expert)."""
+    t_n = X.shape[0]
+    n_ff = gw.shape[0]
+    G = np.empty((t_n, n_ff), f32)
+    U = np.empty((t_n, n_ff), f32)
+    project3(tg, gw, G, tu, uw, U, None, None, None, X, xs16, chunks)
+    _glu_down(G, U, td, dw, Y, chunks)
+
+
+@njit(**_kw)
+def _glu_down(G, U, td, dw, Y, chunks):
+    """Y = down(silu(G) · U), G overwritten."""
+    for t in range(G.shape[0]):
+        for c in range(G.shape[1]):
+            G[t, c] = _silu_glu(G[t, c], U[t, c], 0)
+    gs = np.empty((G.shape[0], G.shape[1] // 16), f32)
+    sums16(G, gs)
+    project3(td, dw, Y, None, None, None, None, None, None, G, gs, chunks)
+
+
+@njit(**_kw)
+def attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
+                   attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
+                   n_head, n_rot, chunks):
+    """y = x + attention(attn_norm(x)) for x (T, n_embd) at cache cells n_past.. (written
+    here: the caller has made room and advances the cache length by T afterwards).
+
+    ``w*`` raw GGUF rows, ``t*`` their QTags, ``b*`` biases or None, ``q_norm``/``k_norm``
+    per-head RMSNorm weights or None; ``cos``/``sin`` (positions, n_rot/2) tables; ``kc``,
+    ``vc`` the cache's raw bytes, ``kvt`` its type's QTag.
+    """
+    t_n, n_embd = x.shape
+    n_kv = kc.shape[0]
+    d = wq.shape[0] // n_head
+    es = kv_size(kvt)
+    xn = np.empty((t_n, n_embd), f32)
+    xs = np.empty((t_n, n_embd // 16), f32)
+    rms_norm(x, attn_norm, eps, xn)
+    sums16(xn, xs)
+    q = np.empty((t_n, n_head * d), f32)
+    k = np.empty((t_n, n_kv * d), f32)
+    v = np.empty((t_n, n_kv * d), f32)
+    project3(tq, wq, q, tk, wk, k, tv, wv, v, xn, xs, chunks)
+    _heads(q, bq, q_norm, eps, n_head, d, n_rot, positions, cos, sin)
+    _heads(k, bk, k_norm, eps, n_kv, d, n_rot, positions, cos, sin)
+    if bv is not None:
+        for t in range(t_n):
+            for c in range(n_kv * d):
+                v[t, c] += bv[c]
+    for t in range(t_n):
+        for g in range(n_kv):
+            ko = g * kc.strides[0] + (n_past + t) * kc.strides[1]
+            vo = g * vc.strides[0] + (n_past + t) * vc.strides[1]
+            for c in range(d):
+                kv_write(kvt, kc, ko + c * es, k[t, g * d + c])
+                kv_write(kvt, vc, vo + c * es, v[t, g * d + c])
+    att = np.empty((t_n, n_head * d), f32)
+    attend(q, kvt, kc, vc, n_past, att, n_head, f32(1) / np.sqrt(f32(d)))
+    atts = np.empty((t_n, n_head * d // 16), f32)
+    sums16(att, atts)
+    project3(to, wo, y, None, None, None, None, None, None, att, atts, chunks)
+    for t in range(t_n):
+        for c in range(n_embd):
+            y[t, c] += x[t, c]
+
+
+@njit(**_kw)
+def dense_half(y, eps, ffn_norm, tg, wg, tu, wu, td, wd, chunks):
+    """y += down(silu(gate(h)) · up(h)), h = ffn_norm(y): a dense FFN block's second half."""
+    t_n, n_embd = y.shape
+    xn = np.empty((t_n, n_embd), f32)
+    xs = np.empty((t_n, n_embd // 16), f32)
+    rms_norm(y, ffn_norm, eps, xn)
+    sums16(xn, xs)
+    f = np.empty((t_n, n_embd), f32)
+    _swiglu(tg, wg, tu, wu, td, wd, xn, xs, f, chunks)
+    for t in range(t_n):
+        for c in range(n_embd):
+            y[t, c] += f[t, c]
+
+
+@njit(**_kw)
+def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_scale,
+             tg, wg, g0, tu, wu, u0, td, wd, n_ff, tsg, wsg, tsu, wsu, tsd, wsd, chunks):
+    """y += routed experts + shared expert of h = ffn_norm(y): an MoE block's second half.
+
+    Router ``wr`` with ``probs_b`` (or None), ``route_kind``, ``k_used``, ``w_norm``,
+    ``w_scale``; routed experts ``wg``/``wu``/``wd`` (gate and up may be one fused tensor:
+    row offsets ``g0``/``u0``; ``n_ff`` rows each); the shared expert ``wsg``/``wsu``/``wsd``
+    or None. Routed outputs are summed in moe_ffn's order (assignments sorted by expert).
+    """
+    t_n, n_embd = y.shape
+    xn = np.empty((t_n, n_embd), f32)
+    xs = np.empty((t_n, n_embd // 16), f32)
+    rms_norm(y, ffn_norm, eps, xn)
+    sums16(xn, xs)
+    n_expert = wr.shape[0]
+    logits = np.empty((t_n, n_expert), f32)
+    if wsg is not None:                              # router and shared gate/up together
+        n_sh = wsg.shape[0]
+        G = np.empty((t_n, n_sh), f32)
+        U = np.empty((t_n, n_sh), f32)
+        project3(tr, wr, logits, tsg, wsg, G, tsu, wsu, U, xn, xs, chunks)
+    else:
+        project3(tr, wr, logits, None, None, None, None, None, None, xn, xs, chunks)
+    ids = np.empty((t_n, k_used), np.int64)
+    wts = np.empty((t_n, k_used), f32)
+    _route(logits, probs_b, route_kind, k_used, w_norm, w_scale, ids, wts)
+    n_a = t_n * k_used
+    slot_expert = np.empty(n_a, np.int64)
+    slot_start = np.empty(n_a + 1, np.int64)
+    assign_tok = np.empty(n_a, np.int64)
+    assign_slot = np.empty(n_a, np.int64)
+    n_slots = _group(ids, n_expert, slot_expert, slot_start, assign_tok, assign_slot)
+    H = np.empty((n_a, n_ff), f32)
+    _gate_up_phase(tg, wg, g0, tu, wu, u0, xn, xs, None, None, None, None,
+                   slot_expert[:n_slots], slot_start[:n_slots + 1], assign_tok, H, chunks, 0)
+    hs = np.empty((n_a, n_ff // 16), f32)
+    sums16(H, hs)
+    out = np.empty((n_a, n_embd), f32)
+    _down_phase(td, wd, H, hs, None, None, None, None, slot_expert[:n_slots],
+                slot_start[:n_slots + 1], out, chunks)
+    f = np.zeros((t_n, n_embd), f32)
+    for a in range(n_a):
+        s = assign_slot[a]
+        wa = wts[s // k_used, s % k_used]
+        t = assign_tok[a]
+        for c in range(n_embd):
+            f[t, c] += wa * out[a, c]
+    if wsg is not None:
+        sh = np.empty((t_n, n_embd), f32)
+        _glu_down(G, U, tsd, wsd, sh, chunks)
+        for t in range(t_n):
+            for c in range(n_embd):
+                f[t, c] += sh[t, c]
+    for t in range(t_n):
+        for c in range(n_embd):
+            y[t, c] += f[t, c]

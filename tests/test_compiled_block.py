@@ -1,0 +1,184 @@
+"""The compiled CPU block (``offload.compiled_block``) against the torch reference path it
+was bound from (``offload.models.common.Block``): same logits within a stated tolerance on
+the shipped model and on the transformers-checked tiny models, for batches of T = 1…8 after
+a prefill, for a prompt short enough to run compiled, for a prefill by the reference path
+continued by compiled steps (they share the KV cache), for the NextN head, and across a
+rollback (``truncate``). Speculative decoding with exact verify equal to plain greedy runs
+with the compiled path on in tests/test_speculative_shipped.py (it is the default).
+
+Tolerance: both paths compute in float32 from the same weights; only the order of float32
+sums differs (4-row register blocking and vector lanes vs torch's matmuls), observed
+~3e-7 of the largest logit. REL_TOL = 1e-5 leaves 30x room; a real mistake (a missing bias,
+RoPE pairs, a routing weight) shows at 1e-2 or more.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import offload.runtime as rt
+from offload.compiled_block import ENV, MAX_TOKENS, CompiledBlock
+from tests.tiny_models import TinySpec, write_tiny_model
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
+REL_TOL = 1e-5
+PROMPT = [3, 17, 257, 101, 46, 290, 5, 77, 200, 12, 64, 128, 9, 33, 71, 150, 2, 88, 19, 240]
+
+
+def rel_err(a, ref) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max())
+
+
+@contextmanager
+def reference_blocks(model):
+    """Run ``model`` through the reference blocks (trunk and NextN head) meanwhile."""
+    blocks, head = model.blocks, model.nextn
+    model.blocks = [getattr(b, "reference", b) for b in blocks]
+    if head is not None:
+        saved = head.block
+        head.block = getattr(saved, "reference", saved)
+    try:
+        yield
+    finally:
+        model.blocks = blocks
+        if head is not None:
+            head.block = saved
+
+
+def both(model, fn):
+    """fn(model) through the compiled blocks, then through the reference blocks."""
+    with torch.inference_mode():
+        fast = fn(model)
+        with reference_blocks(model):
+            ref = fn(model)
+    return fast, ref
+
+
+def batches_after_prefill(model, prompt, sizes):
+    """Logits of each batch of ``sizes`` tokens fed after a prefill of ``prompt``."""
+    state = model.new_state(None)
+    model.forward(torch.tensor(prompt), state, logits="none")
+    out, nxt = [], 300
+    for t in sizes:
+        logits, _ = model.forward(torch.arange(nxt, nxt + t) % model.config.n_vocab, state)
+        out.append(logits.numpy())
+        nxt += t
+    return out
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    if not SHIPPED.is_file():
+        pytest.skip(f"{SHIPPED.name} not present")
+    with rt.load(SHIPPED, devices="CPU=16GiB", cache_type="f32", quiet=True) as s:
+        yield s
+
+
+def test_all_cpu_blocks_are_compiled(shipped):
+    assert all(isinstance(b, CompiledBlock) for b in shipped.model.blocks)
+    assert isinstance(shipped.model.nextn.block, CompiledBlock)
+
+
+@pytest.mark.parametrize("prompt_len", [4, len(PROMPT)], ids=["compiled-prefill", "reference-prefill"])
+def test_shipped_batches_of_1_to_8_match_reference(shipped, prompt_len):
+    """After a prefill run compiled (4 tokens) or by the reference path (20 > MAX_TOKENS),
+    batches of T = 1…8 tokens give the reference path's logits."""
+    assert len(PROMPT) > MAX_TOKENS
+    fast, ref = both(shipped.model, lambda m: batches_after_prefill(m, PROMPT[:prompt_len], range(1, 9)))
+    for t, (a, b) in enumerate(zip(fast, ref), start=1):
+        assert a.shape == (t, shipped.config.n_vocab)
+        assert rel_err(a, b) < REL_TOL, f"T={t}"
+
+
+def test_shipped_prompt_and_rollback_match_reference(shipped):
+    """A 12-token prompt in one compiled pass; then a 5-token verify batch, a rollback to
+    two of them and one more step — the speculative loop's cache pattern."""
+    def run(m):
+        state = m.new_state(None)
+        a, _ = m.forward(torch.tensor(PROMPT[:12]), state)
+        b, _ = m.forward(torch.tensor(PROMPT[12:17]), state)
+        state.truncate(14)
+        c, _ = m.forward(torch.tensor([42]), state)
+        return a.numpy(), b.numpy(), c.numpy()
+    for a, b in zip(*both(shipped.model, run)):
+        assert rel_err(a, b) < REL_TOL
+
+
+def test_shipped_nextn_head_matches_reference(shipped):
+    def run(m):
+        state = m.new_state()
+        _, h = m.forward(torch.tensor(PROMPT[:9]), state)
+        tok = torch.tensor(PROMPT[1:10])
+        logits, h_mtp = m.nextn(tok, h, torch.arange(1, 10), state.nextn_cache)
+        step, _ = m.nextn(torch.tensor([5]), h_mtp[-1:], torch.arange(10, 11), state.nextn_cache)
+        return logits.numpy(), step.numpy()
+    for a, b in zip(*both(shipped.model, run)):
+        assert rel_err(a, b) < REL_TOL
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "bf16"])
+def test_shipped_half_caches_match_reference(cache_type):
+    """The KV cache read and written in its plan type (f16 is the planner's default). Keys
+    and values are rounded to 11 (f16) or 8 (bf16) significant bits, so an element whose
+    float32 value sits within ~1e-7 of a rounding boundary can round one way in one path and
+    the other in the other: one ulp of one cached element, 2**-11 or 2**-8 of it, damped by
+    the softmax. Tolerance 1e-3 / 1e-2 of the largest logit (observed 2.3e-5 / 7.5e-7)."""
+    tol = {"f16": 1e-3, "bf16": 1e-2}[cache_type]
+    with rt.load(SHIPPED, devices="CPU=16GiB", cache_type=cache_type, quiet=True) as s:
+        fast, ref = both(s.model, lambda m: batches_after_prefill(m, PROMPT[:6], range(1, 9)))
+    errs = [rel_err(a, b) for a, b in zip(fast, ref)]
+    assert max(errs) < tol
+
+
+# the transformers-checked tiny models (tests/test_runtime_hf.py: there the compiled path,
+# the default, is held to transformers' float64 forward)
+TINY = {
+    "glm4moe-Q4_0-qknorm": TinySpec(expert_type=Q.Q4_0, qk_norm=True, seed=1),
+    "glm4moe-F16-nonorm": TinySpec(expert_type=Q.F16, weights_norm=False, weights_scale=1.0, seed=4),
+    "qwen3moe-Q5_K": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.Q5_K, seed=6),
+}
+
+
+@pytest.mark.parametrize("case", list(TINY))
+def test_tiny_models_match_reference(case, tmp_path):
+    tiny = write_tiny_model(tmp_path / f"{case}.gguf", TINY[case])
+    with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
+        assert all(isinstance(b, CompiledBlock) for b in s.model.blocks)
+        fast, ref = both(s.model, lambda m: batches_after_prefill(m, PROMPT[:8], range(1, 9)))
+    for t, (a, b) in enumerate(zip(fast, ref), start=1):
+        assert rel_err(a, b) < REL_TOL, f"T={t}"
+
+
+def test_reference_forced_by_env_and_kept_off_cpu(monkeypatch):
+    """``OFFLOAD_BLOCKS=reference`` keeps the torch blocks; a block on a (virtual) GPU is
+    never compiled."""
+    monkeypatch.setenv(ENV, "reference")
+    with rt.load(SHIPPED, devices="CPU=16GiB", quiet=True) as s:
+        assert not any(isinstance(b, CompiledBlock) for b in s.model.blocks)
+    monkeypatch.delenv(ENV)
+    with rt.load(SHIPPED, devices="CUDA0=1GiB,CPU=16GiB", virtual_gpus=True, n_cpu_moe=2,
+                 quiet=True) as s:
+        kinds = {b.device_name: isinstance(b, CompiledBlock) for b in s.model.blocks}
+    assert kinds.get("CUDA0") is False
+
+
+def test_prefill_uses_int8_activations_within_bound(shipped):
+    """With ``int8_prefill``, prompt batches longer than MAX_TOKENS run the reference path
+    with int8 activations: logits differ from the float path by the activation
+    rounding (per dot |err| <= sum |w|·dx/2, tested per kernel in test_cpu_kernels). Bound
+    here: 2e-2 of the largest logit and >= 90% equal argmax — the bound
+    test_runtime_shipped holds llama.cpp (Q8 activations too) to; observed ~2e-3."""
+    from cpu_kernels.simd8 import has_vnni
+    ids = (PROMPT * 3)[:3 * MAX_TOKENS]
+    flt = shipped.logits(ids)
+    with rt.load(SHIPPED, devices="CPU=16GiB", cache_type="f32", int8_prefill=True, quiet=True) as s:
+        int8 = s.logits(ids)
+    err = rel_err(int8, flt)
+    assert err < 2e-2 and (int8.argmax(-1) == flt.argmax(-1)).mean() >= 0.9
+    if has_vnni():
+        assert err > 0          # int8 really ran
