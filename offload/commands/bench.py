@@ -26,7 +26,7 @@ from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.commands.run import add_session_arguments, open_cli_model, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.stats import conditional, per_position
-from placement.draft import NoDraftHead, check_p_min
+from placement.draft import check_p_min
 
 WARMUP_TOKENS = 16
 
@@ -146,8 +146,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.torch_threads)
     model = open_cli_model(args)
     plan, model, _ = plan_from_args(args, model)
-    if plan.drafting == "none":
-        raise NoDraftHead(plan.model_path, "offload bench")
+    if plan.drafting == "none":         # plain decoding is still worth measuring (gpt-oss, qwen3moe)
+        print(f"offload bench: {Path(plan.model_path).name} has no draft head (no NextN block, no --draft): "
+              f"baseline only, the n_max stages are skipped", file=sys.stderr)
+        n_maxes = []
     session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
                                 op_offload=args.op_offload,
                                 threads=args.threads, progress=True)
