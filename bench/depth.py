@@ -329,13 +329,12 @@ def run_one(engine: str, path: Path, jobs: list[dict], args, progress, ceilings:
 
 
 def _child_env(engine: str) -> dict:
-    """Each engine's process as its users run it: offload with the passive OpenMP wait policy
-    its CLI sets (``offload.commands.run``); llama.cpp with OpenMP's defaults — under PASSIVE
-    its two-thread decode of the narrow model measured 18 t/s against 139 t/s by default on
-    an idle box here (its threads sleep and wake at every barrier)."""
+    """Each engine's process as its users run it: OpenMP's default wait policy for both
+    (``offload.commands.run.runtime_process_settings``); under PASSIVE llama.cpp's two-thread
+    decode of the narrow model measured 18 t/s against 139 t/s by default on an idle box
+    here, offload's 46 vs 104 (their threads sleep and wake at every barrier). A user's
+    ``OMP_WAIT_POLICY`` is passed on to both."""
     env = dict(os.environ)
-    if engine == "offload":
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

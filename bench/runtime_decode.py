@@ -10,7 +10,6 @@ llama-cpp-python is not installed, only offload's numbers are printed.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -55,7 +54,6 @@ def llama_decode(path: str, n: int, threads: int, repeat: int, prompt_ids: list[
 
 
 def main() -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # see offload.commands.run.quiet_openmp
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=str(ROOT / "models" / "tiny-glm4moe-mtp.gguf"))
     ap.add_argument("-n", type=int, default=64)

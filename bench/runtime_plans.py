@@ -28,7 +28,6 @@ import argparse
 import ctypes
 import gc
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -102,7 +101,6 @@ def one(model_path: str, plan: str, n: int, ctx: int, allocator: str) -> dict:
 
 
 def main() -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # see offload.commands.run.quiet_openmp
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=str(ROOT / "models" / "tiny-glm4moe-mtp.gguf"))
     ap.add_argument("-n", type=int, default=64)

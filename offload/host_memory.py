@@ -23,8 +23,8 @@ fresh host blocks on every call. On the (loaded, 2-core) development box: all-CP
 torch's caching allocator on the GPU, and blocks over 32 MiB (a long context's attention)
 get their own mapping under glibc's default as well.
 
-``offload run`` / ``offload bench`` call ``return_freed_memory()`` first thing, as they set
-``OMP_WAIT_POLICY``; like that one it yields to the user's own setting: with
+``offload run`` / ``offload bench`` call ``return_freed_memory()`` first thing; it yields to
+the user's own setting: with
 ``MALLOC_MMAP_THRESHOLD_`` in the environment (glibc applied it at start-up) it does nothing.
 Embedders call it themselves. Elsewhere than glibc it does nothing.
 """

@@ -1,7 +1,8 @@
 """Shared fixtures: real-shaped GGUF headers (sparse files) written once per test session.
 
 Also, for the runtime tests: OpenMP threads that sleep when idle (set before torch or
-Numba load OpenMP; see ``offload.commands.run.quiet_openmp``), and torch on one intra-op
+Numba load OpenMP: the suite shares a loaded box, where spinning threads steal the cores;
+see ``offload.commands.run.runtime_process_settings``), and torch on one intra-op
 thread — the models are tiny, so extra threads only add barrier waits, which explode on a
 loaded 2-core box (measured: 6 ms vs 300+ ms per decode step).
 """

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -176,20 +175,18 @@ def open_cli_model(args: argparse.Namespace):
 
 
 def runtime_process_settings() -> None:
-    """What every command that runs the model sets first (before torch/numba load): idle
-    OpenMP threads sleep (``quiet_openmp``) and freed activation memory leaves RSS
-    (``offload.host_memory``). Both yield to the user's own environment settings."""
-    quiet_openmp()
+    """What every command that runs the model sets first (before torch/numba load): freed
+    activation memory leaves RSS (``offload.host_memory``; yields to the user's own setting).
+
+    OpenMP's wait policy is left to OpenMP (spin briefly, then sleep), as llama.cpp runs.
+    Forcing ``OMP_WAIT_POLICY=PASSIVE`` — the default here until the compiled CPU blocks —
+    costs a sleep and a wake-up at every parallel region: on an idle 2-core box the shipped
+    model decoded 470–520 t/s passive vs 1,800–2,170 t/s by default, the depth bench's
+    narrow model 46–47 vs 102–106 t/s (prefill equal). On a box that is busy with other
+    work spinning threads steal the cores (measured earlier on a loaded box: a 256×256
+    mat-vec 37 µs passive vs 768 µs spinning): export ``OMP_WAIT_POLICY=PASSIVE`` there
+    (the test suite does)."""
     return_freed_memory()
-
-
-def quiet_openmp() -> None:
-    """Idle OpenMP threads sleep instead of spinning. torch and the Numba kernels share the
-    process and take turns every layer; spinning teams burn the cores the other side needs
-    (measured on a loaded 2-core box: a 256x256 mat-vec 37 µs passive vs 768 µs spinning,
-    tiny-model decode 278 vs 50 tokens/s). Only effective before torch/numba load OpenMP,
-    so the CLI calls it first; embedders can export OMP_WAIT_POLICY=PASSIVE themselves."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def main(argv=None) -> int:
