@@ -181,8 +181,7 @@ class WeightStore:
         ``.bias`` per expert where the file has them, gpt-oss) → a callable ``(x, ids, w) →
         (T, n_embd)`` (or CpuExperts, which the MoE layer runs in a thread). ``act``: the
         gated activation (``gpu.ffn.GLU`` / ``cpu_kernels.moe_ffn`` names)."""
-        names = {s: f"{prefix}.ffn_{s}_exps.weight" for s in ("gate", "up", "gate_up", "down")}
-        stages = ("gate_up", "down") if self.has(names["gate_up"]) else ("gate", "up", "down")
+        names, stages = self._expert_stages(prefix)
         homes = {self.device_of[names[s]] for s in stages}
         biases = self._expert_biases(prefix, stages)
         if biases and len(homes) > 1:
@@ -203,6 +202,12 @@ class WeightStore:
                                 compute_dtype=self._dtype(self.device_of[names["down"]]), act=act,
                                 biases={k: b.to(self.device(names["down"])) for k, b in biases.items()})
         return StagedExperts(**{s: self._per_expert(names[s]) for s in stages})
+
+    def _expert_stages(self, prefix: str) -> tuple[dict[str, str], tuple[str, ...]]:
+        """Block ``prefix``'s expert tensor names by stage, and the stages it has (a fused
+        ``gate_up`` or separate ``gate`` and ``up``, then ``down``)."""
+        names = {s: f"{prefix}.ffn_{s}_exps.weight" for s in ("gate", "up", "gate_up", "down")}
+        return names, (("gate_up", "down") if self.has(names["gate_up"]) else ("gate", "up", "down"))
 
     def _expert_biases(self, prefix: str, stages) -> dict[str, torch.Tensor]:
         """{"gate", "up", "down"} → (E, rows) float32 biases where the file has all of them."""
@@ -240,8 +245,7 @@ class WeightStore:
         layer = int(prefix.split(".")[1])
         if not self._hot.get(layer):
             return (), None
-        names = {s: f"{prefix}.ffn_{s}_exps.weight" for s in ("gate", "up", "gate_up", "down")}
-        stages = ("gate_up", "down") if self.has(names["gate_up"]) else ("gate", "up", "down")
+        names, stages = self._expert_stages(prefix)
         n_expert = self.shape(names["down"])[0]
         owned = np.ones(n_expert, dtype=bool)
         out = []
@@ -264,8 +268,7 @@ class WeightStore:
     def streamed_experts(self, prefix: str, on: str, owned=None):
         """Block ``prefix``'s CPU-resident experts as ``gpu.experts.StreamedExperts`` computing
         on device ``on`` (op offload): the same mapped bytes, copied per call."""
-        names = {s: f"{prefix}.ffn_{s}_exps.weight" for s in ("gate", "up", "gate_up", "down")}
-        stages = ("gate_up", "down") if self.has(names["gate_up"]) else ("gate", "up", "down")
+        names, stages = self._expert_stages(prefix)
         parts = {s: (self.model.tensor_data(names[s]), self.tensors[names[s]].ggml_type,
                      self.tensors[names[s]].shape) for s in stages}
         return StreamedExperts(parts, device=self.devices[on], compute_dtype=self._dtype(on), owned=owned)
