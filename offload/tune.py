@@ -28,6 +28,7 @@ from offload.moe import MoE
 from offload.stats import conditional
 from placement.acceptance import AcceptanceProfile
 from placement.cost import RoutingProfile
+from placement.routing import PromptCounts, RoutingCounts
 
 
 def _clock() -> float:
@@ -206,28 +207,77 @@ def moe_layers(session, devices: set[str] | None = None) -> list[int]:
     return out
 
 
-def routed_ids(session, texts: Sequence[Sequence[int]], layers: Sequence[int]) -> dict[int, list[np.ndarray]]:
-    """Top-k expert ids (T, k) per layer for each token sequence, from one batched pass each."""
+def own_nextn_layer(session) -> int | None:
+    """The block index of the model's own NextN head when it routes over experts (GGUF puts
+    it after the trunk: ``blk.{n_layer}``); None without one, or for a ``--draft`` file's head
+    (its experts are not the model's)."""
+    cfg, head = session.config, session.model.nextn
+    if head is None or not cfg.n_nextn or not isinstance(getattr(head.block, "ffn", None), MoE):
+        return None
+    return cfg.n_layer
+
+
+def routed_ids(session, texts: Sequence[Sequence[int]], layers: Sequence[int], *,
+               nextn: int | None = None) -> dict[int, list[np.ndarray]]:
+    """Top-k expert ids (T, k) per layer for each token sequence, from one batched pass each.
+    With ``nextn`` (``own_nextn_layer``), the NextN head's block is recorded too, under that
+    layer: it runs over the text's pairs (trunk state at t, token t+1), as drafting feeds it,
+    the last state paired with the trunk's greedy next token (so T rows, as every layer)."""
     blocks = session.model.blocks
-    recorders = {i: _RecordingRouter(blocks[i].ffn.router) for i in layers}
-    out: dict[int, list[np.ndarray]] = {i: [] for i in layers}
+    head = session.model.nextn if nextn is not None else None
+    ffns = {i: blocks[i].ffn for i in layers} | ({nextn: head.block.ffn} if head is not None else {})
+    recorders = {i: _RecordingRouter(f.router) for i, f in ffns.items()}
+    out: dict[int, list[np.ndarray]] = {i: [] for i in ffns}
+    ubatch = session.plan.settings.ubatch
     try:
         for i, r in recorders.items():
-            blocks[i].ffn.router = r
+            ffns[i].router = r
         with torch.inference_mode():
             for ids in texts:
-                state = session.model.new_state(None)
-                ubatch = session.plan.settings.ubatch
+                state = session.model.new_state(head)
                 for r in recorders.values():
                     r.ids.clear()
+                hidden, z = [], None
                 for s in range(0, len(ids), ubatch):
-                    session.model.forward(torch.as_tensor(list(ids[s:s + ubatch])), state, logits="none")
+                    last = head is not None and s + ubatch >= len(ids)
+                    z, h = session.model.forward(torch.as_tensor(list(ids[s:s + ubatch])), state,
+                                                 logits="last" if last else "none")
+                    hidden.append(h)
+                if head is not None:
+                    h = torch.cat(hidden)                                   # (T, n_embd)
+                    nxt = list(ids[1:]) + [int(torch.argmax(z[-1]))]        # token t+1 for every t
+                    for s in range(0, len(ids), ubatch):
+                        e = min(s + ubatch, len(ids))
+                        head(torch.as_tensor(nxt[s:e]), h[s:e], torch.arange(s + 1, e + 1),
+                             state.nextn_cache, logits="none")
                 for i, r in recorders.items():
                     out[i].append(np.concatenate(r.ids))
     finally:
         for i, r in recorders.items():
-            blocks[i].ffn.router = r.router
+            ffns[i].router = r.router
     return out
+
+
+def routing_counts(session, texts: Sequence[Sequence[int]], names: Sequence[str], *, source: str, model: str,
+                   max_batch: int) -> RoutingCounts:
+    """Per-expert assignment counts over ``texts`` for every MoE layer (the NextN head's too),
+    per prompt and summed, with the distinct experts of B = 1..max_batch consecutive tokens
+    (over the trunk layers): the ``offload profile`` file (``placement.routing``)."""
+    cfg = session.config
+    layers = moe_layers(session)
+    if not layers:
+        raise ValueError("the model has no routed MoE layer")
+    nextn = own_nextn_layer(session)
+    routed = routed_ids(session, texts, layers, nextn=nextn)
+    E = cfg.n_expert
+    prompts = tuple(PromptCounts(name, len(ids), {i: tuple(float(c) for c in np.bincount(a[j].ravel(), minlength=E))
+                                                  for i, a in routed.items()})
+                    for j, (name, ids) in enumerate(zip(names, texts)))
+    totals = {i: tuple(float(sum(p.layers[i][e] for p in prompts)) for e in range(E)) for i in routed}
+    batch = min(max_batch, min(len(t) for t in texts))
+    distinct = [float(np.mean(col)) for col in zip(*(distinct_per_batch(routed[i], batch) for i in layers))]
+    return RoutingCounts(E, cfg.n_expert_used, sum(len(t) for t in texts), totals, source=source, model=model,
+                         distinct=tuple(distinct), prompts=prompts)
 
 
 def distinct_per_batch(ids: Sequence[np.ndarray], max_batch: int) -> list[float]:
@@ -300,3 +350,102 @@ def measure_acceptance(session, prompts: Sequence[Sequence[int]], *, n_max: int,
     """Greedy speculative decoding at ``n_max`` on each prompt → ``AcceptanceProfile``."""
     runs = [decode(session, p, n_tokens=n_tokens, n_max=n_max, p_min=p_min, **generate) for p in prompts]
     return acceptance_from(runs, n_max, p_min), runs
+
+
+# ---------------------------------------------------------------------------------------------
+# The two rates ``--op-offload auto`` weighs (placement.op_offload).
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PrefillRates:
+    """What ``--op-offload auto`` weighs, as measured here: the CPU's batched MoE rate (one
+    CPU-resident layer's experts over a prompt-sized batch) and each real CUDA GPU's pinned
+    host→device bandwidth. None where it could not be measured (``notes`` says why)."""
+
+    cpu_batched_gflops: float | None
+    cpu_layer: int | None                # the layer timed
+    cpu_batch: int                       # tokens per timed call
+    cpu_seconds: float                   # median seconds of one call
+    link_gbps: dict[str, float]          # GPU → measured GB/s
+    notes: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        return {"cpu_batched_gflops": self.cpu_batched_gflops, "cpu_layer": self.cpu_layer,
+                "cpu_batch": self.cpu_batch, "cpu_seconds": self.cpu_seconds,
+                "link_gbps": dict(self.link_gbps), "notes": list(self.notes)}
+
+
+def cpu_expert_layer(session) -> int | None:
+    """The first trunk MoE layer whose routed experts all run in the CPU kernels."""
+    from offload.cpu_ops import CpuExperts
+    for i, block in enumerate(session.model.blocks):
+        ffn = getattr(block, "ffn", None)
+        if isinstance(ffn, MoE) and isinstance(ffn.experts, CpuExperts) and ffn.owned is None:
+            return i
+    return None
+
+
+def measure_cpu_batched(session, tensors, *, batch: int, repeats: int = 3, seed: int = 0,
+                        clock: Callable[[], float] = _clock) -> tuple[float, int, float] | None:
+    """(GFLOP/s, layer, median seconds) of one CPU-resident MoE layer's experts (``tensors``: the
+    model's ``TensorInfo`` list, for the FLOPs) over ``batch``
+    tokens routed uniformly at random (at a prompt-sized batch every expert is touched, so the
+    reads are the layer's bytes once and the FLOPs T·k·f dominate: what
+    ``PrefillModel`` divides by ``cpu_batched_gflops``); None without such a layer."""
+    from placement.op_offload import flops_per_assignment
+
+    layer = cpu_expert_layer(session)
+    if layer is None:
+        return None
+    cfg = session.config
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, cfg.n_embd), dtype=np.float32)
+    ids = np.stack([rng.choice(cfg.n_expert, cfg.n_expert_used, replace=False) for _ in range(batch)])
+    w = np.full(ids.shape, 1.0 / cfg.n_expert_used, dtype=np.float32)
+    experts = session.model.blocks[layer].ffn.experts
+    experts(x, ids, w)                                   # warm (compilation, page faults)
+    times = []
+    for _ in range(repeats):
+        t0 = clock()
+        experts(x, ids, w)
+        times.append(clock() - t0)
+    seconds = statistics.median(times)
+    flops = batch * cfg.n_expert_used * flops_per_assignment(tensors, layer)
+    return flops / seconds / 1e9, layer, seconds
+
+
+def measure_link_gbps(device: torch.device, *, n_bytes: int = 256 << 20, repeats: int = 3) -> float:
+    """Pinned host→device copy bandwidth (GB/s) of one CUDA device, timed with CUDA events."""
+    host = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    best = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best.append(start.elapsed_time(end) / 1e3)
+    return n_bytes / statistics.median(best) / 1e9
+
+
+def measure_prefill_rates(session, tensors, *, batch: int) -> PrefillRates:
+    """Both rates (``PrefillRates``); a plan without a CPU expert layer or without a real CUDA
+    device keeps the hardware profile's value for what it cannot measure, and says so."""
+    notes = []
+    cpu = measure_cpu_batched(session, tensors, batch=batch)
+    if cpu is None:
+        notes.append("cpu_batched_gflops: no MoE layer runs its experts on the CPU; kept the profile's")
+    link: dict[str, float] = {}
+    gpus = [d.name for d in session.plan.devices if d.is_gpu]
+    for name in gpus:
+        dev = session.devices[name]
+        if dev.type == "cuda":
+            link[name] = measure_link_gbps(dev)
+        else:
+            notes.append(f"link_gbps of {name}: not measured ({name} is CPU-backed, no CUDA device); "
+                         "kept the hardware profile's")
+    return PrefillRates(cpu[0] if cpu else None, cpu[1] if cpu else None, batch, cpu[2] if cpu else 0.0,
+                        link, tuple(notes))

@@ -12,7 +12,7 @@ from placement.cost import FitResult, RoutingProfile, SpecTable
 from placement.hardware import HardwareProfile
 
 if TYPE_CHECKING:                   # offload.tune imports torch
-    from offload.tune import Decode
+    from offload.tune import Decode, PrefillRates
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,7 @@ class TuneResult:
     chosen_n_max: int
     choice: str                                  # why
     section: dict                                # the plan's ``speculative`` section
+    prefill: PrefillRates | None = None          # the op-offload rates measured
 
     @property
     def table(self) -> SpecTable:
@@ -123,4 +124,5 @@ class TuneResult:
             "chosen_n_max": self.chosen_n_max, "choice": self.choice, "section": self.section,
             "table_text": self.table.format(), "break_even_n_max": self.table.break_even_n,
             "best_n_max": self.table.best.n,
+            "op_offload_rates": None if self.prefill is None else self.prefill.to_dict(),
         }

@@ -45,6 +45,13 @@ class _Layer:
     gpu: str                      # where they would be streamed to
 
 
+def flops_per_assignment(tensors: Sequence[TensorInfo], layer: int) -> float:
+    """FLOPs of one (token, expert) assignment in ``layer``: 2 × one expert's parameters over
+    its routed-expert matrices (gate/up/down, or gate_up/down)."""
+    return 2.0 * sum(t.n_elements / t.shape[0] for t in tensors
+                     if t.layer == layer and t.role is Role.ROUTED_EXPERTS and len(t.shape) == 3)
+
+
 class PrefillModel:
     """The time of one pass of T tokens with the CPU experts on the CPU or streamed (module docstring)."""
 
@@ -62,9 +69,8 @@ class PrefillModel:
         for lay in fp.layers:
             cpu = [s for s in lay.experts if s.device == CPU]
             if cpu and gpus:
-                exps = [t for t in by_layer[lay.layer] if t.role is Role.ROUTED_EXPERTS and len(t.shape) == 3]
-                flops = 2.0 * sum(t.n_elements / t.shape[0] for t in exps)
-                self.layers.append(_Layer(lay, cpu[0], flops, lay.home if lay.home != CPU else gpus[0]))
+                self.layers.append(_Layer(lay, cpu[0], flops_per_assignment(by_layer[lay.layer], lay.layer),
+                                          lay.home if lay.home != CPU else gpus[0]))
                 lay = replace(lay, experts=tuple(s for s in lay.experts if s.device != CPU))
             rest.append(lay)
         self.rest = ForwardFootprint(fp.input_device, tuple(rest), fp.head_home, fp.head_reads)

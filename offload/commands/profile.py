@@ -68,7 +68,7 @@ def main(argv=None) -> int:
 
     from offload import runtime
     from offload import tune as measure
-    from placement.routing import PromptCounts, RoutingCounts, layer_key
+    from placement.routing import layer_key
 
     torch.set_num_threads(args.torch_threads)
     model = open_cli_model(args)
@@ -80,7 +80,6 @@ def main(argv=None) -> int:
                                 op_offload=args.op_offload,
                                 threads=args.threads, quiet=True)
     with session:
-        layers = measure.moe_layers(session)
         texts = []
         for name, text in prompts:
             ids = session.tokenize(text)
@@ -89,18 +88,12 @@ def main(argv=None) -> int:
             if args.n_predict:
                 ids = ids + measure.decode(session, ids, n_tokens=args.n_predict).tokens
             texts.append(ids)
-        routed = measure.routed_ids(session, texts, layers)       # layer -> [(T, k) per prompt]
+        counts = measure.routing_counts(session, texts, [n for n, _ in prompts], source=source,
+                                        model=plan.model_path, max_batch=MAX_BATCH)
     E, k = spec.n_expert, spec.n_expert_used
-    per_prompt = tuple(
-        PromptCounts(name, len(ids), {i: tuple(float(c) for c in np.bincount(routed[i][j].ravel(), minlength=E))
-                                      for i in layers})
-        for j, ((name, _), ids) in enumerate(zip(prompts, texts)))
-    totals = {i: tuple(float(sum(p.layers[i][e] for p in per_prompt)) for e in range(E)) for i in layers}
-    batch = min(MAX_BATCH, min(len(t) for t in texts))
-    distinct = [float(np.mean(col)) for col in
-                zip(*(measure.distinct_per_batch(routed[i], batch) for i in layers))]
-    counts = RoutingCounts(E, k, sum(len(t) for t in texts), totals, source=source, model=plan.model_path,
-                           distinct=tuple(distinct), prompts=per_prompt)
+    nextn = [i for i in counts.layers if spec.is_nextn_layer(i)]
+    layers = [i for i in sorted(counts.layers) if i not in nextn]
+    distinct, batch = list(counts.distinct), len(counts.distinct)
     write_atomic(args.output, counts.to_yaml())
     print(f"offload: wrote {args.output}", file=sys.stderr)
 
@@ -108,11 +101,13 @@ def main(argv=None) -> int:
           f"({args.n_predict} generated per prompt), {E} experts, top-{k}")
     print(f"{'layer':<7} {'hottest':>8} {'top 1/8':>8} {'top 1/4':>8} {'top 1/2':>8}   share of assignments "
           "(held out: ranked on the other prompts)")
-    for i in layers:
+    for i in sorted(counts.layers):
         share = counts.held_out_shares(i)
         cum = np.cumsum(share)
-        print(f"{layer_key(i):<7} {share[0]:>8.1%} {cum[max(E // 8, 1) - 1]:>8.1%} {cum[E // 4 - 1]:>8.1%} "
+        print(f"{layer_key(i) + ('*' if i in nextn else ''):<7} {share[0]:>8.1%} {cum[max(E // 8, 1) - 1]:>8.1%} {cum[E // 4 - 1]:>8.1%} "
               f"{cum[E // 2 - 1]:>8.1%}")
+    if nextn:
+        print("* the NextN (MTP) block, routed over the text's (state, next token) pairs as drafting runs it")
     print(f"uniform {1 / E:>8.1%} {max(E // 8, 1) / E:>8.1%} {0.25:>8.1%} {0.5:>8.1%}")
     indep = [float(np.mean([counts.distinct_for_batch(i, b) for i in layers])) for b in range(1, batch + 1)]
     uniform = [E * (1 - (1 - k / E) ** b) for b in range(1, batch + 1)]

@@ -284,6 +284,10 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     say("routing: distinct experts per layer (blk " + ",".join(map(str, layers)) + ") B=1.. "
         + " ".join(f"{d:.2f}" for d in routing.distinct) + "; uniform " + " ".join(f"{u:.2f}" for u in uniform))
 
+    # the two rates --op-offload auto weighs: the CPU's batched MoE rate, host->device bandwidth
+    rates = measure.measure_prefill_rates(session, model.tensors, batch=plan.settings.ubatch)
+    say("op-offload rates: " + _rates_summary(rates))
+
     # 3. acceptance per p_min (same prompts and length as the runs)
     t_phase = clock.elapsed()
     accept = {}
@@ -305,6 +309,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     step_us, spec_step_us = step_s * 1e6, spec_step_s * 1e6
     hw = fit.profile.with_linear_params({"step": step_us * 1e-6, "spec_step": spec_step_us * 1e-6},
                                         source=f"measured by offload tune ({time.strftime('%Y-%m-%d')})")
+    hw = with_prefill_rates(hw, rates)
     say(f"fit: {_fit_summary(fit)}; per step: loop {step_us / 1e3:.2f} ms, +{spec_step_us / 1e3:.2f} ms drafting")
     tables = {p: speculation_table(fp, hw, acceptance=accept[p], max_n=max_n, routing=routing) for p in p_mins}
     table = best_over_p_min(tables.values())
@@ -369,7 +374,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         routing=routing, routing_layers=tuple(layers), routing_uniform=tuple(uniform),
         acceptance=accept, fit=fit, fit_free=tuple(free), hardware=hw, predicted=tables,
         p_min=p_min, stages=tuple(stages), repeats=rep, runs=tuple(records), measured=tuple(measured),
-        chosen_n_max=chosen, choice=rule, section=section)
+        chosen_n_max=chosen, choice=rule, section=section, prefill=rates)
 
 
 def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow]) -> list[StepTerms]:
@@ -392,6 +397,24 @@ def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow]) -> list[Ste
         out.append(StepTerms(n, d_pred * 1e3, m.draft_ms, v_pred * 1e3, m.verify_ms,
                              loop * 1e3, m.step_ms - m.draft_ms - m.verify_ms))
     return out
+
+
+def with_prefill_rates(hw, rates):
+    """``hw`` with the measured op-offload rates in place of the profile's (what was not
+    measured keeps the profile's value); the plan's profile carries them to ``offload run``."""
+    gpus = {dev: (dataclasses.replace(g, link_gbps=rates.link_gbps[dev], source="measured by offload tune")
+                  if dev in rates.link_gbps else g) for dev, g in hw.gpus.items()}
+    cpu = rates.cpu_batched_gflops
+    return dataclasses.replace(hw, gpus=gpus, cpu_batched_gflops=hw.cpu_batched_gflops if cpu is None else cpu)
+
+
+def _rates_summary(rates) -> str:
+    parts = []
+    if rates.cpu_batched_gflops is not None:
+        parts.append(f"CPU batched MoE {rates.cpu_batched_gflops:.1f} GFLOP/s (blk.{rates.cpu_layer}, "
+                     f"{rates.cpu_batch} tokens, {rates.cpu_seconds * 1e3:.1f} ms)")
+    parts += [f"{dev} host->device {gbps:.1f} GB/s (pinned)" for dev, gbps in rates.link_gbps.items()]
+    return "; ".join(parts + list(rates.notes))
 
 
 def _fit_summary(fit) -> str:
@@ -475,6 +498,7 @@ def format_report(r: TuneResult) -> str:
         f"{r.loop_step_ms:.2f} ms, +{r.loop_spec_step_ms:.2f} ms when drafting)",
         "routing (distinct experts/layer, B=1..): measured " + " ".join(f"{d:.2f}" for d in r.routing.distinct)
         + ", uniform " + " ".join(f"{u:.2f}" for u in r.routing_uniform),
+        "op-offload rates (stored in the plan's profile for --op-offload auto): " + _rates_summary(r.prefill),
         "fitted profile: " + ", ".join(f"{k} {v:.4g}" for k, v in hw.items()
                                        if k not in ("gpus", "source") and v is not None)
         + f" (largest pass error {100 * r.fit.max_rel_error:.1f}%)",
