@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from placement.acceptance import AcceptanceProfile
 from placement.cost import FitResult, RoutingProfile, SpecTable
 from placement.hardware import HardwareProfile
+from placement.routing import RoutingCounts
 
 if TYPE_CHECKING:                   # offload.tune imports torch
     from offload.tune import Decode, PrefillRates
@@ -66,6 +67,43 @@ class StepTerms:
 
 
 @dataclass(frozen=True)
+class HotComparison:
+    """The plan without and with hot experts (chosen from the routing tune measured):
+    predicted plain decode t/s and break-even n_max (cost model + profile), and measured plain
+    decode t/s of both plans on this box, paired per repeat."""
+
+    hot: str                                  # what the hot plan holds ('CUDA0: 35 experts of 3 blocks (…)')
+    predicted_tps: tuple[float, float]        # (without, with)
+    break_even: tuple[int | None, int | None]
+    measured_tps: tuple[tuple[float, ...], tuple[float, ...]]   # per repeat (without, with)
+    virtual: bool                             # the GPUs are CPU-backed (--virtual-gpus)
+
+    @property
+    def measured_mean(self) -> tuple[float, float]:
+        return tuple(sum(r) / len(r) for r in self.measured_tps)
+
+    def to_dict(self) -> dict:
+        return {"hot_experts": self.hot, "virtual_gpus": self.virtual,
+                "predicted_plain_tps": {"without": self.predicted_tps[0], "with": self.predicted_tps[1]},
+                "break_even_n_max": {"without": self.break_even[0], "with": self.break_even[1]},
+                "measured_plain_tps": {"without": list(self.measured_tps[0]), "with": list(self.measured_tps[1])}}
+
+    def format(self) -> str:
+        (pw, ph), (mw, mh) = self.predicted_tps, self.measured_mean
+        lines = [f"hot experts from the routing measured here ({self.hot}); plain decode, "
+                 f"{len(self.measured_tps[0])} paired repeats:",
+                 f"{'':<22} {'predicted t/s':>14} {'measured t/s':>13} {'break-even':>11}",
+                 f"{'without hot experts':<22} {pw:>14.2f} {mw:>13.2f} {str(self.break_even[0]):>11}",
+                 f"{'with hot experts':<22} {ph:>14.2f} {mh:>13.2f} {str(self.break_even[1]):>11}",
+                 f"{'with / without':<22} {ph / pw:>14.3f} {mh / mw:>13.3f}"]
+        if self.virtual:
+            lines.append("note: the GPUs are CPU-backed (--virtual-gpus): the measured rows show what the split "
+                         "runtime costs on this CPU (hot experts in torch on the CPU, after the CPU kernels), "
+                         "not VRAM's speed; the predicted rows are for the profile's GPU")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
 class TuneResult:
     model: str
     devices: str
@@ -99,6 +137,9 @@ class TuneResult:
     choice: str                                  # why
     section: dict                                # the plan's ``speculative`` section
     prefill: PrefillRates | None = None          # the op-offload rates measured
+    routing_counts: RoutingCounts | None = None  # per-expert counts (written into the plan)
+    hot: HotComparison | None = None             # without vs with hot experts
+    hot_note: str = ""                           # why there is no comparison
 
     @property
     def table(self) -> SpecTable:
@@ -125,4 +166,6 @@ class TuneResult:
             "table_text": self.table.format(), "break_even_n_max": self.table.break_even_n,
             "best_n_max": self.table.best.n,
             "op_offload_rates": None if self.prefill is None else self.prefill.to_dict(),
+            "routing_counts": None if self.routing_counts is None else self.routing_counts.to_dict(),
+            "hot_experts": self.hot.to_dict() if self.hot is not None else {"skipped": self.hot_note},
         }

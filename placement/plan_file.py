@@ -31,6 +31,7 @@ from placement.hot_experts import HotExperts, from_json, to_json
 from placement.layers import LayerLayout
 from placement.memory import MemorySettings
 from placement.plan import Placement, Plan
+from placement.routing import RoutingCounts
 from placement.rules import Rule
 
 VERSION = 1
@@ -45,6 +46,8 @@ HEADER = """\
 # Sizes are bytes (or strings such as 24GiB). `totals` is informational, recomputed on load.
 # hot_experts (from `offload plan --routing`): single experts of CPU-resident blocks held on a
 # GPU, as GPU -> blk.N -> [expert, ...]; llama.cpp cannot express them (whole tensors only).
+# routing (from `offload tune`): the per-expert routing counts it measured, as `offload profile`
+# writes them (`offload plan --routing` takes such a file).
 """
 # The speculative section's keys (placement.speculative.predict and offload tune write them)
 # and what each must be; n_max, p_min and profile have their own checks.
@@ -54,7 +57,7 @@ SPEC_TEXT = ("type", "source", "routing", "choice")
 SPEC_LISTS = ("rows", "measured_rows")
 SPEC_KEYS = {"n_max", "p_min", "profile", "tune", *SPEC_NUMBERS, *SPEC_COUNTS, *SPEC_TEXT, *SPEC_LISTS}
 TOP_KEYS = {"version", "model", "draft", "context", "cache_type", "ubatch", "devices", "layout",
-            "rules", "draft_placement", "speculative", "totals", "notes", "hot_experts"}
+            "rules", "draft_placement", "speculative", "totals", "notes", "hot_experts", "routing"}
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,11 @@ class PlanFile:
     n_layer: int
     speculative: Mapping[str, Any] | None
     hot_experts: HotExperts | None = None   # GPU → block → experts (checked against the model when resolved)
+    routing: RoutingCounts | None = None    # the routing profile ``offload tune`` measured (``routing:``)
 
 
-def plan_to_yaml(plan: Plan) -> str:
+def plan_to_yaml(plan: Plan, *, routing: RoutingCounts | None = None) -> str:
+    """The plan as YAML; ``routing`` (``offload tune``'s measured profile) goes in as ``routing:``."""
     layout = plan.placement.layout
     doc = {
         "version": VERSION,
@@ -91,6 +96,7 @@ def plan_to_yaml(plan: Plan) -> str:
                             "rules": [r.as_dict() for r in plan.placement.draft_rules]},
         "speculative": dict(plan.speculative) if plan.speculative else None,
         **({"hot_experts": to_json(plan.hot_experts)} if plan.hot_experts else {}),
+        **({"routing": routing.to_dict()} if routing is not None else {}),
         "notes": list(plan.notes),
         "totals": {t.name: {"weights": format_bytes(t.weights_bytes), "kv_cache": format_bytes(t.kv_bytes),
                             "compute": format_bytes(t.compute_bytes), "free_after": format_bytes(t.free_after_bytes)}
@@ -333,5 +339,12 @@ def load_plan_file(text: str, source: str) -> PlanFile:
         if dev not in gpus:
             doc.fail(("hot_experts", dev), f"hot_experts: {dev} is not one of the plan's GPUs "
                                            f"({', '.join(gpus) or 'none'})")
+    routing = None
+    if top.get("routing") is not None:
+        try:
+            routing = RoutingCounts.from_dict(top["routing"], "routing")
+        except PlacementError as exc:
+            doc.fail(("routing",), str(exc))
     return PlanFile(model, draft, settings, tuple(devices), targets,
-                    Placement(rules, layout, draft_rules, draft_device, layout_origin), n_layer, spec, hot)
+                    Placement(rules, layout, draft_rules, draft_device, layout_origin), n_layer, spec, hot,
+                    routing)

@@ -163,16 +163,19 @@ class RoutingCounts:
 
     # -- the file -----------------------------------------------------------------------------
     def to_yaml(self) -> str:
+        return HEADER + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=200)
+
+    def to_dict(self) -> dict:
+        """The file's mapping (``to_yaml`` without the header; a plan file's ``routing:``)."""
         def ints(c):
             return [int(x) if float(x).is_integer() else round(float(x), 6) for x in c]
-        doc = {"version": VERSION, "kind": "routing", "model": self.model, "n_expert": self.n_expert,
+        return {"version": VERSION, "kind": "routing", "model": self.model, "n_expert": self.n_expert,
                "n_expert_used": self.n_expert_used, "source": self.source, "tokens": self.tokens,
                "distinct": [round(x, 4) for x in self.distinct],
                "layers": {layer_key(i): ints(c) for i, c in sorted(self.layers.items())},
                "prompts": [{"name": p.name, "tokens": p.tokens,
                             "layers": {layer_key(i): ints(c) for i, c in sorted(p.layers.items())}}
                            for p in self.prompts]}
-        return HEADER + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=200)
 
     @classmethod
     def from_yaml(cls, text: str, source: str) -> RoutingCounts:
@@ -181,6 +184,11 @@ class RoutingCounts:
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             raise PlacementError(f"{source}:{mark.line + 1 if mark else 1}: malformed YAML") from None
+        return cls.from_dict(d, source)
+
+    @classmethod
+    def from_dict(cls, d: object, source: str) -> RoutingCounts:
+        """``to_dict``'s mapping, checked (``source`` names it in errors)."""
         if not isinstance(d, dict) or d.get("kind") != "routing":
             raise PlacementError(f"{source}: not a routing profile (expected 'kind: routing', "
                                  "as `offload profile` writes)")

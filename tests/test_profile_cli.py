@@ -1,4 +1,5 @@
-"""`offload profile`: routing counts per layer and expert over a prompt set, on the shipped model."""
+"""`offload profile`: routing counts per layer and expert over a prompt set (the NextN block's
+too), on the shipped model."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,7 +34,7 @@ def test_counts_cover_every_token_once_per_layer(tmp_path, capsys):
     lengths = [len(tok.encode(p.strip("\n"))) + 3 for p in PROMPTS.split("\n\n\n")]   # two paragraphs
     assert [p.tokens for p in r.prompts] == lengths and r.tokens == sum(lengths)
     assert r.source.startswith("prompt files: ") and (r.n_expert, r.n_expert_used) == (32, 4)
-    assert sorted(r.layers) == [1, 2, 3]                                      # block 0 is dense
+    assert sorted(r.layers) == [1, 2, 3, 4]          # block 0 is dense; 4 is the NextN block (drafting runs it)
     for layer, counts in r.layers.items():
         assert sum(counts) == 4 * r.tokens
         assert np.allclose(np.sum([p.layers[layer] for p in r.prompts], axis=0), counts)

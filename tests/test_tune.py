@@ -7,7 +7,10 @@
 - acceptance measured with a draft head that is the target itself is 1.0 at every position;
 - the fit recovers synthetic parameters on the shipped plan's footprint; the loop overheads
   and the choice rule reproduce hand-computed cases;
-- bad input: one line, status 2, the plan file untouched.
+- bad input: one line, status 2, the plan file untouched;
+- the per-expert routing counts include the NextN block (as drafting routes it) and the plan
+  stores them; the measured op-offload rates replace the profile's; on a virtual-GPU plan tune
+  compares the plan without and with hot experts, predicted and measured.
 
 No timing is asserted: the timings only have to exist and be positive.
 """
@@ -64,8 +67,10 @@ def test_tune_writes_a_plan_that_run_uses(capsys, tmp_path, plan_file):
                        "--json", out_json)
     assert rc == 0, err
     after = yaml.safe_load(plan_file.read_text())
-    assert {k: v for k, v in after.items() if k != "speculative"} == \
+    assert {k: v for k, v in after.items() if k not in ("speculative", "routing")} == \
         {k: v for k, v in before.items() if k != "speculative"}
+    assert after["routing"]["kind"] == "routing" and sorted(after["routing"]["layers"]) == \
+        ["blk.1", "blk.2", "blk.3", "blk.4"]                 # the measured profile, NextN block included
     spec = after["speculative"]
     assert spec["source"] == "tune" and spec["type"] == "mtp" and spec["p_min"] == 0.0
     assert spec["n_max"] in (0, 1, 2)
@@ -274,3 +279,94 @@ def test_measured_rows_hand_computed():
     assert one.speedups == pytest.approx((2.0, 4 / 3)) and one.speedup_mean == pytest.approx(5 / 3)
     assert one.expected_tokens == pytest.approx(1.8) and one.step_ms == pytest.approx(125.0)
     assert one.section_dict()["speedup_mean"] == 1.6667 and "speedups" not in one.section_dict()
+
+
+# -- routing counts (NextN included), the op-offload rates, hot experts ---------------------
+
+def test_routing_counts_include_the_nextn_block_and_restore_the_routers(session):
+    texts = [session.tokenize(TASKS["code"])[:40], session.tokenize(TASKS["story"])[:30]]
+    counts = measure.routing_counts(session, texts, ["code", "story"], source="test", model="m", max_batch=3)
+    cfg = session.config
+    nextn = measure.own_nextn_layer(session)
+    assert nextn == cfg.n_layer == 4                          # the shipped model: blk.4 is its NextN block
+    assert sorted(counts.layers) == measure.moe_layers(session) + [nextn]
+    for layer, c in counts.layers.items():                    # every token routed once per layer, NextN too
+        assert sum(c) == cfg.n_expert_used * 70
+    assert [p.tokens for p in counts.prompts] == [40, 30]
+    assert counts.layers[nextn] != counts.layers[1]
+    assert counts.distinct[0] == cfg.n_expert_used
+    # the head's routing is what drafting would route: the same pairs through the head directly
+    head = session.model.nextn
+    assert not isinstance(head.block.ffn.router, measure._RecordingRouter)
+    assert all(not isinstance(b.ffn.router, measure._RecordingRouter) for b in session.model.blocks
+               if isinstance(getattr(b, "ffn", None), measure.MoE))
+    import torch
+    ids = texts[1]
+    rec = measure._RecordingRouter(head.block.ffn.router)
+    with torch.inference_mode():
+        state = session.model.new_state(head)
+        z, h = session.model.forward(torch.as_tensor(ids), state, logits="last")
+        head.block.ffn.router = rec
+        try:
+            head(torch.as_tensor(ids[1:] + [int(torch.argmax(z[-1]))]), h, torch.arange(1, len(ids) + 1),
+                 state.nextn_cache, logits="none")
+        finally:
+            head.block.ffn.router = rec.router
+    direct = np.bincount(np.concatenate(rec.ids).ravel(), minlength=cfg.n_expert)
+    assert list(counts.prompts[1].layers[nextn]) == [float(x) for x in direct]
+
+
+def test_flops_per_assignment_is_two_per_expert_parameter(session):
+    from offload.gguf_model import open_model
+    from placement.op_offload import flops_per_assignment
+
+    m = open_model(SHIPPED)
+    tensors, spec = m.tensors, m.spec
+    # gate, up: (n_ff, n_embd); down: (n_embd, n_ff) per expert
+    assert flops_per_assignment(tensors, 1) == 2.0 * 3 * spec.n_ff_exp * spec.n_embd
+    got = measure.measure_cpu_batched(session, tensors, batch=64, repeats=1)
+    assert got is not None and got[0] > 0 and got[1] == 1 and got[2] > 0
+
+
+def test_measured_rates_replace_the_profile_values():
+    from offload.commands.tune import with_prefill_rates
+    from placement.hardware import GpuProfile
+
+    hw = HardwareProfile(gpus={"CUDA0": GpuProfile("x", 900.0, 25.0), "CUDA1": GpuProfile("y", 900.0, 25.0)})
+    rates = measure.PrefillRates(42.0, 1, 512, 0.1, {"CUDA0": 12.5}, ())
+    out = with_prefill_rates(hw, rates)
+    assert out.cpu_batched_gflops == 42.0 and out.gpus["CUDA0"].link_gbps == 12.5
+    assert out.gpus["CUDA1"] == hw.gpus["CUDA1"]
+    kept = with_prefill_rates(hw, measure.PrefillRates(None, None, 512, 0.0, {}, ("no CPU layer",)))
+    assert kept == hw
+
+
+def test_tune_on_virtual_gpus_compares_hot_experts_and_stores_routing_and_rates(capsys, tmp_path):
+    """A plan with room for hot experts on a (virtual) GPU: tune writes the routing it measured
+    into the plan (and --routing-out), the measured CPU batched rate into the profile, and
+    compares the plan without and with hot experts, predicted and measured."""
+    from placement.plan_file import load_plan_file
+    from placement.routing import RoutingCounts
+
+    plan = tmp_path / "plan.yaml"
+    assert cli(capsys, "plan", SHIPPED, "--devices", "CUDA0=20MiB,CPU=4GiB", "--cpu-moe", "--fit", "on",
+               "--fit-target", "0", "-o", plan)[0] == 0
+    out_json, routing = tmp_path / "tune.json", tmp_path / "routing.yaml"
+    rc, out, err = cli(capsys, "tune", "--placement", plan, "--virtual-gpus", "--max-n", "2", "--budget", "20s",
+                       "-n", "16", "--json", out_json, "--routing-out", routing)
+    assert rc == 0, err
+    d = json.loads(out_json.read_text())
+    pf = load_plan_file(plan.read_text(), str(plan))
+    assert pf.routing is not None and sorted(pf.routing.layers) == [1, 2, 3, 4]
+    assert RoutingCounts.from_file(str(routing)) == pf.routing
+    rates = d["op_offload_rates"]
+    assert rates["cpu_batched_gflops"] > 0 and rates["link_gbps"] == {}
+    assert any("CUDA0" in n and "no CUDA device" in n for n in rates["notes"])
+    hw = pf.speculative["profile"]["hardware"]
+    assert hw["cpu_batched_gflops"] == rates["cpu_batched_gflops"]     # what offload run --placement reads
+    hot = d["hot_experts"]
+    assert hot["virtual_gpus"] is True and "CUDA0" in hot["hot_experts"]
+    assert all(v > 0 for side in hot["measured_plain_tps"].values() for v in side)
+    assert len(hot["measured_plain_tps"]["without"]) == len(hot["measured_plain_tps"]["with"]) >= 1
+    assert hot["predicted_plain_tps"]["with"] >= hot["predicted_plain_tps"]["without"] > 0
+    assert "without hot experts" in out and "CPU-backed" in out

@@ -12,7 +12,13 @@ Phases (progress on stderr; --budget is wall time from the start, load included)
                        the B pairs a step's first draft pass runs; B = 1 is a chained step),
                        and short runs of the real decode loop, plain and drafting at max-n,
                        from the same position: interleaved rounds, medians
-     routing           distinct routed experts per CPU-resident MoE layer in B-token windows
+     routing           distinct routed experts per CPU-resident MoE layer in B-token windows,
+                       and per-expert counts of every MoE layer (the NextN block's too, run
+                       over the text as drafting feeds it): written into the plan's routing:
+                       section (and to --routing-out, as `offload profile -o` writes it)
+     op-offload rates  the CPU's batched MoE rate (one CPU-resident layer's experts over a
+                       ubatch of tokens) and, on a real CUDA device only, pinned host->device
+                       bandwidth; stored in the plan's profile, where --op-offload auto reads them
   3. acceptance        speculative decoding at n_max = max-n on every prompt, per p_min:
                        conditional acceptance a_j per draft position (and c_j under p_min)
      fit               placement.cost.fit_profile (cpu_read, cpu_compute, cpu_layer, forward)
@@ -24,6 +30,9 @@ Phases (progress on stderr; --budget is wall time from the start, load included)
                        reversed every other repeat); repeats while the budget left holds one
                        more (at least one, so a tight budget can overrun by up to a repeat);
                        measured speedup = tokens/s(n) / tokens/s(0) of the same repeat
+  5. hot experts (15 %, plans with a GPU) the plan without and with hot experts chosen from the
+                       measured routing: predicted plain decode t/s and break-even n_max, and
+                       measured plain decode t/s of both plans (a second session), paired
 
 Phases 1 and 3 are one generation per prompt each, so their time follows -n and the
 number of prompts; the pass timings take 15 % of the budget; the runs take what is left.
@@ -59,8 +68,9 @@ from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args, read_plan_file
 from offload.commands.run import add_session_arguments, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
-from offload.tune_result import MeasuredRow, RunRecord, StepTerms, TuneResult
+from offload.tune_result import HotComparison, MeasuredRow, RunRecord, StepTerms, TuneResult
 from placement.draft import NoDraftHead, check_p_min
+from placement.errors import PlacementError
 
 DEFAULT_MAX_N = 6
 DEFAULT_BUDGET_S = 120.0
@@ -70,6 +80,7 @@ MIN_TOKENS = 16
 PASSES_SHARE = 0.15         # of --budget for the pass timings; the runs get what is left
 FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")
 RUN_ALL_UP_TO = 4            # run every n_max 1..min(4, max-n) when the budget allows
+HOT_SHARE = 0.15            # of --budget kept for the hot-expert comparison (plans with a GPU)
 
 
 def _budget(text: str) -> float:
@@ -142,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the tuned plan here (default: back into --placement's file; without "
                         "--placement nothing is written unless -o is given)")
     p.add_argument("--json", metavar="PATH", help="write every measurement, the fit and both tables as JSON")
+    p.add_argument("--routing-out", metavar="ROUTING.yaml",
+                   help="also write the measured per-expert routing profile here (as `offload profile -o`); "
+                        "it always goes into the plan's routing: section")
     add_session_arguments(p)
     add_placement_arguments(p)
     return p
@@ -231,8 +245,11 @@ def main(argv=None) -> int:
 
     tuned = dataclasses.replace(plan, speculative=result.section, notes=_file_notes(args.placement, plan))
     print(format_report(result))
+    if args.routing_out:
+        write_atomic(args.routing_out, result.routing_counts.to_yaml())
+        say(f"wrote the measured routing profile to {args.routing_out}")
     if out_path:
-        write_atomic(out_path, plan_to_yaml(tuned))
+        write_atomic(out_path, plan_to_yaml(tuned, routing=result.routing_counts))
         say(f"wrote n_max {result.section['n_max']}, p_min {result.section['p_min']:g} into {out_path}")
     else:
         say("no plan written (give -o PLAN.yaml, or tune a --placement file)")
@@ -283,6 +300,12 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     uniform = [distinct_experts_uniform(cfg.n_expert, cfg.n_expert_used, b) for b in range(1, max_n + 2)]
     say("routing: distinct experts per layer (blk " + ",".join(map(str, layers)) + ") B=1.. "
         + " ".join(f"{d:.2f}" for d in routing.distinct) + "; uniform " + " ".join(f"{u:.2f}" for u in uniform))
+    counts = measure.routing_counts(session, [c.prompt + c.tokens for c in calib], names,
+                                    source=f"offload tune calibration ({args.prompts or 'bench tasks'}, "
+                                           f"{n_tok} generated per prompt)",
+                                    model=plan.model_path, max_batch=max_n + 1)
+    say(f"routing: per-expert counts over {counts.tokens} tokens, blocks "
+        + ",".join(map(str, sorted(counts.layers))) + " (NextN included when the model has one)")
 
     # the two rates --op-offload auto weighs: the CPU's batched MoE rate, host->device bandwidth
     rates = measure.measure_prefill_rates(session, model.tensors, batch=plan.settings.ubatch)
@@ -329,7 +352,8 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     rep_times: list[float] = []
     rep = 0
     # one repeat always; another while the budget left holds one more of the repeats so far
-    while rep == 0 or clock.left() > max(rep_times):
+    reserve = budget * HOT_SHARE if any(d.is_gpu for d in plan.devices) else 0.0   # for the hot comparison
+    while rep == 0 or clock.left() - reserve > max(rep_times):
         t_rep = clock.elapsed()
         order = stages if rep % 2 == 0 else stages[::-1]
         for i, ids in enumerate(prompts):
@@ -343,6 +367,9 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
             + " ".join(f"n{m.n_max} {m.speedups[-1]:.3f}" for m in row if m.n_max))
     measured = _measured_rows(records, stages)
     chosen, rule = choose(table.best.n, measured)
+    hot, hot_note = compare_hot(session, plan, model, draft, prompts, counts, SpecProfile(hw, table.acceptance, routing),
+                                args, clock, max_n=max_n)
+    say(f"hot experts: {hot_note}" if hot is None else "hot experts: compared (see the report)")
     load1 = os.getloadavg()[0]
 
     # the plan section: predict()'s shape with the measured profile, then tune's choice
@@ -374,7 +401,59 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         routing=routing, routing_layers=tuple(layers), routing_uniform=tuple(uniform),
         acceptance=accept, fit=fit, fit_free=tuple(free), hardware=hw, predicted=tables,
         p_min=p_min, stages=tuple(stages), repeats=rep, runs=tuple(records), measured=tuple(measured),
-        chosen_n_max=chosen, choice=rule, section=section, prefill=rates)
+        chosen_n_max=chosen, choice=rule, section=section, prefill=rates, routing_counts=counts,
+        hot=hot, hot_note=hot_note)
+
+
+def compare_hot(session, plan, model, draft, prompts, counts, profile, args, clock: Clock, *,
+                max_n: int) -> tuple[HotComparison | None, str]:
+    """The plan without and with hot experts chosen from ``counts``: predicted (``hot_gain``
+    with the fitted ``profile`` and the counts' per-expert rates) and measured plain decode
+    t/s, the two sessions alternating per prompt (order reversed every other repeat) while
+    the budget lasts (at least one repeat). (None, why) when there is nothing to compare."""
+    from offload import runtime
+    from offload import tune as measure
+    from placement.hot_experts import describe
+    from placement.plan import build_plan
+    from placement.planner import add_hot_experts
+    from placement.speculative import hot_gain
+
+    if not any(d.is_gpu for d in plan.devices):
+        return None, "not compared: the plan has no GPU to hold any"
+    base = plan if not plan.hot_experts else dataclasses.replace(
+        build_plan(model, plan.placement, plan.settings, plan.devices, plan.targets, mode=plan.mode, draft=draft,
+                   notes=plan.notes), speculative=plan.speculative)
+    try:
+        hot_plan = plan if plan.hot_experts else add_hot_experts(plan, model, counts, draft)
+    except PlacementError as exc:
+        return None, f"not compared: {exc}"
+    if not hot_plan.hot_experts:
+        return None, "not compared: no GPU has room above its target for a single expert of a CPU-resident block"
+    try:
+        gain = hot_gain(hot_plan, model, draft, hits=counts, profile=profile, max_n=max_n)
+    except PlacementError as exc:
+        return None, f"not compared: {exc}"
+    other = runtime.load_plan(model, base if plan.hot_experts else hot_plan, virtual_gpus=args.virtual_gpus,
+                              gpu_dtype=args.gpu_dtype, op_offload=args.op_offload, threads=args.threads, quiet=True)
+    sessions = (other, session) if plan.hot_experts else (session, other)     # (without, with)
+    tps: tuple[list[float], list[float]] = ([], [])
+    with other:
+        other.warmup()
+        rep_s = 0.0
+        while not tps[0] or clock.left() > rep_s:
+            t0 = clock.elapsed()
+            order = (0, 1) if len(tps[0]) % 2 == 0 else (1, 0)
+            runs: dict[int, list] = {0: [], 1: []}
+            for ids in prompts:
+                for side in order:
+                    runs[side].append(measure.decode(sessions[side], ids, n_tokens=args.n_predict))
+            for side in (0, 1):
+                tps[side].append(sum(r.produced for r in runs[side]) / sum(r.eval_s for r in runs[side]))
+            rep_s = clock.elapsed() - t0
+    virtual = any(d.is_gpu for d in plan.devices) and bool(session.devices.virtual)
+    return HotComparison(describe(hot_plan.hot_experts, model.tensors), (gain.tps_without, gain.tps_with),
+                         (gain.break_even_without, gain.break_even_with), (tuple(tps[0]), tuple(tps[1])),
+                         virtual), ""
 
 
 def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow]) -> list[StepTerms]:
@@ -522,6 +601,7 @@ def format_report(r: TuneResult) -> str:
     for t in r.terms:
         lines.append(f"{t.n_max:>5} {t.draft_pred:>7.2f}/{t.draft_meas:<7.2f} "
                      f"{t.verify_pred:>7.2f}/{t.verify_meas:<7.2f} {t.loop_pred:>6.2f}/{t.loop_meas:<6.2f}")
+    lines += ["", r.hot.format() if r.hot is not None else f"hot experts: {r.hot_note}"]
     best_meas = max(r.measured, key=lambda m: m.speedup_mean)
     lines += [
         "",
