@@ -6,6 +6,7 @@ over touched experts, never over tokens × experts.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from gpu.ffn import GLU
@@ -94,26 +95,119 @@ class ExpertSubset:
         return self.experts(x, self.local[ids.to(self.device)], weights, keep=self.keep)
 
 
+class StagingBuffers:
+    """Op offload's copies, double-buffered: two device buffers of ``n_bytes`` (the largest
+    expert tensor streamed to ``device``), shared by every streamed layer there. Tensor i+1 is
+    copied into one while tensor i is computed from the other. On CUDA each device buffer has
+    a pinned host twin: the touched experts' rows are gathered from the mapped file into it
+    and copied on a second stream, with events ordering the copy after the last compute that
+    read the buffer and the compute after the copy. On a CPU-backed device (``--virtual-gpus``)
+    the same steps run synchronously (the rows are gathered straight into the buffer)."""
+
+    def __init__(self, device: torch.device, n_bytes: int):
+        self.device, self.n_bytes = device, int(n_bytes)
+        self.cuda = device.type == "cuda"
+        self.dev = [torch.empty(self.n_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.host = ([torch.empty(self.n_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+                     if self.cuda else None)
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copied: list = [None, None]      # buffer i's host→device copy is done
+        self.used: list = [None, None]        # the last compute that read buffer i is done
+
+    @property
+    def device_bytes(self) -> int:
+        return 2 * self.n_bytes
+
+    def load(self, i: int, data: np.ndarray, sel: np.ndarray) -> torch.Tensor:
+        """Rows ``sel`` of ``data`` (a mapped (E, ...) tensor) into buffer i → a view on the
+        device shaped (len(sel), ...) in ``data``'s dtype (ready after ``ready(i)``)."""
+        shape = (len(sel),) + tuple(data.shape[1:])
+        n = int(np.prod(shape)) * data.itemsize
+        if n > self.n_bytes:
+            raise ValueError(f"op offload: {n} bytes do not fit the {self.n_bytes}-byte staging buffer")
+        dtype = torch.from_numpy(np.empty(0, dtype=data.dtype)).dtype
+        if not self.cuda:
+            np.take(data, sel, axis=0, out=self.dev[i][:n].numpy().view(data.dtype).reshape(shape))
+            return self.dev[i][:n].view(dtype).reshape(shape)
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()                  # the pinned twin's last copy has left
+        np.take(data, sel, axis=0, out=self.host[i][:n].numpy().view(data.dtype).reshape(shape))
+        with torch.cuda.stream(self.copy_stream):
+            if self.used[i] is not None:
+                self.copy_stream.wait_event(self.used[i])
+            self.dev[i][:n].copy_(self.host[i][:n], non_blocking=True)
+            self.copied[i] = torch.cuda.Event()
+            self.copied[i].record(self.copy_stream)
+        return self.dev[i][:n].view(dtype).reshape(shape)
+
+    def ready(self, i: int) -> None:
+        """The compute stream waits for buffer i's copy."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.copied[i])
+
+    def release(self, i: int) -> None:
+        """Buffer i's compute is queued; its next copy waits for it."""
+        if self.cuda:
+            self.used[i] = torch.cuda.Event()
+            self.used[i].record(torch.cuda.current_stream(self.device))
+
+
 class StreamedExperts:
     """Routed experts that live in host RAM, run on ``device`` for a large batch ("op
     offload"): each call copies the raw GGUF slices of the experts the batch touches (and
-    ``owned``, when given, still holds on the host) to the device and computes them there.
-    ``stages``: stage name ("gate", "up", "gate_up", "down") → (raw host array, quant type,
-    shape). The copies are plain synchronous uploads (not pinned, not double-buffered)."""
+    ``owned``, when given, still holds on the host) to the device, one expert tensor at a time
+    through ``StagingBuffers`` (double-buffered: the copy of the next tensor overlaps the
+    compute of this one), and computes them stage by stage (gate, up, then down; or gate_up,
+    down) over all the batch's assignments. ``stages``: stage name ("gate", "up", "gate_up",
+    "down") → (raw host array, quant type, shape). ``staging``: the device's shared buffers
+    (``offload.runtime`` sizes them for every streamed layer); None: this layer's own."""
 
     def __init__(self, stages: dict, *, device: torch.device, compute_dtype: torch.dtype,
-                 owned=None):
+                 owned=None, staging: StagingBuffers | None = None, act: str = "silu"):
         self.stages, self.device, self.dtype, self.owned = stages, device, compute_dtype, owned
         self.n_expert = next(iter(stages.values()))[2][0]
+        self.order = ("gate_up", "down") if "gate_up" in stages else ("gate", "up", "down")
+        self.glu = GLU[act]
+        self.staging = staging
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max(data.nbytes for data, _, _ in self.stages.values())
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: (T, n_embd), ids/weights: (T, k) global → (T, n_embd) float32 on x's device."""
         touched = torch.unique(ids.cpu())
         if self.owned is not None:
             touched = touched[torch.as_tensor(self.owned)[touched]]
         if touched.numel() == 0:
             return torch.zeros_like(x)
-        sel = touched.numpy()
-        parts = {s: QuantTensor.upload(data[sel], qtype, (len(sel),) + tuple(shape[1:]), self.device)
-                 for s, (data, qtype, shape) in self.stages.items()}
-        experts = TorchExperts(**parts, compute_dtype=self.dtype)
-        return ExpertSubset(experts, sel.tolist(), self.n_expert)(x, ids, weights)
+        if self.staging is None:
+            self.staging = StagingBuffers(self.device, self.largest_tensor_bytes)
+        sel, buf, dev, c = touched.numpy(), self.staging, self.device, self.dtype
+        # global id → index in the staged rows; every other expert → a sentinel ``keep`` drops
+        local = torch.full((self.n_expert,), len(sel), dtype=torch.long)
+        local[touched] = torch.arange(len(sel))
+        keep = torch.cat([torch.ones(len(sel), dtype=torch.bool), torch.zeros(1, dtype=torch.bool)])
+        tok, w, runs = group_by_expert(local[ids.cpu()].to(dev), weights.to(dev), keep.to(dev))
+        xs = x.to(dev)[tok].to(c)                                    # (A, n_embd), A = assignments
+
+        def load(j: int) -> QuantTensor:
+            data, qtype, shape = self.stages[self.order[j]]
+            return QuantTensor(buf.load(j % 2, data, sel), qtype, (len(sel),) + tuple(shape[1:]))
+
+        acts: dict[str, torch.Tensor] = {}
+        q = load(0)
+        for j, stage in enumerate(self.order):
+            nxt = load(j + 1) if j + 1 < len(self.order) else None    # copied while this stage computes
+            buf.ready(j % 2)
+            inp = xs if stage != "down" else self.glu(*(acts["gate_up"].chunk(2, dim=-1) if "gate_up" in acts
+                                                        else (acts["gate"], acts["up"])))
+            out = torch.empty(inp.shape[0], q.shape[1], dtype=c, device=dev)   # (A, rows)
+            for e, s, n in runs:
+                out[s:s + n] = q[e].linear(inp[s:s + n], c)
+            buf.release(j % 2)
+            acts[stage] = out
+            q = nxt
+        y = torch.zeros(x.shape, dtype=torch.float32, device=dev)
+        y.index_add_(0, tok, acts["down"].float() * w[:, None])
+        return y.to(x.device)

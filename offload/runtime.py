@@ -320,6 +320,7 @@ def enable_op_offload(net: CausalLM, weights: WeightStore, plan: Plan, model: Mo
     of at least the threshold (``placement.op_offload``: ``on`` llama.cpp's 32, ``auto`` the
     cost model's choice for the plan's hardware profile; on ``--virtual-gpus`` ``auto`` stays
     off: a CPU-backed device gains nothing). → (threshold or None, a line saying what was chosen)."""
+    from gpu.experts import StagingBuffers
     from offload.cpu_ops import CpuExperts
     from offload.moe import MoE
     from placement.cost import FootprintError, SpecProfile
@@ -349,13 +350,26 @@ def enable_op_offload(net: CausalLM, weights: WeightStore, plan: Plan, model: Mo
     threshold = choose_threshold(mode, prefill)
     if threshold is None:
         return None, "op offload: off (no RAM-resident experts, or streaming never pays on this box)"
-    n = 0
+    streamed: dict[str, list] = {}
+    skipped = []
     for i, block in enumerate(net.blocks):
         moe = getattr(block, "ffn", None)
         if isinstance(moe, MoE) and isinstance(moe.experts, CpuExperts):
+            if moe.experts.act != "silu" or moe.experts.biases:     # the streamed path computes plain SwiGLU
+                skipped.append(i)
+                continue
             on = block.device_name if block.device_name != "CPU" else gpus[0]
             moe.stream, moe.stream_min = weights.streamed_experts(f"blk.{i}", on, moe.owned), threshold
-            n += 1
+            streamed.setdefault(on, []).append(moe.stream)
+    # one pair of staging buffers per GPU, for the largest expert tensor streamed there
+    # (placement.compute.op_offload_staging_bytes counts them in the plan)
+    for on, streams in streamed.items():
+        staging = StagingBuffers(weights.devices[on], max(st.largest_tensor_bytes for st in streams))
+        for st in streams:
+            st.staging = staging
+    n = sum(len(v) for v in streamed.values())
     why = "llama.cpp's default" if mode == "on" else f"cost model, profile {hw.source}"
     return threshold, (f"op offload: passes of >= {threshold} tokens stream the RAM-resident experts of "
-                       f"{n} layers to a GPU ({mode}: {why})")
+                       f"{n} layers to a GPU ({mode}: {why}; pinned, double-buffered staging)"
+                       + (f"; not blk.{','.join(map(str, skipped))} (expert biases or a non-SwiGLU "
+                          "activation: the streamed path does not compute them)" if skipped else ""))

@@ -80,3 +80,40 @@ def test_plan_prints_the_auto_threshold(fixture_paths, models):
     assert op["threshold"] == m.threshold() and op["ubatch"] == 512
     assert op["prefill_tps"]["streamed"] == round(m.tokens_per_second(512, streamed=True), 2)
     assert f"passes of >= {m.threshold()} tokens" in offload(*args).stdout
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_staged_streaming_equals_the_resident_experts(fused):
+    """``StreamedExperts`` through ``StagingBuffers`` (double-buffered, stage by stage) against
+    ``TorchExperts`` holding the same raw Q8_0 bytes, with an ``owned`` mask, over two calls
+    that reuse the buffers. Same dequantized weights and float32 math: 1e-5 of the largest
+    value covers the different summation order of the per-stage matmuls."""
+    import torch
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    from gpu.experts import ExpertSubset, StagingBuffers, StreamedExperts, TorchExperts
+    from gpu.quant import QuantTensor
+
+    rng = np.random.default_rng(7)
+    E, n_ff, n_embd, k = 6, 32, 64, 2
+    shapes = ({"gate_up": (E, 2 * n_ff, n_embd)} if fused else
+              {"gate": (E, n_ff, n_embd), "up": (E, n_ff, n_embd)}) | {"down": (E, n_embd, n_ff)}
+    raw = {s: quantize(rng.standard_normal(shape).astype(np.float32), Q.Q8_0) for s, shape in shapes.items()}
+    cpu = torch.device("cpu")
+    stages = {s: (raw[s], Q.Q8_0, shapes[s]) for s in shapes}
+    owned = np.ones(E, dtype=bool)
+    owned[2] = False                                   # held elsewhere (a hot expert): not streamed
+    held = np.flatnonzero(owned)
+    resident = TorchExperts(**{s: QuantTensor.upload(raw[s][held], Q.Q8_0, (len(held),) + shapes[s][1:], cpu)
+                               for s in shapes})
+    want_of = ExpertSubset(resident, held.tolist(), E)
+    staging = StagingBuffers(cpu, max(r.nbytes for r in raw.values()))
+    got_of = StreamedExperts(stages, device=cpu, compute_dtype=torch.float32, owned=owned, staging=staging)
+    assert staging.device_bytes == 2 * max(r.nbytes for r in raw.values())
+    for t in (9, 40):
+        x = torch.from_numpy(rng.standard_normal((t, n_embd)).astype(np.float32))
+        ids = torch.from_numpy(np.stack([rng.choice(E, k, replace=False) for _ in range(t)]))
+        w = torch.from_numpy(rng.random((t, k)).astype(np.float32))
+        want, got = want_of(x, ids, w), got_of(x, ids, w)
+        assert torch.abs(got - want).max() <= 1e-5 * torch.abs(want).max()
