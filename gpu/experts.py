@@ -95,14 +95,28 @@ class ExpertSubset:
         return self.experts(x, self.local[ids.to(self.device)], weights, keep=self.keep)
 
 
+# Op offload copies an expert tensor's touched experts in chunks of at most this many bytes
+# (at least one expert's slice): the staging stays small next to a big model's expert tensors
+# (DeepSeek-V3's Q6_K ffn_down_exps is 3.1 GB) while each copy is long enough to run at the
+# link's speed. placement.compute.STAGING_CHUNK_BYTES mirrors it (a test ties them).
+STAGING_CHUNK_BYTES = 256 << 20
+
+
+def staging_buffer_bytes(tensor_bytes: int, n_expert: int) -> int:
+    """One staging buffer for an (n_expert, ...) tensor of ``tensor_bytes``: the chunk size,
+    within [one expert's slice, the whole tensor]."""
+    return min(tensor_bytes, max(STAGING_CHUNK_BYTES, tensor_bytes // n_expert))
+
+
 class StagingBuffers:
-    """Op offload's copies, double-buffered: two device buffers of ``n_bytes`` (the largest
-    expert tensor streamed to ``device``), shared by every streamed layer there. Tensor i+1 is
-    copied into one while tensor i is computed from the other. On CUDA each device buffer has
-    a pinned host twin: the touched experts' rows are gathered from the mapped file into it
-    and copied on a second stream, with events ordering the copy after the last compute that
-    read the buffer and the compute after the copy. On a CPU-backed device (``--virtual-gpus``)
-    the same steps run synchronously (the rows are gathered straight into the buffer)."""
+    """Op offload's copies, double-buffered: two device buffers of ``n_bytes`` (a chunk of the
+    largest expert tensor streamed to ``device``, ``staging_buffer_bytes``), shared by every
+    streamed layer there. Chunk i+1 is copied into one while chunk i is computed from the
+    other. On CUDA each device buffer has a pinned host twin: the touched experts' rows are
+    gathered from the mapped file into it and copied on a second stream, with events ordering
+    the copy after the last compute that read the buffer and the compute after the copy. On a
+    CPU-backed device (``--virtual-gpus``) the same steps run synchronously (the rows are
+    gathered straight into the buffer)."""
 
     def __init__(self, device: torch.device, n_bytes: int):
         self.device, self.n_bytes = device, int(n_bytes)
@@ -155,12 +169,12 @@ class StagingBuffers:
 class StreamedExperts:
     """Routed experts that live in host RAM, run on ``device`` for a large batch ("op
     offload"): each call copies the raw GGUF slices of the experts the batch touches (and
-    ``owned``, when given, still holds on the host) to the device, one expert tensor at a time
-    through ``StagingBuffers`` (double-buffered: the copy of the next tensor overlaps the
-    compute of this one), and computes them stage by stage (gate, up, then down; or gate_up,
-    down) over all the batch's assignments. ``stages``: stage name ("gate", "up", "gate_up",
-    "down") → (raw host array, quant type, shape). ``staging``: the device's shared buffers
-    (``offload.runtime`` sizes them for every streamed layer); None: this layer's own."""
+    ``owned``, when given, still holds on the host) to the device in chunks through
+    ``StagingBuffers`` (double-buffered: the copy of the next chunk overlaps the compute of
+    this one), stage by stage (gate, up, then down; or gate_up, down) over all the batch's
+    assignments. ``stages``: stage name ("gate", "up", "gate_up", "down") → (raw host array,
+    quant type, shape). ``staging``: the device's shared buffers (``offload.runtime`` sizes
+    them for every layer streamed there); None: this layer's own."""
 
     def __init__(self, stages: dict, *, device: torch.device, compute_dtype: torch.dtype,
                  owned=None, staging: StagingBuffers | None = None, act: str = "silu"):
@@ -171,8 +185,17 @@ class StreamedExperts:
         self.staging = staging
 
     @property
-    def largest_tensor_bytes(self) -> int:
-        return max(data.nbytes for data, _, _ in self.stages.values())
+    def staging_bytes(self) -> int:
+        """One staging buffer for this layer's largest expert tensor."""
+        return max(staging_buffer_bytes(data.nbytes, self.n_expert) for data, _, _ in self.stages.values())
+
+    def _units(self, n_sel: int, chunk_bytes: int) -> list[tuple[str, int, int]]:
+        """(stage, first, end) over the touched experts: each stage's rows in chunks that fit."""
+        out = []
+        for stage in self.order:
+            per = max(1, chunk_bytes // self.stages[stage][0][0].nbytes)     # experts per chunk
+            out += [(stage, a, min(a + per, n_sel)) for a in range(0, n_sel, per)]
+        return out
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: (T, n_embd), ids/weights: (T, k) global → (T, n_embd) float32 on x's device."""
@@ -182,7 +205,7 @@ class StreamedExperts:
         if touched.numel() == 0:
             return torch.zeros_like(x)
         if self.staging is None:
-            self.staging = StagingBuffers(self.device, self.largest_tensor_bytes)
+            self.staging = StagingBuffers(self.device, self.staging_bytes)
         sel, buf, dev, c = touched.numpy(), self.staging, self.device, self.dtype
         # global id → index in the staged rows; every other expert → a sentinel ``keep`` drops
         local = torch.full((self.n_expert,), len(sel), dtype=torch.long)
@@ -190,23 +213,27 @@ class StreamedExperts:
         keep = torch.cat([torch.ones(len(sel), dtype=torch.bool), torch.zeros(1, dtype=torch.bool)])
         tok, w, runs = group_by_expert(local[ids.cpu()].to(dev), weights.to(dev), keep.to(dev))
         xs = x.to(dev)[tok].to(c)                                    # (A, n_embd), A = assignments
+        acts = {st: torch.empty(xs.shape[0], self.stages[st][2][1], dtype=c, device=dev) for st in self.order}
+        units = self._units(len(sel), buf.n_bytes)
 
         def load(j: int) -> QuantTensor:
-            data, qtype, shape = self.stages[self.order[j]]
-            return QuantTensor(buf.load(j % 2, data, sel), qtype, (len(sel),) + tuple(shape[1:]))
+            stage, a, b = units[j]
+            data, qtype, shape = self.stages[stage]
+            return QuantTensor(buf.load(j % 2, data, sel[a:b]), qtype, (b - a,) + tuple(shape[1:]))
 
-        acts: dict[str, torch.Tensor] = {}
+        hidden = None
         q = load(0)
-        for j, stage in enumerate(self.order):
-            nxt = load(j + 1) if j + 1 < len(self.order) else None    # copied while this stage computes
+        for j, (stage, a, b) in enumerate(units):
+            nxt = load(j + 1) if j + 1 < len(units) else None        # copied while this chunk computes
             buf.ready(j % 2)
-            inp = xs if stage != "down" else self.glu(*(acts["gate_up"].chunk(2, dim=-1) if "gate_up" in acts
-                                                        else (acts["gate"], acts["up"])))
-            out = torch.empty(inp.shape[0], q.shape[1], dtype=c, device=dev)   # (A, rows)
-            for e, s, n in runs:
-                out[s:s + n] = q[e].linear(inp[s:s + n], c)
+            if stage == "down" and hidden is None:                   # every gate/up chunk is done
+                hidden = self.glu(*(acts["gate_up"].chunk(2, dim=-1) if "gate_up" in acts
+                                    else (acts["gate"], acts["up"])))
+            inp = xs if stage != "down" else hidden
+            for e, s, n in runs:                                     # runs are sorted by local id
+                if a <= e < b:
+                    acts[stage][s:s + n] = q[e - a].linear(inp[s:s + n], c)
             buf.release(j % 2)
-            acts[stage] = out
             q = nxt
         y = torch.zeros(x.shape, dtype=torch.float32, device=dev)
         y.index_add_(0, tok, acts["down"].float() * w[:, None])

@@ -361,10 +361,10 @@ def enable_op_offload(net: CausalLM, weights: WeightStore, plan: Plan, model: Mo
             on = block.device_name if block.device_name != "CPU" else gpus[0]
             moe.stream, moe.stream_min = weights.streamed_experts(f"blk.{i}", on, moe.owned), threshold
             streamed.setdefault(on, []).append(moe.stream)
-    # one pair of staging buffers per GPU, for the largest expert tensor streamed there
+    # one pair of staging buffers per GPU, a chunk of the largest expert tensor streamed there
     # (placement.compute.op_offload_staging_bytes counts them in the plan)
     for on, streams in streamed.items():
-        staging = StagingBuffers(weights.devices[on], max(st.largest_tensor_bytes for st in streams))
+        staging = StagingBuffers(weights.devices[on], max(st.staging_bytes for st in streams))
         for st in streams:
             st.staging = staging
     n = sum(len(v) for v in streamed.values())

@@ -569,3 +569,57 @@ def peak_of_group(moments: Sequence[Moment], group: Iterable[str]) -> int:
     another)."""
     group = set(group)
     return max((sum(v for d, v in m.items() if d in group) for m in moments), default=0)
+
+
+STAGING_CHUNK_BYTES = 256 << 20     # gpu.experts.STAGING_CHUNK_BYTES: op offload copies in chunks
+
+
+def staging_buffer_bytes(t: TensorInfo) -> int:
+    """One op-offload staging buffer for expert tensor ``t`` (gpu.experts.staging_buffer_bytes):
+    a chunk, within [one expert's slice, the whole tensor]."""
+    return min(t.n_bytes, max(STAGING_CHUNK_BYTES, t.n_bytes // t.shape[0]))
+
+
+def streamable_expert_blocks(tensors: Sequence[TensorInfo]) -> dict[int, list[TensorInfo]]:
+    """Trunk blocks op offload can stream, with their 3-D routed-expert tensors: those without
+    expert biases (the streamed path computes plain SwiGLU experts)."""
+    by_block: dict[int, list[TensorInfo]] = defaultdict(list)
+    for t in tensors:
+        if t.layer is not None and not t.nextn and t.role is Role.ROUTED_EXPERTS:
+            by_block[t.layer].append(t)
+    return {i: ts for i, ts in by_block.items() if all(len(t.shape) == 3 for t in ts)}
+
+
+def block_anchors(tensors: Sequence[TensorInfo]) -> dict[int, TensorInfo]:
+    """Each block's largest attention tensor: where the block computes (its home)."""
+    attn: dict[int, TensorInfo] = {}
+    for t in tensors:
+        if t.role is Role.ATTENTION and t.layer is not None and (t.layer not in attn or t.n_bytes > attn[t.layer].n_bytes):
+            attn[t.layer] = t
+    return attn
+
+
+def op_offload_staging_bytes(tensors: Sequence[TensorInfo], device_of: Callable[[TensorInfo], str],
+                             host_backed: Iterable[str] = ()) -> dict[str, int]:
+    """Op offload's staging VRAM, a term of its own in each GPU's compute bytes:
+    ``offload.runtime`` gives every GPU that RAM-resident experts stream to one pair of
+    ``gpu.experts.StagingBuffers``, each a chunk (``staging_buffer_bytes``) of the largest
+    routed-expert tensor streamed there (double buffering: chunk i+1 is copied while chunk i
+    computes). Streamed: trunk
+    blocks whose expert tensors are all on the CPU (``streamable_expert_blocks``), to the
+    block's own GPU (its attention's), else the first GPU. Counted whenever the plan has such
+    blocks and a real GPU, since ``--op-offload auto`` (the default) may stream; not on
+    host-backed GPUs (``--virtual-gpus``), to which ``auto`` never streams."""
+    gpus = sorted({device_of(t) for t in tensors} - {CPU})
+    if not gpus:
+        return {}
+    attn = block_anchors(tensors)
+    largest: dict[str, int] = {}
+    for i, mats in streamable_expert_blocks(tensors).items():
+        if any(device_of(t) != CPU for t in mats):
+            continue
+        home = device_of(attn[i]) if i in attn else CPU
+        gpu = home if home != CPU else gpus[0]
+        largest[gpu] = max(largest.get(gpu, 0), max(staging_buffer_bytes(t) for t in mats))
+    skip = set(host_backed)
+    return {g: 2 * n for g, n in largest.items() if g not in skip}

@@ -42,6 +42,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from placement.compute import block_anchors, staging_buffer_bytes, streamable_expert_blocks
 from placement.devices import CPU, Device, format_bytes
 from placement.errors import PlacementError
 from placement.layers import LayerLayout, output_slot_member
@@ -78,7 +79,8 @@ class _Forward:
     holding some of the tensors would need. Per-block answers are cached by what the GPU
     holds of the block: the fit asks the same questions many times."""
 
-    def __init__(self, model: PlannedModel, draft: PlannedModel | None, s: MemorySettings):
+    def __init__(self, model: PlannedModel, draft: PlannedModel | None, s: MemorySettings,
+                 first_gpu: str | None = None):
         self.parts = [(False, forward_model(model.spec, model.tensors, s),
                        kv_blocks(model, draft is None and model.spec.n_nextn > 0))]
         if draft is not None:
@@ -86,6 +88,12 @@ class _Forward:
                                sorted({t.layer for t in draft.tensors if t.layer is not None})))
         self.parts = [(d, fm, fm.run_order(order)) for d, fm, order in self.parts]
         self._cache: dict[tuple, int] = {}
+        # op offload's staging buffers (placement.compute.op_offload_staging_bytes), on real GPUs
+        self.first_gpu, self.host_backed = first_gpu, set(s.host_backed)
+        anchors = block_anchors(model.tensors)
+        self.streamable = {i: (anchors[i].name if i in anchors else None, frozenset(t.name for t in mats),
+                               max(staging_buffer_bytes(t) for t in mats))
+                           for i, mats in streamable_expert_blocks(model.tensors).items()}
 
     def peak_on(self, gpu: str, placed: Mapping[tuple[bool, int | None], frozenset[str]]) -> int:
         """Compute bytes on ``gpu`` when it holds ``placed`` (names per (is_draft, block),
@@ -110,7 +118,22 @@ class _Forward:
                     self._cache[key] = max((m.get(gpu, 0) for m in fm.block_steps(i, dev_of, prev, trunk_home)),
                                            default=0)
                 best = max(best, self._cache[key])
-        return best
+        return best + self.staging_on(gpu, placed)
+
+    def staging_on(self, gpu: str, placed: Mapping[tuple[bool, int | None], frozenset[str]]) -> int:
+        """Op offload's staging on ``gpu`` (none on a GPU that holds nothing): two chunks of
+        the largest expert tensor of the blocks whose experts it does not hold and that compute
+        here, or (the first GPU) anywhere but here: exact with one GPU, an upper bound with
+        more (the experts may sit on another GPU, the block may compute on one)."""
+        if gpu in self.host_backed or not self.streamable or not any(placed.values()):
+            return 0
+        none: frozenset[str] = frozenset()
+        largest = 0
+        for i, (anchor, mats, n_bytes) in self.streamable.items():
+            mine = placed.get((False, i), none)
+            if not mats & mine and (anchor in mine or gpu == self.first_gpu):
+                largest = max(largest, n_bytes)
+        return 2 * largest
 
 
 class _Ledger:
@@ -398,7 +421,7 @@ def fit(model: PlannedModel, devices: Sequence[Device], targets: Mapping[str, in
     def attempt(ctx: int):
         s = replace(settings, ctx=ctx)
         slots = _slots(model, draft, s, pins)
-        forward = _Forward(model, draft, s)
+        forward = _Forward(model, draft, s, gpus[0].name)
         if _pinned_overflow(devices, targets, forward, slots) is not None:
             return s, slots, None
         return s, slots, _partition(gpus, targets, forward, slots, pins.tensor_split)
@@ -421,7 +444,7 @@ def fit(model: PlannedModel, devices: Sequence[Device], targets: Mapping[str, in
     if part is None:
         at = f" even at context {ctx_floor}" if ctx_floor is not None and ctx_floor < settings.ctx else ""
         s_min = replace(settings, ctx=min(settings.ctx, ctx_floor or settings.ctx))
-        slots_min, forward_min = _slots(model, draft, s_min, pins), _Forward(model, draft, s_min)
+        slots_min, forward_min = _slots(model, draft, s_min, pins), _Forward(model, draft, s_min, gpus[0].name)
         pinned = _pinned_overflow(devices, targets, forward_min, slots_min)
         if pinned is not None:
             raise PlacementError(pinned + at)

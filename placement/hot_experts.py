@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from placement.compute import F32, INT64
+from placement.compute import F32, INT64, op_offload_staging_bytes
 from placement.devices import CPU, format_bytes
 from placement.errors import PlacementError
 from placement.memory import Footprint, MemorySettings, attention_device, forward_model
@@ -84,13 +84,16 @@ def check_hot(hot: HotExperts, tensors: Sequence[TensorInfo], tensor_map: Mappin
 class HotCompute:
     """What running a block's hot experts adds to a GPU's compute: ``placement.compute``'s
     moments of ``gpu.experts.TorchExperts`` on that GPU for the block, at a full ubatch, plus
-    the FFN's own activations when the block computes there."""
+    the FFN's own activations when the block computes there, plus op offload's staging
+    buffers on that GPU (allocated beside every moment)."""
 
     def __init__(self, spec: ModelSpec, tensors: Sequence[TensorInfo], tensor_map: Mapping[str, str],
                  settings: MemorySettings):
         self.fm = forward_model(spec, tensors, settings)
         self.tensors, self.tensor_map, self.spec, self.T = tensors, tensor_map, spec, settings.ubatch
         self._cache: dict[tuple[int, str], int] = {}
+        # op offload's staging buffers stay allocated beside any moment (placement.compute)
+        self.staging = op_offload_staging_bytes(tensors, lambda t: tensor_map[t.name], settings.host_backed)
 
     def peak(self, layer: int, gpu: str) -> int:
         if (layer, gpu) not in self._cache:
@@ -98,7 +101,7 @@ class HotCompute:
             moments, _ = self.fm.routed(self.fm.blocks[layer], home, lambda _t: gpu)
             te = self.T * self.spec.n_embd * F32
             ffn_base = 3 * te + self.T * max(1, self.spec.n_expert_used) * (INT64 + F32) if home == gpu else 0
-            self._cache[layer, gpu] = ffn_base + max(m.get(gpu, 0) for m in moments)
+            self._cache[layer, gpu] = ffn_base + max(m.get(gpu, 0) for m in moments) + self.staging.get(gpu, 0)
         return self._cache[layer, gpu]
 
 

@@ -96,7 +96,7 @@ from dataclasses import dataclass, replace
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from placement.compute import Devices, ForwardModel, peak_per_device
+from placement.compute import Devices, ForwardModel, op_offload_staging_bytes, peak_per_device
 from placement.devices import Device
 from placement.errors import PlacementError
 from placement.layers import output_slot_member
@@ -237,6 +237,8 @@ def footprint(spec: ModelSpec, tensors: list[TensorInfo], placement: Mapping[str
         if dev is not None:
             kv[dev] += kv_bytes(spec, layer, s)
     compute = peak_per_device(forward_steps(spec, tensors, placement, s, kv_blocks=kv_blocks))
+    for dev, n in op_offload_staging_bytes(tensors, lambda t: placement[t.name], s.host_backed).items():
+        compute[dev] = compute.get(dev, 0) + n          # op offload's staging buffers, kept between passes
     devices = set(weights) | set(kv)
     return {d: Footprint(weights[d], kv[d], compute.get(d, 0)) for d in devices}
 

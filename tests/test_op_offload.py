@@ -82,9 +82,10 @@ def test_plan_prints_the_auto_threshold(fixture_paths, models):
     assert f"passes of >= {m.threshold()} tokens" in offload(*args).stdout
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_staged_streaming_equals_the_resident_experts(fused):
-    """``StreamedExperts`` through ``StagingBuffers`` (double-buffered, stage by stage) against
+@pytest.mark.parametrize("fused,chunk_experts", [(False, None), (True, None), (False, 2), (True, 1)])
+def test_staged_streaming_equals_the_resident_experts(fused, chunk_experts):
+    """``StreamedExperts`` through ``StagingBuffers`` (double-buffered, stage by stage, whole
+    tensors or chunks of ``chunk_experts`` experts of the largest tensor) against
     ``TorchExperts`` holding the same raw Q8_0 bytes, with an ``owned`` mask, over two calls
     that reuse the buffers. Same dequantized weights and float32 math: 1e-5 of the largest
     value covers the different summation order of the per-stage matmuls."""
@@ -108,12 +109,30 @@ def test_staged_streaming_equals_the_resident_experts(fused):
     resident = TorchExperts(**{s: QuantTensor.upload(raw[s][held], Q.Q8_0, (len(held),) + shapes[s][1:], cpu)
                                for s in shapes})
     want_of = ExpertSubset(resident, held.tolist(), E)
-    staging = StagingBuffers(cpu, max(r.nbytes for r in raw.values()))
+    largest = max(r.nbytes for r in raw.values())
+    staging = StagingBuffers(cpu, largest if chunk_experts is None else chunk_experts * largest // E)
     got_of = StreamedExperts(stages, device=cpu, compute_dtype=torch.float32, owned=owned, staging=staging)
-    assert staging.device_bytes == 2 * max(r.nbytes for r in raw.values())
+    assert staging.device_bytes == 2 * staging.n_bytes
     for t in (9, 40):
         x = torch.from_numpy(rng.standard_normal((t, n_embd)).astype(np.float32))
         ids = torch.from_numpy(np.stack([rng.choice(E, k, replace=False) for _ in range(t)]))
         w = torch.from_numpy(rng.random((t, k)).astype(np.float32))
         want, got = want_of(x, ids, w), got_of(x, ids, w)
         assert torch.abs(got - want).max() <= 1e-5 * torch.abs(want).max()
+
+
+def test_staging_sizes_agree_between_runtime_and_planner(models):
+    """placement.compute's staging term uses the runtime's chunk rule (gpu.experts)."""
+    from gpu import experts
+    from placement import compute
+
+    assert compute.STAGING_CHUNK_BYTES == experts.STAGING_CHUNK_BYTES
+    ds = models["deepseek-v3"]
+    for t in (t for t in ds.tensors if t.layer == 10 and t.n_experts):
+        assert compute.staging_buffer_bytes(t) == experts.staging_buffer_bytes(t.n_bytes, t.shape[0])
+    big = max((t for t in ds.tensors if t.n_experts), key=lambda t: t.n_bytes)
+    assert compute.staging_buffer_bytes(big) == 256 << 20 < big.n_bytes       # DeepSeek-V3: chunked
+    plan = make_plan(ds, parse_devices("CUDA0=24GiB,CPU=384GiB"), PlanOptions(ctx=8192))
+    staged = compute.op_offload_staging_bytes(ds.tensors, lambda t: plan.tensors[t.name])
+    assert staged == {"CUDA0": 2 << 28}
+    assert compute.op_offload_staging_bytes(ds.tensors, lambda t: plan.tensors[t.name], ("CUDA0",)) == {}
