@@ -395,12 +395,48 @@ def _breakdown(features: Mapping[str, float], params: Mapping[str, float]) -> di
     return out
 
 
+def overlap_credit(fp: ForwardFootprint, batch: int, params: Mapping[str, float], *,
+                   routing: RoutingProfile | None = None, hits: RoutingCounts | None = None) -> float:
+    """Seconds a pass hides by running a hot layer's two expert parts at once.
+
+    In a layer whose routed experts are split by expert between the CPU and GPUs (hot
+    experts), ``offload.moe.MoE`` runs the CPU experts in its worker thread while the GPU
+    computes the hot ones, so the layer's expert time is max(CPU part, GPU part), not the sum
+    ``forward_features`` counts: the credit is Σ min(CPU part, GPU part) over such layers.
+    What stays serial — the hand-off — is counted apart by ``forward_features``: the hidden
+    state's copies to the host and back (link, link_latency) and the CPU layer's fixed cost
+    (cpu_layer). Whole-tensor splits (``-ot`` moving one projection) run stage after stage
+    (``offload.moe.StagedExperts``): no credit."""
+    total = 0.0
+    for lay in fp.layers:
+        if not any(s.device != CPU and s.experts is not None for s in lay.experts) or \
+                not any(s.device == CPU for s in lay.experts):
+            continue
+        cpu = gpu = 0.0
+        for s in lay.experts:
+            touched, pairs = expert_slice_use(s, lay, batch, routing, hits)
+            if s.device == CPU:
+                cpu += touched * s.bytes_per_expert * params["cpu_read"] + pairs * s.bytes_per_expert * params["cpu_compute"]
+            else:
+                gpu += touched * s.bytes_per_expert * params[f"gpu_read:{s.device}"]
+        total += min(cpu, gpu)
+    return total
+
+
+def pass_time(fp: ForwardFootprint, batch: int, params: Mapping[str, float], *, n_embd: int,
+              act_bytes: int = 4, routing: RoutingProfile | None = None,
+              hits: RoutingCounts | None = None) -> float:
+    """Seconds for one pass of ``batch`` tokens under ``params`` (``linear_params``): the
+    features' sum less what hot layers overlap (``overlap_credit``)."""
+    feats = forward_features(fp, batch, n_embd=n_embd, act_bytes=act_bytes, routing=routing, hits=hits)
+    return _dot(feats, params) - overlap_credit(fp, batch, params, routing=routing, hits=hits)
+
+
 def forward_time(fp: ForwardFootprint, batch: int, hw: HardwareProfile, *, n_embd: int,
                  act_bytes: int = 4, routing: RoutingProfile | None = None,
                  hits: RoutingCounts | None = None) -> float:
     """Seconds for one pass of ``batch`` tokens."""
-    feats = forward_features(fp, batch, n_embd=n_embd, act_bytes=act_bytes, routing=routing, hits=hits)
-    return _dot(feats, hw.linear_params())
+    return pass_time(fp, batch, hw.linear_params(), n_embd=n_embd, act_bytes=act_bytes, routing=routing, hits=hits)
 
 
 def predicted_decode_tps(fp: DecodeFootprint, hw: HardwareProfile, *,
@@ -432,7 +468,8 @@ class SpecRow:
 class SpecTable:
     rows: tuple[SpecRow, ...]
     draft_s: float                         # T_draft: one draft-head pass
-    verify_breakdown: dict[str, float]     # T(0) = T_verify(1) + T_step(0) by category (CPU, GPU, copies, fixed, step)
+    verify_breakdown: dict[str, float]     # T(0) = T_verify(1) + T_step(0) by category (CPU, GPU, copies, fixed,
+                                           # step; overlap: minus what hot layers run at once)
     acceptance: AcceptanceProfile
     routing: str                           # "uniform" or the routing profile's source
 
@@ -464,7 +501,7 @@ class SpecTable:
 
     def format(self) -> str:
         b = self.verify_breakdown
-        split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in b.items() if v > 0)
+        split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in b.items() if v)
         accept = " ".join(f"{a:.2f}" for a in self.acceptance.accept)
         lines = [
             f"predicted plain decode: {self.plain_tps:.2f} t/s "
@@ -518,8 +555,8 @@ def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
     params = hw.linear_params()
     kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing, hits=hits)
     feats = [forward_features(fp.target, b, **kw) for b in range(1, max_n + 2)]
-    verify = [_dot(f, params) for f in feats]
-    drafts = [_dot(forward_features(fp.draft, b, **kw), params) for b in range(1, max_n + 2)]
+    verify = [pass_time(fp.target, b, params, **kw) for b in range(1, max_n + 2)]
+    drafts = [pass_time(fp.draft, b, params, **kw) for b in range(1, max_n + 2)]
     draft = drafts[0]
     rows = []
     for n in range(max_n + 1):
@@ -528,7 +565,9 @@ def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
                       step_s=params["step"], spec_step_s=params["spec_step"])
         rows.append(SpecRow(n, e, t, e / t, e * rows[0].step_s / t if rows else 1.0))
     source = "uniform" if routing is None else routing.source
-    return SpecTable(tuple(rows), draft, _breakdown({**feats[0], "step": 1.0}, params), acceptance,
+    breakdown = _breakdown({**feats[0], "step": 1.0}, params)
+    breakdown["overlap"] = -overlap_credit(fp.target, 1, params, routing=routing, hits=hits)
+    return SpecTable(tuple(rows), draft, breakdown, acceptance,
                      source if hits is None else f"per-expert hit rates ({hits.source or 'profile'})")
 
 
@@ -603,14 +642,17 @@ def fit_profile(fp: DecodeFootprint, base: HardwareProfile, *, verify_s: Mapping
         raise ProfileError(f"fit: unknown parameter(s) {', '.join(unknown)} "
                            f"(known: {', '.join(sorted(params))})")
     kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
-    samples: list[tuple[str, dict[str, float], float]] = [
-        (f"verify B={b}", forward_features(fp.target, b, **kw), float(t))
-        for b, t in sorted(verify_s.items())]
+    passes = [(f"verify B={b}", fp.target, b, t) for b, t in sorted(verify_s.items())]
     if draft_s is not None:
         if fp.draft is None:
             raise FootprintError("fit: draft time given but the footprint has no draft head")
         drafts = {1: draft_s} if isinstance(draft_s, (int, float)) else dict(draft_s)
-        samples += [(f"draft B={b}", forward_features(fp.draft, b, **kw), float(t)) for b, t in sorted(drafts.items())]
+        passes += [(f"draft B={b}", fp.draft, b, t) for b, t in sorted(drafts.items())]
+    samples: list[tuple[str, dict[str, float], float]] = [
+        (what, forward_features(part, b, **kw), float(t)) for what, part, b, t in passes]
+    # Hot layers overlap their two expert parts (``overlap_credit``), which is not linear in
+    # the parameters: the fit adds back what ``base`` says they hide and fits the sum.
+    hidden = [overlap_credit(part, b, params, routing=routing) for _, part, b, _ in passes]
     if any(not (math.isfinite(t) and t > 0) for _, _, t in samples):
         raise ProfileError("fit: measured times must be positive")
     if len(samples) < len(free):
@@ -618,8 +660,8 @@ def fit_profile(fp: DecodeFootprint, base: HardwareProfile, *, verify_s: Mapping
 
     # Rows weighted by 1/measured: timing noise is roughly proportional to the time.
     a = np.array([[feats.get(p, 0.0) / t for p in free] for _, feats, t in samples])      # (rows, free)
-    y = np.array([(t - sum(c * params[k] for k, c in feats.items() if k not in free)) / t
-                  for _, feats, t in samples])                                                # (rows,)
+    y = np.array([(t + h - sum(c * params[k] for k, c in feats.items() if k not in free)) / t
+                  for (_, feats, t), h in zip(samples, hidden)])                              # (rows,)
     for j, p in enumerate(free):
         if not a[:, j].any():
             raise ProfileError(f"fit: parameter {p} has no effect on this footprint")
@@ -644,7 +686,8 @@ def fit_profile(fp: DecodeFootprint, base: HardwareProfile, *, verify_s: Mapping
     except ProfileError as e:
         raise ProfileError(f"fit: {e}") from None
     new = profile.linear_params()
-    rows = tuple((what, t, _dot(feats, new)) for what, feats, t in samples)
+    rows = tuple((what, t, _dot(feats, new) - overlap_credit(part, b, new, routing=routing))
+                 for (what, feats, t), (_, part, b, _) in zip(samples, passes))
     return FitResult(profile, fitted, rows)
 
 

@@ -638,3 +638,48 @@ def test_fit_keeps_a_bandwidth_the_data_show_no_cost_for():
     verify = {b: 0.05 + 0.001 * b for b in range(1, 5)}
     r = fit_profile(fp, base, verify_s=verify, free=("cpu_read", "cpu_compute", "forward"))
     assert "cpu_read" not in r.fitted and r.profile.cpu_read_gbps == base.cpu_read_gbps
+
+
+def test_hot_layer_overlaps_its_cpu_and_gpu_experts_hand_computed():
+    """A hot layer (experts split by expert between the CPU and CUDA0): offload.moe.MoE runs the
+    CPU experts in its worker thread while CUDA0 runs the hot ones, so the pass pays
+    max(CPU part, GPU part) for the experts, plus the serial hand-off (copies, cpu_layer)."""
+    from placement.cost import overlap_credit
+
+    hw = _hand_profile()
+    params = hw.linear_params()
+    # E = 4, k = 2, 0.1 GB per expert; experts 0, 1 hot on CUDA0 (100 GB/s), 2, 3 on the CPU (10 GB/s)
+    hot = (ExpertSlice(CPU, 1e8, 2, (2, 3)), ExpertSlice("CUDA0", 1e8, 2, (0, 1)))
+    lay = LayerFootprint(0, "CUDA0", (("CUDA0", 10**9),), hot, 4, 2)
+    fp = ForwardFootprint("CUDA0", (lay,), "CUDA0", ())
+    for b, u in ((1, 2.0), (2, 3.0)):
+        cpu, gpu = u / 2 * 1e8 / 10e9, u / 2 * 1e8 / 100e9        # half the U(B) distinct experts each side
+        assert overlap_credit(fp, b, params) == pytest.approx(min(cpu, gpu), rel=1e-12)
+        # forward 0.01, dense 1 GB at 100 GB/s, max of the two expert parts, gpu/cpu_layer,
+        # the hand-off: 2 copies of B x 1000 x 4 bytes over CUDA0's 10 GB/s link
+        expected = 0.01 + 0.01 + max(cpu, gpu) + 0.001 + 0.002 + 2 * b * 4000 / 10e9
+        assert forward_time(fp, b, hw, n_embd=1000) == pytest.approx(expected, rel=1e-12)
+    # a whole-tensor split (-ot moving one projection: no expert ids) runs stage after stage: the sum
+    staged = LayerFootprint(0, "CUDA0", (("CUDA0", 10**9),), (ExpertSlice(CPU, 5e7, 4), ExpertSlice("CUDA0", 5e7, 4)), 4, 2)
+    assert overlap_credit(ForwardFootprint("CUDA0", (staged,), "CUDA0", ()), 2, params) == 0.0
+    # all experts on one side: nothing to overlap
+    assert overlap_credit(_hand_footprint().target, 2, params) == 0.0
+
+
+def test_fit_recovers_parameters_on_a_hot_footprint():
+    """Synthetic pass times made with the overlap (max, not sum) are fitted back exactly: the
+    fit adds back what the base profile says hot layers hide (here the base is the truth)."""
+    from placement.cost import overlap_credit
+
+    truth = _hand_profile(cpu_read_gbps=12.0, forward_us=7000.0)
+    hot = (ExpertSlice(CPU, 1e8, 2, (2, 3)), ExpertSlice("CUDA0", 1e8, 2, (0, 1)))
+    lays = tuple(LayerFootprint(i, "CUDA0", (("CUDA0", 10**9),), hot, 4, 2) for i in (0, 1))
+    target = ForwardFootprint("CUDA0", lays, "CUDA0", (("CUDA0", 2 * 10**9),))
+    fp = DecodeFootprint(target, None, n_embd=1000)
+    verify = {b: forward_time(target, b, truth, n_embd=1000) for b in (1, 2, 3, 4)}
+    assert overlap_credit(target, 2, truth.linear_params()) > 0
+    base = dataclasses.replace(truth, forward_us=1000.0)
+    fit = fit_profile(fp, base, verify_s=verify, free=("cpu_read", "forward"))
+    assert fit.fitted["forward"] == pytest.approx(7000e-6, rel=1e-9)
+    assert fit.fitted["cpu_read"] == pytest.approx(1 / 12e9, rel=1e-9)
+    assert fit.max_rel_error < 1e-9
