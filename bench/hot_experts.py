@@ -123,10 +123,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'whole-tensor fit, uniform routing':<44} {'-':>22} {tps:>11.2f} {even:>11}")
             # the planner ranks by the whole profile (in-sample: what `offload plan --routing` sees);
             # the forecast credits each rank with its held-out share (or, as a bound, in-sample)
-            ranking = routing.mapped_onto(spec.n_expert, spec.n_expert_used, moe, model=model.path, in_sample=True)
+            # the shipped model's NextN block (blk.4, profiled as drafting routes it) onto the big one's
+            shipped = open_model(str(SHIPPED)).spec
+            nextn = ((shipped.n_layer - 1, spec.n_layer - 1 if spec.n_nextn else None)
+                     if shipped.n_layer - 1 in routing.layers else None)
+            ranking = routing.mapped_onto(spec.n_expert, spec.n_expert_used, moe, model=model.path, in_sample=True,
+                                          nextn=nextn)
             for label, in_sample in (("held-out", False), ("in-sample", True)):
                 hits = routing.mapped_onto(spec.n_expert, spec.n_expert_used, moe, model=model.path,
-                                           in_sample=in_sample)
+                                           in_sample=in_sample, nextn=nextn)
                 for layout, opts in (("whole-tensor fit", base_opts),
                                      ("--cpu-moe --fit on", PlanOptions(ctx=args.ctx, cpu_moe=True, fit="on"))):
                     whole = make_plan(model, devices, opts, draft=draft)

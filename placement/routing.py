@@ -137,20 +137,26 @@ class RoutingCounts:
         return shares / weight
 
     def mapped_onto(self, n_expert: int, n_expert_used: int, moe_layers: Sequence[int], *,
-                    model: str = "", in_sample: bool = False) -> RoutingCounts:
+                    model: str = "", in_sample: bool = False,
+                    nextn: tuple[int, int | None] | None = None) -> RoutingCounts:
         """This profile's skew on another model: its MoE layers by relative depth take the
         held-out hit-share curve of the source layer at the same depth, stretched over the
         target's expert count (cumulative share as a function of the *fraction* of experts,
         linear in between, so 1/E of the experts keeps the same share of the hits; experts
         that fall into one source expert's slot share its hits evenly: the mapping can only
-        flatten the measured skew, never sharpen it). Expert r (0-based) is the r-th hottest."""
-        src = sorted(self.layers)
+        flatten the measured skew, never sharpen it). Expert r (0-based) is the r-th hottest.
+        ``nextn`` = (this profile's NextN block, the target's or None): the NextN block takes the
+        NextN block's curve and the trunk layers map by depth among the trunk layers."""
+        src = sorted(set(self.layers) - ({nextn[0]} if nextn else set()))
+        dst = sorted(set(moe_layers) - ({nextn[1]} if nextn else set()))
         if not moe_layers:
             raise PlacementError("mapped_onto: the target has no MoE layer")
+        if nextn and (nextn[0] not in self.layers or (nextn[1] is not None and nextn[1] not in moe_layers)):
+            raise PlacementError(f"mapped_onto: NextN blocks {nextn} are not MoE layers of the profile / target")
         tokens = self.tokens
         out: dict[int, tuple[float, ...]] = {}
-        for i, layer in enumerate(sorted(moe_layers)):
-            j = src[min(i * len(src) // len(moe_layers), len(src) - 1)]
+        pairs = [(layer, src[min(i * len(src) // len(dst), len(src) - 1)]) for i, layer in enumerate(dst)]
+        for layer, j in pairs + ([(nextn[1], nextn[0])] if nextn and nextn[1] is not None else []):
             cum = np.concatenate([[0.0], np.cumsum(self.held_out_shares(j, in_sample=in_sample))])   # (E_src + 1,)
             at = np.interp(np.arange(n_expert + 1) / n_expert, np.arange(self.n_expert + 1) / self.n_expert, cum)
             share = np.diff(at)

@@ -167,6 +167,22 @@ def test_mapping_keeps_the_share_of_the_hottest_fraction():
         assert m.layers[layer] == pytest.approx((6.0, 6.0, 3.0, 3.0, 1.0, 1.0, 0.0, 0.0))
 
 
+def test_mapping_sends_the_nextn_block_to_the_nextn_block():
+    """With ``nextn`` the profile's NextN block maps onto the target's NextN block, and the
+    trunk layers map by depth among the trunk layers only (the NextN curve never lands on
+    a trunk layer); with no target NextN block the profile's is left out."""
+    src = RoutingCounts(4, 1, 10, {1: (10.0, 0.0, 0.0, 0.0), 2: (0.0, 10.0, 0.0, 0.0),
+                                   3: (5.0, 5.0, 0.0, 0.0)}, source="s")
+    m = src.mapped_onto(4, 1, [5, 6, 7, 8, 9], nextn=(3, 9))
+    assert m.layers[9] == pytest.approx((5.0, 5.0, 0.0, 0.0))
+    assert all(m.layers[i] == pytest.approx((10.0, 0.0, 0.0, 0.0)) for i in (5, 6))
+    assert all(m.layers[i] == pytest.approx((10.0, 0.0, 0.0, 0.0)) for i in (7, 8))   # layer 2's, sorted hottest first
+    none = src.mapped_onto(4, 1, [5, 6], nextn=(3, None))
+    assert sorted(none.layers) == [5, 6] and none.layers[6] == pytest.approx((10.0, 0.0, 0.0, 0.0))
+    with pytest.raises(PlacementError, match="NextN"):
+        src.mapped_onto(4, 1, [5, 6], nextn=(4, 6))
+
+
 def test_held_out_ranking_scores_each_prompt_on_the_others_ranking():
     """Two prompts that use disjoint experts: the expert the other prompt ranks hottest gets
     none of a prompt's hits at rank 1; in-sample ranking would credit the skew to rank 1 and 2."""
