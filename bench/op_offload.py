@@ -5,7 +5,9 @@
 GLM-4.5-Air and DeepSeek-V3 fixtures, whole-tensor auto-fit on one 24 GiB GPU + RAM,
 ``bench/profiles/rtx4090_epyc.yaml`` (RTX 4090: PCIe 4.0 x16 at 0.8 × 31.5 GB/s = 25.2 GB/s;
 CPU 250 GB/s read; the batched-matmul rates are ``placement.hardware``'s priors, 1000 GFLOP/s
-CPU and 80 TFLOP/s GPU). Uniform routing. A prediction, not a measurement.
+CPU and 80 TFLOP/s GPU; ``offload tune`` measures the CPU's and, on a CUDA box, the link for
+a real box). Uniform routing. A prediction, not a measurement. The plans set aside op
+offload's staging (two 256 MiB chunks on CUDA0, ``placement.compute.op_offload_staging_bytes``).
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 from offload.gguf_model import open_model
-from placement.devices import parse_devices
+from placement.compute import op_offload_staging_bytes
+from placement.devices import format_bytes, parse_devices
 from placement.hardware import HardwareProfile
 from placement.op_offload import PrefillModel, batches_around
 from placement.planner import PlanOptions, make_plan
@@ -43,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             gpu = hw.gpus["CUDA0"]
             print(f"== {name}: --devices {box}, {len(m.layers)} layers with RAM-resident experts; "
                   f"CUDA0 link {gpu.link_gbps:.1f} GB/s ({gpu.source})")
-            print(f"op-offload threshold (auto): {t} tokens")
+            staging = op_offload_staging_bytes(model.tensors, lambda x: plan.tensors[x.name])
+            cuda0 = next(x for x in plan.totals if x.name == "CUDA0")
+            print(f"op-offload threshold (auto): {t} tokens; staging on CUDA0 {format_bytes(staging.get('CUDA0', 0))} "
+                  f"(two chunks, pinned and double-buffered), in its compute {format_bytes(cuda0.compute_bytes)}")
             print(f"{'batch':>6} {'prefill t/s, CPU experts':>25} {'streamed to CUDA0':>18}")
             for b in batches_around(t, args.ubatch):
                 print(f"{b:>6} {m.tokens_per_second(b, streamed=False):>25.1f} "

@@ -76,3 +76,35 @@ def test_load_with_a_routing_profile_plans_and_runs_hot_experts(tiny, tmp_path):
         got = s.logits(IDS)
         assert dict(s.allocated) == {t.name: t.weights_bytes for t in s.plan.totals if t.weights_bytes}
     assert np.abs(got - want).max() < REL_TOL * np.abs(want).max()
+
+
+def test_hot_experts_of_the_nextn_block_give_the_all_cpu_draft_logits(tiny):
+    """The routing profile covers the NextN block (drafting routes through it), so the planner
+    may hold its experts hot: the draft head's logits equal the all-CPU plan's."""
+    import torch
+
+    model = open_model(str(tiny.path))
+    spec = model.spec
+    if not spec.n_nextn:
+        pytest.skip("no NextN block")
+    nextn = spec.n_layer - 1
+    base = make_plan(model, parse_devices("CUDA0=8GiB,CPU=16GiB"),
+                     PlanOptions(cpu_moe=True, fit="on", ctx=256, cache_type="f32"))
+    plan = build_plan(model, base.placement, base.settings, base.devices, base.targets, mode="test",
+                      hot_experts={"CUDA0": {nextn: (0, 2, 5)}})
+    ids = torch.as_tensor(IDS)
+
+    def draft_logits(s) -> np.ndarray:
+        with torch.inference_mode():
+            state = s.model.new_state()
+            _, h = s.model.forward(ids, state, logits="none")
+            z, _ = s.model.nextn(ids[1:], h[:-1], torch.arange(1, len(IDS)), state.nextn_cache, logits="all")
+            return z.numpy()
+
+    with rt.load(tiny.path, devices="CPU=16GiB", cache_type="f32", quiet=True) as s:
+        want = draft_logits(s)
+    with rt.load_plan(model, plan, virtual_gpus=True, quiet=True) as s:
+        assert len(s.model.nextn.block.ffn.hot) == 1
+        got = draft_logits(s)
+        assert dict(s.allocated) == {t.name: t.weights_bytes for t in plan.totals if t.weights_bytes}
+    assert np.abs(got - want).max() < REL_TOL * np.abs(want).max()
