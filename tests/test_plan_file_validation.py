@@ -63,6 +63,9 @@ CASES = [
     (("notes",), [1], "notes must be a list of strings"),
     (("version",), 2, "unsupported plan version 2"),
     (("model",), "", "model must name the GGUF file"),
+    (("routing",), {"kind": "plan"}, "routing: not a routing profile"),
+    (("routing",), {"version": 1, "kind": "routing", "n_expert": 4, "n_expert_used": 2, "tokens": 2,
+                    "layers": {"blk.1": [1, 1, 1]}}, "routing: routing profile: blk.1 needs 4"),
 ]
 
 
