@@ -437,7 +437,7 @@ def measure_prefill_rates(session, tensors, *, batch: int) -> PrefillRates:
     notes = []
     cpu = measure_cpu_batched(session, tensors, batch=batch)
     if cpu is None:
-        notes.append("cpu_batched_gflops: no MoE layer runs its experts on the CPU; kept the profile's")
+        notes.append("cpu_batched_gflops: no MoE layer runs all its experts on the CPU; kept the profile's")
     link: dict[str, float] = {}
     gpus = [d.name for d in session.plan.devices if d.is_gpu]
     for name in gpus:
