@@ -133,7 +133,7 @@ class RoutedHandoff:
         self._rows = [(x[:t], ids[:t], wts[:t], out[:t]) for t in range(m + 1)]
         self._stream = torch.cuda.current_stream(device) if cuda else None
         self._event = torch.cuda.Event() if cuda else None
-        own = None if owned is None else np.ascontiguousarray(owned, dtype=np.bool_)
+        self.owned = own = None if owned is None else np.ascontiguousarray(owned, dtype=np.bool_)
         self._args = (x.numpy(), np.empty((m, ew.n_embd // 16), np.float32), ids.numpy(), wts.numpy(), own,
                       gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db,
                       routed_scratch(m * k, ew.n_expert, ew.n_ff, ew.n_embd, settings.max_threads()), out.numpy())
