@@ -8,7 +8,8 @@ The model is placed as ``--n-gpu-layers 99 --cpu-moe --virtual-gpus`` (the block
 CPU-backed CUDA0, the experts in RAM), so the hand-off's CPU path is what runs; a real GPU
 adds the device copies. Printed, medians over ``--rounds`` alternating rounds:
 
-* per MoE layer and decode token (T = 1), µs: the CPU side alone (host copies + experts +
+* per MoE layer and decode token (T = 1), µs (median per call, the variants called in
+  turn): the CPU side alone (host copies + experts +
   back to torch), the bare compiled expert kernel on the same input (the peer: what the
   experts cost without any hand-off), their difference (the hand-off's own cost), and the
   whole MoE layer call (router, shared expert, CPU side);
@@ -30,16 +31,22 @@ NARROW = Path("/tmp/depthkeep/depth-v1-qwen3moe-L12-d512-h4x1x128-e32k8f256-Q4_0
 PROMPT = list(range(3, 11))
 
 
-def _timed(fn, n: int) -> float:
-    """µs per call of fn over n calls."""
-    t0 = time.perf_counter()
+def _interleaved(fns, n: int) -> list[float]:
+    """Median µs per call of each fn, called in turn n times (a busy box's preemptions hit
+    single calls, which the median drops, and drift hits every fn alike)."""
+    times = [[] for _ in fns]
+    clock = time.perf_counter
     for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
+        for fn, t in zip(fns, times):
+            t0 = clock()
+            fn()
+            t.append(clock() - t0)
+    return [statistics.median(t) * 1e6 for t in times]
 
 
 def layer_costs(moes, n_embd: int, calls: int) -> dict[str, tuple[float, float]]:
     """(old, new) µs per layer for a one-token step, averaged over the MoE layers."""
+    from cpu_kernels import settings
     from offload.cpu_ops import to_host
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((1, n_embd)).astype(np.float32))
@@ -52,28 +59,24 @@ def layer_costs(moes, n_embd: int, calls: int) -> dict[str, tuple[float, float]]
         ex, owned = moe.experts, moe.owned
 
         def old_side():
-            routed = ex(to_host(x), ids.cpu().numpy(), to_host(w), owned)
-            return torch.from_numpy(routed).to(x.device)
+            return torch.from_numpy(ex(to_host(x), ids.cpu().numpy(), to_host(w), owned)).to(x.device)
 
         def new_side():
             return h.run(h.load(x, ids, w)).to(x.device, non_blocking=True)
 
-        from cpu_kernels import settings
-        h.load(x, ids, w)
-        kernel = lambda: h._entry(1, *h._args, settings.apply_threads())  # noqa: E731
-        for fn in (old_side, new_side, kernel):
-            fn()                                                    # warm
-        side = (_timed(old_side, calls), _timed(new_side, calls))
-        k = _timed(kernel, calls)
-        moe.compiled_handoff = False
-        whole_old = _timed(lambda: moe(x), calls)
-        moe.compiled_handoff = True
-        whole_new = _timed(lambda: moe(x), calls)
-        for i in (0, 1):
-            out["cpu side"][i] += side[i] / len(moes)
-            out["kernel"][i] += k / len(moes)
-        out["layer"][0] += whole_old / len(moes)
-        out["layer"][1] += whole_new / len(moes)
+        def kernel():                     # the experts alone, on what new_side loaded
+            h._entry(1, *h._args, settings.apply_threads())
+
+        def layer(compiled):
+            def call():
+                moe.compiled_handoff = compiled
+                moe(x)
+            return call
+
+        old_s, new_s, k, old_l, new_l = _interleaved([old_side, new_side, kernel, layer(False), layer(True)], calls)
+        for key, v in (("cpu side", (old_s, new_s)), ("kernel", (k, k)), ("layer", (old_l, new_l))):
+            for i in (0, 1):
+                out[key][i] += v[i] / len(moes)
     return {key: tuple(v) for key, v in out.items()}
 
 
