@@ -198,3 +198,13 @@ def test_owned_mask_and_fallbacks(layer):
     assert not h.takes(x, ids[:, :1])
     biased = CpuExperts(ew, Profile(), biases={"down": np.zeros((ew.n_expert, ew.n_embd), np.float32)})
     assert biased.handoff(torch.device("cpu"), k, None, 16) is None
+
+
+def test_bench_prints_both_hand_offs(tiny, capsys):
+    """bench.hybrid_handoff runs (tiny settings) and prints the rows it promises."""
+    from bench.hybrid_handoff import main
+    assert main([str(tiny.path), "--calls", "3", "--tokens", "3", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for row in ("CPU side", "bare expert kernel", "hand-off = CPU side - kernel", "whole MoE layer call",
+                "decode t/s"):
+        assert row in out
