@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-NARROW = Path("/tmp/depthkeep/depth-v1-qwen3moe-L12-d512-h4x1x128-e32k8f256-Q4_0-Q8_0-s0.gguf")
 PROMPT = list(range(3, 11))
 
 
@@ -89,7 +88,8 @@ def decode_tps(s, moes, compiled: bool, tokens: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", default=str(NARROW if NARROW.exists() else ROOT / "models" / "tiny-glm4moe-mtp.gguf"))
+    ap.add_argument("model", nargs="?", default=str(ROOT / "models" / "tiny-glm4moe-mtp.gguf"),
+                    help="default: the shipped model (e.g. a narrow model that bench.depth --keep DIR wrote)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--calls", type=int, default=200, help="calls per layer and timing (default 200)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per pass (default 32)")
