@@ -186,7 +186,7 @@ def test_no_allocation_per_call(layer):
 
 def test_owned_mask_and_fallbacks(layer):
     """Hot experts: with no expert owned the CPU side is exactly zero. Not taken (moe_ffn
-    runs them): a batch past the buffers, another k, experts with biases."""
+    runs them): a batch past the buffers, another k, experts with biases, int8 activations."""
     experts, k = layer
     ew = experts.weights
     h = experts.handoff(torch.device("cpu"), k, np.zeros(ew.n_expert, bool), 16)
@@ -198,6 +198,17 @@ def test_owned_mask_and_fallbacks(layer):
     assert not h.takes(x, ids[:, :1])
     biased = CpuExperts(ew, Profile(), biases={"down": np.zeros((ew.n_expert, ew.n_embd), np.float32)})
     assert biased.handoff(torch.device("cpu"), k, None, 16) is None
+
+    # int8 activations: the process setting sends decode batches to moe_ffn (where the CPU
+    # has VNNI: elsewhere both run float); int8 only for prompts (int8_batch 17) does not
+    from cpu_kernels.simd8 import has_vnni
+    prompt_only = CpuExperts(ew, Profile(), int8_batch=17).handoff(torch.device("cpu"), k, None, 16)
+    ck.set_int8_activations(True)
+    try:
+        assert h.takes(x, ids) is not has_vnni()
+        assert prompt_only.takes(x, ids)
+    finally:
+        ck.set_int8_activations(False)
 
 
 def test_bench_prints_both_hand_offs(tiny, capsys):
