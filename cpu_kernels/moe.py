@@ -5,6 +5,11 @@ Grouping is what makes a verify batch cheap on the CPU: every (token, expert) pa
 sorted by expert, so each touched expert's gate/up/down rows are streamed once and
 applied to all of that expert's tokens (``rowdot``) — time grows with the number of
 distinct experts touched, not with B * k.
+
+``routed_ffn``: the same step for decode/verify batches (SiLU, no biases, float
+activations) as one compiled call that writes only into the caller's arrays (a counting sort
+instead of argsort; scratch from ``routed_scratch``, allocated once): the CPU side of the
+hybrid hand-off (``offload.cpu_ops.RoutedHandoff``) and of a compiled block's routed step.
 """
 from __future__ import annotations
 
@@ -109,16 +114,94 @@ def _silu_glu(g, u, act):
     return h if abs(h) >= TINY else f32(0)
 
 
+@njit(nogil=True, cache=True, error_model="numpy")
+def phase_pads(pieces):
+    """Per-piece scratch of the expert phases, allocated once where a caller keeps it:
+    (acc, cacc, gate rows / down rows, up rows, sc, token ids), ``pieces`` rows each."""
+    return (np.empty((pieces, TOKEN_TILE * 64), f32), np.empty((pieces, TOKEN_TILE * 4), f32),
+            np.empty((pieces, TOKEN_TILE, 4), f32), np.empty((pieces, TOKEN_TILE, 4), f32),
+            np.empty((pieces, 64), f32), np.empty((pieces, TOKEN_TILE), np.int64))
+
+
+@njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
+def sums16_rows(x, n_rows, out):
+    """out[t, g] = sum of x[t, 16 g : 16 g + 16] for rows t < n_rows (``layout.sums16`` into a
+    preallocated array: the decoders' offsets multiply these)."""
+    for t in range(n_rows):
+        for g in range(out.shape[1]):
+            s = f32(0)
+            for c in range(16 * g, 16 * g + 16):
+                s += x[t, c]
+            out[t, g] = s
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def counting_sort_by_expert(n_tok, ids, wts, owned, count, slot_expert, slot_start, assign_tok, assign_w):
+    """Counting sort of the (token t < n_tok, j) assignments by expert, stable (token order
+    within an expert, as ``moe_ffn``'s argsort); experts outside ``owned`` (bool [E], or None
+    for all) are skipped. ``count``: int64 scratch [E + 1]. Fills slot_expert[s] (the s-th
+    touched expert), slot_start[s]..slot_start[s + 1] (its assignments), assign_tok/assign_w
+    (token and router weight per assignment). Returns the number of slots, or -1 when an id
+    is outside 0..E-1 (nothing written past the arrays)."""
+    n_expert = count.shape[0] - 1
+    k = ids.shape[1]
+    count[:] = 0
+    for t in range(n_tok):
+        for j in range(k):
+            e = ids[t, j]
+            if e < 0 or e >= n_expert:
+                return -1
+            keep = True
+            if owned is not None:
+                keep = owned[e]
+            if keep:
+                count[e + 1] += 1
+    for e in range(n_expert):
+        count[e + 1] += count[e]
+    n_slots = 0
+    for e in range(n_expert):
+        if count[e + 1] > count[e]:
+            slot_expert[n_slots] = e
+            slot_start[n_slots] = count[e]
+            n_slots += 1
+    slot_start[n_slots] = count[n_expert]
+    for t in range(n_tok):
+        for j in range(k):
+            e = ids[t, j]
+            keep = True
+            if owned is not None:
+                keep = owned[e]
+            if keep:
+                assign_tok[count[e]] = t
+                assign_w[count[e]] = wts[t, j]
+                count[e] += 1
+    return n_slots
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def routed_scratch(n_assign, n_expert, n_ff, n_embd, chunks):
+    """Scratch for ``routed_ffn`` with room for ``n_assign`` (token, expert) assignments
+    (tokens x k) and ``chunks`` parallel pieces: (count, slot_expert, slot_start, assign_tok,
+    assign_w, H, hs16, Ya, phase pads). Callable from Python (allocate once, at load) and
+    from jitted code."""
+    return (np.empty(n_expert + 1, np.int64), np.empty(n_assign, np.int64),
+            np.empty(n_assign + 1, np.int64), np.empty(n_assign, np.int64),
+            np.empty(n_assign, f32), np.empty((n_assign, n_ff), f32),
+            np.empty((n_assign, n_ff // 16), f32), np.empty((n_assign, n_embd), f32),
+            phase_pads(max(1, chunks)))
+
+
 def _build(salt):
     # Each phase is written once for both activation modes: passing None for the int8
     # arrays makes Numba prune the int8 branch at compile time (and vice versa), so each
     # mode compiles only its own inner routine.
 
     @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
-                      assign_tok, H, chunks, act):
+    def gate_up_rows(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
+                     assign_tok, H, chunks, act, pads):
         """H[a] = act(gate_e . x) * (up_e . x); work items = (slot, 4 rows of n_ff).
-        X/xs16 (float path: xq, dx, xs4, dx8 None) or xq/dx/xs16/xs4/dx8 (int8 path)."""
+        X/xs16 (float path: xq, dx, xs4, dx8 None) or xq/dx/xs16/xs4/dx8 (int8 path).
+        ``pads``: ``phase_pads`` with a row per piece (at least min(chunks, items))."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         n_ff = H.shape[1]
         cols = X.shape[1]
@@ -128,11 +211,7 @@ def _build(salt):
         items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
         for ch in prange(pieces):
-            acc = np.empty(TOKEN_TILE * 64, f32)
-            cacc = np.empty(TOKEN_TILE * 4, f32)
-            rg = np.empty((TOKEN_TILE, 4), f32)
-            ru = np.empty((TOKEN_TILE, 4), f32)
-            sc = np.empty(64, f32)
+            acc, cacc, rg, ru, sc = pads[0][ch], pads[1][ch], pads[2][ch], pads[3][ch], pads[4][ch]
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
                 s = it // groups
                 r0 = 4 * (it % groups)
@@ -160,9 +239,10 @@ def _build(salt):
                             H[a0 + i, r0 + r] = _silu_glu(rg[i, r], ru[i, r], act)
 
     @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def down_phase(dtag, dw, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks):
+    def down_rows(dtag, dw, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks, pads):
         """out[a] = down_e . H[a]; work items = (slot, 4 rows of n_embd).
-        H/hs16 (float path: hq, hdx, hxs4, hdx8 None) or hq/hdx/hs16/hxs4/hdx8 (int8 path)."""
+        H/hs16 (float path: hq, hdx, hxs4, hdx8 None) or hq/hdx/hs16/hxs4/hdx8 (int8 path).
+        ``pads`` as gate_up_rows'."""
         _salt = salt  # noqa: F841
         n_ff = H.shape[1]
         n_embd = out.shape[1]
@@ -171,11 +251,7 @@ def _build(salt):
         items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
         for ch in prange(pieces):
-            acc = np.empty(TOKEN_TILE * 64, f32)
-            cacc = np.empty(TOKEN_TILE * 4, f32)
-            res = np.empty((TOKEN_TILE, 4), f32)
-            sc = np.empty(64, f32)
-            toks = np.empty(TOKEN_TILE, np.int64)
+            acc, cacc, res, sc, toks = pads[0][ch], pads[1][ch], pads[2][ch], pads[4][ch], pads[5][ch]
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
                 s = it // groups
                 r0 = 4 * (it % groups)
@@ -196,10 +272,81 @@ def _build(salt):
                     for i in range(nt):
                         for r in range(nr):
                             out[a0 + i, r0 + r] = res[i, r]
-    return gate_up_phase, down_phase
+    return gate_up_rows, down_rows
 
 
-_gate_up_phase, _down_phase = _build(source_digest())
+_gate_up_rows, _down_rows = _build(source_digest())
+
+
+def _build_drivers(salt):
+    # Jitted callers of the phases carry the digest too: Numba links the phases' code into
+    # theirs, and its cache only notices edits to the caller's own file.
+
+    @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
+    def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
+                      assign_tok, H, chunks, act):
+        """``gate_up_rows`` with its scratch allocated for this call."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        _gate_up_rows(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
+                      assign_tok, H, chunks, act, phase_pads(max(1, chunks)))
+
+    @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
+    def down_phase(dtag, dw, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks):
+        """``down_rows`` with its scratch allocated for this call."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        _down_rows(dtag, dw, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks,
+                   phase_pads(max(1, chunks)))
+
+    @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
+    def routed_ffn(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, Y, chunks):
+        """Y[t] = sum_j wts[t, j] * down_e(silu(gate_e . X[t]) * (up_e . X[t])), e = ids[t, j],
+        for rows t < n_tok, over the experts in ``owned`` (None: all): the routed part of an MoE
+        layer (SiLU, no biases, float activations) as one compiled step, everything written into
+        the caller's arrays — grouping by expert, the gate·up phase, the down phase, the weighted
+        sum in ``moe_ffn``'s order (assignments sorted by expert).
+
+        X (>= n_tok, n_embd) and ``xs16`` its ``sums16`` rows; ids int64 / wts float32 (>= n_tok,
+        k); tg/wg/g0, tu/wu/u0, td/wd: ``ExpertWeights._parts`` / ``_down`` (QTag, raw view, first
+        row); ``scratch`` from ``routed_scratch`` for >= n_tok * k assignments (its pads bound
+        the parallel pieces); Y (>= n_tok, n_embd). Returns the number of touched experts, or -1
+        (Y untouched) for an id outside 0..E-1. Rows past n_tok are neither read nor written."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        count, slot_expert, slot_start, assign_tok, assign_w, H, hs16, Ya, pads = scratch
+        chunks = max(1, min(chunks, pads[0].shape[0]))
+        n_slots = counting_sort_by_expert(n_tok, ids, wts, owned, count, slot_expert, slot_start,
+                                          assign_tok, assign_w)
+        if n_slots < 0:
+            return n_slots
+        Y[:n_tok] = 0
+        if n_slots == 0:
+            return 0
+        n_a = slot_start[n_slots]
+        se, ss = slot_expert[:n_slots], slot_start[:n_slots + 1]
+        _gate_up_rows(tg, wg, g0, tu, wu, u0, X, xs16, None, None, None, None, se, ss, assign_tok, H,
+                      chunks, 0, pads)
+        sums16_rows(H, n_a, hs16)
+        _down_rows(td, wd, H, hs16, None, None, None, None, se, ss, Ya, chunks, pads)
+        n_embd = Y.shape[1]
+        for a in range(n_a):
+            t = assign_tok[a]
+            wa = assign_w[a]
+            for c in range(n_embd):
+                Y[t, c] += wa * Ya[a, c]
+        return n_slots
+
+    @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
+    def routed_ffn_host(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, Y, chunks):
+        """``routed_ffn`` with ``xs16`` computed here: the CPU side of a hybrid MoE layer (block
+        on a GPU, experts in RAM) as one compiled call over host buffers bound at load."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        sums16_rows(X, n_tok, xs16)
+        return routed_ffn(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, Y,
+                          chunks)
+
+    return gate_up_phase, down_phase, routed_ffn, routed_ffn_host
+
+
+_gate_up_phase, _down_phase, routed_ffn, routed_ffn_host = _build_drivers(source_digest())
 
 
 @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")

@@ -19,9 +19,14 @@ def set_num_threads(n: int | None) -> None:
     global _threads
     if n is not None:
         n = int(n)
-        if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
-            raise ValueError(f"thread count {n} outside 1..{numba.config.NUMBA_NUM_THREADS}")
+        if not 1 <= n <= max_threads():
+            raise ValueError(f"thread count {n} outside 1..{max_threads()}")
     _threads = n
+
+
+def max_threads() -> int:
+    """The most threads ``set_num_threads`` accepts (what per-thread scratch is sized for)."""
+    return numba.config.NUMBA_NUM_THREADS
 
 
 def apply_threads() -> int:

@@ -16,7 +16,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from cpu_kernels import ExpertWeights, matmul, moe_ffn
+from cpu_kernels import ExpertWeights, matmul, moe_ffn, settings
+from cpu_kernels.matmul import use_int8
+from cpu_kernels.moe import routed_ffn_host, routed_scratch
 from offload.profile import Profile
 
 
@@ -87,6 +89,84 @@ class CpuExperts:
         with self.profile.time("cpu_experts"):
             return moe_ffn(x, ids, w, self.weights, owned=owned, act=self.act,
                            int8=int8_for(x.shape[0], self.int8_batch), **self.biases)
+
+    def handoff(self, device: torch.device, k: int, owned: np.ndarray | None,
+                max_tokens: int) -> "RoutedHandoff | None":
+        """The bound hand-off for batches of up to ``max_tokens`` tokens coming from ``device``
+        with ``k`` experts each, or None where only ``moe_ffn`` covers these experts
+        (biases, an activation other than SiLU)."""
+        if self.act != "silu" or self.biases:
+            return None
+        return RoutedHandoff(self, device, k, owned, max_tokens)
+
+
+class RoutedHandoff:
+    """The CPU side of one hybrid MoE layer (router on the layer's device, routed experts in
+    RAM) for decode/verify batches, bound once: the compiled entry ``routed_ffn_host`` (one
+    call per layer and step: grouping, gate·up, down, weighted sum), the experts' quant tags
+    and raw views, and host buffers for ``max_tokens`` tokens — x, ids, weights, out and the
+    kernel's scratch. Nothing is allocated per call: ``load`` copies into the buffers, ``run``
+    fills ``out`` and returns a preallocated view of its first T rows.
+
+    On CUDA the buffers are pinned and the copies ``non_blocking``; an event recorded on the
+    layer's stream after the three device→host copies is waited on before the kernel reads
+    them, and the caller's host→device copy of ``out`` is queued on that same stream, so the
+    next ``load`` (which waits on the stream again) cannot overwrite ``out`` before it has
+    been read. THIS CUDA PATH HAS NOT RUN ON A GPU (no GPU where it was written); on the CPU
+    device (``--virtual-gpus``, a CPU block) the copies are plain memcpy and it is tested."""
+
+    def __init__(self, experts: CpuExperts, device: torch.device, k: int, owned: np.ndarray | None,
+                 max_tokens: int):
+        from offload.compiled_block import _first_call     # (compiled_block imports this module)
+        ew = experts.weights
+        self.profile, self.name, self.max_tokens, self.k = experts.profile, ew.name, max_tokens, k
+        self.n_expert = ew.n_expert
+        (gk, gb, g0, _), (uk, ub, u0, _) = ew._parts
+        dk, db = ew._down
+        self._kernels, self._int8_batch = (gk, uk, dk), experts.int8_batch
+        cuda = device.type == "cuda"
+        buf = lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=cuda)  # noqa: E731
+        m = max_tokens
+        x, ids, wts, out = (buf((m, ew.n_embd), torch.float32), buf((m, k), torch.int64),
+                            buf((m, k), torch.float32), buf((m, ew.n_embd), torch.float32))
+        # views of the first t rows for every t, made now: a call slices nothing
+        self._rows = [(x[:t], ids[:t], wts[:t], out[:t]) for t in range(m + 1)]
+        self._stream = torch.cuda.current_stream(device) if cuda else None
+        self._event = torch.cuda.Event() if cuda else None
+        self.owned = own = None if owned is None else np.ascontiguousarray(owned, dtype=np.bool_)
+        self._args = (x.numpy(), np.empty((m, ew.n_embd // 16), np.float32), ids.numpy(), wts.numpy(), own,
+                      gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db,
+                      routed_scratch(m * k, ew.n_expert, ew.n_ff, ew.n_embd, settings.max_threads()), out.numpy())
+        # compile (or load from Numba's cache) now, on an empty batch; calls use the entry point
+        self._entry = _first_call(routed_ffn_host, (0,) + self._args + (settings.apply_threads(),))
+
+    def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether this batch fits the bound buffers and runs in float activations."""
+        t = x.shape[0]
+        if t > self.max_tokens or ids.shape[1] != self.k:
+            return False
+        int8 = int8_for(t, self._int8_batch)
+        return not any(use_int8(kern, int8) for kern in self._kernels)
+
+    def load(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> int:
+        """Copy the batch into the host buffers (cast to f32 / int64 on the way); → T."""
+        t = x.shape[0]
+        xb, ib, wb, _ = self._rows[t]
+        xb.copy_(x, non_blocking=True)
+        ib.copy_(ids, non_blocking=True)
+        wb.copy_(w, non_blocking=True)
+        if self._event is not None:            # the kernel reads the buffers next
+            self._event.record(self._stream)
+            self._event.synchronize()
+        return t
+
+    def run(self, t: int) -> torch.Tensor:
+        """The routed experts of the loaded batch → a view of ``out``'s first t rows (host;
+        called from the worker thread or inline)."""
+        with self.profile.time("cpu_experts"):
+            if self._entry(t, *self._args, settings.apply_threads()) < 0:
+                raise ValueError(f"{self.name}: expert id outside 0..{self.n_expert - 1}")
+        return self._rows[t][3]
 
 
 PAGE = mmap.PAGESIZE

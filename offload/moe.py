@@ -7,9 +7,16 @@ shared expert computes on the CPU too (all-CPU plans, ``--virtual-gpus``, or the
 nothing would overlap — both share the same cores — so the experts run inline on the main
 thread: the hand-off (a thread wake-up per layer and token, worst on a loaded machine) costs
 more than it hides (measured with ``bench.runtime_decode`` on the shipped model).
+
+Decode and verify batches (up to ``compiled_block.MAX_TOKENS`` tokens, SiLU experts without
+biases, float activations) hand the CPU side over through a ``RoutedHandoff`` bound on the
+layer's first such call: host buffers (pinned on CUDA) and one compiled call for grouping,
+gate·up, down and the weighted sum. Larger batches and the other cases keep ``moe_ffn``.
+``OFFLOAD_HANDOFF=reference`` (or ``MoE.compiled_handoff = False``) keeps ``moe_ffn`` always.
 """
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -17,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from gpu.experts import group_by_expert
-from offload.cpu_ops import CpuExperts, to_host
+from offload.cpu_ops import CpuExperts, RoutedHandoff, to_host
 from offload.profile import Profile
 
+
+HANDOFF_ENV = "OFFLOAD_HANDOFF"    # "reference": moe_ffn for every batch (the old hand-off)
 
 Stage = Callable[[int], Callable[[torch.Tensor], torch.Tensor]]   # expert e → its projection
 
@@ -67,9 +76,25 @@ class MoE:
         self.pool, self.profile = pool, profile
         self.hot, self.owned = tuple(hot), owned
         self.stream, self.stream_min = None, None     # op offload (offload.runtime sets them)
+        self.compiled_handoff = os.environ.get(HANDOFF_ENV, "compiled").lower() != "reference"
+        self._handoff: RoutedHandoff | None | bool = False     # False: not bound yet
         # the worker thread pays off only when the shared expert (or a hot expert) runs on a GPU meanwhile
         self.overlap = (shared is not None and runs_off_cpu(shared)) or any(
             h.device.type != "cpu" for h in self.hot)
+
+    def _bound_handoff(self, x: torch.Tensor, ids: torch.Tensor) -> RoutedHandoff | None:
+        """The compiled hand-off when it takes this batch (bound on the first decode-sized
+        call: the layer learns its device from x), else None (``moe_ffn``)."""
+        if not self.compiled_handoff:
+            return None
+        if self._handoff is False:
+            from offload.compiled_block import MAX_TOKENS     # (it imports this module)
+            if x.shape[0] > MAX_TOKENS:
+                return None
+            with torch.inference_mode(False):     # plain tensors: usable in and out of inference mode
+                self._handoff = self.experts.handoff(x.device, ids.shape[1], self.owned, MAX_TOKENS)
+        fast = self._handoff
+        return fast if fast is not None and fast.takes(x, ids) else None
 
     def _gpu_side(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The shared expert and the hot experts: what runs in torch beside the CPU experts."""
@@ -85,19 +110,25 @@ class MoE:
             with self.profile.time("op_offload"):                # the CPU experts, streamed to a GPU
                 return self._gpu_side(x, ids, w) + self.stream(x, ids, w).to(x.device)
         if isinstance(self.experts, CpuExperts):
+            fast = self._bound_handoff(x, ids)
             with self.profile.time("transfer"):
-                xh, ih, wh = to_host(x), ids.cpu().numpy(), to_host(w)
+                if fast is not None:
+                    run, args = fast.run, (fast.load(x, ids, w),)
+                else:
+                    run, args = self.experts, (to_host(x), ids.cpu().numpy(), to_host(w), self.owned)
             if self.overlap:
-                job = self.pool.submit(self.experts, xh, ih, wh, self.owned)   # runs while torch works below
+                job = self.pool.submit(run, *args)      # runs while torch works below
                 y = self._gpu_side(x, ids, w)
                 with self.profile.time("cpu_wait"):
                     routed = job.result()
             else:                       # inline: the main thread waits for all of it
                 with self.profile.time("cpu_wait"):
-                    routed = self.experts(xh, ih, wh, self.owned)
+                    routed = run(*args)
                 y = self._gpu_side(x, ids, w)
             with self.profile.time("transfer"):
-                return y + torch.from_numpy(routed).to(x.device)
+                if fast is None:
+                    return y + torch.from_numpy(routed).to(x.device)
+                return y + routed.to(x.device, non_blocking=True)   # pinned → device, stream-ordered
         y = self.experts(x, ids, w)
         if self.shared is not None:
             y = y + self.shared(x)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import offload.runtime as rt
+from offload.cpu_ops import RoutedHandoff
 from offload.gguf_model import open_model
 from placement.devices import parse_devices
 from placement.plan import build_plan
@@ -36,6 +37,8 @@ def test_hot_experts_give_the_all_cpu_logits_and_the_plans_bytes(tiny):
         got = s.logits(IDS)
         moe = s.model.blocks[1].ffn
         assert len(moe.hot) == 2 and not moe.owned[[0, 2, 3, 5, 7]].any() and moe.owned.sum() == len(moe.owned) - 5
+        # the 10-token batch's CPU side went through the compiled hand-off, bound with the mask
+        assert isinstance(moe._handoff, RoutedHandoff) and np.array_equal(moe._handoff.owned, moe.owned)
         assert dict(s.allocated) == {t.name: t.weights_bytes for t in plan.totals if t.weights_bytes}
     assert np.abs(got - want).max() < REL_TOL * np.abs(want).max()
 
