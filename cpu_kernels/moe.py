@@ -133,6 +133,7 @@ def _build(salt):
             rg = np.empty((TOKEN_TILE, 4), f32)
             ru = np.empty((TOKEN_TILE, 4), f32)
             sc = np.empty(64, f32)
+            toks = np.empty(TOKEN_TILE, np.int64)
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
                 s = it // groups
                 r0 = 4 * (it % groups)
@@ -144,7 +145,10 @@ def _build(salt):
                 ub = e * ues + u0 * urs
                 for a0 in range(slot_start[s], slot_start[s + 1], TOKEN_TILE):
                     nt = min(TOKEN_TILE, slot_start[s + 1] - a0)
-                    toks = assign_tok[a0:a0 + nt]
+                    # Copied, not sliced: a slice is a new array whose reference count
+                    # is an atomic (a full memory fence) per tile.
+                    for i in range(nt):
+                        toks[i] = assign_tok[a0 + i]
                     if xq is not None:
                         dot4_i8(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
                                 cols, xq, dx, xs16, xs4, dx8, toks, nt, acc, cacc, rg)
