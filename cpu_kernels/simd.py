@@ -319,7 +319,7 @@ def target_has(*names: str) -> bool:
 def vlut16(typingctx, arr, off, shift, table):
     """Lanes ``table[(bytes[off + l] >> shift) & 15]`` for a 16-entry table held in a
     vector (IQ4_NL's non-linear grid, MXFP4's e2m1 values, Q4_0's signed nibbles): one
-    ``vpermps`` with AVX-512 (``shift`` 0 or 4 there: the lookup ignores higher index bits);
+    ``vpermps`` with AVX-512 (it reads only an index's low 4 bits: that is the mask);
     elsewhere a gather."""
     if not (_is_array(arr) and _is_int(off) and _is_int(shift) and table == fvec):
         return None
@@ -327,16 +327,13 @@ def vlut16(typingctx, arr, off, shift, table):
     def codegen(context, builder, sig, args):
         p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         sh = context.cast(builder, args[2], sig.args[2], types.int32)
-        c15 = _splat(builder, ir.Constant(_I32, 15), _VI32)
-        n = builder.and_(builder.lshr(builder.zext(_load_vec(builder, p, _I8), _VI32),
-                                      _splat(builder, sh, _VI32)), c15)
+        idx = builder.lshr(builder.zext(_load_vec(builder, p, _I8), _VI32), _splat(builder, sh, _VI32))
         tab = args[3]
-        if target_has("avx512f"):
-            # vpermps reads only bits 0..3 of each index: the low nibble needs no mask.
-            idx = builder.lshr(builder.zext(_load_vec(builder, p, _I8), _VI32), _splat(builder, sh, _VI32))
+        if target_has("avx512f"):          # vpermps reads only bits 0..3 of each index
             fnty = ir.FunctionType(_VF, [_VF, _VI32])
             fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.permvar.sf.512")
             return builder.call(fn, [tab, idx])
+        n = builder.and_(idx, _splat(builder, ir.Constant(_I32, 15), _VI32))
         slot = cgutils.alloca_once(builder, _VF)
         builder.store(tab, slot)
         base = builder.bitcast(slot, _F32.as_pointer())
