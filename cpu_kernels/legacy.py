@@ -15,7 +15,7 @@ from numba import njit
 
 from .pair8 import pair_decoder
 from .registry import register
-from .simd import ld_f16, ld_u32, vbit_lanes, vbits, vi8, vset2
+from .simd import ld_f16, ld_u32, target_has, vbit_lanes, vbits, vi8, vload, vlut16, vset2
 
 f32 = np.float32
 _jit = njit(fastmath=True, error_model="numpy")
@@ -42,14 +42,23 @@ def _d_m(d, m):
 
 # block_q4_0 { ggml_half d; uint8_t qs[16]; }  18 bytes
 # w[j] = d * ((qs[j] & 15) - 8),  w[j + 16] = d * ((qs[j] >> 4) - 8)
+Q4_0_VALUES = np.arange(-8, 8, dtype=np.float32)       # nibble n -> n - 8
+# With AVX-512 a nibble indexes Q4_0_VALUES: one vpermps per 16 weights decodes and
+# removes the offset (no m term; no mask, widen and convert per nibble).
+_LUT = target_has("avx512f")
+
+
 @_jit
 def scales_q4_0(w, ob):
     d = ld_f16(w, ob)
-    return _d_m(d, f32(-8) * d)
+    return _d_m(d, f32(0) if _LUT else f32(-8) * d)
 
 
 @_jit
 def quants_q4_0(w, ob, k):
+    if _LUT:
+        tab = vload(Q4_0_VALUES, 0)
+        return vlut16(w, ob + 2, 0, tab), vlut16(w, ob + 2, 4, tab)
     return _nibbles(w, ob + 2)
 
 

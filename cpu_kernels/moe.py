@@ -211,7 +211,8 @@ def _build(salt):
         items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
         for ch in prange(pieces):
-            acc, cacc, rg, ru, sc = pads[0][ch], pads[1][ch], pads[2][ch], pads[3][ch], pads[4][ch]
+            acc, cacc, rg, ru = pads[0][ch], pads[1][ch], pads[2][ch], pads[3][ch]
+            sc, toks = pads[4][ch], pads[5][ch]
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
                 s = it // groups
                 r0 = 4 * (it % groups)
@@ -223,7 +224,10 @@ def _build(salt):
                 ub = e * ues + u0 * urs
                 for a0 in range(slot_start[s], slot_start[s + 1], TOKEN_TILE):
                     nt = min(TOKEN_TILE, slot_start[s + 1] - a0)
-                    toks = assign_tok[a0:a0 + nt]
+                    # Copied, not sliced: a slice is a new array whose reference count
+                    # is an atomic (a full memory fence) per tile.
+                    for i in range(nt):
+                        toks[i] = assign_tok[a0 + i]
                     if xq is not None:
                         dot4_i8(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
                                 cols, xq, dx, xs16, xs4, dx8, toks, nt, acc, cacc, rg)

@@ -11,11 +11,9 @@ from numba import njit
 
 from .pair8 import pair_decoder, unit_pair_decoder
 from .registry import register
-from .simd import byte_fields, f32_from_bits, ld_f16, ld_u8, vload, vlut16, vset2, vzero
+from .simd import byte_fields, ld_e8m0, ld_f16, vload, vlut16, vset2, vzero
 
 f32 = np.float32
-i32 = np.int32
-u32 = np.uint32
 _jit = njit(fastmath=True, error_model="numpy")
 
 # ggml's kvalues_mxfp4: e2m1 values doubled (0.5 -> 1); the scale is halved to match.
@@ -37,8 +35,7 @@ def _lut_nibbles(w, q, table):
 # e8m0_half(e) = 2**(e - 128) (ggml_e8m0_to_fp32_half; subnormal for e < 2)
 @_jit
 def scales_mxfp4(w, ob):
-    e = i32(ld_u8(w, ob))
-    d = f32_from_bits((u32(0x00200000) << u32(e)) if e < 2 else (u32(e - 1) << u32(23)))
+    d = ld_e8m0(w, ob)
     return vset2(d, d), vzero()
 
 

@@ -20,7 +20,7 @@ from .simd import prefetch, vfma, vlane, vload, vsplat, vstore, vsum, vzero
 f32 = np.float32
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _prefetch_next_group(w, ro0, ro1, ob, bb):
     """Prefetch the bytes the next row group (the four rows after these: contiguous in
     GGUF data) reads at this block: hardware prefetchers lose track of four interleaved
@@ -30,7 +30,7 @@ def _prefetch_next_group(w, ro0, ro1, ob, bb):
         prefetch(w, nxt + j)
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _unit(a, v0, v1, x0, x1, sc, i, same_d):
     """a + d0 * (v0 . x0) + d1 * (v1 . x1) lane-wise, d0 = sc[i], d1 = sc[i + 1]."""
     if same_d:
@@ -38,7 +38,7 @@ def _unit(a, v0, v1, x0, x1, sc, i, same_d):
     return vfma(v1 * x1, vsplat(sc[i + 1]), vfma(v0 * x0, vsplat(sc[i]), a))
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _unit1(a, v0, v1, x0, x1, vd, same_d):
     """As _unit for one-unit blocks, with d0, d1 in lanes 0, 1 of vd."""
     if same_d:
@@ -46,7 +46,7 @@ def _unit1(a, v0, v1, x0, x1, vd, same_d):
     return vfma(v1 * x1, vsplat(vlane(vd, 1)), vfma(v0 * x0, vsplat(vlane(vd, 0)), a))
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _unit4(tag, w, ro0, ro1, ro2, ro3, ob, k, xf, xo, sc, a0, a1, a2, a3, same_d):
     """Unit k of block ob for the four rows, one token (activations at xf[xo:xo + 32],
     d of row r's halves at sc[16 r + 2k], sc[16 r + 2k + 1])."""
@@ -63,7 +63,7 @@ def _unit4(tag, w, ro0, ro1, ro2, ro3, ob, k, xf, xo, sc, a0, a1, a2, a3, same_d
     return a0, a1, a2, a3
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _one(tag, w, ro0, ro1, ro2, ro3, n_units, xf, xo, xs, sc):
     """Four row dots with one token whose activations start at xf[xo] and whose 16-column
     sums are xs; the accumulators stay in registers. sc: float32 scratch [>= 64]."""
@@ -129,7 +129,7 @@ def _one(tag, w, ro0, ro1, ro2, ro3, n_units, xf, xo, xs, sc):
             vsum(a2) + vsum(c2) + z2, vsum(a3) + vsum(c3) + z3)
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _many(tag, w, ro0, ro1, ro2, ro3, n_units, xf, cols, xs16, toks, n_t, acc, cacc, res, sc):
     """Several tokens: decode a unit of the four rows once, then apply it to each token;
     the per-token accumulators live in small scratch arrays (L1)."""
@@ -184,7 +184,7 @@ def _many(tag, w, ro0, ro1, ro2, ro3, n_units, xf, cols, xs16, toks, n_t, acc, c
             res[i, r] = vsum(vload(acc, i * 64 + r * 16)) + cacc[4 * i + r]
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def dot4(tag, w, ro0, ro1, ro2, ro3, cols, X, xs16, toks, n_t, acc, cacc, res, sc):
     """res[i, r] = sum_c W[row r, c] * X[toks[i], c] for i < n_t, r < 4.
 
@@ -224,7 +224,7 @@ def rows4_scratch():
             np.empty(TOKEN_TILE, np.int64), np.empty(64, f32))
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def rows4(tag, w, r0, X, xs16, Y, acc, cacc, res, toks, sc):
     """Y[:, r0:r0 + 4] = X @ W[r0:r0 + 4]^T over all tokens of X, TOKEN_TILE at a time
     (w: uint8 [rows, row_bytes]; rows past the end repeat the last one, results dropped).

@@ -61,13 +61,13 @@ def quantize_rows(x, xq, dx, xs16, xs4, dx8):
                 dx8[b, 8 * u + g] = d
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _units(tag, w, ro, ob, j, xq, xo, scale, acc):
     """acc + scale * (codes of units 2j, 2j + 1 of one row's block . activations)."""
     return vfma(pdot(codes(tag, w, ro + ob, j), xq, xo), scale, acc)
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _pstep(c, d, m, xq, xp, dxv, xs, cv, has_min, acc):
     """One row's step: acc + d * (dx * pdot + cv) [+ m * xs], cv = -offset * xs."""
     if has_min:
@@ -75,7 +75,7 @@ def _pstep(c, d, m, xq, xp, dxv, xs, cv, has_min, acc):
     return vfma(d, vfma(dxv, pdot(c, xq, xp), cv), acc)
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def one_pairs(tag, w, ro0, ro1, ro2, ro3, n_blocks, xq, xo, xs4, so, dx8):
     """Four row dots of a 32-weight type with one quantized token (codes at xq[xo:], its
     sums of 4 and their scales at xs4[so:], dx8[so:]): blocks two at a time (pair8)."""
@@ -121,7 +121,7 @@ def one_pairs(tag, w, ro0, ro1, ro2, ro3, n_blocks, xq, xo, xs4, so, dx8):
     return vsum(a0), vsum(a1), vsum(a2), vsum(a3)
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _pair_tokens(c0, d0, m0, c1, d1, m1, c2, d2, m2, c3, d3, m3, p, xqf, xqs, xs4f, s4s, dx8f,
                  toks, n_t, has_min, noff, acc):
     """One step (blocks 2p, 2p + 1) of the four rows, decoded once, against each token."""
@@ -139,7 +139,7 @@ def _pair_tokens(c0, d0, m0, c1, d1, m1, c2, d2, m2, c3, d3, m3, p, xqf, xqs, xs
         vstore(acc, j + 48, _pstep(c3, d3, m3, xqf, xp, dxv, xs, cv, has_min, vload(acc, j + 48)))
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def many_pairs(tag, w, ro0, ro1, ro2, ro3, n_blocks, xqf, xqs, xs4f, s4s, dx8f, toks, n_t, acc, res):
     """Several quantized tokens, 32-weight type: each step's codes of the four rows are
     decoded once and applied to every token (accumulators in scratch acc [n_t * 64])."""
@@ -171,7 +171,7 @@ def many_pairs(tag, w, ro0, ro1, ro2, ro3, n_blocks, xqf, xqs, xs4f, s4s, dx8f, 
             res[i, r] = vsum(vload(acc, 64 * i + 16 * r))
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def one_i8(tag, w, ro0, ro1, ro2, ro3, n_units, xq, xo, dx, do, xs):
     """Four row dots of a 256-weight type with one quantized token: codes at xq[xo:],
     unit scales at dx[do:], 16-column sums of the dequantized activations xs (1-D)."""
@@ -225,7 +225,7 @@ def one_i8(tag, w, ro0, ro1, ro2, ro3, n_units, xq, xo, dx, do, xs):
     return vsum(a0) + vsum(c0), vsum(a1) + vsum(c1), vsum(a2) + vsum(c2), vsum(a3) + vsum(c3)
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob, jp, u, xqf, xqs, dxf, dxs, toks, n_t, s0, s1, s2, s3, acc):
     """Units (u, u + 1) = pair jp of the block at ob of the four rows, codes decoded once,
     against each token: acc[64 i + 16 r:] += (codes . x) * s_r * dx. s_r: d of the pair's
@@ -245,7 +245,7 @@ def _units_tokens(tag, w, ro0, ro1, ro2, ro3, ob, jp, u, xqf, xqs, dxf, dxs, tok
         vstore(acc, j + 48, vfma(pdot(c3, xqf, xo), s3 * sdx, vload(acc, j + 48)))
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def many_i8(tag, w, ro0, ro1, ro2, ro3, n_units, xqf, xqs, dxf, dxs, xs16, toks, n_t, acc, cacc, res):
     """Several quantized tokens, 256-weight type: each pair of units of the four rows is
     decoded once and applied to every token (per-token accumulators in scratch acc
@@ -283,7 +283,7 @@ def many_i8(tag, w, ro0, ro1, ro2, ro3, n_units, xqf, xqs, dxf, dxs, xs16, toks,
             res[i, r] = vsum(vload(acc, 64 * i + 16 * r)) + cacc[4 * i + r]
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _dot4_pairs(tag, w, ro0, ro1, ro2, ro3, cols, xq, dx, xs16, xs4, dx8, toks, n_t, acc, cacc, res):
     n_blocks = cols // 32
     xqf = xq.reshape(-1)
@@ -302,7 +302,7 @@ def _dot4_pairs(tag, w, ro0, ro1, ro2, ro3, cols, xq, dx, xs16, xs4, dx8, toks, 
                    toks, n_t, acc, res)
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _dot4_units(tag, w, ro0, ro1, ro2, ro3, cols, xq, dx, xs16, xs4, dx8, toks, n_t, acc, cacc, res):
     n_units = cols // 32
     xqf = xq.reshape(-1)
@@ -327,7 +327,7 @@ def dot4_i8(tag, w, ro0, ro1, ro2, ro3, cols, xq, dx, xs16, xs4, dx8, toks, n_t,
     raise NotImplementedError("only callable from jitted code")
 
 
-@overload(dot4_i8)
+@overload(dot4_i8, jit_options={"_nrt": False})
 def _dot4_i8(tag, w, ro0, ro1, ro2, ro3, cols, xq, dx, xs16, xs4, dx8, toks, n_t, acc, cacc, res):
     if isinstance(tag, QTagType):
         kern = kernel_by_name(tag.qname)

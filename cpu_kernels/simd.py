@@ -318,25 +318,22 @@ def target_has(*names: str) -> bool:
 @intrinsic
 def vlut16(typingctx, arr, off, shift, table):
     """Lanes ``table[(bytes[off + l] >> shift) & 15]`` for a 16-entry table held in a
-    vector (IQ4_NL's non-linear grid, MXFP4's e2m1 values). With AVX-512 LLVM turns the
-    extract/insert chain below into one ``vpermps``; elsewhere it is a gather."""
+    vector (IQ4_NL's non-linear grid, MXFP4's e2m1 values, Q4_0's signed nibbles): one
+    ``vpermps`` with AVX-512 (it reads only an index's low 4 bits: that is the mask);
+    elsewhere a gather."""
     if not (_is_array(arr) and _is_int(off) and _is_int(shift) and table == fvec):
         return None
 
     def codegen(context, builder, sig, args):
         p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         sh = context.cast(builder, args[2], sig.args[2], types.int32)
-        c15 = _splat(builder, ir.Constant(_I32, 15), _VI32)
-        n = builder.and_(builder.lshr(builder.zext(_load_vec(builder, p, _I8), _VI32),
-                                      _splat(builder, sh, _VI32)), c15)
+        idx = builder.lshr(builder.zext(_load_vec(builder, p, _I8), _VI32), _splat(builder, sh, _VI32))
         tab = args[3]
-        if target_has("avx512f"):
-            out = ir.Constant(_VF, ir.Undefined)
-            for i in range(LANES):
-                idx = builder.extract_element(n, ir.Constant(_I32, i))
-                out = builder.insert_element(out, builder.extract_element(tab, idx),
-                                             ir.Constant(_I32, i))
-            return out
+        if target_has("avx512f"):          # vpermps reads only bits 0..3 of each index
+            fnty = ir.FunctionType(_VF, [_VF, _VI32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.permvar.sf.512")
+            return builder.call(fn, [tab, idx])
+        n = builder.and_(idx, _splat(builder, ir.Constant(_I32, 15), _VI32))
         slot = cgutils.alloca_once(builder, _VF)
         builder.store(tab, slot)
         base = builder.bitcast(slot, _F32.as_pointer())
@@ -460,10 +457,10 @@ def _table(module, name):
         return g
 
 
-def _ld_f16_table(builder, p):
-    """The float32 value of the IEEE half at pointer p, read from the table."""
-    tab = _table(builder.module, "offload_f16_to_f32")
-    i = builder.zext(builder.load(builder.bitcast(p, _I16.as_pointer()), align=1), _I64)
+def _ld_table(builder, p, name="offload_f16_to_f32", ity=_I16):
+    """Table ``name``'s float32 entry for the ``ity`` code at pointer p (an f16's value)."""
+    tab = _table(builder.module, name)
+    i = builder.zext(builder.load(builder.bitcast(p, ity.as_pointer()), align=1), _I64)
     return builder.load(builder.gep(tab, [ir.Constant(_I64, 0), i]), align=4)
 
 
@@ -475,7 +472,20 @@ def ld_f16(typingctx, arr, off):
         return None
 
     def codegen(context, builder, sig, args):
-        return _ld_f16_table(builder, _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]))
+        return _ld_table(builder, _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]))
+    return types.float32(arr, off), codegen
+
+
+@intrinsic
+def ld_e8m0(typingctx, arr, off):
+    """MXFP4's e8m0 byte at ``off`` as ggml's half scale 2**(e - 128), from the table (one
+    load that a broadcast reads straight from memory, instead of scalar bit arithmetic)."""
+    if not (_is_array(arr) and _is_int(off)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return _ld_table(builder, p, "offload_e8m0_half_to_f32", _I8)
     return types.float32(arr, off), codegen
 
 

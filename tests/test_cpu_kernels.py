@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
+from numba import typeof
 
 import cpu_kernels as ck
 from cpu_kernels.layout import weight_bytes
@@ -200,6 +201,25 @@ def test_drivers_release_the_gil_and_cache():
             assert disp.targetoptions.get("nogil") is True, n
             assert type(disp._cache).__name__ == "FunctionCache", n
 
+
+
+@pytest.mark.parametrize("qt", [T.Q4_0, T.Q4_K, T.MXFP4])
+def test_row_group_routines_take_no_references(qt):
+    """``rows4`` (called once per 4-row group by matmul and the compiled blocks) and what it
+    calls never touch reference counts: NRT's are atomic (lock-prefixed, a full memory
+    fence), and one per array argument per call drained the loads in flight on every row
+    group (batch-1 mat-vecs ran at 0.4-0.7x the speed without them)."""
+    from cpu_kernels.layout import sums16
+    from cpu_kernels.rowdot import rows4, rows4_scratch
+    rng = seed(8, qt)
+    w = weight_bytes(random_blocks(qt, (8, 256), rng), get_kernel(qt), 2, "w")
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    y = np.zeros((1, 8), np.float32)
+    rows4(get_kernel(qt).tag, w, 4, x, sums16(x), y, *rows4_scratch())
+    check_close(y[:, 4:], x, dequant(w[4:], qt))           # it ran, and right
+    sig = [s for s in rows4.signatures if s[0] == typeof(get_kernel(qt).tag)][0]
+    ir = rows4.inspect_llvm(sig)
+    assert "NRT_incref" not in ir and "NRT_decref" not in ir
 
 # ---------------------------------------------------------------------------- MoE
 
