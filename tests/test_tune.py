@@ -103,8 +103,10 @@ def test_tune_writes_a_plan_that_run_uses(capsys, tmp_path, plan_file):
     # a later `offload plan --placement` refresh keeps tune's choice and measured profile
     again = tmp_path / "again.yaml"
     assert cli(capsys, "plan", "--placement", plan_file, "-o", again)[0] == 0
-    kept = yaml.safe_load(again.read_text())["speculative"]
+    refreshed = yaml.safe_load(again.read_text())
+    kept = refreshed["speculative"]
     assert kept["n_max"] == n and kept["source"] == "tune" and kept["profile"] == prof
+    assert refreshed["routing"] == after["routing"]          # and tune's routing counts
 
 
 # -- routing ---------------------------------------------------------------------------------

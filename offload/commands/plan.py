@@ -205,7 +205,9 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model = open_model(args.model) if args.model else None
     plan, model, draft = plan_from_args(args, model)
-    hits = RoutingCounts.from_file(args.routing) if args.routing else None
+    # a plan file's routing counts (``offload tune``) stay with it and feed its forecasts
+    kept = read_plan_file(args.placement).routing if args.placement else None
+    hits = RoutingCounts.from_file(args.routing) if args.routing else kept
     table = gain = None
     if args.spec_type == "mtp" and plan.drafting == "none":
         raise NoDraftHead(plan.model_path, "--spec-type mtp")
@@ -230,7 +232,7 @@ def main(argv: list[str]) -> int:
     op = op_offload_forecast(plan, model, hits)
     hot_note = LLAMA_CPP_HOT_NOTE.format(what=describe(plan.hot_experts, model.tensors)) if plan.hot_experts else ""
     if args.output:
-        write_atomic(args.output, plan_to_yaml(plan))
+        write_atomic(args.output, plan_to_yaml(plan, routing=hits))
         print(f"offload: wrote {args.output}", file=sys.stderr)
     if args.json:
         extra = {"llama_cpp_note": hot_note} if hot_note else {}
