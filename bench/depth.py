@@ -473,11 +473,12 @@ def _llama_available() -> str | None:
 
 
 def main(argv=None) -> int:
+    from offload.commands.run import PREFILL_ACTIVATIONS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--torch-threads", type=int, default=1, help="offload's torch threads (default 1, as offload run)")
-    ap.add_argument("--prefill-activations", choices=("int8", "float"), default="int8",
+    ap.add_argument("--prefill-activations", choices=PREFILL_ACTIVATIONS, default="int8",
                     help="offload's activations for prompt batches, as offload run's flag (default int8)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per pass (default 32)")
     ap.add_argument("--prompt", type=int, default=256, help="prefill prompt tokens (default 256)")
