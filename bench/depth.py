@@ -24,7 +24,8 @@ Workloads (``--only``): ``wide`` and ``narrow`` = greedy decode of ``--tokens`` 
 8-token prompt; ``prefill`` = one ``--prompt``-token prompt (256) on the wide model, as one
 ubatch; ``sweep`` = decode on each sweep model. Each engine and model runs in a fresh
 process (``--one``), CPU only, ``-t`` threads: offload with ``threads=-t`` for its Numba
-kernels and torch on ``--torch-threads`` (1, as ``offload run``); llama.cpp through
+kernels, ``--prefill-activations`` (int8, as ``offload run``) for prompt batches, and torch
+on ``--torch-threads`` (1, as ``offload run``); llama.cpp through
 llama-cpp-python with ``n_threads = n_threads_batch = -t``, no GPU layers, ``n_batch =
 n_ubatch = --prompt``, memory-mapped weights (its default; the file is read through once
 before each process so neither engine pays disk reads). Each process warms up first (one
@@ -248,13 +249,15 @@ def prompt_ids(n: int, n_vocab: int = 256) -> list[int]:
     return [(7 + 37 * i) % n_vocab for i in range(n)]
 
 
-def _offload_run(path: str, jobs: list[dict], threads: int, torch_threads: int, ctx: int) -> list[dict]:
+def _offload_run(path: str, jobs: list[dict], threads: int, torch_threads: int, ctx: int,
+                 prefill_activations: str = "int8") -> list[dict]:
     import torch
 
     import offload.runtime as rt
     torch.set_num_threads(torch_threads)
     out = []
-    with rt.load(path, quiet=True, threads=threads, devices="CPU=64GiB", ctx=ctx) as s:
+    with rt.load(path, quiet=True, threads=threads, devices="CPU=64GiB", ctx=ctx,
+                 int8_prefill=prefill_activations == "int8") as s:
         s.warmup()
         for job in jobs:
             ids = prompt_ids(job["prompt"])
@@ -314,7 +317,8 @@ def run_one(engine: str, path: Path, jobs: list[dict], args, progress, ceilings:
     _read_through(path)
     ceilings.append(measure_ceiling(args.threads))     # next to each process, while the box is as it is
     cmd = [sys.executable, "-m", "bench.depth", "--one", engine, str(path), json.dumps(jobs),
-           "-t", str(args.threads), "--torch-threads", str(args.torch_threads)]
+           "-t", str(args.threads), "--torch-threads", str(args.torch_threads),
+           "--prefill-activations", args.prefill_activations]
     progress(f"{engine} on {path.name}: {', '.join(j['kind'] for j in jobs)}")
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_child_env(engine))
@@ -347,11 +351,12 @@ def _read_through(path: Path) -> None:
             pass
 
 
-def _one_main(engine: str, path: str, jobs_json: str, threads: int, torch_threads: int) -> int:
+def _one_main(engine: str, path: str, jobs_json: str, threads: int, torch_threads: int,
+              prefill_activations: str) -> int:
     jobs = json.loads(jobs_json)
     ctx = max(j["prompt"] + j.get("tokens", 0) for j in jobs) + 16
     if engine == "offload":
-        out = _offload_run(path, jobs, threads, torch_threads, ctx)
+        out = _offload_run(path, jobs, threads, torch_threads, ctx, prefill_activations)
     elif engine == "llama.cpp":
         out = _llama_run(path, jobs, threads, ctx)
     else:
@@ -468,10 +473,13 @@ def _llama_available() -> str | None:
 
 
 def main(argv=None) -> int:
+    from offload.commands.run import PREFILL_ACTIVATIONS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--torch-threads", type=int, default=1, help="offload's torch threads (default 1, as offload run)")
+    ap.add_argument("--prefill-activations", choices=PREFILL_ACTIVATIONS, default="int8",
+                    help="offload's activations for prompt batches, as offload run's flag (default int8)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per pass (default 32)")
     ap.add_argument("--prompt", type=int, default=256, help="prefill prompt tokens (default 256)")
     ap.add_argument("--repeat", type=int, default=3, help="timed passes per workload and process (default 3)")
@@ -486,7 +494,7 @@ def main(argv=None) -> int:
     ap.add_argument("--one", nargs=3, metavar=("ENGINE", "MODEL", "JOBS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.one:
-        return _one_main(*a.one, a.threads, a.torch_threads)
+        return _one_main(*a.one, a.threads, a.torch_threads, a.prefill_activations)
     only = [w.strip() for w in a.only.split(",") if w.strip()]
     bad = [w for w in only if w not in WORKLOADS]
     if bad or not only:
@@ -581,7 +589,7 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
     print(f"bench.depth: qwen3moe random weights, {NARROW.n_expert} experts top-{NARROW.n_expert_used}, "
           f"{NARROW.expert_type.name} experts, {NARROW.dense_type.name} attention; threads -t {a.threads} "
           f"(offload torch {a.torch_threads}); decode {a.tokens} tokens after {DECODE_PROMPT}, prefill "
-          f"{a.prompt}; {a.stat} of {a.rounds} x {a.repeat} passes")
+          f"{a.prompt} (offload's activations {a.prefill_activations}); {a.stat} of {a.rounds} x {a.repeat} passes")
     print(f"memory-read ceiling (-t {a.threads}): {ceiling:.2f} GB/s, {a.stat} of {len(ceilings)} "
           f"measured before each process and at the end (min {min(ceilings):.2f}, max {max(ceilings):.2f}); "
           f"{load_line()}")
@@ -591,6 +599,7 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
     if a.json:
         doc = dict(ceiling_gbps=ceiling, ceilings=ceilings,
                    threads=a.threads, torch_threads=a.torch_threads, tokens=a.tokens, prompt=a.prompt,
+                   prefill_activations=a.prefill_activations,
                    repeat=a.repeat, rounds=a.rounds, stat=a.stat, load=load_line(),
                    rows=[dict(asdict(r), offload_tps=summary(r.offload, a.stat),
                              llama_tps=summary(r.llama, a.stat))

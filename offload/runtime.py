@@ -227,7 +227,7 @@ def plan_for(model: ModelFile, placement=None, devices: str | None = None, draft
 
 def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus: bool = False,
          gpu_dtype: str = "auto", threads: int | None = None, progress: bool = False,
-         quiet: bool = False, op_offload: str = "auto", int8_prefill: bool = False, **plan_options) -> Session:
+         quiet: bool = False, op_offload: str = "auto", int8_prefill: bool = True, **plan_options) -> Session:
     """Load a GGUF model where a plan puts each tensor.
 
     ``placement``: a Plan, a plan YAML path, or None to plan now for ``devices`` (``"auto"``
@@ -236,11 +236,12 @@ def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus
     CUDA exists. ``gpu_dtype``: compute dtype of GPU-resident weights (auto/f32/f16/bf16).
     ``threads``: CPU expert kernel threads. ``op_offload`` (auto/on/off): stream RAM-resident
     experts to a GPU for prompt batches of at least a threshold (``enable_op_offload``).
-    ``int8_prefill``: prompt batches (more than ``compiled_block.MAX_TOKENS`` tokens) quantize
-    activations to int8 for the CPU kernels (llama.cpp's Q8 activations; faster with VNNI,
-    error bound in ``cpu_kernels.settings``). Off by default until the planner's compute model
-    counts the quantized activations (``placement.compute``: about 3.1·cols + 256 more bytes
-    per row than the float path).
+    ``int8_prefill`` (default on; the CLI's ``--prefill-activations int8|float``): prompt
+    batches (more than ``compiled_block.MAX_TOKENS`` tokens) quantize activations to int8 per
+    32 values for the CPU kernels, as llama.cpp's Q8 activations, with VNNI dot products
+    (a CPU without VNNI runs the float path). Error bound per dot product in
+    ``cpu_kernels.settings``; on the shipped model's logits it is held under 2e-2 of the
+    largest (tests/test_prefill.py). ``placement.compute`` counts the quantized activations.
     """
     model = open_model(model_path)
     return load_plan(model, plan_for(model, placement, devices, **plan_options), virtual_gpus=virtual_gpus,
@@ -250,7 +251,7 @@ def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus
 
 def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_dtype: str = "auto",
               threads: int | None = None, progress: bool = False, quiet: bool = False,
-              op_offload: str = "auto", int8_prefill: bool = False) -> Session:
+              op_offload: str = "auto", int8_prefill: bool = True) -> Session:
     """``load`` for an opened model and a resolved plan (what ``offload run`` calls)."""
     t0 = time.perf_counter()
     if threads is not None:

@@ -24,6 +24,14 @@ GPU device in ``MemorySettings.host_backed`` (``--virtual-gpus``) is torch on th
 = f32 under ``gpu_dtype="auto"``, and attention upcasts the cache to float32 as on the CPU.
 CUDA attention is assumed to run torch's memory-efficient kernel (the bool mask becomes a
 bias in the cache dtype); that branch is not measured here (no CUDA on the development box).
+
+Prompt batches on the CPU: the runtime's default (``offload.runtime.load``'s
+``int8_prefill``) gives the Numba kernels int8 activations for batches of more than
+``compiled_block.MAX_TOKENS`` tokens, so a CPU matrix or MoE layer fed ``n ≥ INT8_FROM``
+rows of a quantized type holds ``int8_activation_bytes`` for them (codes, scales and the
+partial sums ``cpu_kernels.matmul.quantized_activations`` makes) instead of the float path's
+16-value sums. Counted whenever the runtime asks for int8; the float path (a CPU without
+VNNI, or ``--prefill-activations float``) holds less.
 """
 from __future__ import annotations
 
@@ -73,6 +81,26 @@ NUMPY_GROUP_SCRATCH_OF: dict[Q, float] = {
 }
 
 
+# int8 activations of CPU kernels (see the module docstring)
+INT8_FROM = 17              # offload.compiled_block.MAX_TOKENS + 1: batches a compiled step does not take
+FLOAT_ACTIVATION_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})   # no int8 decoder in cpu_kernels
+XQ_PAD, DX_PAD, S4_PAD = 64, 16, 16                         # cpu_kernels.rowdot8's row padding
+
+
+def int8_activation_bytes(n: int, cols: int) -> int:
+    """cpu_kernels.matmul.quantized_activations of ``n`` rows of ``cols`` values: int8
+    codes xq (cols + XQ_PAD), per 32 a float32 scale dx (+ DX_PAD), per 16 the sum xs16,
+    per 4 the sum xs4 and its scale dx8 (+ S4_PAD each): about 3.4·cols + 256 bytes a row."""
+    return n * (cols + XQ_PAD + F32 * (cols // 32 + DX_PAD + cols // 16 + 2 * (cols // 4 + S4_PAD)))
+
+
+def cpu_input_bytes(n: int, cols: int, int8: bool) -> int:
+    """What a CPU kernel (``cpu_kernels.matmul`` / ``moe_ffn``) derives from ``n`` rows of
+    its input before multiplying: int8 activations, or the float path's 16-value sums
+    (cpu_kernels.layout.sums16)."""
+    return int8_activation_bytes(n, cols) if int8 else n * (cols // 16) * F32
+
+
 def cpu_lookup_bytes(embd: TensorInfo, n: int) -> int:
     """Peak bytes of offload.cpu_ops.RawEmbedding looking up ``n`` rows of ``embd``: the
     gathered raw rows, then (unless F32, used as gathered) gguf's numpy dequantization."""
@@ -96,11 +124,19 @@ def dequant_bytes_per_value(qtype: Q, dtype: str) -> float:
 
 
 class Devices:
-    """What kind each device is: the CPU, a CUDA GPU, or a GPU backed by host RAM."""
+    """What kind each device is: the CPU, a CUDA GPU, or a GPU backed by host RAM; and from
+    which batch the CPU kernels take int8 activations (None: never)."""
 
-    def __init__(self, gpu_dtype: str, host_backed: Iterable[str]):
+    def __init__(self, gpu_dtype: str, host_backed: Iterable[str], int8_from: int | None = INT8_FROM):
         self.gpu_dtype = gpu_dtype
         self.host_backed = frozenset(host_backed)
+        self.int8_from = int8_from
+
+    def int8(self, n: int, types: Iterable[Q]) -> bool:
+        """Whether a CPU kernel over weights of ``types`` called for a batch of ``n`` tokens
+        uses int8 activations (offload.cpu_ops.int8_for; cpu_kernels.matmul.use_int8)."""
+        return (self.int8_from is not None and n >= self.int8_from
+                and not any(t in FLOAT_ACTIVATION_TYPES for t in types))
 
     def torch_cpu(self, dev: str) -> bool:
         return dev == CPU or dev in self.host_backed
@@ -122,8 +158,9 @@ def projection(t: TensorInfo, dev: str, home: str, n: int, kinds: Devices, *,
     """Peak bytes per device while ``n`` tokens go through the matrix ``t`` on ``dev``,
     called from ``home``, *including* its float32 result on ``home``.
 
-    CPU (offload.cpu_ops.RawLinear → cpu_kernels.matmul): sums16 of the input (n·cols/16),
-    the result Y (n·rows), and a host copy of the input when home is elsewhere.
+    CPU (offload.cpu_ops.RawLinear → cpu_kernels.matmul): sums16 of the input (n·cols/16)
+    or its int8 activations (``cpu_input_bytes``), the result Y (n·rows), and a host copy of
+    the input when home is elsewhere.
     GPU (gpu.linear.Linear → QuantTensor.linear): the input moved to ``dev`` and cast to c;
     the dequantized chunk (``min(rows, CHUNK_VALUES // cols)`` rows × cols values × the
     type's scratch); the output (n·rows·c) and, when chunked, one chunk's output; then the
@@ -131,9 +168,10 @@ def projection(t: TensorInfo, dev: str, home: str, n: int, kinds: Devices, *,
     """
     rows, cols = _mat(t)
     if dev == CPU:
+        derived = cpu_input_bytes(n, cols, kinds.int8(n, (t.ggml_type,)))
         if home == CPU:
-            return {CPU: n * (cols // 16) * F32 + n * rows * F32}
-        return {CPU: n * (cols // 16 + cols + rows) * F32, home: n * rows * F32}
+            return {CPU: derived + n * rows * F32}
+        return {CPU: derived + n * (cols + rows) * F32, home: n * rows * F32}
     dtype = "f32" if f32 else kinds.dtype(dev)
     c = DTYPE_BYTES[dtype]
     x_in = (n * cols * F32 if dev != home else 0) + (n * cols * c if c != F32 else 0)
@@ -414,11 +452,16 @@ class ForwardModel:
         devs = {device_of(t) for t in b.experts}
         if devs == {CPU}:
             # cpu_kernels.moe_ffn in the worker thread: Y (T, E), H (A, n_ff), out (A, E),
-            # sums16 of X and H, the routing index arrays; the main thread made host copies
-            # of x/ids/weights first when home is a GPU
-            worker = te + A * n_ff * f + A * E * f + (T * E // 16 + A * n_ff // 16) * f + A * ROUTING_BYTES
-            if b.expert_bias:   # moe_ffn's _biased_glu: X per assignment, g, u and σ's temporary
-                worker = max(worker, te + A * E * f + A * E // 16 * f + 3 * A * n_ff * f + A * ROUTING_BYTES)
+            # what the kernels derive from X (T rows) and H (A rows): sums16, or int8
+            # activations when the T-token batch is a prompt batch; the routing index arrays;
+            # the main thread made host copies of x/ids/weights first when home is a GPU
+            int8_in = self.kinds.int8(T, [t.ggml_type for t in b.experts if "down" not in t.name])
+            int8_h = self.kinds.int8(T, [t.ggml_type for t in b.experts if "down" in t.name])
+            worker = (te + A * n_ff * f + A * E * f + cpu_input_bytes(T, E, int8_in)
+                      + cpu_input_bytes(A, n_ff, int8_h) + A * ROUTING_BYTES)
+            if b.expert_bias:   # moe_ffn's _biased_glu: X per assignment (+ what it derives), g, u, σ's temporary
+                worker = max(worker, te + A * E * f + cpu_input_bytes(A, E, int8_in) + 3 * A * n_ff * f
+                             + A * ROUTING_BYTES)
             copies = {CPU: te + T * k * (INT64 + f)} if h != CPU else {}
             moved = {h: te} if h != CPU else {}        # Y moved home (a view on the CPU)
             return [_plus(copies, {CPU: worker}), _plus({CPU: te}, moved)], True

@@ -49,7 +49,8 @@ walks the pass as the code runs it and gives the bytes live on each device at ea
                          router: 2·T·n_expert·4;
                          routed experts on the CPU (cpu_kernels.moe_ffn in a worker thread,
                            at the same time as the shared expert): T·E·4 + A·n_ff_exp·4
-                           + A·E·4 + (T·E + A·n_ff_exp)/16·4 + A·64 (routing indices),
+                           + A·E·4 + (T·E + A·n_ff_exp)/16·4 + A·64 (routing indices)
+                           (T > 16: the int8 activations of X and H in place of the /16 sums),
                            + host copies T·E·4 + T·k·12 when the home is a GPU;  A = T·k
                            with expert biases (gpt-oss) at least T·E·4 + A·E·4·17/16
                            + 3·A·n_ff_exp·4 + A·64 (gate and up apart, then swiglu_oai)
@@ -61,6 +62,8 @@ walks the pass as the code runs it and gives the bytes live on each device at ea
                           chunk = min(rows, 16 Mi values // cols): raw GGUF bytes are
                           dequantized per call, a chunk of rows at a time, into c
     projection on the CPU = n·rows·4 + n·cols/16·4      (Numba over the mapped bytes)
+                          + (n > 16, quantized type: int8 activations, about 3.4·cols + 256
+                             bytes a row, in place of the cols/16 sums: compute.int8_activation_bytes)
 
 with E = n_embd, Q = n_head·head_dim_k, K/V = n_head_kv·head_dim_k/v, R = rotary dims,
 c = bytes of the GPU compute dtype (``MemorySettings.gpu_dtype``; "auto": bf16 on CUDA, f32
@@ -77,8 +80,7 @@ Every per-value constant is checked against the allocators (torch profiler, trac
 Not counted: what loading adds beyond the weights and no placement changes — the tokenizer
 (1.3 MiB for the shipped model's 4,096 tokens + 3,839 merges, about 170 B per entry; it
 grows with the vocabulary), the parsed header, Python objects; per-thread scratch of torch's and Numba's
-kernels; the int8-activation mode of ``cpu_kernels`` (off in the runtime), which would add
-about 1.1·(T·E + A·n_ff_exp) bytes. Speculative verify batches of B ≤ n_max + 1 tokens compute
+kernels. Speculative verify batches of B ≤ n_max + 1 tokens compute
 B rows of logits (B·n_vocab·(c + 4)), covered while the ubatch's 2·T·E·4 is larger. Without
 the fixed mmap threshold (an embedder that skips ``offload.host_memory``), glibc keeps freed
 blocks: measured 3–12 MiB above this estimate on the shipped model.

@@ -18,9 +18,11 @@ that makes a plan that "fits" run out of memory; 256 KiB is how much the same me
 moves between runs on this box, stray heap pages and page rounding; the 4 % because the
 virtual-GPU T=512 pass measures 1.01–1.04 of the formula since the gpt-oss merge — torch
 scratch the formula does not itemize, not yet traced), and measured ≥ 0.7 × planned
-(it stays a description, not a loose bound). Measured here: 0.75–1.11 of the formula (RSS
+(it stays a description, not a loose bound). Measured here: 0.82–1.13 of the formula (RSS
 counts touched pages only, and some of torch's CPU scratch is allocated but never fully
 written). Only shapes whose planned compute is at least 1 MiB are held to the lower bound.
+The runtime runs as loaded by default: prompt batches (T > 16) give the CPU kernels int8
+activations, which the formula counts (``placement.compute.int8_activation_bytes``).
 
 Two models: a standard tiny MoE (the FFN or attention's SDPA is the peak, by shape), and one
 with wide attention (16 heads × 64 over n_embd 256, small FFN), where the RoPE step of

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from placement.devices import parse_devices
+from placement.compute import Devices, projection
+from placement.devices import CPU, parse_devices
 from placement.errors import PlacementError
 from placement.layers import LayerLayout
 from placement.memory import MemorySettings, kv_bytes, row_bytes
 from placement.plan import Placement, build_plan
 from placement.rules import cpu_moe_rules
+from placement.tensors import Role, TensorInfo
 from gguf import GGMLQuantizationType
 
 
@@ -75,10 +77,33 @@ def test_compute_formula_qwen3(models):
     staging = 2 * min(256 << 20, 128 * 2048 * 768 * 210 // 256)
     assert gpu.compute_bytes == max(output, attention) + staging
     A, n_ff = T * 8, 768
-    worker = TE + A * n_ff * 4 + A * E * 4 + (T * E // 16 + A * n_ff // 16) * 4 + A * 64
+    # a 512-token batch of quantized experts takes int8 activations: per row of X (2048)
+    # codes + 64 pad, then float32 scales per 32 (+16), sums per 16, sums per 4 and their
+    # scales (+16 each); likewise per row of H (768)
+    x8 = 2048 + 64 + 4 * (64 + 16 + 128 + 2 * (512 + 16))          # 7168 B
+    h8 = 768 + 64 + 4 * (24 + 16 + 48 + 2 * (192 + 16))            # 2848 B
+    worker = TE + A * n_ff * 4 + A * E * 4 + T * x8 + A * h8 + A * 64
     copies = TE + T * 8 * (8 + 4)                                  # x, ids (int64), weights (f32)
-    assert worker == 51_642_368
-    assert cpu.compute_bytes == TE + copies + worker == 60_080_128  # 57.3 MiB
+    assert worker == 65_929_216
+    assert cpu.compute_bytes == TE + copies + worker == 74_366_976  # 70.9 MiB
+
+
+def test_cpu_projection_counts_int8_activations_of_prompt_batches_only():
+    """A CPU projection holds its float32 result and what the kernel derives from the input:
+    int8 activations for a prompt batch (more than 16 tokens, compiled_block.MAX_TOKENS) of
+    a quantized type; the float path's sums of 16 for a decode/verify batch, a float type, or
+    with int8 off (``Devices(int8_from=None)``)."""
+    q8 = TensorInfo("blk.0.attn_q.weight", (4096, 2048), GGMLQuantizationType.Q8_0, 4096 * 2176, 0, Role.ATTENTION)
+    f16 = TensorInfo("blk.0.attn_q.weight", (4096, 2048), GGMLQuantizationType.F16, 4096 * 4096, 0, Role.ATTENTION)
+    kinds, flt = Devices("auto", ()), Devices("auto", (), int8_from=None)
+    x8 = 2048 + 64 + 4 * (64 + 16 + 128 + 2 * (512 + 16))          # one row's int8 activations
+    sums16, y = 2048 // 16 * 4, 4096 * 4                           # one row's sums / result
+    assert projection(q8, CPU, CPU, 17, kinds) == {CPU: 17 * (x8 + y)}
+    assert projection(q8, CPU, CPU, 16, kinds) == {CPU: 16 * (sums16 + y)}
+    assert projection(f16, CPU, CPU, 512, kinds) == {CPU: 512 * (sums16 + y)}
+    assert projection(q8, CPU, CPU, 512, flt) == {CPU: 512 * (sums16 + y)}
+    # called from a GPU home: the host copy of the input too, the result moved home
+    assert projection(q8, CPU, "CUDA0", 512, kinds) == {CPU: 512 * (x8 + 2048 * 4 + y), "CUDA0": 512 * y}
 
 
 def test_compute_host_backed_gpu_computes_like_the_cpu(models):

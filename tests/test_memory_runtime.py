@@ -32,6 +32,7 @@ from gpu.linear import Linear
 from gpu.quant import DEQUANTIZERS, QuantTensor
 from offload.cpu_ops import RawEmbedding
 from placement.compute import Devices, cpu_lookup_bytes, projection
+from placement.devices import CPU
 from placement.tensors import Role, TensorInfo
 from tests.tiny_models import TinySpec, random_tensor, write_tiny_model
 
@@ -125,6 +126,61 @@ def test_cpu_embedding_lookup_bound_matches_numpy_allocations(qtype):
             # tight at a ubatch: the group scratch is one bound for all types (12 B/value vs
             # 4–11.5 measured) on ≤ 31 of the 512 rows, a few % of the whole
             assert measured >= 0.9 * planned, (qtype.name, n, measured, planned)
+
+
+def traced_peak(fn) -> int:
+    """Peak bytes numpy allocated while ``fn`` ran (numpy reports its buffers to tracemalloc)."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.MXFP4, Q.F16], ids=lambda t: t.name)
+def test_cpu_projection_bound_matches_numpy_allocations(qtype):
+    """offload.cpu_ops.RawLinear (cpu_kernels.matmul) as the runtime builds it, int8
+    activations from MAX_TOKENS + 1 tokens: its numpy peak (tracemalloc) equals
+    ``placement.compute.projection``'s CPU bytes up to the call's own objects — the result
+    and the sums of 16 for decode batches and float types, the quantized activations
+    (codes, scales, partial sums) for prompt batches of quantized types. (The kernels'
+    per-thread scratch is Numba's, not numpy's, and no plan counts it.)"""
+    from cpu_kernels.simd8 import has_vnni
+    from offload.compiled_block import MAX_TOKENS
+    from offload.cpu_ops import RawLinear
+    rng = np.random.default_rng(200 + int(qtype))
+    rows, cols = 256, 2048
+    raw, raw_dtype, _ = random_tensor(rng, (rows, cols), qtype, 0.02)
+    raw = np.ascontiguousarray(raw) if raw_dtype is None else raw.view(np.uint8).copy()
+    lin = RawLinear(raw, qtype, name="blk.0.attn_q.weight", int8_batch=MAX_TOKENS + 1)
+    info = TensorInfo("blk.0.attn_q.weight", (rows, cols), qtype, raw.nbytes, 0, Role.ATTENTION)
+    kinds = Devices("auto", ())
+    for n in (1, MAX_TOKENS, MAX_TOKENS + 1, 512):
+        x = torch.randn(n, cols)
+        lin(x)                                  # compiled before tracing
+        measured = traced_peak(lambda: lin(x))
+        planned = projection(info, CPU, CPU, n, kinds)[CPU]
+        print(qtype.name, n, measured, planned)
+        assert measured <= planned + 16 * 1024, (qtype.name, n, measured, planned)   # + the call's objects
+        if has_vnni() or not kinds.int8(n, (qtype,)):
+            assert measured >= planned, (qtype.name, n, measured, planned)
+
+
+def test_int8_activation_terms_are_the_kernels():
+    """The planner's int8 terms restate cpu_kernels facts; held to them here: the bytes
+    ``quantized_activations`` allocates, the types with an int8 decoder, and the batch from
+    which the runtime asks for int8 (past a compiled decode/verify step)."""
+    from cpu_kernels.matmul import quantized_activations
+    from cpu_kernels.registry import get_kernel
+    from offload.compiled_block import MAX_TOKENS
+    from placement.compute import FLOAT_ACTIVATION_TYPES, INT8_FROM, int8_activation_bytes
+    for n, cols in ((1, 32), (3, 256), (17, 2048), (5, 768)):
+        arrays = quantized_activations(np.ones((n, cols), np.float32))
+        assert sum(a.nbytes for a in arrays) == int8_activation_bytes(n, cols), (n, cols)
+    known = [t for t in Q if t in DEQUANTIZERS or t in (Q.F32, Q.F16, Q.BF16)]
+    assert {t for t in known if not get_kernel(t).has_int8} == FLOAT_ACTIVATION_TYPES
+    assert INT8_FROM == MAX_TOKENS + 1
 
 
 def test_placement_imports_neither_torch_numba_nor_offload():

@@ -31,7 +31,10 @@ TURNS = ["import os\n", "\ndef main(argv):\n    ", "\n\nclass Config:\n    "]
 
 @pytest.fixture(scope="module")
 def session():
-    with rt.load(SHIPPED, devices="CPU=16GiB", quiet=True) as s:
+    # float prompt activations: with int8 ones (the default) a fresh prefill and a reused
+    # prefix + a short (float, <= 16-token) remainder differ by the int8 rounding
+    # (tests/test_prefill.py), not only by batch shape
+    with rt.load(SHIPPED, devices="CPU=16GiB", int8_prefill=False, quiet=True) as s:
         yield s
 
 

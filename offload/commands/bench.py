@@ -23,7 +23,7 @@ from pathlib import Path
 
 from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args
-from offload.commands.run import add_session_arguments, open_cli_model, runtime_process_settings
+from offload.commands.run import add_session_arguments, open_cli_model, runtime_process_settings, session_options
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.stats import conditional, per_position
 from placement.draft import check_p_min
@@ -150,9 +150,7 @@ def main(argv=None) -> int:
         print(f"offload bench: {Path(plan.model_path).name} has no draft head (no NextN block, no --draft): "
               f"baseline only, the n_max stages are skipped", file=sys.stderr)
         n_maxes = []
-    session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
-                                op_offload=args.op_offload,
-                                threads=args.threads, progress=True)
+    session = runtime.load_plan(model, plan, progress=True, **session_options(args))
     stages = _stages(n_maxes)
     records: list[dict] = []
     with session:

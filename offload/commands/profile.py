@@ -22,7 +22,7 @@ import sys
 
 from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args
-from offload.commands.run import add_session_arguments, open_cli_model, runtime_process_settings
+from offload.commands.run import add_session_arguments, open_cli_model, runtime_process_settings, session_options
 from offload.commands.tune import read_prompts
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 
@@ -76,9 +76,7 @@ def main(argv=None) -> int:
     spec = model.spec
     if not spec.n_expert:
         raise OffloadError(f"{plan.model_path} has no routed experts: nothing to profile")
-    session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
-                                op_offload=args.op_offload,
-                                threads=args.threads, quiet=True)
+    session = runtime.load_plan(model, plan, quiet=True, **session_options(args))
     with session:
         texts = []
         for name, text in prompts:

@@ -67,9 +67,22 @@ def add_session_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op-offload", choices=("auto", "on", "off"), default="auto",
                    help="stream RAM-resident experts to a GPU for prompt batches of at least a threshold: "
                         "auto (default) = the cost model's threshold for this box, on = llama.cpp's 32 tokens, off")
+    p.add_argument("--prefill-activations", choices=PREFILL_ACTIVATIONS, default="int8",
+                   help="activations of the CPU kernels for prompt batches (more than 16 tokens): int8 "
+                        "(default; llama.cpp's Q8 activations, VNNI dot products where the CPU has them) "
+                        "or float (float32, exact up to summation order)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "
                         "small, and spare cores belong to the expert kernels)")
+
+
+PREFILL_ACTIVATIONS = ("int8", "float")
+
+
+def session_options(args: argparse.Namespace) -> dict:
+    """``add_session_arguments``' flags as ``runtime.load_plan`` keywords."""
+    return dict(virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype, threads=args.threads,
+                op_offload=args.op_offload, int8_prefill=args.prefill_activations == "int8")
 
 
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
@@ -211,9 +224,7 @@ def main(argv=None) -> int:
     model = open_cli_model(args)
     plan, model, _ = plan_from_args(args, model)
     spec, account = spec_settings(args, plan)
-    session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
-                                op_offload=args.op_offload,
-                                progress=True, threads=args.threads)
+    session = runtime.load_plan(model, plan, progress=True, **session_options(args))
     with session:
         print(f"offload: {session.devices.describe()}", file=sys.stderr)
         print(f"offload: {account}", file=sys.stderr)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.commands.run import (add_session_arguments, add_spec_arguments, open_cli_model,
-                                  runtime_process_settings, spec_settings)
+                                  runtime_process_settings, session_options, spec_settings)
 from offload.errors import ArgumentParser, OffloadError
 
 DEFAULT_MAX_QUEUE = 32
@@ -92,8 +92,7 @@ def main(argv=None) -> int:
     url = f"http://{args.host}:{sock.getsockname()[1]}"
 
     def load():
-        session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
-                                    progress=True, threads=args.threads)
+        session = runtime.load_plan(model, plan, progress=True, **session_options(args))
         session.warmup()
         print(f"offload: {session.devices.describe()}", file=sys.stderr)
         print(f"offload: model loaded in {session.load_s:.1f} s; serving {name!r} on {url}",

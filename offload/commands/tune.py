@@ -66,7 +66,7 @@ from pathlib import Path
 
 from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args, read_plan_file
-from offload.commands.run import add_session_arguments, runtime_process_settings
+from offload.commands.run import add_session_arguments, runtime_process_settings, session_options
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.tune_result import HotComparison, MeasuredRow, RunRecord, StepTerms, TuneResult
 from placement.draft import NoDraftHead, check_p_min
@@ -225,9 +225,7 @@ def main(argv=None) -> int:
     if plan.drafting == "none":
         raise NoDraftHead(plan.model_path, "offload tune")
     out_path = args.output or args.placement
-    session = runtime.load_plan(model, plan, virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype,
-                                op_offload=args.op_offload,
-                                threads=args.threads, progress=True)
+    session = runtime.load_plan(model, plan, progress=True, **session_options(args))
     with session:
         prompts = [session.tokenize(t) for t in texts]
         for name, ids in zip(names, prompts):
