@@ -435,3 +435,26 @@ def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_sc
     for t in range(t_n):
         for c in range(n_embd):
             y[t, c] += f[t, c]
+
+
+@njit(**_kw)
+def blocks_run(x, y, positions, cos, sin, kvt, caches, n_past, bound, moe_args, dense_args, chunks):
+    """A run of consecutive blocks in one call: for each block i, ``attention_half`` then
+    ``moe_half`` (``moe_args`` a tuple of per-block argument tuples, ``dense_args`` None) or
+    ``dense_half`` (the other way round); Numba prunes the absent kind.
+
+    ``bound[i]`` = (eps, attention arguments after eps) of block i, ``caches[i]`` = its raw
+    (kc, vc) cache bytes; every cache holds ``n_past`` cells (room for T more made by the
+    caller). x and y (T, n_embd) are both overwritten; returns the one holding the result.
+    Why: a decode step then costs one Python → compiled transition per run of blocks instead
+    of two per block (plus the wrapper's Python around each)."""
+    for i in range(len(bound)):
+        eps, attn = bound[i]
+        kc, vc = caches[i]
+        attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps, *attn, chunks)
+        if moe_args is not None:
+            moe_half(y, eps, *moe_args[i], chunks)
+        if dense_args is not None:
+            dense_half(y, eps, *dense_args[i], chunks)
+        x, y = y, x
+    return x
