@@ -22,7 +22,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import offload.runtime as rt
-from offload.compiled_block import ENV, MAX_TOKENS, CompiledBlock
+from cpu_kernels import settings
+from offload.compiled_block import ENV, MAX_TOKENS, BlockRun, CompiledBlock
 from tests.tiny_models import TinySpec, write_tiny_model
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
@@ -82,6 +83,48 @@ def shipped():
 def test_all_cpu_blocks_are_compiled(shipped):
     assert all(isinstance(b, CompiledBlock) for b in shipped.model.blocks)
     assert isinstance(shipped.model.nextn.block, CompiledBlock)
+
+
+@contextmanager
+def one_block_at_a_time(model):
+    """Run the compiled blocks through their own calls (no ``BlockRun``) meanwhile."""
+    runs = model.block_runs
+    model.block_runs = lambda: [(lambda x, p, c, b=b: b(x, p, c[0]), i, i + 1) for i, b in enumerate(model.blocks)]
+    try:
+        yield
+    finally:
+        model.block_runs = runs
+
+
+def test_shipped_trunk_steps_in_runs(shipped):
+    """The trunk's consecutive compiled blocks of one kind step as runs (one compiled call
+    each), covering every block once, in order."""
+    runs = shipped.model.block_runs()
+    assert [lo for _, lo, _ in runs] == [0] + [hi for _, _, hi in runs[:-1]]
+    assert runs[-1][2] == len(shipped.model.blocks)
+    assert any(isinstance(step, BlockRun) for step, _, _ in runs)
+
+
+@pytest.mark.parametrize("serial", [0, 1 << 40], ids=["all-parallel", "all-serial"])
+def test_shipped_runs_equal_single_blocks_and_reference(shipped, serial):
+    """Runs vs the same compiled blocks called one by one vs the reference path, with every
+    region parallel (threshold 0) or every region on the calling thread (threshold 2**40):
+    the same kernels in the same order, so runs and single blocks agree to float32
+    rounding of the inlined code (fastmath may contract differently), and both to the
+    reference within REL_TOL."""
+    settings.set_serial_bytes(serial)
+    try:
+        sizes = [1, 2, 3, 5, 8]
+        with torch.inference_mode():
+            run = batches_after_prefill(shipped.model, PROMPT[:4], sizes)
+            with one_block_at_a_time(shipped.model):
+                single = batches_after_prefill(shipped.model, PROMPT[:4], sizes)
+        _, ref = both(shipped.model, lambda m: batches_after_prefill(m, PROMPT[:4], sizes))
+    finally:
+        settings.set_serial_bytes(None)
+    for t, a, b, r in zip(sizes, run, single, ref):
+        assert rel_err(a, b) < REL_TOL, f"T={t}"
+        assert rel_err(a, r) < REL_TOL, f"T={t}"
 
 
 @pytest.mark.parametrize("prompt_len", [4, len(PROMPT)], ids=["compiled-prefill", "reference-prefill"])
