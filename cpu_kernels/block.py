@@ -112,6 +112,21 @@ def _nbytes(w):
     return lambda w: w.size
 
 
+# moe's routed phases compiled without ``parallel`` (prange runs as range): the same source
+# on the calling thread alone. Not cached themselves (their cache entry would share the
+# parallel one's key); they live in the cached entries that call them.
+_serial_kw = {k: v for k, v in _kw.items() if k != "cache"}
+_gate_up_serial = njit(**_serial_kw)(_gate_up_phase.py_func)
+_down_serial = njit(**_serial_kw)(_down_phase.py_func)
+
+
+@njit(**_kw)
+def _serial_region(work, chunks, serial):
+    """Whether a region of ``work`` bytes runs on the calling thread alone: on one thread,
+    or below the ``serial`` threshold (``settings.serial_bytes``)."""
+    return chunks == 1 or work < serial
+
+
 def _build(salt):
     # Each region is written once, as a piece (a range of its work list) that the parallel
     # driver runs per thread and the serial branch runs whole: below ``serial`` bytes of work
@@ -147,7 +162,7 @@ def _build(salt):
         _salt = salt  # noqa: F841
         items = n_groups(w0) + n_groups(w1) + n_groups(w2)
         pieces = max(1, min(items, chunks))
-        if pieces == 1 or (nbytes(w0) + nbytes(w1) + nbytes(w2)) * X.shape[0] < serial:
+        if pieces == 1 or _serial_region((nbytes(w0) + nbytes(w1) + nbytes(w2)) * X.shape[0], chunks, serial):
             project3_piece(0, items, t0, w0, y0, t1, w1, y1, t2, w2, y2, X, xs16)
         else:
             project3_parallel(t0, w0, y0, t1, w1, y1, t2, w2, y2, X, xs16, items, pieces)
@@ -207,7 +222,7 @@ def _build(salt):
         _salt = salt  # noqa: F841
         t = q.shape[0]
         work = n_head * (t * n_past + t * (t + 1) // 2) * 2 * (q.shape[1] // n_head) * kv_size(kvt)
-        if chunks == 1 or work < serial:
+        if _serial_region(work, chunks, serial):
             for h in range(n_head):
                 attend_head(h, q, kvt, kc, vc, n_past, out, n_head, scale)
         else:
@@ -460,13 +475,21 @@ def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_sc
     assign_slot = np.empty(n_a, np.int64)
     n_slots = _group(ids, n_expert, slot_expert, slot_start, assign_tok, assign_slot)
     H = np.empty((n_a, n_ff), f32)
-    _gate_up_phase(tg, wg, g0, tu, wu, u0, xn, xs, None, None, None, None,
-                   slot_expert[:n_slots], slot_start[:n_slots + 1], assign_tok, H, chunks, 0)
+    if _serial_region(n_a * n_ff * (wg.shape[2] + wu.shape[2]), chunks, serial):
+        _gate_up_serial(tg, wg, g0, tu, wu, u0, xn, xs, None, None, None, None,
+                        slot_expert[:n_slots], slot_start[:n_slots + 1], assign_tok, H, 1, 0)
+    else:
+        _gate_up_phase(tg, wg, g0, tu, wu, u0, xn, xs, None, None, None, None,
+                       slot_expert[:n_slots], slot_start[:n_slots + 1], assign_tok, H, chunks, 0)
     hs = np.empty((n_a, n_ff // 16), f32)
     sums16(H, hs)
     out = np.empty((n_a, n_embd), f32)
-    _down_phase(td, wd, H, hs, None, None, None, None, slot_expert[:n_slots],
-                slot_start[:n_slots + 1], out, chunks)
+    if _serial_region(n_a * n_embd * wd.shape[2], chunks, serial):
+        _down_serial(td, wd, H, hs, None, None, None, None, slot_expert[:n_slots],
+                     slot_start[:n_slots + 1], out, 1)
+    else:
+        _down_phase(td, wd, H, hs, None, None, None, None, slot_expert[:n_slots],
+                    slot_start[:n_slots + 1], out, chunks)
     f = np.zeros((t_n, n_embd), f32)
     for a in range(n_a):
         s = assign_slot[a]
