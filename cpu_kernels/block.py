@@ -100,76 +100,30 @@ def _n_groups(w):
     return lambda w: (w.shape[0] + 3) // 4
 
 
-def nbytes(w):
-    """Bytes of a raw weight (0 for None; jitted code only)."""
-    raise NotImplementedError("only callable from jitted code")
-
-
-@overload(nbytes)
-def _nbytes(w):
-    if isinstance(w, types.NoneType):
-        return lambda w: 0
-    return lambda w: w.size
-
-
-# moe's routed phases compiled without ``parallel`` (prange runs as range): the same source
-# on the calling thread alone. Not cached themselves (their cache entry would share the
-# parallel one's key); they live in the cached entries that call them.
-_serial_kw = {k: v for k, v in _kw.items() if k != "cache"}
-_gate_up_serial = njit(**_serial_kw)(_gate_up_phase.py_func)
-_down_serial = njit(**_serial_kw)(_down_phase.py_func)
-
-
-@njit(**_kw)
-def _serial_region(work, chunks, serial):
-    """Whether a region of ``work`` bytes runs on the calling thread alone: on one thread,
-    or below the ``serial`` threshold (``settings.serial_bytes``)."""
-    return chunks == 1 or work < serial
-
-
 def _build(salt):
-    # Each region is written once, as a piece (a range of its work list) that the parallel
-    # driver runs per thread and the serial branch runs whole: below ``serial`` bytes of work
-    # (or on one thread) waking the pool costs more than the region (settings.serial_bytes).
-
-    @njit(**_kw)
-    def project3_piece(lo, hi, t0, w0, y0, t1, w1, y1, t2, w2, y2, X, xs16):
+    @njit(parallel=True, **_kw)
+    def project3(t0, w0, y0, t1, w1, y1, t2, w2, y2, X, xs16, chunks):
+        """y_i = X @ W_i^T for up to three matrices (w1/w2 may be None) over one work list
+        of 4-row groups, so q/k/v (or router + shared gate + up) are one parallel region."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
-        g0, g1 = n_groups(w0), n_groups(w1)
-        acc, cacc, res, toks, sc = rows4_scratch()
-        for it in range(lo, hi):
-            if it < g0:
-                rows4(t0, w0, 4 * it, X, xs16, y0, acc, cacc, res, toks, sc)
-            if w1 is not None:
-                if g0 <= it < g0 + g1:
-                    rows4(t1, w1, 4 * (it - g0), X, xs16, y1, acc, cacc, res, toks, sc)
-            if w2 is not None:
-                if it >= g0 + g1:
-                    rows4(t2, w2, 4 * (it - g0 - g1), X, xs16, y2, acc, cacc, res, toks, sc)
+        g0, g1, g2 = n_groups(w0), n_groups(w1), n_groups(w2)
+        items = g0 + g1 + g2
+        pieces = max(1, min(items, chunks))
+        for ch in prange(pieces):
+            acc, cacc, res, toks, sc = rows4_scratch()
+            for it in range(ch * items // pieces, (ch + 1) * items // pieces):
+                if it < g0:
+                    rows4(t0, w0, 4 * it, X, xs16, y0, acc, cacc, res, toks, sc)
+                if w1 is not None:
+                    if g0 <= it < g0 + g1:
+                        rows4(t1, w1, 4 * (it - g0), X, xs16, y1, acc, cacc, res, toks, sc)
+                if w2 is not None:
+                    if it >= g0 + g1:
+                        rows4(t2, w2, 4 * (it - g0 - g1), X, xs16, y2, acc, cacc, res, toks, sc)
 
     @njit(parallel=True, **_kw)
-    def project3_parallel(t0, w0, y0, t1, w1, y1, t2, w2, y2, X, xs16, items, pieces):
-        _salt = salt  # noqa: F841
-        for ch in prange(pieces):
-            project3_piece(ch * items // pieces, (ch + 1) * items // pieces,
-                           t0, w0, y0, t1, w1, y1, t2, w2, y2, X, xs16)
-
-    @njit(**_kw)
-    def project3(t0, w0, y0, t1, w1, y1, t2, w2, y2, X, xs16, chunks, serial):
-        """y_i = X @ W_i^T for up to three matrices (w1/w2 may be None) over one work list
-        of 4-row groups, so q/k/v (or router + shared gate + up) are one parallel region —
-        or none, below ``serial`` bytes of work (weight bytes x tokens)."""
-        _salt = salt  # noqa: F841
-        items = n_groups(w0) + n_groups(w1) + n_groups(w2)
-        pieces = max(1, min(items, chunks))
-        if pieces == 1 or _serial_region((nbytes(w0) + nbytes(w1) + nbytes(w2)) * X.shape[0], chunks, serial):
-            project3_piece(0, items, t0, w0, y0, t1, w1, y1, t2, w2, y2, X, xs16)
-        else:
-            project3_parallel(t0, w0, y0, t1, w1, y1, t2, w2, y2, X, xs16, items, pieces)
-
-    @njit(**_kw)
-    def attend_head(h, q, kvt, kc, vc, n_past, out, n_head, scale):
-        """out (T, H·D) = softmax(q·K^T·scale) V of head h over cache cells 0..n_past+i
+    def attend(q, kvt, kc, vc, n_past, out, n_head, scale):
+        """out (T, H·D) = softmax(q·K^T·scale) V per head over cache cells 0..n_past+i
         (query i sits at cell n_past + i: causal). kc, vc: raw cache bytes (H_kv, cells,
         D · size) of type ``kvt``; D is a multiple of 16 (one vector per 16 dims)."""
         _salt = salt  # noqa: F841
@@ -179,54 +133,37 @@ def _build(salt):
         es = kv_size(kvt)
         ks0, ks1 = kc.strides[0], kc.strides[1]
         vs0, vs1 = vc.strides[0], vc.strides[1]
+        group = n_head // n_kv
         qf = q.reshape(-1)
         of = out.reshape(-1)
-        g = h // (n_head // n_kv)
-        s = np.empty(n_past + t, f32)
-        for i in range(t):
-            n_keys = n_past + i + 1
-            qo = (i * n_head + h) * d
-            m = f32(0)
-            for j in range(n_keys):
-                ko = g * ks0 + j * ks1
-                a = vzero()
-                for c in range(0, d, 16):
-                    a = vfma(vload(qf, qo + c), kv_read16(kvt, kc, ko + c * es), a)
-                sj = vsum(a) * scale
-                s[j] = sj
-                m = sj if j == 0 else max(m, sj)
-            tot = f32(0)
-            for j in range(n_keys):
-                e = np.exp(s[j] - m)
-                s[j] = e
-                tot += e
-            inv = f32(1) / tot
-            for c in range(0, d, 16):
-                vstore(of, qo + c, vzero())
-            for j in range(n_keys):
-                p = vsplat(s[j] * inv)
-                vo = g * vs0 + j * vs1
-                for c in range(0, d, 16):
-                    vstore(of, qo + c, vfma(p, kv_read16(kvt, vc, vo + c * es), vload(of, qo + c)))
-
-    @njit(parallel=True, **_kw)
-    def attend_parallel(q, kvt, kc, vc, n_past, out, n_head, scale):
-        _salt = salt  # noqa: F841
         for h in prange(n_head):
-            attend_head(h, q, kvt, kc, vc, n_past, out, n_head, scale)
-
-    @njit(**_kw)
-    def attend(q, kvt, kc, vc, n_past, out, n_head, scale, chunks, serial):
-        """Every head's ``attend_head``: one parallel region over heads, or none below
-        ``serial`` bytes of cache reads (each head reads its group's K and V rows)."""
-        _salt = salt  # noqa: F841
-        t = q.shape[0]
-        work = n_head * (t * n_past + t * (t + 1) // 2) * 2 * (q.shape[1] // n_head) * kv_size(kvt)
-        if _serial_region(work, chunks, serial):
-            for h in range(n_head):
-                attend_head(h, q, kvt, kc, vc, n_past, out, n_head, scale)
-        else:
-            attend_parallel(q, kvt, kc, vc, n_past, out, n_head, scale)
+            g = h // group
+            s = np.empty(n_past + t, f32)
+            for i in range(t):
+                n_keys = n_past + i + 1
+                qo = (i * n_head + h) * d
+                m = f32(0)
+                for j in range(n_keys):
+                    ko = g * ks0 + j * ks1
+                    a = vzero()
+                    for c in range(0, d, 16):
+                        a = vfma(vload(qf, qo + c), kv_read16(kvt, kc, ko + c * es), a)
+                    sj = vsum(a) * scale
+                    s[j] = sj
+                    m = sj if j == 0 else max(m, sj)
+                tot = f32(0)
+                for j in range(n_keys):
+                    e = np.exp(s[j] - m)
+                    s[j] = e
+                    tot += e
+                inv = f32(1) / tot
+                for c in range(0, d, 16):
+                    vstore(of, qo + c, vzero())
+                for j in range(n_keys):
+                    p = vsplat(s[j] * inv)
+                    vo = g * vs0 + j * vs1
+                    for c in range(0, d, 16):
+                        vstore(of, qo + c, vfma(p, kv_read16(kvt, vc, vo + c * es), vload(of, qo + c)))
 
     return project3, attend
 
@@ -359,31 +296,31 @@ def _group(ids, n_expert, slot_expert, slot_start, assign_tok, assign_slot):
 
 
 @njit(**_kw)
-def _swiglu(tg, gw, tu, uw, td, dw, X, xs16, Y, chunks, serial):
+def _swiglu(tg, gw, tu, uw, td, dw, X, xs16, Y, chunks):
     """Y = down(silu(gate(X)) · up(X)) (dense FFN or shared expert)."""
     t_n = X.shape[0]
     n_ff = gw.shape[0]
     G = np.empty((t_n, n_ff), f32)
     U = np.empty((t_n, n_ff), f32)
-    project3(tg, gw, G, tu, uw, U, None, None, None, X, xs16, chunks, serial)
-    _glu_down(G, U, td, dw, Y, chunks, serial)
+    project3(tg, gw, G, tu, uw, U, None, None, None, X, xs16, chunks)
+    _glu_down(G, U, td, dw, Y, chunks)
 
 
 @njit(**_kw)
-def _glu_down(G, U, td, dw, Y, chunks, serial):
+def _glu_down(G, U, td, dw, Y, chunks):
     """Y = down(silu(G) · U), G overwritten."""
     for t in range(G.shape[0]):
         for c in range(G.shape[1]):
             G[t, c] = _silu_glu(G[t, c], U[t, c], 0)
     gs = np.empty((G.shape[0], G.shape[1] // 16), f32)
     sums16(G, gs)
-    project3(td, dw, Y, None, None, None, None, None, None, G, gs, chunks, serial)
+    project3(td, dw, Y, None, None, None, None, None, None, G, gs, chunks)
 
 
 @njit(**_kw)
 def attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
                    attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
-                   n_head, n_rot, chunks, serial):
+                   n_head, n_rot, chunks):
     """y = x + attention(attn_norm(x)) for x (T, n_embd) at cache cells n_past.. (written
     here: the caller has made room and advances the cache length by T afterwards).
 
@@ -402,7 +339,7 @@ def attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
     q = np.empty((t_n, n_head * d), f32)
     k = np.empty((t_n, n_kv * d), f32)
     v = np.empty((t_n, n_kv * d), f32)
-    project3(tq, wq, q, tk, wk, k, tv, wv, v, xn, xs, chunks, serial)
+    project3(tq, wq, q, tk, wk, k, tv, wv, v, xn, xs, chunks)
     _heads(q, bq, q_norm, eps, n_head, d, n_rot, positions, cos, sin)
     _heads(k, bk, k_norm, eps, n_kv, d, n_rot, positions, cos, sin)
     if bv is not None:
@@ -417,17 +354,17 @@ def attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
                 kv_write(kvt, kc, ko + c * es, k[t, g * d + c])
                 kv_write(kvt, vc, vo + c * es, v[t, g * d + c])
     att = np.empty((t_n, n_head * d), f32)
-    attend(q, kvt, kc, vc, n_past, att, n_head, f32(1) / np.sqrt(f32(d)), chunks, serial)
+    attend(q, kvt, kc, vc, n_past, att, n_head, f32(1) / np.sqrt(f32(d)))
     atts = np.empty((t_n, n_head * d // 16), f32)
     sums16(att, atts)
-    project3(to, wo, y, None, None, None, None, None, None, att, atts, chunks, serial)
+    project3(to, wo, y, None, None, None, None, None, None, att, atts, chunks)
     for t in range(t_n):
         for c in range(n_embd):
             y[t, c] += x[t, c]
 
 
 @njit(**_kw)
-def dense_half(y, eps, ffn_norm, tg, wg, tu, wu, td, wd, chunks, serial):
+def dense_half(y, eps, ffn_norm, tg, wg, tu, wu, td, wd, chunks):
     """y += down(silu(gate(h)) · up(h)), h = ffn_norm(y): a dense FFN block's second half."""
     t_n, n_embd = y.shape
     xn = np.empty((t_n, n_embd), f32)
@@ -435,7 +372,7 @@ def dense_half(y, eps, ffn_norm, tg, wg, tu, wu, td, wd, chunks, serial):
     rms_norm(y, ffn_norm, eps, xn)
     sums16(xn, xs)
     f = np.empty((t_n, n_embd), f32)
-    _swiglu(tg, wg, tu, wu, td, wd, xn, xs, f, chunks, serial)
+    _swiglu(tg, wg, tu, wu, td, wd, xn, xs, f, chunks)
     for t in range(t_n):
         for c in range(n_embd):
             y[t, c] += f[t, c]
@@ -443,7 +380,7 @@ def dense_half(y, eps, ffn_norm, tg, wg, tu, wu, td, wd, chunks, serial):
 
 @njit(**_kw)
 def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_scale,
-             tg, wg, g0, tu, wu, u0, td, wd, n_ff, tsg, wsg, tsu, wsu, tsd, wsd, chunks, serial):
+             tg, wg, g0, tu, wu, u0, td, wd, n_ff, tsg, wsg, tsu, wsu, tsd, wsd, chunks):
     """y += routed experts + shared expert of h = ffn_norm(y): an MoE block's second half.
 
     Router ``wr`` with ``probs_b`` (or None), ``route_kind``, ``k_used``, ``w_norm``,
@@ -462,9 +399,9 @@ def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_sc
         n_sh = wsg.shape[0]
         G = np.empty((t_n, n_sh), f32)
         U = np.empty((t_n, n_sh), f32)
-        project3(tr, wr, logits, tsg, wsg, G, tsu, wsu, U, xn, xs, chunks, serial)
+        project3(tr, wr, logits, tsg, wsg, G, tsu, wsu, U, xn, xs, chunks)
     else:
-        project3(tr, wr, logits, None, None, None, None, None, None, xn, xs, chunks, serial)
+        project3(tr, wr, logits, None, None, None, None, None, None, xn, xs, chunks)
     ids = np.empty((t_n, k_used), np.int64)
     wts = np.empty((t_n, k_used), f32)
     _route(logits, probs_b, route_kind, k_used, w_norm, w_scale, ids, wts)
@@ -475,21 +412,13 @@ def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_sc
     assign_slot = np.empty(n_a, np.int64)
     n_slots = _group(ids, n_expert, slot_expert, slot_start, assign_tok, assign_slot)
     H = np.empty((n_a, n_ff), f32)
-    if _serial_region(n_a * n_ff * (wg.shape[2] + wu.shape[2]), chunks, serial):
-        _gate_up_serial(tg, wg, g0, tu, wu, u0, xn, xs, None, None, None, None,
-                        slot_expert[:n_slots], slot_start[:n_slots + 1], assign_tok, H, 1, 0)
-    else:
-        _gate_up_phase(tg, wg, g0, tu, wu, u0, xn, xs, None, None, None, None,
-                       slot_expert[:n_slots], slot_start[:n_slots + 1], assign_tok, H, chunks, 0)
+    _gate_up_phase(tg, wg, g0, tu, wu, u0, xn, xs, None, None, None, None,
+                   slot_expert[:n_slots], slot_start[:n_slots + 1], assign_tok, H, chunks, 0)
     hs = np.empty((n_a, n_ff // 16), f32)
     sums16(H, hs)
     out = np.empty((n_a, n_embd), f32)
-    if _serial_region(n_a * n_embd * wd.shape[2], chunks, serial):
-        _down_serial(td, wd, H, hs, None, None, None, None, slot_expert[:n_slots],
-                     slot_start[:n_slots + 1], out, 1)
-    else:
-        _down_phase(td, wd, H, hs, None, None, None, None, slot_expert[:n_slots],
-                    slot_start[:n_slots + 1], out, chunks)
+    _down_phase(td, wd, H, hs, None, None, None, None, slot_expert[:n_slots],
+                slot_start[:n_slots + 1], out, chunks)
     f = np.zeros((t_n, n_embd), f32)
     for a in range(n_a):
         s = assign_slot[a]
@@ -499,7 +428,7 @@ def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_sc
             f[t, c] += wa * out[a, c]
     if wsg is not None:
         sh = np.empty((t_n, n_embd), f32)
-        _glu_down(G, U, tsd, wsd, sh, chunks, serial)
+        _glu_down(G, U, tsd, wsd, sh, chunks)
         for t in range(t_n):
             for c in range(n_embd):
                 f[t, c] += sh[t, c]
@@ -509,7 +438,7 @@ def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_sc
 
 
 @njit(**_kw)
-def blocks_run(x, y, positions, cos, sin, kvt, caches, n_past, bound, moe_args, dense_args, chunks, serial):
+def blocks_run(x, y, positions, cos, sin, kvt, caches, n_past, bound, moe_args, dense_args, chunks):
     """A run of consecutive blocks in one call: for each block i, ``attention_half`` then
     ``moe_half`` (``moe_args`` a tuple of per-block argument tuples, ``dense_args`` None) or
     ``dense_half`` (the other way round); Numba prunes the absent kind.
@@ -522,10 +451,10 @@ def blocks_run(x, y, positions, cos, sin, kvt, caches, n_past, bound, moe_args, 
     for i in range(len(bound)):
         eps, attn = bound[i]
         kc, vc = caches[i]
-        attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps, *attn, chunks, serial)
+        attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps, *attn, chunks)
         if moe_args is not None:
-            moe_half(y, eps, *moe_args[i], chunks, serial)
+            moe_half(y, eps, *moe_args[i], chunks)
         if dense_args is not None:
-            dense_half(y, eps, *dense_args[i], chunks, serial)
+            dense_half(y, eps, *dense_args[i], chunks)
         x, y = y, x
     return x

@@ -12,8 +12,6 @@ import numba
 _threads: int | None = None
 _applied = threading.local()      # what this thread last gave numba.set_num_threads
 _int8 = False
-SERIAL_BYTES = 32 * 1024   # default: see set_serial_bytes
-_serial = SERIAL_BYTES
 
 
 def set_num_threads(n: int | None) -> None:
@@ -48,19 +46,3 @@ def set_int8_activations(on: bool) -> None:
 
 def int8_activations() -> bool:
     return _int8
-
-
-def set_serial_bytes(n: int | None) -> None:
-    """A compiled block's parallel region with less work than ``n`` bytes (weight bytes x
-    tokens for a projection, cache bytes read for attention) runs on the calling thread:
-    waking Numba's pool and joining it costs a few µs, more than such a region's work.
-    0 keeps every region parallel; None restores ``SERIAL_BYTES``."""
-    global _serial
-    n = SERIAL_BYTES if n is None else int(n)
-    if n < 0:
-        raise ValueError(f"serial threshold {n} bytes is negative")
-    _serial = n
-
-
-def serial_bytes() -> int:
-    return _serial

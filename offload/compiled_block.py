@@ -154,12 +154,12 @@ class CompiledBlock:
         t = x.shape[0]
         if t > MAX_TOKENS or self._rebound():
             return self.reference(x, positions, cache)
-        xh, pos, cos, sin, threads = self._step_inputs(x, positions)
+        xh, pos, cos, sin, chunks = self._step_inputs(x, positions)
         need = cache.reserve(t)
         y = np.empty_like(xh)
         kc, vc = cache.raw()
-        attn = (xh, y, pos, cos, sin, self._kv_tag, kc, vc, cache.length, self._eps) + self._attn_args + threads
-        ffn = (y, self._eps) + self._ffn_args + threads
+        attn = (xh, y, pos, cos, sin, self._kv_tag, kc, vc, cache.length, self._eps) + self._attn_args + (chunks,)
+        ffn = (y, self._eps) + self._ffn_args + (chunks,)
         with self.profile.time("cpu_block"):
             if self._ffn_entry is not None:
                 self._attn_entry(*attn)
@@ -171,13 +171,13 @@ class CompiledBlock:
         return torch.from_numpy(y)
 
     def _step_inputs(self, x: torch.Tensor, positions: torch.Tensor):
-        """(x, positions, cos, sin, (threads, serial threshold)) as the compiled entries take them."""
+        """(x, positions, cos, sin, threads) as the compiled entries take them."""
         xh = to_host(x)
         pos = positions.numpy()
         if pos.dtype != np.int64 or not pos.flags.c_contiguous:    # the entry was compiled for these
             pos = np.ascontiguousarray(pos, dtype=np.int64)
         cos, sin = self._tables(int(pos[-1]) + 1 if len(pos) else 1)
-        return xh, pos, cos, sin, (settings.apply_threads(), settings.serial_bytes())
+        return xh, pos, cos, sin, settings.apply_threads()
 
     def _tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
         """RoPE cos/sin tables as numpy, converted again only when the table grows."""
@@ -215,11 +215,11 @@ class BlockRun:
                 x = b(x, positions, c)
             return x
         first = self.blocks[0]
-        xh, pos, cos, sin, threads = first._step_inputs(x, positions)
+        xh, pos, cos, sin, chunks = first._step_inputs(x, positions)
         xh = xh.copy()                      # the run uses it as scratch; x stays the caller's
         need = [c.reserve(x.shape[0]) for c in caches][0]
         args = (xh, np.empty_like(xh), pos, cos, sin, first._kv_tag, tuple(c.raw() for c in caches), n_past,
-                self._bound, self._moe, self._dense) + threads
+                self._bound, self._moe, self._dense, chunks)
         with self.profile.time("cpu_block"):
             if self._entry is None:
                 self._entry, y = _first_call(kb.blocks_run, args)

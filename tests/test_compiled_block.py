@@ -22,7 +22,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import offload.runtime as rt
-from cpu_kernels import settings
 from offload.compiled_block import ENV, MAX_TOKENS, BlockRun, CompiledBlock
 from tests.tiny_models import TinySpec, write_tiny_model
 
@@ -105,24 +104,27 @@ def test_shipped_trunk_steps_in_runs(shipped):
     assert any(isinstance(step, BlockRun) for step, _, _ in runs)
 
 
-@pytest.mark.parametrize("serial", [0, 1 << 40], ids=["all-parallel", "all-serial"])
-def test_shipped_runs_equal_single_blocks_and_reference(shipped, serial):
-    """Runs vs the same compiled blocks called one by one vs the reference path, with every
-    region parallel (threshold 0) or every region on the calling thread (threshold 2**40):
-    the same kernels in the same order, so runs and single blocks agree to float32
-    rounding of the inlined code (fastmath may contract differently), and both to the
-    reference within REL_TOL."""
-    settings.set_serial_bytes(serial)
-    try:
-        sizes = [1, 2, 3, 5, 8]
-        with torch.inference_mode():
-            run = batches_after_prefill(shipped.model, PROMPT[:4], sizes)
-            with one_block_at_a_time(shipped.model):
-                single = batches_after_prefill(shipped.model, PROMPT[:4], sizes)
-        _, ref = both(shipped.model, lambda m: batches_after_prefill(m, PROMPT[:4], sizes))
-    finally:
-        settings.set_serial_bytes(None)
-    for t, a, b, r in zip(sizes, run, single, ref):
+def test_shipped_runs_equal_single_blocks_and_reference(shipped):
+    """Runs vs the same compiled blocks called one by one vs the reference path: the same
+    kernels in the same order, so runs and single blocks agree to float32 rounding of
+    the inlined code (fastmath may contract differently), and both to the reference within
+    REL_TOL; across a rollback too (the run advances every cache of the run)."""
+    sizes = [1, 2, 3, 5, 8]
+
+    def steps(m):
+        out = batches_after_prefill(m, PROMPT[:4], sizes)
+        state = m.new_state(None)
+        m.forward(torch.tensor(PROMPT[:6]), state, logits="none")
+        m.forward(torch.tensor(PROMPT[6:10]), state, logits="none")
+        state.truncate(7)
+        logits, _ = m.forward(torch.tensor([42, 7]), state)
+        return out + [logits.numpy()]
+    with torch.inference_mode():
+        run = steps(shipped.model)
+        with one_block_at_a_time(shipped.model):
+            single = steps(shipped.model)
+    _, ref = both(shipped.model, steps)
+    for t, a, b, r in zip(sizes + ["rollback"], run, single, ref):
         assert rel_err(a, b) < REL_TOL, f"T={t}"
         assert rel_err(a, r) < REL_TOL, f"T={t}"
 
