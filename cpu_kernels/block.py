@@ -19,6 +19,8 @@ same activations, as one work list; the routed phases are ``moe``'s). Everything
 them is a few hundred scalar operations per token. The math is the reference path's
 (``offload.models.common.Block`` over ``gpu.*``); only the float rounding order differs.
 
+``blocks_run`` steps a run of such blocks (the same argument types) in one call.
+
 Absent parts are ``None`` (no q/k bias or norm, no shared expert): Numba prunes those
 branches when it specialises an entry for a block's argument types (quant tags included),
 so each kind of block compiles once.

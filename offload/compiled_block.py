@@ -14,6 +14,10 @@ there. Both paths share the block's KV cache (``gpu.kv_cache.KVCache``, f32/f16/
 ``length`` / ``truncate(n)`` — the speculative loop's rollback — work unchanged, and a
 prefill by one path is read by the other.
 
+The model loop steps consecutive compiled blocks of one kind as a ``BlockRun`` (``block_runs``):
+one compiled call, ``cpu_kernels.block.blocks_run``, for up to ``RUN_BLOCKS`` blocks, so a
+decode token pays the Python side of a compiled call once per run, not twice per block.
+
 Anything the compiled block does not cover (a tensor on a GPU, a quantized KV cache, an
 attention or router kind other than GQA + sigmoid/softmax top-k) keeps the reference
 block. ``OFFLOAD_BLOCKS=reference`` forces the reference path everywhere.
