@@ -104,7 +104,7 @@ def test_shipped_trunk_steps_in_runs(shipped):
     assert any(isinstance(step, BlockRun) for step, _, _ in runs)
 
 
-def test_shipped_runs_equal_single_blocks_and_reference(shipped):
+def runs_match_single_blocks_and_reference(model):
     """Runs vs the same compiled blocks called one by one vs the reference path: the same
     kernels in the same order, so runs and single blocks agree to float32 rounding of
     the inlined code (fastmath may contract differently), and both to the reference within
@@ -120,13 +120,26 @@ def test_shipped_runs_equal_single_blocks_and_reference(shipped):
         logits, _ = m.forward(torch.tensor([42, 7]), state)
         return out + [logits.numpy()]
     with torch.inference_mode():
-        run = steps(shipped.model)
-        with one_block_at_a_time(shipped.model):
-            single = steps(shipped.model)
-    _, ref = both(shipped.model, steps)
+        run = steps(model)
+        with one_block_at_a_time(model):
+            single = steps(model)
+    _, ref = both(model, steps)
     for t, a, b, r in zip(sizes + ["rollback"], run, single, ref):
         assert rel_err(a, b) < REL_TOL, f"T={t}"
         assert rel_err(a, r) < REL_TOL, f"T={t}"
+
+
+def test_shipped_runs_equal_single_blocks_and_reference(shipped):
+    runs_match_single_blocks_and_reference(shipped.model)
+
+
+def test_dense_and_moe_runs_equal_single_blocks_and_reference(tmp_path):
+    """Two leading dense blocks and two MoE blocks: a dense run and an MoE run."""
+    tiny = write_tiny_model(tmp_path / "dense2.gguf", TinySpec(n_layer=4, n_dense=2, seed=3))
+    with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
+        runs = s.model.block_runs()
+        assert [(type(step), lo, hi) for step, lo, hi in runs] == [(BlockRun, 0, 2), (BlockRun, 2, 4)]
+        runs_match_single_blocks_and_reference(s.model)
 
 
 @pytest.mark.parametrize("prompt_len", [4, len(PROMPT)], ids=["compiled-prefill", "reference-prefill"])
