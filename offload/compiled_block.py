@@ -200,7 +200,7 @@ class BlockRun:
     crosses from Python into compiled code once per run instead of twice per block, and
     none of the wrapper's Python runs per block. Batches past ``MAX_TOKENS``, a rebound
     block (see ``CompiledBlock._rebound``) or caches of unequal length take the blocks one
-    by one, so results never depend on which way ran."""
+    by one (the same kernels: tests hold both ways to each other and to the reference)."""
 
     def __init__(self, blocks: list[CompiledBlock]):
         self.blocks = blocks
@@ -221,7 +221,8 @@ class BlockRun:
         first = self.blocks[0]
         xh, pos, cos, sin, chunks = first._step_inputs(x, positions)
         xh = xh.copy()                      # the run uses it as scratch; x stays the caller's
-        need = [c.reserve(x.shape[0]) for c in caches][0]
+        for c in caches:
+            c.reserve(x.shape[0])
         args = (xh, np.empty_like(xh), pos, cos, sin, first._kv_tag, tuple(c.raw() for c in caches), n_past,
                 self._bound, self._moe, self._dense, chunks)
         with self.profile.time("cpu_block"):
@@ -230,7 +231,7 @@ class BlockRun:
             else:
                 y = self._entry(*args)
         for c in caches:
-            c.length = need
+            c.length = n_past + x.shape[0]
         return torch.from_numpy(y)
 
 
