@@ -30,6 +30,7 @@ import numba
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+from numba.typed import List
 
 from cpu_kernels import block as kb
 from cpu_kernels import settings
@@ -206,10 +207,26 @@ class BlockRun:
         self.blocks = blocks
         first = blocks[0]
         self.profile = first.profile
-        self._bound = tuple((b._eps, b._attn_args) for b in blocks)
-        ffn = tuple(b._ffn_args for b in blocks)
+        # Numba typed lists, bound once: a call unboxes each as one pointer, where a tuple
+        # of the run's ~600 arrays would be unboxed array by array at every call
+        self._bound = List([(b._eps, b._attn_args) for b in blocks])
+        ffn = List([b._ffn_args for b in blocks])
         self._moe, self._dense = (ffn, None) if first._ffn_half is kb.moe_half else (None, ffn)
+        self._raws, self._seen = None, [None] * len(blocks)
         self._entry = None
+
+    def _cache_raws(self, caches) -> List:
+        """The caches' raw (kc, vc) buffers as a typed list, entries replaced only when a
+        cache's storage changed (it grew, or a new sequence's caches came)."""
+        for i, c in enumerate(caches):
+            raw = c.raw()
+            if raw is not self._seen[i]:
+                if self._raws is None:
+                    self._raws = List([c.raw() for c in caches])
+                    self._seen = [c.raw() for c in caches]
+                    break
+                self._raws[i], self._seen[i] = raw, raw
+        return self._raws
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, caches) -> torch.Tensor:
         n_past = caches[0].length
@@ -223,7 +240,7 @@ class BlockRun:
         xh = xh.copy()                      # the run uses it as scratch; x stays the caller's
         for c in caches:
             c.reserve(x.shape[0])
-        args = (xh, np.empty_like(xh), pos, cos, sin, first._kv_tag, tuple(c.raw() for c in caches), n_past,
+        args = (xh, np.empty_like(xh), pos, cos, sin, first._kv_tag, self._cache_raws(caches), n_past,
                 self._bound, self._moe, self._dense, chunks)
         with self.profile.time("cpu_block"):
             if self._entry is None:
