@@ -442,11 +442,11 @@ def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_sc
 @njit(**_kw)
 def blocks_run(x, y, positions, cos, sin, kvt, caches, n_past, bound, moe_args, dense_args, chunks):
     """A run of consecutive blocks in one call: for each block i, ``attention_half`` then
-    ``moe_half`` (``moe_args`` a tuple of per-block argument tuples, ``dense_args`` None) or
+    ``moe_half`` (``moe_args`` the per-block argument tuples, ``dense_args`` None) or
     ``dense_half`` (the other way round); Numba prunes the absent kind.
 
     ``bound[i]`` = (eps, attention arguments after eps) of block i, ``caches[i]`` = its raw
-    (kc, vc) cache bytes; every cache holds ``n_past`` cells (room for T more made by the
+    (kc, vc) cache bytes (sequences indexable at run time: the caller's Numba typed lists); every cache holds ``n_past`` cells (room for T more made by the
     caller). x and y (T, n_embd) are both overwritten; returns the one holding the result.
     Why: a decode step then costs one Python → compiled transition per run of blocks instead
     of two per block (plus the wrapper's Python around each)."""
