@@ -19,6 +19,8 @@ same activations, as one work list; the routed phases are ``moe``'s). Everything
 them is a few hundred scalar operations per token. The math is the reference path's
 (``offload.models.common.Block`` over ``gpu.*``); only the float rounding order differs.
 
+``blocks_run`` steps a run of such blocks (the same argument types) in one call.
+
 Absent parts are ``None`` (no q/k bias or norm, no shared expert): Numba prunes those
 branches when it specialises an entry for a block's argument types (quant tags included),
 so each kind of block compiles once.
@@ -435,3 +437,26 @@ def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_sc
     for t in range(t_n):
         for c in range(n_embd):
             y[t, c] += f[t, c]
+
+
+@njit(**_kw)
+def blocks_run(x, y, positions, cos, sin, kvt, caches, n_past, bound, moe_args, dense_args, chunks):
+    """A run of consecutive blocks in one call: for each block i, ``attention_half`` then
+    ``moe_half`` (``moe_args`` the per-block argument tuples, ``dense_args`` None) or
+    ``dense_half`` (the other way round); Numba prunes the absent kind.
+
+    ``bound[i]`` = (eps, attention arguments after eps) of block i, ``caches[i]`` = its raw
+    (kc, vc) cache bytes (sequences indexable at run time: the caller's Numba typed lists); every cache holds ``n_past`` cells (room for T more made by the
+    caller). x and y (T, n_embd) are both overwritten; returns the one holding the result.
+    Why: a decode step then costs one Python → compiled transition per run of blocks instead
+    of two per block (plus the wrapper's Python around each)."""
+    for i in range(len(bound)):
+        eps, attn = bound[i]
+        kc, vc = caches[i]
+        attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps, *attn, chunks)
+        if moe_args is not None:
+            moe_half(y, eps, *moe_args[i], chunks)
+        if dense_args is not None:
+            dense_half(y, eps, *dense_args[i], chunks)
+        x, y = y, x
+    return x

@@ -14,6 +14,10 @@ there. Both paths share the block's KV cache (``gpu.kv_cache.KVCache``, f32/f16/
 ``length`` / ``truncate(n)`` — the speculative loop's rollback — work unchanged, and a
 prefill by one path is read by the other.
 
+The model loop steps consecutive compiled blocks of one kind as a ``BlockRun`` (``block_runs``):
+one compiled call, ``cpu_kernels.block.blocks_run``, for up to ``RUN_BLOCKS`` blocks, so a
+decode token pays the Python side of a compiled call once per run, not twice per block.
+
 Anything the compiled block does not cover (a tensor on a GPU, a quantized KV cache, an
 attention or router kind other than GQA + sigmoid/softmax top-k) keeps the reference
 block. ``OFFLOAD_BLOCKS=reference`` forces the reference path everywhere.
@@ -22,9 +26,11 @@ from __future__ import annotations
 
 import os
 
+import numba
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+from numba.typed import List
 
 from cpu_kernels import block as kb
 from cpu_kernels import settings
@@ -153,14 +159,9 @@ class CompiledBlock:
         t = x.shape[0]
         if t > MAX_TOKENS or self._rebound():
             return self.reference(x, positions, cache)
-        xh = to_host(x)
-        pos = positions.numpy()
-        if pos.dtype != np.int64 or not pos.flags.c_contiguous:    # the entry was compiled for these
-            pos = np.ascontiguousarray(pos, dtype=np.int64)
+        xh, pos, cos, sin, chunks = self._step_inputs(x, positions)
         need = cache.reserve(t)
-        cos, sin = self._tables(int(pos[-1]) + 1 if t else 1)
         y = np.empty_like(xh)
-        chunks = settings.apply_threads()
         kc, vc = cache.raw()
         attn = (xh, y, pos, cos, sin, self._kv_tag, kc, vc, cache.length, self._eps) + self._attn_args + (chunks,)
         ffn = (y, self._eps) + self._ffn_args + (chunks,)
@@ -169,10 +170,19 @@ class CompiledBlock:
                 self._attn_entry(*attn)
                 self._ffn_entry(*ffn)
             else:
-                self._attn_entry = _first_call(kb.attention_half, attn)
-                self._ffn_entry = _first_call(self._ffn_half, ffn)
+                self._attn_entry = _first_call(kb.attention_half, attn)[0]
+                self._ffn_entry = _first_call(self._ffn_half, ffn)[0]
         cache.length = need
         return torch.from_numpy(y)
+
+    def _step_inputs(self, x: torch.Tensor, positions: torch.Tensor):
+        """(x, positions, cos, sin, threads) as the compiled entries take them."""
+        xh = to_host(x)
+        pos = positions.numpy()
+        if pos.dtype != np.int64 or not pos.flags.c_contiguous:    # the entry was compiled for these
+            pos = np.ascontiguousarray(pos, dtype=np.int64)
+        cos, sin = self._tables(int(pos[-1]) + 1 if len(pos) else 1)
+        return xh, pos, cos, sin, settings.apply_threads()
 
     def _tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
         """RoPE cos/sin tables as numpy, converted again only when the table grows."""
@@ -182,13 +192,101 @@ class CompiledBlock:
         return self._rope_tables[1], self._rope_tables[2]
 
 
+RUN_BLOCKS = 16     # blocks per compiled run call at most (each run length compiles once)
+
+
+class BlockRun:
+    """Consecutive ``CompiledBlock``s of one kind (same argument types, RoPE table and cache
+    type) stepped by one compiled call, ``cpu_kernels.block.blocks_run``: a decode step then
+    crosses from Python into compiled code once per run instead of twice per block, and
+    none of the wrapper's Python runs per block. Batches past ``MAX_TOKENS``, a rebound
+    block (see ``CompiledBlock._rebound``) or caches of unequal length take the blocks one
+    by one (the same kernels: tests hold both ways to each other and to the reference)."""
+
+    def __init__(self, blocks: list[CompiledBlock]):
+        self.blocks = blocks
+        first = blocks[0]
+        self.profile = first.profile
+        # Numba typed lists, bound once: a call unboxes each as one pointer, where a tuple
+        # of the run's ~600 arrays would be unboxed array by array at every call
+        self._bound = List([(b._eps, b._attn_args) for b in blocks])
+        ffn = List([b._ffn_args for b in blocks])
+        self._moe, self._dense = (ffn, None) if first._ffn_half is kb.moe_half else (None, ffn)
+        self._raws, self._seen = None, [None] * len(blocks)
+        self._entry = None
+
+    def _cache_raws(self, caches) -> List:
+        """The caches' raw (kc, vc) buffers as a typed list, entries replaced only when a
+        cache's storage changed (it grew, or a new sequence's caches came)."""
+        for i, c in enumerate(caches):
+            raw = c.raw()
+            if raw is not self._seen[i]:
+                if self._raws is None:
+                    self._raws = List([c.raw() for c in caches])
+                    self._seen = [c.raw() for c in caches]
+                    break
+                self._raws[i], self._seen[i] = raw, raw
+        return self._raws
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, caches) -> torch.Tensor:
+        n_past = caches[0].length
+        if x.shape[0] > MAX_TOKENS or any(c.length != n_past for c in caches) or \
+                any(b._rebound() for b in self.blocks):
+            for b, c in zip(self.blocks, caches):
+                x = b(x, positions, c)
+            return x
+        first = self.blocks[0]
+        xh, pos, cos, sin, chunks = first._step_inputs(x, positions)
+        xh = xh.copy()                      # the run uses it as scratch; x stays the caller's
+        for c in caches:
+            c.reserve(x.shape[0])
+        args = (xh, np.empty_like(xh), pos, cos, sin, first._kv_tag, self._cache_raws(caches), n_past,
+                self._bound, self._moe, self._dense, chunks)
+        with self.profile.time("cpu_block"):
+            if self._entry is None:
+                self._entry, y = _first_call(kb.blocks_run, args)
+            else:
+                y = self._entry(*args)
+        for c in caches:
+            c.length = n_past + x.shape[0]
+        return torch.from_numpy(y)
+
+
+def _run_key(block):
+    """Blocks with equal keys can share one ``blocks_run`` call."""
+    if not isinstance(block, CompiledBlock):
+        return None
+    return (block._ffn_half, block.rope, block._kv_tag.name,
+            numba.typeof((block._eps, block._attn_args)), numba.typeof(block._ffn_args))
+
+
+def block_runs(blocks) -> list[tuple[object, int, int]]:
+    """(step, lo, hi) covering ``blocks`` in order: ``step(x, positions, caches[lo:hi])`` is a
+    ``BlockRun`` for consecutive compiled blocks of one kind (up to ``RUN_BLOCKS``), else one
+    block's own call."""
+    out, i = [], 0
+    while i < len(blocks):
+        key, j = _run_key(blocks[i]), i + 1
+        if key is not None:
+            while j < len(blocks) and j - i < RUN_BLOCKS and _run_key(blocks[j]) == key:
+                j += 1
+        if j - i > 1:
+            out.append((BlockRun(blocks[i:j]), i, j))
+        else:
+            b = blocks[i]
+            out.append((lambda x, pos, caches, b=b: b(x, pos, caches[0]), i, j))
+        i = j
+    return out
+
+
 def _first_call(fn, args):
     """Run ``fn`` through Numba's dispatcher (compiling or loading it for these argument
-    types) and return the compiled entry point, which later calls use directly: they pass
-    the same types (the bound arguments are fixed, the per-call arrays keep theirs)."""
-    fn(*args)
+    types); returns (the compiled entry point, which later calls use directly — they pass
+    the same types: the bound arguments are fixed, the per-call arrays keep theirs — and
+    this call's result)."""
+    result = fn(*args)
     sig = tuple(fn.typeof_pyval(a) for a in args)
-    return fn.overloads[sig].entry_point if sig in fn.overloads else (lambda *a: fn(*a))
+    return (fn.overloads[sig].entry_point if sig in fn.overloads else (lambda *a: fn(*a))), result
 
 
 def compile_block(block):

@@ -74,7 +74,11 @@ CPU_READ_EFFICIENCY = 0.7
 # are measured (wall time of a decode token, 2 threads, an idle 2-core Xeon) on a model of
 # 75 KB blocks, whose bytes take ~5 us: what is left is the fixed cost.
 DEFAULT_LINK_LATENCY_US = 15.0   # one synchronous host<->device copy of a hidden state
-DEFAULT_CPU_LAYER_US = 85.0      # a compiled CPU block (offload.compiled_block): 2 calls, 7 thread fork/joins
+# A compiled CPU block (offload.compiled_block) inside a run (one compiled call for up to 16
+# blocks, BlockRun): 7 thread fork/joins and its scalar work. 85 us measured when each block
+# was 2 calls from Python, less what the runs save per block (~6 us of CPU time measured on
+# a narrow 48-block model, one thread: 338 -> 332 us per block).
+DEFAULT_CPU_LAYER_US = 80.0
 DEFAULT_GPU_LAYER_US = 100.0     # ~20-30 eager torch ops per layer at a few us each (not measured)
 DEFAULT_FORWARD_US = 120.0       # embedding, output norm, sampling, the Python decode loop, per pass
 # Per decode step, outside the forward passes (acceptance, cache rollback, the loop itself):

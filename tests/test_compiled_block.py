@@ -22,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import offload.runtime as rt
-from offload.compiled_block import ENV, MAX_TOKENS, CompiledBlock
+from offload.compiled_block import ENV, MAX_TOKENS, BlockRun, CompiledBlock
 from tests.tiny_models import TinySpec, write_tiny_model
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
@@ -82,6 +82,64 @@ def shipped():
 def test_all_cpu_blocks_are_compiled(shipped):
     assert all(isinstance(b, CompiledBlock) for b in shipped.model.blocks)
     assert isinstance(shipped.model.nextn.block, CompiledBlock)
+
+
+@contextmanager
+def one_block_at_a_time(model):
+    """Run the compiled blocks through their own calls (no ``BlockRun``) meanwhile."""
+    runs = model.block_runs
+    model.block_runs = lambda: [(lambda x, p, c, b=b: b(x, p, c[0]), i, i + 1) for i, b in enumerate(model.blocks)]
+    try:
+        yield
+    finally:
+        model.block_runs = runs
+
+
+def test_shipped_trunk_steps_in_runs(shipped):
+    """The trunk's consecutive compiled blocks of one kind step as runs (one compiled call
+    each), covering every block once, in order."""
+    runs = shipped.model.block_runs()
+    assert [lo for _, lo, _ in runs] == [0] + [hi for _, _, hi in runs[:-1]]
+    assert runs[-1][2] == len(shipped.model.blocks)
+    assert any(isinstance(step, BlockRun) for step, _, _ in runs)
+
+
+def runs_match_single_blocks_and_reference(model):
+    """Runs vs the same compiled blocks called one by one vs the reference path: the same
+    kernels in the same order, so runs and single blocks agree to float32 rounding of
+    the inlined code (fastmath may contract differently), and both to the reference within
+    REL_TOL; across a rollback too (the run advances every cache of the run)."""
+    sizes = [1, 2, 3, 5, 8]
+
+    def steps(m):
+        out = batches_after_prefill(m, PROMPT[:4], sizes)
+        state = m.new_state(None)
+        m.forward(torch.tensor(PROMPT[:6]), state, logits="none")
+        m.forward(torch.tensor(PROMPT[6:10]), state, logits="none")
+        state.truncate(7)
+        logits, _ = m.forward(torch.tensor([42, 7]), state)
+        return out + [logits.numpy()]
+    with torch.inference_mode():
+        run = steps(model)
+        with one_block_at_a_time(model):
+            single = steps(model)
+    _, ref = both(model, steps)
+    for t, a, b, r in zip(sizes + ["rollback"], run, single, ref):
+        assert rel_err(a, b) < REL_TOL, f"T={t}"
+        assert rel_err(a, r) < REL_TOL, f"T={t}"
+
+
+def test_shipped_runs_equal_single_blocks_and_reference(shipped):
+    runs_match_single_blocks_and_reference(shipped.model)
+
+
+def test_dense_and_moe_runs_equal_single_blocks_and_reference(tmp_path):
+    """Two leading dense blocks and two MoE blocks: a dense run and an MoE run."""
+    tiny = write_tiny_model(tmp_path / "dense2.gguf", TinySpec(n_layer=4, n_dense=2, seed=3))
+    with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
+        runs = s.model.block_runs()
+        assert [(type(step), lo, hi) for step, lo, hi in runs] == [(BlockRun, 0, 2), (BlockRun, 2, 4)]
+        runs_match_single_blocks_and_reference(s.model)
 
 
 @pytest.mark.parametrize("prompt_len", [4, len(PROMPT)], ids=["compiled-prefill", "reference-prefill"])

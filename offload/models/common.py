@@ -17,7 +17,7 @@ from gpu.ffn import SwiGLU
 from gpu.kv_cache import KVCache
 from gpu.norm import RMSNorm
 from gpu.rope import Rope, RopeSpec, YaRN, rope_for
-from offload.compiled_block import compile_block
+from offload.compiled_block import block_runs, compile_block
 from offload.errors import OffloadError
 from offload.gguf_header import LazyArray
 from offload.moe import MoE
@@ -196,6 +196,14 @@ class CausalLM:
                  output, nextn: NextN | None):
         self.config, self.embed, self.blocks = config, embed, blocks
         self.output_norm, self.output, self.nextn = output_norm, output, nextn
+        self._runs_for, self._runs = None, []
+
+    def block_runs(self) -> list:
+        """``offload.compiled_block.block_runs`` of the current ``blocks`` (rebuilt when
+        someone replaces the list or one of its blocks, e.g. a test's reference blocks)."""
+        if self._runs_for != self.blocks:
+            self._runs_for, self._runs = list(self.blocks), block_runs(self.blocks)
+        return self._runs
 
     def new_state(self, head=None) -> State:
         """Fresh caches for the trunk and for ``head`` (default: the model's NextN head)."""
@@ -214,8 +222,8 @@ class CausalLM:
         pos0 = state.n_past
         positions = torch.arange(pos0, pos0 + ids.shape[0])
         x = self.embed(ids)
-        for block, cache in zip(self.blocks, state.caches):
-            x = block(x, positions, cache)
+        for step, lo, hi in self.block_runs():     # runs of compiled blocks: one call each
+            x = step(x, positions, state.caches[lo:hi])
         h = self.output_norm(x)
         if logits == "none":
             return None, h
