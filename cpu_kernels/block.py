@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .moe import _down_phase, _gate_up_phase, _silu_glu
+from .moe import _silu_glu, routed_ffn, routed_scratch, sums16_rows
 from .registry import QTagType, source_digest
 from .rowdot import rows4, rows4_scratch
 from .simd import st_bf16, st_f16, st_f32, vbf16, vf16, vf32, vfma, vload, vsplat, vstore, vsum, vzero
@@ -187,17 +187,6 @@ def rms_norm(x, w, eps, out):
 
 
 @njit(**_kw)
-def sums16(x, out):
-    """out[t, g] = sum of x[t, 16 g : 16 g + 16] (the decoders' offsets multiply these)."""
-    for t in range(x.shape[0]):
-        for g in range(out.shape[1]):
-            s = f32(0)
-            for c in range(16 * g, 16 * g + 16):
-                s += x[t, c]
-            out[t, g] = s
-
-
-@njit(**_kw)
 def _heads(y, bias, norm, eps, n_heads, d, n_rot, positions, cos, sin):
     """In place on y (T, n_heads·d): + bias, per-head RMSNorm, NeoX RoPE on the first n_rot
     dims (pairs j, j + n_rot/2), as gpu.attention does before caching."""
@@ -270,193 +259,159 @@ def _route(logits, bias, kind, k, norm, scale, ids, wts):
             wts[t, j] *= f32(scale)
 
 
-@njit(**_kw)
-def _group(ids, n_expert, slot_expert, slot_start, assign_tok, assign_slot):
-    """Counting sort of the (token, j) assignments by expert (stable: token order within an
-    expert, as moe_ffn's argsort). Returns the number of distinct experts (slots)."""
-    count = np.zeros(n_expert + 1, np.int64)
-    t_n, k = ids.shape
-    for t in range(t_n):
-        for j in range(k):
-            count[ids[t, j] + 1] += 1
-    for e in range(n_expert):
-        count[e + 1] += count[e]
-    n_slots = 0
-    for e in range(n_expert):
-        if count[e + 1] > count[e]:
-            slot_expert[n_slots] = e
-            slot_start[n_slots] = count[e]
-            n_slots += 1
-    slot_start[n_slots] = t_n * k
-    for t in range(t_n):
-        for j in range(k):
-            e = ids[t, j]
-            assign_tok[count[e]] = t
-            assign_slot[count[e]] = t * k + j
-            count[e] += 1
-    return n_slots
+def _build_entries(salt):
+    # The entry points link project3 / attend / moe's phases (and through them the decoders
+    # of other files) into their own compiled code: they carry the package's source digest
+    # so that Numba's cache never serves them with an older decoder inlined.
 
+    @njit(**_kw)
+    def _swiglu(tg, gw, tu, uw, td, dw, X, xs16, Y, chunks):
+        """Y = down(silu(gate(X)) · up(X)) (dense FFN or shared expert)."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        t_n = X.shape[0]
+        n_ff = gw.shape[0]
+        G = np.empty((t_n, n_ff), f32)
+        U = np.empty((t_n, n_ff), f32)
+        project3(tg, gw, G, tu, uw, U, None, None, None, X, xs16, chunks)
+        _glu_down(G, U, td, dw, Y, chunks)
 
-@njit(**_kw)
-def _swiglu(tg, gw, tu, uw, td, dw, X, xs16, Y, chunks):
-    """Y = down(silu(gate(X)) · up(X)) (dense FFN or shared expert)."""
-    t_n = X.shape[0]
-    n_ff = gw.shape[0]
-    G = np.empty((t_n, n_ff), f32)
-    U = np.empty((t_n, n_ff), f32)
-    project3(tg, gw, G, tu, uw, U, None, None, None, X, xs16, chunks)
-    _glu_down(G, U, td, dw, Y, chunks)
+    @njit(**_kw)
+    def _glu_down(G, U, td, dw, Y, chunks):
+        """Y = down(silu(G) · U), G overwritten."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        for t in range(G.shape[0]):
+            for c in range(G.shape[1]):
+                G[t, c] = _silu_glu(G[t, c], U[t, c], 0)
+        gs = np.empty((G.shape[0], G.shape[1] // 16), f32)
+        sums16_rows(G, G.shape[0], gs)
+        project3(td, dw, Y, None, None, None, None, None, None, G, gs, chunks)
 
+    @njit(**_kw)
+    def attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
+                       attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
+                       n_head, n_rot, chunks):
+        """y = x + attention(attn_norm(x)) for x (T, n_embd) at cache cells n_past.. (written
+        here: the caller has made room and advances the cache length by T afterwards).
 
-@njit(**_kw)
-def _glu_down(G, U, td, dw, Y, chunks):
-    """Y = down(silu(G) · U), G overwritten."""
-    for t in range(G.shape[0]):
-        for c in range(G.shape[1]):
-            G[t, c] = _silu_glu(G[t, c], U[t, c], 0)
-    gs = np.empty((G.shape[0], G.shape[1] // 16), f32)
-    sums16(G, gs)
-    project3(td, dw, Y, None, None, None, None, None, None, G, gs, chunks)
-
-
-@njit(**_kw)
-def attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
-                   attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
-                   n_head, n_rot, chunks):
-    """y = x + attention(attn_norm(x)) for x (T, n_embd) at cache cells n_past.. (written
-    here: the caller has made room and advances the cache length by T afterwards).
-
-    ``w*`` raw GGUF rows, ``t*`` their QTags, ``b*`` biases or None, ``q_norm``/``k_norm``
-    per-head RMSNorm weights or None; ``cos``/``sin`` (positions, n_rot/2) tables; ``kc``,
-    ``vc`` the cache's raw bytes, ``kvt`` its type's QTag.
-    """
-    t_n, n_embd = x.shape
-    n_kv = kc.shape[0]
-    d = wq.shape[0] // n_head
-    es = kv_size(kvt)
-    xn = np.empty((t_n, n_embd), f32)
-    xs = np.empty((t_n, n_embd // 16), f32)
-    rms_norm(x, attn_norm, eps, xn)
-    sums16(xn, xs)
-    q = np.empty((t_n, n_head * d), f32)
-    k = np.empty((t_n, n_kv * d), f32)
-    v = np.empty((t_n, n_kv * d), f32)
-    project3(tq, wq, q, tk, wk, k, tv, wv, v, xn, xs, chunks)
-    _heads(q, bq, q_norm, eps, n_head, d, n_rot, positions, cos, sin)
-    _heads(k, bk, k_norm, eps, n_kv, d, n_rot, positions, cos, sin)
-    if bv is not None:
+        ``w*`` raw GGUF rows, ``t*`` their QTags, ``b*`` biases or None, ``q_norm``/``k_norm``
+        per-head RMSNorm weights or None; ``cos``/``sin`` (positions, n_rot/2) tables; ``kc``,
+        ``vc`` the cache's raw bytes, ``kvt`` its type's QTag.
+        """
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        t_n, n_embd = x.shape
+        n_kv = kc.shape[0]
+        d = wq.shape[0] // n_head
+        es = kv_size(kvt)
+        xn = np.empty((t_n, n_embd), f32)
+        xs = np.empty((t_n, n_embd // 16), f32)
+        rms_norm(x, attn_norm, eps, xn)
+        sums16_rows(xn, xn.shape[0], xs)
+        q = np.empty((t_n, n_head * d), f32)
+        k = np.empty((t_n, n_kv * d), f32)
+        v = np.empty((t_n, n_kv * d), f32)
+        project3(tq, wq, q, tk, wk, k, tv, wv, v, xn, xs, chunks)
+        _heads(q, bq, q_norm, eps, n_head, d, n_rot, positions, cos, sin)
+        _heads(k, bk, k_norm, eps, n_kv, d, n_rot, positions, cos, sin)
+        if bv is not None:
+            for t in range(t_n):
+                for c in range(n_kv * d):
+                    v[t, c] += bv[c]
         for t in range(t_n):
-            for c in range(n_kv * d):
-                v[t, c] += bv[c]
-    for t in range(t_n):
-        for g in range(n_kv):
-            ko = g * kc.strides[0] + (n_past + t) * kc.strides[1]
-            vo = g * vc.strides[0] + (n_past + t) * vc.strides[1]
-            for c in range(d):
-                kv_write(kvt, kc, ko + c * es, k[t, g * d + c])
-                kv_write(kvt, vc, vo + c * es, v[t, g * d + c])
-    att = np.empty((t_n, n_head * d), f32)
-    attend(q, kvt, kc, vc, n_past, att, n_head, f32(1) / np.sqrt(f32(d)))
-    atts = np.empty((t_n, n_head * d // 16), f32)
-    sums16(att, atts)
-    project3(to, wo, y, None, None, None, None, None, None, att, atts, chunks)
-    for t in range(t_n):
-        for c in range(n_embd):
-            y[t, c] += x[t, c]
-
-
-@njit(**_kw)
-def dense_half(y, eps, ffn_norm, tg, wg, tu, wu, td, wd, chunks):
-    """y += down(silu(gate(h)) · up(h)), h = ffn_norm(y): a dense FFN block's second half."""
-    t_n, n_embd = y.shape
-    xn = np.empty((t_n, n_embd), f32)
-    xs = np.empty((t_n, n_embd // 16), f32)
-    rms_norm(y, ffn_norm, eps, xn)
-    sums16(xn, xs)
-    f = np.empty((t_n, n_embd), f32)
-    _swiglu(tg, wg, tu, wu, td, wd, xn, xs, f, chunks)
-    for t in range(t_n):
-        for c in range(n_embd):
-            y[t, c] += f[t, c]
-
-
-@njit(**_kw)
-def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_scale,
-             tg, wg, g0, tu, wu, u0, td, wd, n_ff, tsg, wsg, tsu, wsu, tsd, wsd, chunks):
-    """y += routed experts + shared expert of h = ffn_norm(y): an MoE block's second half.
-
-    Router ``wr`` with ``probs_b`` (or None), ``route_kind``, ``k_used``, ``w_norm``,
-    ``w_scale``; routed experts ``wg``/``wu``/``wd`` (gate and up may be one fused tensor:
-    row offsets ``g0``/``u0``; ``n_ff`` rows each); the shared expert ``wsg``/``wsu``/``wsd``
-    or None. Routed outputs are summed in moe_ffn's order (assignments sorted by expert).
-    """
-    t_n, n_embd = y.shape
-    xn = np.empty((t_n, n_embd), f32)
-    xs = np.empty((t_n, n_embd // 16), f32)
-    rms_norm(y, ffn_norm, eps, xn)
-    sums16(xn, xs)
-    n_expert = wr.shape[0]
-    logits = np.empty((t_n, n_expert), f32)
-    if wsg is not None:                              # router and shared gate/up together
-        n_sh = wsg.shape[0]
-        G = np.empty((t_n, n_sh), f32)
-        U = np.empty((t_n, n_sh), f32)
-        project3(tr, wr, logits, tsg, wsg, G, tsu, wsu, U, xn, xs, chunks)
-    else:
-        project3(tr, wr, logits, None, None, None, None, None, None, xn, xs, chunks)
-    ids = np.empty((t_n, k_used), np.int64)
-    wts = np.empty((t_n, k_used), f32)
-    _route(logits, probs_b, route_kind, k_used, w_norm, w_scale, ids, wts)
-    n_a = t_n * k_used
-    slot_expert = np.empty(n_a, np.int64)
-    slot_start = np.empty(n_a + 1, np.int64)
-    assign_tok = np.empty(n_a, np.int64)
-    assign_slot = np.empty(n_a, np.int64)
-    n_slots = _group(ids, n_expert, slot_expert, slot_start, assign_tok, assign_slot)
-    H = np.empty((n_a, n_ff), f32)
-    _gate_up_phase(tg, wg, g0, tu, wu, u0, xn, xs, None, None, None, None,
-                   slot_expert[:n_slots], slot_start[:n_slots + 1], assign_tok, H, chunks, 0)
-    hs = np.empty((n_a, n_ff // 16), f32)
-    sums16(H, hs)
-    out = np.empty((n_a, n_embd), f32)
-    _down_phase(td, wd, H, hs, None, None, None, None, slot_expert[:n_slots],
-                slot_start[:n_slots + 1], out, chunks)
-    f = np.zeros((t_n, n_embd), f32)
-    for a in range(n_a):
-        s = assign_slot[a]
-        wa = wts[s // k_used, s % k_used]
-        t = assign_tok[a]
-        for c in range(n_embd):
-            f[t, c] += wa * out[a, c]
-    if wsg is not None:
-        sh = np.empty((t_n, n_embd), f32)
-        _glu_down(G, U, tsd, wsd, sh, chunks)
+            for g in range(n_kv):
+                ko = g * kc.strides[0] + (n_past + t) * kc.strides[1]
+                vo = g * vc.strides[0] + (n_past + t) * vc.strides[1]
+                for c in range(d):
+                    kv_write(kvt, kc, ko + c * es, k[t, g * d + c])
+                    kv_write(kvt, vc, vo + c * es, v[t, g * d + c])
+        att = np.empty((t_n, n_head * d), f32)
+        attend(q, kvt, kc, vc, n_past, att, n_head, f32(1) / np.sqrt(f32(d)))
+        atts = np.empty((t_n, n_head * d // 16), f32)
+        sums16_rows(att, att.shape[0], atts)
+        project3(to, wo, y, None, None, None, None, None, None, att, atts, chunks)
         for t in range(t_n):
             for c in range(n_embd):
-                f[t, c] += sh[t, c]
-    for t in range(t_n):
-        for c in range(n_embd):
-            y[t, c] += f[t, c]
+                y[t, c] += x[t, c]
+
+    @njit(**_kw)
+    def dense_half(y, eps, ffn_norm, tg, wg, tu, wu, td, wd, chunks):
+        """y += down(silu(gate(h)) · up(h)), h = ffn_norm(y): a dense FFN block's second half."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        t_n, n_embd = y.shape
+        xn = np.empty((t_n, n_embd), f32)
+        xs = np.empty((t_n, n_embd // 16), f32)
+        rms_norm(y, ffn_norm, eps, xn)
+        sums16_rows(xn, xn.shape[0], xs)
+        f = np.empty((t_n, n_embd), f32)
+        _swiglu(tg, wg, tu, wu, td, wd, xn, xs, f, chunks)
+        for t in range(t_n):
+            for c in range(n_embd):
+                y[t, c] += f[t, c]
+
+    @njit(**_kw)
+    def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_scale,
+                 tg, wg, g0, tu, wu, u0, td, wd, n_ff, tsg, wsg, tsu, wsu, tsd, wsd, chunks):
+        """y += routed experts + shared expert of h = ffn_norm(y): an MoE block's second half.
+
+        Router ``wr`` with ``probs_b`` (or None), ``route_kind``, ``k_used``, ``w_norm``,
+        ``w_scale``; routed experts ``wg``/``wu``/``wd`` (gate and up may be one fused tensor:
+        row offsets ``g0``/``u0``; ``n_ff`` rows each); the shared expert ``wsg``/``wsu``/``wsd``
+        or None. Routed outputs are summed in moe_ffn's order (assignments sorted by expert).
+        """
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        t_n, n_embd = y.shape
+        xn = np.empty((t_n, n_embd), f32)
+        xs = np.empty((t_n, n_embd // 16), f32)
+        rms_norm(y, ffn_norm, eps, xn)
+        sums16_rows(xn, xn.shape[0], xs)
+        n_expert = wr.shape[0]
+        logits = np.empty((t_n, n_expert), f32)
+        if wsg is not None:                              # router and shared gate/up together
+            n_sh = wsg.shape[0]
+            G = np.empty((t_n, n_sh), f32)
+            U = np.empty((t_n, n_sh), f32)
+            project3(tr, wr, logits, tsg, wsg, G, tsu, wsu, U, xn, xs, chunks)
+        else:
+            project3(tr, wr, logits, None, None, None, None, None, None, xn, xs, chunks)
+        ids = np.empty((t_n, k_used), np.int64)
+        wts = np.empty((t_n, k_used), f32)
+        _route(logits, probs_b, route_kind, k_used, w_norm, w_scale, ids, wts)
+        f = np.empty((t_n, n_embd), f32)           # routed experts (moe.routed_ffn: the hybrid hand-off's step too)
+        routed_ffn(t_n, xn, xs, ids, wts, None, tg, wg, g0, tu, wu, u0, td, wd,
+                   routed_scratch(t_n * k_used, n_expert, n_ff, n_embd, chunks), f, chunks)
+        if wsg is not None:
+            sh = np.empty((t_n, n_embd), f32)
+            _glu_down(G, U, tsd, wsd, sh, chunks)
+            for t in range(t_n):
+                for c in range(n_embd):
+                    f[t, c] += sh[t, c]
+        for t in range(t_n):
+            for c in range(n_embd):
+                y[t, c] += f[t, c]
+
+    @njit(**_kw)
+    def blocks_run(x, y, positions, cos, sin, kvt, caches, n_past, bound, moe_args, dense_args, chunks):
+        """A run of consecutive blocks in one call: for each block i, ``attention_half`` then
+        ``moe_half`` (``moe_args`` the per-block argument tuples, ``dense_args`` None) or
+        ``dense_half`` (the other way round); Numba prunes the absent kind.
+
+        ``bound[i]`` = (eps, attention arguments after eps) of block i, ``caches[i]`` = its raw
+        (kc, vc) cache bytes (sequences indexable at run time: the caller's Numba typed lists); every cache holds ``n_past`` cells (room for T more made by the
+        caller). x and y (T, n_embd) are both overwritten; returns the one holding the result.
+        Why: a decode step then costs one Python → compiled transition per run of blocks instead
+        of two per block (plus the wrapper's Python around each)."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        for i in range(len(bound)):
+            eps, attn = bound[i]
+            kc, vc = caches[i]
+            attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps, *attn, chunks)
+            if moe_args is not None:
+                moe_half(y, eps, *moe_args[i], chunks)
+            if dense_args is not None:
+                dense_half(y, eps, *dense_args[i], chunks)
+            x, y = y, x
+        return x
+
+    return _swiglu, _glu_down, attention_half, dense_half, moe_half, blocks_run
 
 
-@njit(**_kw)
-def blocks_run(x, y, positions, cos, sin, kvt, caches, n_past, bound, moe_args, dense_args, chunks):
-    """A run of consecutive blocks in one call: for each block i, ``attention_half`` then
-    ``moe_half`` (``moe_args`` the per-block argument tuples, ``dense_args`` None) or
-    ``dense_half`` (the other way round); Numba prunes the absent kind.
-
-    ``bound[i]`` = (eps, attention arguments after eps) of block i, ``caches[i]`` = its raw
-    (kc, vc) cache bytes (sequences indexable at run time: the caller's Numba typed lists); every cache holds ``n_past`` cells (room for T more made by the
-    caller). x and y (T, n_embd) are both overwritten; returns the one holding the result.
-    Why: a decode step then costs one Python → compiled transition per run of blocks instead
-    of two per block (plus the wrapper's Python around each)."""
-    for i in range(len(bound)):
-        eps, attn = bound[i]
-        kc, vc = caches[i]
-        attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps, *attn, chunks)
-        if moe_args is not None:
-            moe_half(y, eps, *moe_args[i], chunks)
-        if dense_args is not None:
-            dense_half(y, eps, *dense_args[i], chunks)
-        x, y = y, x
-    return x
+_swiglu, _glu_down, attention_half, dense_half, moe_half, blocks_run = _build_entries(source_digest())

@@ -34,6 +34,7 @@ from numba.typed import List
 
 from cpu_kernels import block as kb
 from cpu_kernels import settings
+from cpu_kernels.entry import first_call
 from cpu_kernels.layout import weight_bytes
 from cpu_kernels.registry import get_kernel
 from gpu.ffn import SwiGLU
@@ -170,8 +171,8 @@ class CompiledBlock:
                 self._attn_entry(*attn)
                 self._ffn_entry(*ffn)
             else:
-                self._attn_entry = _first_call(kb.attention_half, attn)[0]
-                self._ffn_entry = _first_call(self._ffn_half, ffn)[0]
+                self._attn_entry = first_call(kb.attention_half, attn)[0]
+                self._ffn_entry = first_call(self._ffn_half, ffn)[0]
         cache.length = need
         return torch.from_numpy(y)
 
@@ -244,7 +245,7 @@ class BlockRun:
                 self._bound, self._moe, self._dense, chunks)
         with self.profile.time("cpu_block"):
             if self._entry is None:
-                self._entry, y = _first_call(kb.blocks_run, args)
+                self._entry, y = first_call(kb.blocks_run, args)
             else:
                 y = self._entry(*args)
         for c in caches:
@@ -277,16 +278,6 @@ def block_runs(blocks) -> list[tuple[object, int, int]]:
             out.append((lambda x, pos, caches, b=b: b(x, pos, caches[0]), i, j))
         i = j
     return out
-
-
-def _first_call(fn, args):
-    """Run ``fn`` through Numba's dispatcher (compiling or loading it for these argument
-    types); returns (the compiled entry point, which later calls use directly — they pass
-    the same types: the bound arguments are fixed, the per-call arrays keep theirs — and
-    this call's result)."""
-    result = fn(*args)
-    sig = tuple(fn.typeof_pyval(a) for a in args)
-    return (fn.overloads[sig].entry_point if sig in fn.overloads else (lambda *a: fn(*a))), result
 
 
 def compile_block(block):

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from cpu_kernels import ExpertWeights, matmul, moe_ffn, settings
+from cpu_kernels.entry import first_call
 from cpu_kernels.matmul import use_int8
 from cpu_kernels.moe import routed_ffn_host, routed_scratch
 from offload.profile import Profile
@@ -117,7 +118,6 @@ class RoutedHandoff:
 
     def __init__(self, experts: CpuExperts, device: torch.device, k: int, owned: np.ndarray | None,
                  max_tokens: int):
-        from offload.compiled_block import _first_call     # (compiled_block imports this module)
         ew = experts.weights
         self.profile, self.name, self.max_tokens, self.k = experts.profile, ew.name, max_tokens, k
         self.n_expert = ew.n_expert
@@ -138,7 +138,7 @@ class RoutedHandoff:
                       gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db,
                       routed_scratch(m * k, ew.n_expert, ew.n_ff, ew.n_embd, settings.max_threads()), out.numpy())
         # compile (or load from Numba's cache) now, on an empty batch; calls use the entry point
-        self._entry = _first_call(routed_ffn_host, (0,) + self._args + (settings.apply_threads(),))
+        self._entry, _ = first_call(routed_ffn_host, (0,) + self._args + (settings.apply_threads(),))
 
     def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
         """Whether this batch fits the bound buffers and runs in float activations."""
