@@ -265,6 +265,16 @@ def _build_entries(salt):
     # so that Numba's cache never serves them with an older decoder inlined.
 
     @njit(**_kw)
+    def _normed(x, w, eps):
+        """(rms_norm(x) · w, its per-16 sums): a block half's normalised input."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        xn = np.empty(x.shape, f32)
+        xs = np.empty((x.shape[0], x.shape[1] // 16), f32)
+        rms_norm(x, w, eps, xn)
+        sums16_rows(xn, xn.shape[0], xs)
+        return xn, xs
+
+    @njit(**_kw)
     def _swiglu(tg, gw, tu, uw, td, dw, X, xs16, Y, chunks):
         """Y = down(silu(gate(X)) · up(X)) (dense FFN or shared expert)."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
@@ -302,10 +312,7 @@ def _build_entries(salt):
         n_kv = kc.shape[0]
         d = wq.shape[0] // n_head
         es = kv_size(kvt)
-        xn = np.empty((t_n, n_embd), f32)
-        xs = np.empty((t_n, n_embd // 16), f32)
-        rms_norm(x, attn_norm, eps, xn)
-        sums16_rows(xn, xn.shape[0], xs)
+        xn, xs = _normed(x, attn_norm, eps)
         q = np.empty((t_n, n_head * d), f32)
         k = np.empty((t_n, n_kv * d), f32)
         v = np.empty((t_n, n_kv * d), f32)
@@ -337,10 +344,7 @@ def _build_entries(salt):
         """y += down(silu(gate(h)) · up(h)), h = ffn_norm(y): a dense FFN block's second half."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         t_n, n_embd = y.shape
-        xn = np.empty((t_n, n_embd), f32)
-        xs = np.empty((t_n, n_embd // 16), f32)
-        rms_norm(y, ffn_norm, eps, xn)
-        sums16_rows(xn, xn.shape[0], xs)
+        xn, xs = _normed(y, ffn_norm, eps)
         f = np.empty((t_n, n_embd), f32)
         _swiglu(tg, wg, tu, wu, td, wd, xn, xs, f, chunks)
         for t in range(t_n):
@@ -359,10 +363,7 @@ def _build_entries(salt):
         """
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         t_n, n_embd = y.shape
-        xn = np.empty((t_n, n_embd), f32)
-        xs = np.empty((t_n, n_embd // 16), f32)
-        rms_norm(y, ffn_norm, eps, xn)
-        sums16_rows(xn, xn.shape[0], xs)
+        xn, xs = _normed(y, ffn_norm, eps)
         n_expert = wr.shape[0]
         logits = np.empty((t_n, n_expert), f32)
         if wsg is not None:                              # router and shared gate/up together
@@ -411,7 +412,7 @@ def _build_entries(salt):
             x, y = y, x
         return x
 
-    return _swiglu, _glu_down, attention_half, dense_half, moe_half, blocks_run
+    return _normed, _swiglu, _glu_down, attention_half, dense_half, moe_half, blocks_run
 
 
-_swiglu, _glu_down, attention_half, dense_half, moe_half, blocks_run = _build_entries(source_digest())
+_normed, _swiglu, _glu_down, attention_half, dense_half, moe_half, blocks_run = _build_entries(source_digest())
