@@ -217,16 +217,13 @@ class BlockRun:
         self._entry = None
 
     def _cache_raws(self, caches) -> List:
-        """The caches' raw (kc, vc) buffers as a typed list, entries replaced only when a
-        cache's storage changed (it grew, or a new sequence's caches came)."""
-        for i, c in enumerate(caches):
-            raw = c.raw()
-            if raw is not self._seen[i]:
-                if self._raws is None:
-                    self._raws = List([c.raw() for c in caches])
-                    self._seen = [c.raw() for c in caches]
-                    break
-                self._raws[i], self._seen[i] = raw, raw
+        """The caches' raw (kc, vc) buffers as a typed list, built again only when a cache's
+        storage changed (it grew, or a new sequence's caches came). Rebuilt whole rather than
+        patched: a typed list's item assignment is compiled on its first use, and that would
+        land (~2.5 MiB of code) in some later decode step instead of the first."""
+        raws = [c.raw() for c in caches]
+        if self._raws is None or any(r is not s for r, s in zip(raws, self._seen)):
+            self._raws, self._seen = List(raws), raws
         return self._raws
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, caches) -> torch.Tensor:
