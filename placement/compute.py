@@ -328,8 +328,11 @@ class ForwardModel:
             moments.append(_plus(qkv, {h: 2 * T * Qw * f}))
         # NeoX rope of q (gpu.rope.Rope: x·C + x[perm]·S): x·C, x[perm] and x[perm]·S live
         # at once (then x·C, x[perm]·S and their sum), beside the old q; plus the (T, 1, D)
-        # factor rows C and S, kept for the whole pass (one per positions tensor)
-        moments.append(_plus(qkv, {h: 3 * T * Qw * f + 2 * T * Dk * f}))
+        # factor rows C and S, kept for the whole pass (one per positions tensor): from here
+        # on they sit beside every step of the attention
+        rows = {h: 2 * T * Dk * f}
+        moments.append(_plus(qkv, rows, {h: 3 * T * Qw * f}))
+        qkv = _plus(qkv, rows)
         # KVCache.append: k, v cast to the cache dtype; growing storage holds the old copy too
         moments.append(_plus(qkv, {h: int(T * (Kw + Vw) * self.kvb) + self.kv_block_bytes(i) // 2}))
         mask = T * L + (T + L) * INT64                          # bool (T, L) mask + its index vectors
