@@ -18,8 +18,11 @@ from gguf.quants import dequantize
 
 from cpu_kernels import ExpertWeights, matmul, moe_ffn, settings
 from cpu_kernels.entry import first_call
+from cpu_kernels.head import embed_rows
+from cpu_kernels.layout import weight_bytes
 from cpu_kernels.matmul import use_int8
 from cpu_kernels.moe import routed_ffn_host, routed_scratch
+from cpu_kernels.registry import get_kernel, supported_types
 from offload.profile import Profile
 
 
@@ -60,17 +63,42 @@ class RawLinear:
 
 class RawEmbedding:
     """Row lookup in a raw (possibly quantized) ``token_embd``: only the rows asked for are
-    dequantized, per call (a few rows per token)."""
+    dequantized, per call. Decode and verify batches (up to ``COMPILED_ROWS`` ids) take one
+    compiled call, ``cpu_kernels.head.embed_rows`` (the registry's decoders; its entry point
+    bound at construction); prompt batches, and types without a CPU kernel, gather the rows and
+    run gguf's numpy ``dequantize`` (what ``placement.compute.cpu_lookup_bytes`` counts)."""
+
+    COMPILED_ROWS = 16
 
     def __init__(self, data: np.ndarray, qtype: GGMLQuantizationType, n_embd: int):
         self.data, self.qtype, self.n_embd = data, qtype, n_embd
         self.device = torch.device("cpu")
+        self._tag = self._rows = self._entry = None
+        if GGMLQuantizationType(qtype) in supported_types() and data.ndim == 2 and data.flags.c_contiguous \
+                and len(data):
+            kern = get_kernel(qtype, "token_embd")
+            self._tag, self._rows = kern.tag, weight_bytes(data, kern, 2, "token_embd")
+            # compile (or load from Numba's cache) now, on row 0: not in the first token
+            self._entry = first_call(embed_rows, (self._tag, self._rows, np.zeros(1, np.int64),
+                                                  np.empty((1, n_embd), np.float32)))[0]
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.data[ids.cpu().numpy()]
+        idx = ids.cpu().numpy()
+        if self._rows is not None and 0 < len(idx) <= self.COMPILED_ROWS:
+            return torch.from_numpy(self._compiled(idx))
+        rows = self.data[idx]
         if self.qtype != GGMLQuantizationType.F32:
             rows = dequantize(rows, self.qtype)
         return torch.from_numpy(np.asarray(rows, dtype=np.float32).reshape(-1, self.n_embd))
+
+    def _compiled(self, idx: np.ndarray) -> np.ndarray:
+        if idx.dtype != np.int64 or not idx.flags.c_contiguous:     # the entry's argument types
+            idx = np.ascontiguousarray(idx, dtype=np.int64)
+        out = np.empty((len(idx), self.n_embd), np.float32)
+        bad = self._entry(self._tag, self._rows, idx, out)
+        if bad >= 0:            # as numpy's gather would refuse it
+            raise IndexError(f"token id {idx[bad]} is outside the vocabulary (0..{self._rows.shape[0] - 1})")
+        return out
 
 
 class CpuExperts:

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from offload.errors import OffloadError
 
 
 def finite(x: torch.Tensor | None) -> bool:
-    return x is None or bool(torch.isfinite(x).all())
+    if x is None:
+        return True
+    if x.device.type == "cpu" and x.dtype == torch.float32:     # decode logits: numpy's reduction
+        return bool(np.isfinite(x.numpy()).all())              # is ~1.5 µs, torch's ~11 µs
+    return bool(torch.isfinite(x).all())
 
 
 def first_nonfinite(model, ids: Sequence[int]) -> str:

@@ -92,6 +92,8 @@ def judge(logits: np.ndarray, draft: int, q: np.ndarray | None, sampler: Sampler
 
 
 def _rows(logits: torch.Tensor) -> np.ndarray:
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return logits.numpy()
     return logits.detach().to("cpu", torch.float32).numpy()
 
 
@@ -294,8 +296,10 @@ def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: Spe
                 out.append(d)
             else:
                 out.append(sampler(z[len(drafts)]))
-        state.truncate(q_len + len(out))
-        rows.append(h[:len(out)])
+        if state.n_past != q_len + len(out):     # rejected drafts (plain decoding: nothing to drop)
+            state.truncate(q_len + len(out))
+        if drafter is not None:
+            rows.append(h[:len(out)])
     else:                                   # exact: one target pass per token, as plain decoding
         for i, tok in enumerate([x_q] + drafts):
             logits, h = model.forward(torch.as_tensor([tok]), state, logits="last")

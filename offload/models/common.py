@@ -18,6 +18,7 @@ from gpu.kv_cache import KVCache
 from gpu.norm import RMSNorm
 from gpu.rope import Rope, RopeSpec, YaRN, rope_for
 from offload.compiled_block import block_runs, compile_block
+from offload.compiled_head import CompiledHead
 from offload.errors import OffloadError
 from offload.gguf_header import LazyArray
 from offload.moe import MoE
@@ -197,6 +198,21 @@ class CausalLM:
         self.config, self.embed, self.blocks = config, embed, blocks
         self.output_norm, self.output, self.nextn = output_norm, output, nextn
         self._runs_for, self._runs = None, []
+        self._head = None
+        self._bound_head()              # bound (and compiled) at load, not in the first pass
+
+    @property
+    def output_head(self) -> CompiledHead | None:
+        """``output_norm`` + ``output`` as one compiled call (``offload.compiled_head``; None
+        where it does not apply), bound again when someone replaces either part."""
+        head = self._bound_head()
+        return head if type(head) is CompiledHead else None
+
+    def _bound_head(self):
+        head = self._head
+        if head is None or head.norm is not self.output_norm or head.output is not self.output:
+            head = self._head = CompiledHead.bind(self.output_norm, self.output) or _NoHead(self)
+        return head
 
     def block_runs(self) -> list:
         """``offload.compiled_block.block_runs`` of the current ``blocks`` (rebuilt when
@@ -224,10 +240,20 @@ class CausalLM:
         x = self.embed(ids)
         for step, lo, hi in self.block_runs():     # runs of compiled blocks: one call each
             x = step(x, positions, state.caches[lo:hi])
+        head = self.output_head
+        if head is not None and head.takes(x.shape[0], logits):
+            return head(x, logits)
         h = self.output_norm(x)
         if logits == "none":
             return None, h
         return self.output(h if logits == "all" else h[-1:]).float(), h
+
+
+class _NoHead:
+    """Remembers that no compiled head applies to these parts (so the check is not redone)."""
+
+    def __init__(self, model: CausalLM):
+        self.norm, self.output = model.output_norm, model.output
 
 
 # -- builders shared by the architectures -----------------------------------------------
