@@ -14,7 +14,6 @@ weight, the wrong row, eps) shows at 1e-3 or more.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,10 +30,8 @@ from offload.sampling import Sampler
 from offload.speculative import generate_step
 from tests.test_compiled_block import PROMPT, REL_TOL, batches_after_prefill, reference_blocks, rel_err
 from tests.test_compiled_block import TINY as HF_TINY
+from tests.test_compiled_block import shipped  # noqa: F401  (the shipped model, all CPU, f32 cache: a fixture)
 from tests.tiny_models import TinySpec, random_tensor, write_tiny_model
-
-SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
-
 
 @pytest.mark.parametrize("qtype", supported_types(), ids=lambda q: q.name)
 def test_embedding_rows_match_gguf_dequantize(qtype):
@@ -135,14 +132,6 @@ def prefill_logits(model, prompt):
 def generated(model, sampler_args, n=24):
     state = model.new_state(None)
     return list(generate_step(model, PROMPT[:5], state=state, sampler=Sampler(**sampler_args), max_tokens=n))
-
-
-@pytest.fixture(scope="module")
-def shipped():
-    if not SHIPPED.is_file():
-        pytest.skip(f"{SHIPPED.name} not present")
-    with rt.load(SHIPPED, devices="CPU=16GiB", cache_type="f32", quiet=True) as s:
-        yield s
 
 
 def test_shipped_passes_match_reference(shipped):
