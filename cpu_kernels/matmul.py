@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 from numba import njit, prange
 
 from . import settings
@@ -61,33 +62,53 @@ def _build(salt):
 _matmul_kernel, _matmul_i8_kernel = _build(source_digest())
 
 
+def int8_rows(rows: int, cols: int):
+    """Empty (xq, dx, xs16, xs4, dx8) for ``rows`` rows of ``cols`` values, as
+    ``rowdot8.quantize_rows`` fills them (its padding included): allocated once where a
+    caller binds int8 scratch (the routed experts' decode step), per call otherwise."""
+    return (np.empty((rows, cols + XQ_PAD), np.int8), np.empty((rows, cols // 32 + DX_PAD), f32),
+            np.empty((rows, cols // 16), f32), np.empty((rows, cols // 4 + S4_PAD), f32),
+            np.empty((rows, cols // 4 + S4_PAD), f32))
+
+
 def quantized_activations(X: np.ndarray):
     """(xq, dx, xs16, xs4, dx8) for the int8 path (see ``rowdot8.quantize_rows``)."""
-    B, cols = X.shape
-    xq = np.empty((B, cols + XQ_PAD), np.int8)
-    dx = np.empty((B, cols // 32 + DX_PAD), f32)
-    xs16 = np.empty((B, cols // 16), f32)
-    xs4 = np.empty((B, cols // 4 + S4_PAD), f32)
-    dx8 = np.empty((B, cols // 4 + S4_PAD), f32)
-    quantize_rows(X, xq, dx, xs16, xs4, dx8)
-    return xq, dx, xs16, xs4, dx8
+    q = int8_rows(*X.shape)
+    quantize_rows(X, *q)
+    return q
 
 
-def use_int8(kern, int8: bool | None = None) -> bool:
-    """int8 activations for this type: ``int8`` (None: the process setting), where the type
-    has an int8 decoder and the CPU a u8 x s8 dot product."""
-    want = settings.int8_activations() if int8 is None else int8
-    return want and kern.has_int8 and has_vnni()
+# Weight types whose batch-1 int8 path (activations quantized per 32, VNNI dot products) is
+# measurably faster than the float path: "auto" decode activations use int8 for these only.
+# bench.cpu_kernels --mb 512 --no-compile, batch-1 mat-vec GB/s as a fraction of the read
+# ceiling measured next to it, float -> int8 (1 thread | 2 threads, 2026-12-01, load ~1-2):
+#   Q4_K 0.45 -> 0.73 | ...;  Q5_K 0.37 -> 0.74 | ...;  MXFP4 0.41 -> 0.47 | ...
+# Not: Q8_0 (0.89 -> 0.88: its float decode already reads at the ceiling), Q4_0 (0.65 ->
+# 0.71, within the run-to-run noise), Q6_K (0.35 -> 0.38), IQ4_XS (0.25 -> 0.28), F16/BF16/F32
+# (no int8 decoder). Measured table: README "CPU experts".
+DECODE_INT8_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.MXFP4})
+AUTO = "auto"    # ``int8`` argument: int8 where the weight type is in DECODE_INT8_TYPES
 
 
-def matmul(x, w, qtype, *, name: str = "", int8: bool | None = None) -> np.ndarray:
+def use_int8(kern, int8: bool | str | None = None) -> bool:
+    """int8 activations for this type: ``int8`` (True/False; ``AUTO``: the type is in
+    ``DECODE_INT8_TYPES``; None: the process setting), where the type has an int8 decoder and
+    the CPU a u8 x s8 dot product."""
+    if int8 == AUTO:
+        want = kern.qtype in DECODE_INT8_TYPES
+    else:
+        want = settings.int8_activations() if int8 is None else int8
+    return bool(want) and kern.has_int8 and has_vnni()
+
+
+def matmul(x, w, qtype, *, name: str = "", int8: bool | str | None = None) -> np.ndarray:
     """``x @ W.T`` for a GGUF weight ``W`` given as its raw data.
 
     x: float32 [B, cols] (or [cols], giving [rows]); w: ``ReaderTensor.data`` of a 2-D
     tensor, or ``data[e]`` for one expert of a 3-D ``*_exps`` tensor, used in place.
     Returns float32 [B, rows]. Unsupported ``qtype`` -> ``UnsupportedQuantType`` naming
-    the type and ``name``. ``int8``: int8 activations for this call (None: the process
-    setting, ``set_int8_activations``).
+    the type and ``name``. ``int8``: int8 activations for this call (``use_int8``; None: the
+    process setting, ``set_int8_activations``).
     """
     kern = get_kernel(qtype, name)
     wb = weight_bytes(w, kern, 2, name)
