@@ -43,7 +43,9 @@ INT8_VS_FLOAT = 2e-2
 km = import_module("cpu_kernels.matmul")     # the module (the package exports a function of that name)
 needs_vnni = pytest.mark.skipif(not has_vnni(), reason="int8 path needs AVX512-VNNI or AVX-VNNI")
 SPECS = {"Q4_K": TinySpec(expert_type=Q.Q4_K, seed=21),
-         "MXFP4": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.MXFP4, seed=22)}
+         "MXFP4": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.MXFP4, seed=22),
+         # tests/test_compiled_block.py's transformers-checked Q5_K model, in int8 mode here
+         "Q5_K": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.Q5_K, seed=6)}
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
