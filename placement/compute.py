@@ -94,7 +94,8 @@ FLOAT_ACTIVATION_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})   # no int8 decoder i
 XQ_PAD, DX_PAD, S4_PAD = 64, 16, 16                         # cpu_kernels.rowdot8's row padding
 DECODE_TOKENS = INT8_FROM - 1   # offload.cpu_ops.DECODE_TOKENS: decode/verify batches
 # cpu_kernels.matmul.DECODE_INT8_TYPES (measured there; tests/test_memory_runtime.py holds them equal)
-DECODE_INT8_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.MXFP4})
+DECODE_INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_1, Q.MXFP4, Q.IQ4_NL,
+                               Q.IQ4_XS, Q.IQ1_S, Q.IQ2_XXS})
 
 
 def int8_activation_bytes(n: int, cols: int) -> int:
