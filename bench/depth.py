@@ -3,9 +3,11 @@ qwen3moe models, the fixed cost per block, and GB/s against the memory-read ceil
 
     python -m bench.depth [--only wide,narrow,prefill,sweep] [-t 2] [--tokens 32]
                           [--prompt 256] [--repeat 3] [--rounds 1] [--keep DIR] [--json PATH]
+                          [--expert-type Q4_0|Q4_K|Q5_K|Q6_K|MXFP4|Q8_0] [--decode-activations auto|int8|float]
 
 Models (written at run time into a temp folder, or into ``--keep DIR`` and reused from
-there by later runs): qwen3moe, 32 experts per block, top-8, Q4_0 experts, Q8_0 attention,
+there by later runs): qwen3moe, 32 experts per block, top-8, Q4_0 experts (``--expert-type``:
+another type for all three expert tensors, a different file), Q8_0 attention,
 output and token embedding, F32 norms and router, the byte-level vocabulary of the tiny
 test models (``tests.tiny_models.tiny_vocab``), so both offload and llama.cpp load them:
 
@@ -24,7 +26,8 @@ Workloads (``--only``): ``wide`` and ``narrow`` = greedy decode of ``--tokens`` 
 8-token prompt; ``prefill`` = one ``--prompt``-token prompt (256) on the wide model, as one
 ubatch; ``sweep`` = decode on each sweep model. Each engine and model runs in a fresh
 process (``--one``), CPU only, ``-t`` threads: offload with ``threads=-t`` for its Numba
-kernels, ``--prefill-activations`` (int8, as ``offload run``) for prompt batches, and torch
+kernels, ``--prefill-activations`` (int8, as ``offload run``) for prompt batches,
+``--decode-activations`` (auto, as ``offload run``) for the routed experts' decode batches, and torch
 on ``--torch-threads`` (1, as ``offload run``); llama.cpp through
 llama-cpp-python with ``n_threads = n_threads_batch = -t``, no GPU layers, ``n_batch =
 n_ubatch = --prompt``, memory-mapped weights (its default; the file is read through once
@@ -146,8 +149,12 @@ def tensors(spec: DepthSpec, n_vocab: int) -> list[TensorPlan]:
     return out
 
 
-# std of the integer code a random block holds: Q4_0 (q - 8), q uniform 0..15; Q8_0 int8
-_CODE_STD = {Q.Q4_0: 4.61, Q.Q8_0: 73.9}
+# std of the integer code a random block holds: Q4_0 (q - 8), q uniform 0..15; Q8_0 int8.
+# K-quants and MXFP4 (sub-block scales and mins are random bytes too): the std of
+# gguf's dequantization of cpu_kernels.synth.random_blocks at scale 1, over 1.04 (the spread
+# of the random block scales, uniform 0.5..1.5: Q4_0's 4.61 measures 4.83 that way)
+_CODE_STD = {Q.Q4_0: 4.61, Q.Q8_0: 73.9, Q.Q4_K: 323.0, Q.Q5_K: 667.0, Q.Q6_K: 1344.0, Q.MXFP4: 11.6}
+EXPERT_TYPES = tuple(t.name for t in _CODE_STD)
 
 
 def _random_data(rng: np.random.Generator, t: TensorPlan) -> np.ndarray:
@@ -250,14 +257,14 @@ def prompt_ids(n: int, n_vocab: int = 256) -> list[int]:
 
 
 def _offload_run(path: str, jobs: list[dict], threads: int, torch_threads: int, ctx: int,
-                 prefill_activations: str = "int8") -> list[dict]:
+                 prefill_activations: str = "int8", decode_activations: str = "auto") -> list[dict]:
     import torch
 
     import offload.runtime as rt
     torch.set_num_threads(torch_threads)
     out = []
     with rt.load(path, quiet=True, threads=threads, devices="CPU=64GiB", ctx=ctx,
-                 int8_prefill=prefill_activations == "int8") as s:
+                 int8_prefill=prefill_activations == "int8", decode_activations=decode_activations) as s:
         s.warmup()
         for job in jobs:
             ids = prompt_ids(job["prompt"])
@@ -318,7 +325,7 @@ def run_one(engine: str, path: Path, jobs: list[dict], args, progress, ceilings:
     ceilings.append(measure_ceiling(args.threads))     # next to each process, while the box is as it is
     cmd = [sys.executable, "-m", "bench.depth", "--one", engine, str(path), json.dumps(jobs),
            "-t", str(args.threads), "--torch-threads", str(args.torch_threads),
-           "--prefill-activations", args.prefill_activations]
+           "--prefill-activations", args.prefill_activations, "--decode-activations", args.decode_activations]
     progress(f"{engine} on {path.name}: {', '.join(j['kind'] for j in jobs)}")
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_child_env(engine))
@@ -352,11 +359,11 @@ def _read_through(path: Path) -> None:
 
 
 def _one_main(engine: str, path: str, jobs_json: str, threads: int, torch_threads: int,
-              prefill_activations: str) -> int:
+              prefill_activations: str, decode_activations: str) -> int:
     jobs = json.loads(jobs_json)
     ctx = max(j["prompt"] + j.get("tokens", 0) for j in jobs) + 16
     if engine == "offload":
-        out = _offload_run(path, jobs, threads, torch_threads, ctx, prefill_activations)
+        out = _offload_run(path, jobs, threads, torch_threads, ctx, prefill_activations, decode_activations)
     elif engine == "llama.cpp":
         out = _llama_run(path, jobs, threads, ctx)
     else:
@@ -473,13 +480,18 @@ def _llama_available() -> str | None:
 
 
 def main(argv=None) -> int:
-    from offload.commands.run import PREFILL_ACTIVATIONS
+    from offload.commands.run import DECODE_ACTIVATIONS, PREFILL_ACTIVATIONS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--torch-threads", type=int, default=1, help="offload's torch threads (default 1, as offload run)")
     ap.add_argument("--prefill-activations", choices=PREFILL_ACTIVATIONS, default="int8",
                     help="offload's activations for prompt batches, as offload run's flag (default int8)")
+    ap.add_argument("--decode-activations", choices=DECODE_ACTIVATIONS, default="auto",
+                    help="offload's routed-expert activations for decode batches, as offload run's flag (default auto)")
+    ap.add_argument("--expert-type", choices=EXPERT_TYPES, default=WIDE.expert_type.name,
+                    help=f"quant type of the models' expert tensors (default {WIDE.expert_type.name}; "
+                         "another type writes other files)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per pass (default 32)")
     ap.add_argument("--prompt", type=int, default=256, help="prefill prompt tokens (default 256)")
     ap.add_argument("--repeat", type=int, default=3, help="timed passes per workload and process (default 3)")
@@ -494,7 +506,7 @@ def main(argv=None) -> int:
     ap.add_argument("--one", nargs=3, metavar=("ENGINE", "MODEL", "JOBS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.one:
-        return _one_main(*a.one, a.threads, a.torch_threads, a.prefill_activations)
+        return _one_main(*a.one, a.threads, a.torch_threads, a.prefill_activations, a.decode_activations)
     only = [w.strip() for w in a.only.split(",") if w.strip()]
     bad = [w for w in only if w not in WORKLOADS]
     if bad or not only:
@@ -552,14 +564,15 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
     prefill = dict(kind="prefill", prompt=a.prompt, repeat=a.repeat)
     # per model: [(workload label, job)], run together in one process per engine
     work: list[tuple[DepthSpec, list[tuple[str, dict]]]] = []
+    wide, narrow = (replace(s, expert_type=Q[a.expert_type]) for s in (WIDE, NARROW))
     if "wide" in only or "prefill" in only:
         jobs = ([("decode wide", decode)] if "wide" in only else []) + \
                ([(f"prefill {a.prompt} wide", prefill)] if "prefill" in only else [])
-        work.append((WIDE, jobs))
+        work.append((wide, jobs))
     if "narrow" in only or "sweep" in only:
-        work.append((NARROW, [("decode narrow" if "narrow" in only else "sweep 48 blocks", decode)]))
+        work.append((narrow, [("decode narrow" if "narrow" in only else "sweep 48 blocks", decode)]))
     if "sweep" in only:
-        work += [(replace(NARROW, n_layer=n), [(f"sweep {n} blocks", decode)])
+        work += [(replace(narrow, n_layer=n), [(f"sweep {n} blocks", decode)])
                  for n in SWEEP_BLOCKS if n != NARROW.n_layer]
     rows: list[Row] = []
     for spec, jobs in work:
@@ -587,9 +600,10 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
     sweep = sorted((r for r in rows if r.in_sweep), key=lambda r: r.blocks)
     fits = {e: sweep_fit(sweep, attr, ceiling, a.stat) for e, attr in (("offload", "offload"), ("llama.cpp", "llama"))}
     print(f"bench.depth: qwen3moe random weights, {NARROW.n_expert} experts top-{NARROW.n_expert_used}, "
-          f"{NARROW.expert_type.name} experts, {NARROW.dense_type.name} attention; threads -t {a.threads} "
-          f"(offload torch {a.torch_threads}); decode {a.tokens} tokens after {DECODE_PROMPT}, prefill "
-          f"{a.prompt} (offload's activations {a.prefill_activations}); {a.stat} of {a.rounds} x {a.repeat} passes")
+          f"{a.expert_type} experts, {NARROW.dense_type.name} attention; threads -t {a.threads} "
+          f"(offload torch {a.torch_threads}); decode {a.tokens} tokens after {DECODE_PROMPT} (offload's "
+          f"routed-expert activations {a.decode_activations}), prefill {a.prompt} (offload's activations "
+          f"{a.prefill_activations}); {a.stat} of {a.rounds} x {a.repeat} passes")
     print(f"memory-read ceiling (-t {a.threads}): {ceiling:.2f} GB/s, {a.stat} of {len(ceilings)} "
           f"measured before each process and at the end (min {min(ceilings):.2f}, max {max(ceilings):.2f}); "
           f"{load_line()}")
@@ -599,7 +613,8 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
     if a.json:
         doc = dict(ceiling_gbps=ceiling, ceilings=ceilings,
                    threads=a.threads, torch_threads=a.torch_threads, tokens=a.tokens, prompt=a.prompt,
-                   prefill_activations=a.prefill_activations,
+                   prefill_activations=a.prefill_activations, decode_activations=a.decode_activations,
+                   expert_type=a.expert_type,
                    repeat=a.repeat, rounds=a.rounds, stat=a.stat, load=load_line(),
                    rows=[dict(asdict(r), offload_tps=summary(r.offload, a.stat),
                              llama_tps=summary(r.llama, a.stat))

@@ -7,6 +7,8 @@
     ExpertWeights(gate, up, down, ...)      one layer's *_exps tensors, used in place
     set_num_threads(n)                      threads the kernels use
     set_int8_activations(on)                llama.cpp-style int8 activations (VNNI CPUs)
+                                            (``int8=`` per call: True/False, "auto" = the types
+                                            in ``matmul.DECODE_INT8_TYPES``, None = this setting)
     supported_types()                       quant types with a kernel
     UnsupportedQuantType                    raised for the others, naming type and tensor
 

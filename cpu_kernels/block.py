@@ -353,13 +353,14 @@ def _build_entries(salt):
 
     @njit(**_kw)
     def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_scale,
-                 tg, wg, g0, tu, wu, u0, td, wd, n_ff, tsg, wsg, tsu, wsu, tsd, wsd, chunks):
+                 tg, wg, g0, tu, wu, u0, td, wd, n_ff, qx, qh, tsg, wsg, tsu, wsu, tsd, wsd, chunks):
         """y += routed experts + shared expert of h = ffn_norm(y): an MoE block's second half.
 
         Router ``wr`` with ``probs_b`` (or None), ``route_kind``, ``k_used``, ``w_norm``,
         ``w_scale``; routed experts ``wg``/``wu``/``wd`` (gate and up may be one fused tensor:
-        row offsets ``g0``/``u0``; ``n_ff`` rows each); the shared expert ``wsg``/``wsu``/``wsd``
-        or None. Routed outputs are summed in moe_ffn's order (assignments sorted by expert).
+        row offsets ``g0``/``u0``; ``n_ff`` rows each) and their int8 activation scratch ``qx``/``qh``
+        (``moe.routed_int8_scratch``, bound at load; None: float activations); the shared expert
+        ``wsg``/``wsu``/``wsd`` or None. Routed outputs are summed in moe_ffn's order (assignments sorted by expert).
         """
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         t_n, n_embd = y.shape
@@ -378,7 +379,7 @@ def _build_entries(salt):
         _route(logits, probs_b, route_kind, k_used, w_norm, w_scale, ids, wts)
         f = np.empty((t_n, n_embd), f32)           # routed experts (moe.routed_ffn: the hybrid hand-off's step too)
         routed_ffn(t_n, xn, xs, ids, wts, None, tg, wg, g0, tu, wu, u0, td, wd,
-                   routed_scratch(t_n * k_used, n_expert, n_ff, n_embd, chunks), f, chunks)
+                   routed_scratch(t_n * k_used, n_expert, n_ff, n_embd, chunks), qx, qh, f, chunks)
         if wsg is not None:
             sh = np.empty((t_n, n_embd), f32)
             _glu_down(G, U, tsd, wsd, sh, chunks)

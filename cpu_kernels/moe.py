@@ -6,10 +6,11 @@ sorted by expert, so each touched expert's gate/up/down rows are streamed once a
 applied to all of that expert's tokens (``rowdot``) — time grows with the number of
 distinct experts touched, not with B * k.
 
-``routed_ffn``: the same step for decode/verify batches (SiLU, no biases, float
-activations) as one compiled call that writes only into the caller's arrays (a counting sort
-instead of argsort; scratch from ``routed_scratch``, allocated once): the CPU side of the
-hybrid hand-off (``offload.cpu_ops.RoutedHandoff``) and of a compiled block's routed step.
+``routed_ffn``: the same step for decode/verify batches (SiLU, no biases; float or int8
+activations per phase) as one compiled call that writes only into the caller's arrays (a
+counting sort instead of argsort; scratch from ``routed_scratch`` and ``routed_int8_scratch``,
+allocated once): the CPU side of the hybrid hand-off (``offload.cpu_ops.RoutedHandoff``) and
+of a compiled block's routed step.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ from numba import njit, prange
 from . import settings
 from .layout import activations, row_cols, sums16, weight_bytes
 from .registry import get_kernel, source_digest
-from .matmul import quantized_activations, use_int8
+from .matmul import int8_rows, quantized_activations, use_int8
 from .rowdot import dot4
-from .rowdot8 import dot4_i8
+from .rowdot8 import dot4_i8, quantize_rows
 
 f32 = np.float32
 TOKEN_TILE = 16
@@ -191,6 +192,18 @@ def routed_scratch(n_assign, n_expert, n_ff, n_embd, chunks):
             phase_pads(max(1, chunks)))
 
 
+def routed_int8_scratch(w: ExpertWeights, n_tok: int, k: int, int8: bool | str | None):
+    """(qx, qh) for ``routed_ffn`` over ``w`` for up to ``n_tok`` tokens with ``k`` experts
+    each: ``int8_rows`` of X (n_tok rows of n_embd) where gate and up both take int8
+    activations (``use_int8``), of H (n_tok * k rows of n_ff) where down does; None where
+    the phase runs float (as ``moe_ffn`` decides per phase). Allocated here, once: callers
+    bind the pair at load."""
+    (gk, _, _, _), (uk, _, _, _) = w._parts
+    qx = int8_rows(n_tok, w.n_embd) if use_int8(gk, int8) and use_int8(uk, int8) else None
+    qh = int8_rows(n_tok * k, w.n_ff) if use_int8(w._down[0], int8) else None
+    return qx, qh
+
+
 def _build(salt):
     # Each phase is written once for both activation modes: passing None for the int8
     # arrays makes Numba prune the int8 branch at compile time (and vice versa), so each
@@ -302,18 +315,22 @@ def _build_drivers(salt):
                    phase_pads(max(1, chunks)))
 
     @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def routed_ffn(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, Y, chunks):
+    def routed_ffn(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh, Y,
+                   chunks):
         """Y[t] = sum_j wts[t, j] * down_e(silu(gate_e . X[t]) * (up_e . X[t])), e = ids[t, j],
         for rows t < n_tok, over the experts in ``owned`` (None: all): the routed part of an MoE
-        layer (SiLU, no biases, float activations) as one compiled step, everything written into
-        the caller's arrays — grouping by expert, the gate·up phase, the down phase, the weighted
-        sum in ``moe_ffn``'s order (assignments sorted by expert).
+        layer (SiLU, no biases) as one compiled step, everything written into the caller's
+        arrays — grouping by expert, the gate·up phase, the down phase, the weighted sum in
+        ``moe_ffn``'s order (assignments sorted by expert).
 
         X (>= n_tok, n_embd) and ``xs16`` its ``sums16`` rows; ids int64 / wts float32 (>= n_tok,
         k); tg/wg/g0, tu/wu/u0, td/wd: ``ExpertWeights._parts`` / ``_down`` (QTag, raw view, first
         row); ``scratch`` from ``routed_scratch`` for >= n_tok * k assignments (its pads bound
-        the parallel pieces); Y (>= n_tok, n_embd). Returns the number of touched experts, or -1
-        (Y untouched) for an id outside 0..E-1. Rows past n_tok are neither read nor written."""
+        the parallel pieces); ``qx`` / ``qh``: ``routed_int8_scratch``'s pair — int8 activations
+        of X for the gate·up phase / of H for the down phase (quantized here, as ``moe_ffn``
+        does), or None for float activations (Numba prunes the other branch); Y (>= n_tok,
+        n_embd). Returns the number of touched experts, or -1 (Y untouched) for an id outside
+        0..E-1. Rows past n_tok are neither read nor written."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         count, slot_expert, slot_start, assign_tok, assign_w, H, hs16, Ya, pads = scratch
         chunks = max(1, min(chunks, pads[0].shape[0]))
@@ -326,10 +343,21 @@ def _build_drivers(salt):
             return 0
         n_a = slot_start[n_slots]
         se, ss = slot_expert[:n_slots], slot_start[:n_slots + 1]
-        _gate_up_rows(tg, wg, g0, tu, wu, u0, X, xs16, None, None, None, None, se, ss, assign_tok, H,
-                      chunks, 0, pads)
-        sums16_rows(H, n_a, hs16)
-        _down_rows(td, wd, H, hs16, None, None, None, None, se, ss, Ya, chunks, pads)
+        if qx is not None:
+            xq, dx, qs16, xs4, dx8 = qx
+            quantize_rows(X[:n_tok], xq, dx, qs16, xs4, dx8)
+            _gate_up_rows(tg, wg, g0, tu, wu, u0, X, qs16, xq, dx, xs4, dx8, se, ss, assign_tok, H,
+                          chunks, 0, pads)
+        else:
+            _gate_up_rows(tg, wg, g0, tu, wu, u0, X, xs16, None, None, None, None, se, ss, assign_tok, H,
+                          chunks, 0, pads)
+        if qh is not None:
+            hq, hdx, qhs16, hxs4, hdx8 = qh
+            quantize_rows(H[:n_a], hq, hdx, qhs16, hxs4, hdx8)
+            _down_rows(td, wd, H, qhs16, hq, hdx, hxs4, hdx8, se, ss, Ya, chunks, pads)
+        else:
+            sums16_rows(H, n_a, hs16)
+            _down_rows(td, wd, H, hs16, None, None, None, None, se, ss, Ya, chunks, pads)
         n_embd = Y.shape[1]
         for a in range(n_a):
             t = assign_tok[a]
@@ -339,13 +367,15 @@ def _build_drivers(salt):
         return n_slots
 
     @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def routed_ffn_host(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, Y, chunks):
+    def routed_ffn_host(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh, Y,
+                        chunks):
         """``routed_ffn`` with ``xs16`` computed here: the CPU side of a hybrid MoE layer (block
         on a GPU, experts in RAM) as one compiled call over host buffers bound at load."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
-        sums16_rows(X, n_tok, xs16)
-        return routed_ffn(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, Y,
-                          chunks)
+        if qx is None:
+            sums16_rows(X, n_tok, xs16)
+        return routed_ffn(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh,
+                          Y, chunks)
 
     return gate_up_phase, down_phase, routed_ffn, routed_ffn_host
 
@@ -416,7 +446,7 @@ def _bias(b, rows: int, w: ExpertWeights, what: str):
 
 
 def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act: str = "silu",
-            gate_bias=None, up_bias=None, down_bias=None, int8: bool | None = None):
+            gate_bias=None, up_bias=None, down_bias=None, int8: bool | str | None = None):
     """Sum over the k routed experts of each token of ``weight * down(act(gate(x)) * up(x))``.
     ``act``: "silu" (silu(g)·u) or "swiglu_oai" (gpt-oss's clamped GLU); ``gate_bias`` /
     ``up_bias`` [E, n_ff] and ``down_bias`` [E, n_embd]: per-expert biases added to each
@@ -425,7 +455,8 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     x: float32 [B, n_embd]; expert_ids: int [B, k]; expert_weights: float32 [B, k]
     (already normalised/scaled by the router). owned: bool [E] or None (= all experts):
     experts not owned contribute nothing here (the caller adds them, e.g. GPU experts).
-    int8: int8 activations for this call (None: the process setting).
+    int8: int8 activations for this call, per phase (``matmul.use_int8``: True/False, "auto"
+    per weight type, None: the process setting).
     Returns float32 [B, n_embd]. The compiled phases run with the GIL released.
     """
     if act not in ACTIVATIONS:

@@ -39,11 +39,11 @@ from cpu_kernels.layout import weight_bytes
 from cpu_kernels.registry import get_kernel
 from gpu.ffn import SwiGLU
 from gpu.router import SigmoidRouter, SoftmaxRouter
-from offload.cpu_ops import CpuExperts, RawLinear, to_host
+from offload.cpu_ops import DECODE_TOKENS, CpuExperts, RawLinear, to_host
 from offload.moe import MoE
 
 KV_TYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
-MAX_TOKENS = 16          # decode and verify batches; prefill batches use the reference block
+MAX_TOKENS = DECODE_TOKENS    # decode and verify batches; prefill batches use the reference block
 ENV = "OFFLOAD_BLOCKS"   # "reference": the torch path for every block
 
 
@@ -120,8 +120,11 @@ def _bind(block) -> tuple | None:
     dk, db = ew._down
     if ew.n_ff % 16:
         return None
+    # the routed experts' activations as the reference's moe_ffn takes them at T <= MAX_TOKENS
+    # (int8 per phase for the decode mode's types), their scratch bound here once
+    qx, qh = ffn.experts.decode_scratch(router.k, MAX_TOKENS)
     moe_args = ((_vec(block.ffn_norm.weight), rp[0], rp[1], bias, kind, router.k, bool(router.norm),
-                 float(router.scale), gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, ew.n_ff) + shared)
+                 float(router.scale), gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, ew.n_ff, qx, qh) + shared)
     return head + (kb.moe_half, moe_args)
 
 

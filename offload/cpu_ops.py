@@ -20,8 +20,8 @@ from cpu_kernels import ExpertWeights, matmul, moe_ffn, settings
 from cpu_kernels.entry import first_call
 from cpu_kernels.head import embed_rows
 from cpu_kernels.layout import weight_bytes
-from cpu_kernels.matmul import use_int8
-from cpu_kernels.moe import routed_ffn_host, routed_scratch
+from cpu_kernels.matmul import AUTO, use_int8
+from cpu_kernels.moe import routed_ffn_host, routed_int8_scratch, routed_scratch
 from cpu_kernels.registry import get_kernel, supported_types
 from offload.profile import Profile
 
@@ -35,10 +35,18 @@ def to_host(x: torch.Tensor) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-def int8_for(batch: int, int8_batch: int | None) -> bool | None:
-    """Whether a batch of ``batch`` tokens uses int8 activations: from ``int8_batch`` tokens
-    on (prompt prefill: llama.cpp's Q8 activations, VNNI dot products; error bound in
-    ``cpu_kernels.settings``); None (no threshold) leaves it to the process setting."""
+DECODE_TOKENS = 16      # decode and verify batches: at most this many tokens (compiled_block.MAX_TOKENS)
+DECODE_ACTIVATIONS = {"auto": AUTO, "int8": True, "float": False}    # --decode-activations
+
+
+def int8_for(batch: int, int8_batch: int | None, decode: str | None = None) -> bool | str | None:
+    """Whether a batch of ``batch`` tokens uses int8 activations (``cpu_kernels.matmul.use_int8``'s
+    argument): decode/verify batches (at most ``DECODE_TOKENS``) as ``decode`` says — "auto"
+    (per weight type: ``cpu_kernels.matmul.DECODE_INT8_TYPES``), "int8" or "float"; larger ones
+    from ``int8_batch`` tokens on (prompt prefill: llama.cpp's Q8 activations, VNNI dot
+    products; error bound in ``cpu_kernels.settings``). None for either: the process setting."""
+    if decode is not None and batch <= DECODE_TOKENS:
+        return DECODE_ACTIVATIONS[decode]
     return None if int8_batch is None else batch >= int8_batch
 
 
@@ -105,10 +113,14 @@ class CpuExperts:
     """One MoE layer's routed experts in RAM, run by ``cpu_kernels.moe_ffn`` (GIL released)."""
 
     def __init__(self, weights: ExpertWeights, profile: Profile, *, act: str = "silu",
-                 biases: dict[str, np.ndarray] | None = None, int8_batch: int | None = None):
+                 biases: dict[str, np.ndarray] | None = None, int8_batch: int | None = None,
+                 decode: str | None = None):
         """``act`` / ``biases`` ("gate", "up", "down" float32 arrays): as ``moe_ffn`` takes them;
-        ``int8_batch``: batches of at least this many tokens use int8 activations."""
-        self.weights, self.profile, self.int8_batch = weights, profile, int8_batch
+        ``int8_batch``: batches of at least this many tokens use int8 activations; ``decode``:
+        the activations of decode/verify batches ("auto", "int8", "float"; see ``int8_for``)."""
+        if decode is not None and decode not in DECODE_ACTIVATIONS:
+            raise ValueError(f"decode activations {decode!r}: expected one of {', '.join(DECODE_ACTIVATIONS)}")
+        self.weights, self.profile, self.int8_batch, self.decode = weights, profile, int8_batch, decode
         self.act, self.biases = act, {f"{k}_bias": v for k, v in (biases or {}).items()}
         self.device = torch.device("cpu")
 
@@ -117,7 +129,19 @@ class CpuExperts:
         """Host arrays in, host array out — called from the worker thread."""
         with self.profile.time("cpu_experts"):
             return moe_ffn(x, ids, w, self.weights, owned=owned, act=self.act,
-                           int8=int8_for(x.shape[0], self.int8_batch), **self.biases)
+                           int8=self.int8(x.shape[0]), **self.biases)
+
+    def int8(self, batch: int) -> bool | str | None:
+        """``moe_ffn``'s ``int8`` for a batch of ``batch`` tokens (see ``int8_for``)."""
+        return int8_for(batch, self.int8_batch, self.decode)
+
+    def decode_scratch(self, k: int, max_tokens: int = DECODE_TOKENS):
+        """(qx, qh) int8 activation scratch of ``routed_ffn`` for decode/verify batches of up to
+        ``max_tokens`` tokens with ``k`` experts each (None for a phase that runs float), bound
+        once by the callers (the hybrid hand-off, the compiled block). The process setting
+        (no ``decode`` mode and no ``int8_batch``) counts as float here: it is read per call."""
+        mode = self.int8(max_tokens)
+        return routed_int8_scratch(self.weights, max_tokens, k, False if mode is None else mode)
 
     def handoff(self, device: torch.device, k: int, owned: np.ndarray | None,
                 max_tokens: int) -> "RoutedHandoff | None":
@@ -134,7 +158,7 @@ class RoutedHandoff:
     RAM) for decode/verify batches, bound once: the compiled entry ``routed_ffn_host`` (one
     call per layer and step: grouping, gate·up, down, weighted sum), the experts' quant tags
     and raw views, and host buffers for ``max_tokens`` tokens — x, ids, weights, out and the
-    kernel's scratch. Nothing is allocated per call: ``load`` copies into the buffers, ``run``
+    kernel's scratch, int8 activations included where the decode mode takes them. Nothing is allocated per call: ``load`` copies into the buffers, ``run``
     fills ``out`` and returns a preallocated view of its first T rows.
 
     On CUDA the buffers are pinned and the copies ``non_blocking``; an event recorded on the
@@ -151,7 +175,10 @@ class RoutedHandoff:
         self.n_expert = ew.n_expert
         (gk, gb, g0, _), (uk, ub, u0, _) = ew._parts
         dk, db = ew._down
-        self._kernels, self._int8_batch = (gk, uk, dk), experts.int8_batch
+        self._experts = experts
+        self._kernels = (gk, uk, dk)
+        qx, qh = experts.decode_scratch(k, max_tokens)
+        self._modes = (qx is not None, qh is not None)     # int8 activations of gate·up, of down
         cuda = device.type == "cuda"
         buf = lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=cuda)  # noqa: E731
         m = max_tokens
@@ -164,17 +191,20 @@ class RoutedHandoff:
         self.owned = own = None if owned is None else np.ascontiguousarray(owned, dtype=np.bool_)
         self._args = (x.numpy(), np.empty((m, ew.n_embd // 16), np.float32), ids.numpy(), wts.numpy(), own,
                       gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db,
-                      routed_scratch(m * k, ew.n_expert, ew.n_ff, ew.n_embd, settings.max_threads()), out.numpy())
+                      routed_scratch(m * k, ew.n_expert, ew.n_ff, ew.n_embd, settings.max_threads()), qx, qh,
+                      out.numpy())
         # compile (or load from Numba's cache) now, on an empty batch; calls use the entry point
         self._entry, _ = first_call(routed_ffn_host, (0,) + self._args + (settings.apply_threads(),))
 
     def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
-        """Whether this batch fits the bound buffers and runs in float activations."""
+        """Whether this batch fits the bound buffers and runs in the activation modes bound
+        (float or int8 per phase; ``moe_ffn`` takes the others)."""
         t = x.shape[0]
         if t > self.max_tokens or ids.shape[1] != self.k:
             return False
-        int8 = int8_for(t, self._int8_batch)
-        return not any(use_int8(kern, int8) for kern in self._kernels)
+        int8 = self._experts.int8(t)
+        gk, uk, dk = self._kernels
+        return (use_int8(gk, int8) and use_int8(uk, int8), use_int8(dk, int8)) == self._modes
 
     def load(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> int:
         """Copy the batch into the host buffers (cast to f32 / int64 on the way); → T."""

@@ -16,6 +16,7 @@ from cpu_kernels import set_num_threads
 from gpu.kv_cache import KVCache
 from offload.commands.plan import open_draft, plan_from_file
 from offload.compiled_block import MAX_TOKENS
+from offload.cpu_ops import DECODE_ACTIVATIONS
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, check_shapes, open_model
@@ -227,7 +228,8 @@ def plan_for(model: ModelFile, placement=None, devices: str | None = None, draft
 
 def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus: bool = False,
          gpu_dtype: str = "auto", threads: int | None = None, progress: bool = False,
-         quiet: bool = False, op_offload: str = "auto", int8_prefill: bool = True, **plan_options) -> Session:
+         quiet: bool = False, op_offload: str = "auto", int8_prefill: bool = True,
+         decode_activations: str = "auto", **plan_options) -> Session:
     """Load a GGUF model where a plan puts each tensor.
 
     ``placement``: a Plan, a plan YAML path, or None to plan now for ``devices`` (``"auto"``
@@ -242,17 +244,24 @@ def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus
     (a CPU without VNNI runs the float path). Error bound per dot product in
     ``cpu_kernels.settings``; on the shipped model's logits it is held under 2e-2 of the
     largest (tests/test_prefill.py). ``placement.compute`` counts the quantized activations.
+    ``decode_activations`` (the CLI's ``--decode-activations auto|int8|float``): the CPU routed
+    experts' activations for decode/verify batches (at most ``compiled_block.MAX_TOKENS``
+    tokens): "auto" = int8 for the weight types whose int8 path measured faster
+    (``cpu_kernels.matmul.DECODE_INT8_TYPES``), float for the others; "int8"; "float".
     """
     model = open_model(model_path)
     return load_plan(model, plan_for(model, placement, devices, **plan_options), virtual_gpus=virtual_gpus,
                      gpu_dtype=gpu_dtype, threads=threads, progress=progress, quiet=quiet, op_offload=op_offload,
-                     int8_prefill=int8_prefill)
+                     int8_prefill=int8_prefill, decode_activations=decode_activations)
 
 
 def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_dtype: str = "auto",
               threads: int | None = None, progress: bool = False, quiet: bool = False,
-              op_offload: str = "auto", int8_prefill: bool = True) -> Session:
+              op_offload: str = "auto", int8_prefill: bool = True, decode_activations: str = "auto") -> Session:
     """``load`` for an opened model and a resolved plan (what ``offload run`` calls)."""
+    if decode_activations not in DECODE_ACTIVATIONS:
+        raise OffloadError(f"decode activations {decode_activations!r}: expected one of "
+                           f"{', '.join(DECODE_ACTIVATIONS)}")
     t0 = time.perf_counter()
     if threads is not None:
         if threads < 1:
@@ -281,9 +290,11 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     # prompt batches (more tokens than a compiled decode/verify step) use int8 activations
     int8_batch = MAX_TOKENS + 1 if int8_prefill else None
     weights = WeightStore(model, plan.tensors, devices, compute_dtype=dtypes, profile=profile, progress=bar,
-                          hot_experts=plan.hot_experts, int8_batch=int8_batch)
+                          hot_experts=plan.hot_experts, int8_batch=int8_batch,
+                          decode_activations=decode_activations)
     draft_weights = (WeightStore(draft, plan.draft_tensors, devices, compute_dtype=dtypes, profile=profile,
-                                 progress=bar, int8_batch=int8_batch) if draft is not None else None)
+                                 progress=bar, int8_batch=int8_batch, decode_activations=decode_activations)
+                     if draft is not None else None)
     ctx = BuildContext(profile=profile, pool=pool, kv_dtype=KV_DTYPES[plan.settings.cache_type],
                        kv_cells=pad(plan.settings.ctx, CACHE_PAD),   # what the planner counted
                        ubatch=plan.settings.ubatch)

@@ -43,7 +43,7 @@ class WeightStore:
     def __init__(self, model: ModelFile, device_of: Mapping[str, str], devices: DeviceMap, *,
                  compute_dtype: Mapping[str, torch.dtype], profile: Profile, progress=None,
                  hot_experts: Mapping[str, Mapping[int, tuple[int, ...]]] | None = None,
-                 int8_batch: int | None = None):
+                 int8_batch: int | None = None, decode_activations: str | None = None):
         self.tensors = {t.name: t for t in model.tensors}
         missing = [n for n in self.tensors if n not in device_of]
         if missing:
@@ -52,6 +52,7 @@ class WeightStore:
         self.model, self.device_of, self.devices = model, device_of, devices
         self.compute_dtype, self.profile, self.progress = compute_dtype, profile, progress
         self.int8_batch = int8_batch     # CPU matmuls: int8 activations from this batch on
+        self.decode_activations = decode_activations    # CPU routed experts' decode batches (int8_for)
         self.allocated: dict[str, int] = defaultdict(int)
         self.used: set[str] = set()
         self._uploaded: dict[tuple[str, str], QuantTensor] = {}   # (name, device): upload once
@@ -196,7 +197,7 @@ class WeightStore:
                                gate_up=raw.get("gate_up", none)[0],
                                gate_up_type=raw.get("gate_up", none)[1], name=prefix)
             return CpuExperts(ew, self.profile, act=act, biases={k: b.cpu().numpy() for k, b in biases.items()},
-                              int8_batch=self.int8_batch)
+                              int8_batch=self.int8_batch, decode=self.decode_activations)
         if len(homes) == 1:
             return TorchExperts(**{s: self._upload(names[s]) for s in stages},
                                 compute_dtype=self._dtype(self.device_of[names["down"]]), act=act,

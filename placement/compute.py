@@ -32,6 +32,13 @@ rows of a quantized type holds ``int8_activation_bytes`` for them (codes, scales
 partial sums ``cpu_kernels.matmul.quantized_activations`` makes) instead of the float path's
 16-value sums. Counted whenever the runtime asks for int8; the float path (a CPU without
 VNNI, or ``--prefill-activations float``) holds less.
+
+Decode/verify batches (at most ``DECODE_TOKENS``) on the CPU routed experts: by default
+(``--decode-activations auto``) the kernels take int8 activations where the experts' types
+are in ``DECODE_INT8_TYPES`` (per phase, as ``cpu_kernels.moe.moe_ffn``: gate·up when gate
+and up both are, down when down is), counted the same way. The compiled block and the
+hybrid hand-off quantize into scratch bound at load (not part of a pass); the reference
+``moe_ffn`` allocates it per call, which this counts.
 """
 from __future__ import annotations
 
@@ -85,6 +92,10 @@ NUMPY_GROUP_SCRATCH_OF: dict[Q, float] = {
 INT8_FROM = 17              # offload.compiled_block.MAX_TOKENS + 1: batches a compiled step does not take
 FLOAT_ACTIVATION_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})   # no int8 decoder in cpu_kernels
 XQ_PAD, DX_PAD, S4_PAD = 64, 16, 16                         # cpu_kernels.rowdot8's row padding
+DECODE_TOKENS = INT8_FROM - 1   # offload.cpu_ops.DECODE_TOKENS: decode/verify batches
+# cpu_kernels.matmul.DECODE_INT8_TYPES (measured there; tests/test_memory_runtime.py holds them equal)
+DECODE_INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_1, Q.MXFP4, Q.IQ4_NL,
+                               Q.IQ4_XS, Q.IQ1_S, Q.IQ2_XXS})
 
 
 def int8_activation_bytes(n: int, cols: int) -> int:
@@ -127,14 +138,24 @@ class Devices:
     """What kind each device is: the CPU, a CUDA GPU, or a GPU backed by host RAM; and from
     which batch the CPU kernels take int8 activations (None: never)."""
 
-    def __init__(self, gpu_dtype: str, host_backed: Iterable[str], int8_from: int | None = INT8_FROM):
+    def __init__(self, gpu_dtype: str, host_backed: Iterable[str], int8_from: int | None = INT8_FROM,
+                 decode: str = "auto"):
+        """``decode``: the routed experts' decode activations ("auto", "int8", "float"), as the
+        runtime's ``decode_activations``."""
         self.gpu_dtype = gpu_dtype
         self.host_backed = frozenset(host_backed)
         self.int8_from = int8_from
+        self.decode = decode
 
-    def int8(self, n: int, types: Iterable[Q]) -> bool:
+    def int8(self, n: int, types: Iterable[Q], routed: bool = False) -> bool:
         """Whether a CPU kernel over weights of ``types`` called for a batch of ``n`` tokens
-        uses int8 activations (offload.cpu_ops.int8_for; cpu_kernels.matmul.use_int8)."""
+        uses int8 activations (offload.cpu_ops.int8_for; cpu_kernels.matmul.use_int8);
+        ``routed``: the routed experts, whose decode batches follow ``decode``."""
+        types = list(types)
+        if routed and n <= DECODE_TOKENS:
+            if self.decode == "auto":
+                return all(t in DECODE_INT8_TYPES for t in types)
+            return self.decode == "int8" and not any(t in FLOAT_ACTIVATION_TYPES for t in types)
         return (self.int8_from is not None and n >= self.int8_from
                 and not any(t in FLOAT_ACTIVATION_TYPES for t in types))
 
@@ -456,10 +477,10 @@ class ForwardModel:
         if devs == {CPU}:
             # cpu_kernels.moe_ffn in the worker thread: Y (T, E), H (A, n_ff), out (A, E),
             # what the kernels derive from X (T rows) and H (A rows): sums16, or int8
-            # activations when the T-token batch is a prompt batch; the routing index arrays;
+            # activations (a prompt batch, or a decode batch of DECODE_INT8_TYPES); the routing index arrays;
             # the main thread made host copies of x/ids/weights first when home is a GPU
-            int8_in = self.kinds.int8(T, [t.ggml_type for t in b.experts if "down" not in t.name])
-            int8_h = self.kinds.int8(T, [t.ggml_type for t in b.experts if "down" in t.name])
+            int8_in = self.kinds.int8(T, [t.ggml_type for t in b.experts if "down" not in t.name], routed=True)
+            int8_h = self.kinds.int8(T, [t.ggml_type for t in b.experts if "down" in t.name], routed=True)
             worker = (te + A * n_ff * f + A * E * f + cpu_input_bytes(T, E, int8_in)
                       + cpu_input_bytes(A, n_ff, int8_h) + A * ROUTING_BYTES)
             if b.expert_bias:   # moe_ffn's _biased_glu: X per assignment (+ what it derives), g, u, σ's temporary

@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType as Q
 
 import cpu_kernels as ck
 import offload.runtime as rt
-from cpu_kernels.moe import routed_ffn_host, routed_scratch
+from cpu_kernels.moe import routed_ffn_host, routed_int8_scratch, routed_scratch
+from cpu_kernels.simd8 import has_vnni
 from offload.cpu_ops import CpuExperts, RoutedHandoff
 from offload.moe import MoE
 from offload.profile import Profile
@@ -42,23 +43,28 @@ def _experts(rng, gt, dt, fused, E=16, n_embd=256, n_ff=64):
                             gate_up=gu, gate_up_type=gt if fused else None, name="blk.3")
 
 
-def _bound(ew, m, k):
+def _bound(ew, m, k, int8=False):
     """routed_ffn_host's arguments over buffers for m tokens: (X, xs16, ids, wts, owned=None,
-    tags and views, scratch, Y)."""
+    tags and views, scratch, int8 scratch qx, qh (``int8``: as moe_ffn's), Y)."""
     (gk, gb, g0, _), (uk, ub, u0, _) = ew._parts
     dk, db = ew._down
     return [np.zeros((m, ew.n_embd), np.float32), np.zeros((m, ew.n_embd // 16), np.float32),
             np.zeros((m, k), np.int64), np.zeros((m, k), np.float32), None,
             gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, routed_scratch(m * k, ew.n_expert, ew.n_ff, ew.n_embd, 2),
-            np.full((m, ew.n_embd), np.nan, np.float32)]
+            *routed_int8_scratch(ew, m, k, int8), np.full((m, ew.n_embd), np.nan, np.float32)]
 
 
-@pytest.mark.parametrize("gt,dt,fused", [(Q.Q8_0, Q.Q4_0, False), (Q.Q4_K, Q.Q8_0, True)],
-                         ids=["q8_0-q4_0", "q4_k-fused"])
-def test_routed_ffn_equals_moe_ffn(gt, dt, fused):
+@pytest.mark.parametrize("int8", [False, "auto", True], ids=["float", "auto", "int8"])
+@pytest.mark.parametrize("gt,dt,fused", [(Q.Q8_0, Q.Q4_0, False), (Q.Q4_K, Q.Q8_0, True), (Q.Q8_0, Q.MXFP4, False)],
+                         ids=["q8_0-q4_0", "q4_k-fused", "q8_0-mxfp4"])
+def test_routed_ffn_equals_moe_ffn(gt, dt, fused, int8):
+    """Float, int8 per phase ("auto": by type) and int8 everywhere: the same codes as
+    moe_ffn's (quantized from the same rows), so the same tolerance."""
     rng = np.random.default_rng(11)
     ew, k, m = _experts(rng, gt, dt, fused), 4, 16
-    args = _bound(ew, m, k)
+    args = _bound(ew, m, k, int8)
+    if int8 is True and has_vnni():
+        assert args[-3] is not None and args[-2] is not None          # both phases bound int8
     X, _, I, W, _ = args[:5]
     Y = args[-1]
     owned = rng.random(ew.n_expert) < 0.5
@@ -73,7 +79,7 @@ def test_routed_ffn_equals_moe_ffn(gt, dt, fused):
         for own in (None, owned):
             args[4] = own
             n = routed_ffn_host(t, *args, 2)
-            want = ck.moe_ffn(x, ids, w, ew, owned=own)
+            want = ck.moe_ffn(x, ids, w, ew, owned=own, int8=int8)
             scale = np.abs(want).max()
             assert n == len(set(ids.ravel()) & (set(range(ew.n_expert)) if own is None else set(np.flatnonzero(own))))
             assert np.abs(Y[:t] - want).max() <= KERNEL_TOL * scale, (t, own is None)
@@ -146,14 +152,19 @@ def layer(tiny):
         yield CpuExperts(moe.experts.weights, Profile()), moe.router.k
 
 
-def test_no_allocation_per_call(layer):
+@pytest.mark.parametrize("decode", [None, "int8"], ids=["float", "int8-decode"])
+def test_no_allocation_per_call(layer, decode):
     """100 decode-sized calls of the bound hand-off: the result is always the same view of the
     same host buffer, and traced allocation (numpy's and Numba's runtime buffers are traced;
     what remains is Numba's schedule for each parallel launch, ~1 KB) peaks below a quarter of
-    one output's size; the old hand-off, measured the same way, allocates more than an output."""
+    one output's size; the old hand-off, measured the same way, allocates more than an output.
+    With int8 decode activations the int8 scratch is bound too (nothing allocated per call)."""
     experts, k = layer
     ew = experts.weights
+    if decode is not None:
+        experts = CpuExperts(ew, Profile(), int8_batch=17, decode=decode)
     h = experts.handoff(torch.device("cpu"), k, None, 16)
+    assert h._modes == ((has_vnni(),) * 2 if decode == "int8" else (False, False))
     rng = np.random.default_rng(5)
     t = 16
     x = torch.from_numpy(rng.standard_normal((t, ew.n_embd)).astype(np.float32))
@@ -201,7 +212,6 @@ def test_owned_mask_and_fallbacks(layer):
 
     # int8 activations: the process setting sends decode batches to moe_ffn (where the CPU
     # has VNNI: elsewhere both run float); int8 only for prompts (int8_batch 17) does not
-    from cpu_kernels.simd8 import has_vnni
     prompt_only = CpuExperts(ew, Profile(), int8_batch=17).handoff(torch.device("cpu"), k, None, 16)
     ck.set_int8_activations(True)
     try:

@@ -170,17 +170,21 @@ def test_cpu_projection_bound_matches_numpy_allocations(qtype):
 def test_int8_activation_terms_are_the_kernels():
     """The planner's int8 terms restate cpu_kernels facts; held to them here: the bytes
     ``quantized_activations`` allocates, the types with an int8 decoder, and the batch from
-    which the runtime asks for int8 (past a compiled decode/verify step)."""
-    from cpu_kernels.matmul import quantized_activations
+    which the runtime asks for int8 (past a compiled decode/verify step), and the types whose
+    routed experts decode with int8 under ``--decode-activations auto``."""
+    from cpu_kernels.matmul import DECODE_INT8_TYPES, quantized_activations
     from cpu_kernels.registry import get_kernel
     from offload.compiled_block import MAX_TOKENS
-    from placement.compute import FLOAT_ACTIVATION_TYPES, INT8_FROM, int8_activation_bytes
+    from offload.cpu_ops import DECODE_TOKENS
+    from placement import compute
     for n, cols in ((1, 32), (3, 256), (17, 2048), (5, 768)):
         arrays = quantized_activations(np.ones((n, cols), np.float32))
-        assert sum(a.nbytes for a in arrays) == int8_activation_bytes(n, cols), (n, cols)
+        assert sum(a.nbytes for a in arrays) == compute.int8_activation_bytes(n, cols), (n, cols)
     known = [t for t in Q if t in DEQUANTIZERS or t in (Q.F32, Q.F16, Q.BF16)]
-    assert {t for t in known if not get_kernel(t).has_int8} == FLOAT_ACTIVATION_TYPES
-    assert INT8_FROM == MAX_TOKENS + 1
+    assert {t for t in known if not get_kernel(t).has_int8} == compute.FLOAT_ACTIVATION_TYPES
+    assert compute.INT8_FROM == MAX_TOKENS + 1
+    assert compute.DECODE_TOKENS == DECODE_TOKENS == MAX_TOKENS
+    assert compute.DECODE_INT8_TYPES == DECODE_INT8_TYPES
 
 
 def test_placement_imports_neither_torch_numba_nor_offload():

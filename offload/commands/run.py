@@ -71,18 +71,25 @@ def add_session_arguments(p: argparse.ArgumentParser) -> None:
                    help="activations of the CPU kernels for prompt batches (more than 16 tokens): int8 "
                         "(default; llama.cpp's Q8 activations, VNNI dot products where the CPU has them) "
                         "or float (float32, exact up to summation order)")
+    p.add_argument("--decode-activations", choices=DECODE_ACTIVATIONS, default="auto",
+                   help="activations of the CPU routed experts for decode/verify batches (up to 16 tokens): "
+                        "auto (default) = int8 for the weight types whose int8 path measured faster "
+                        "(Q2_K-Q6_K, Q4_1, MXFP4, IQ4_NL, IQ4_XS, IQ1_S, IQ2_XXS; VNNI CPUs), float for "
+                        "the others; int8 = every quantized type; float = float32 everywhere")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "
                         "small, and spare cores belong to the expert kernels)")
 
 
 PREFILL_ACTIVATIONS = ("int8", "float")
+DECODE_ACTIVATIONS = ("auto", "int8", "float")     # offload.cpu_ops.DECODE_ACTIVATIONS (light import: no torch here)
 
 
 def session_options(args: argparse.Namespace) -> dict:
     """``add_session_arguments``' flags as ``runtime.load_plan`` keywords."""
     return dict(virtual_gpus=args.virtual_gpus, gpu_dtype=args.gpu_dtype, threads=args.threads,
-                op_offload=args.op_offload, int8_prefill=args.prefill_activations == "int8")
+                op_offload=args.op_offload, int8_prefill=args.prefill_activations == "int8",
+                decode_activations=args.decode_activations)
 
 
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
