@@ -690,3 +690,31 @@ def op_offload_staging_bytes(tensors: Sequence[TensorInfo], device_of: Callable[
         largest[gpu] = max(largest.get(gpu, 0), max(staging_buffer_bytes(t) for t in mats))
     skip = set(host_backed)
     return {g: 2 * n for g, n in largest.items() if g not in skip}
+
+
+def decode_int8_scratch_bytes(spec: ModelSpec, tensors: Sequence[TensorInfo],
+                              device_of: Callable[[TensorInfo], str], kinds: Devices) -> int:
+    """Host bytes the routed experts' int8 decode scratch holds for the whole run
+    (``cpu_kernels.moe.routed_int8_scratch``, bound at load by each compiled MoE block and by
+    each hybrid hand-off): per MoE layer with RAM-resident routed experts and no expert biases
+    (those run ``moe_ffn``, which allocates per call), int8 activations of ``DECODE_TOKENS``
+    rows of n_embd where gate and up take int8 at decode, of ``DECODE_TOKENS · k`` rows of
+    n_ff where down does (``Devices.int8(routed=True)``)."""
+    by_block: dict[int, list[TensorInfo]] = defaultdict(list)
+    for t in tensors:
+        if t.layer is not None:
+            by_block[t.layer].append(t)
+    k = max(1, spec.n_expert_used)
+    total = 0
+    for ts in by_block.values():
+        b = BlockTensors.of(ts)
+        mats = [t for t in b.experts if device_of(t) == CPU]
+        if not mats or b.expert_bias:
+            continue
+        gate_up = [t for t in mats if "down" not in t.name]
+        down = [t for t in mats if "down" in t.name]
+        if gate_up and kinds.int8(DECODE_TOKENS, [t.ggml_type for t in gate_up], routed=True):
+            total += int8_activation_bytes(DECODE_TOKENS, _mat(gate_up[0])[1])
+        if down and kinds.int8(DECODE_TOKENS, [t.ggml_type for t in down], routed=True):
+            total += int8_activation_bytes(DECODE_TOKENS * k, _mat(down[0])[1])
+    return total

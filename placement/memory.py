@@ -77,6 +77,13 @@ joint compute is the largest step of their *sum* (``placement.compute.peak_of_gr
 Every per-value constant is checked against the allocators (torch profiler, tracemalloc) in
 ``tests/test_memory_runtime.py``.
 
+Kept for the whole run and added to the CPU's compute: the routed experts' int8 decode
+scratch (``placement.compute.decode_int8_scratch_bytes``: per MoE layer with RAM-resident
+experts of an int8-at-decode type, int8 activations of 16 rows of n_embd and 16·k rows of
+n_ff, bound at load; ~1.3 MB a layer at DeepSeek-V3's widths). Not counted: the hand-off's
+float buffers (16 tokens of x, ids, weights, output) and the compiled block's per-call
+routing scratch.
+
 Not counted: what loading adds beyond the weights and no placement changes — the tokenizer
 (1.3 MiB for the shipped model's 4,096 tokens + 3,839 merges, about 170 B per entry; it
 grows with the vocabulary), the parsed header, Python objects; per-thread scratch of torch's and Numba's
@@ -98,8 +105,9 @@ from dataclasses import dataclass, replace
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from placement.compute import Devices, ForwardModel, op_offload_staging_bytes, peak_per_device
-from placement.devices import Device
+from placement.compute import (Devices, ForwardModel, decode_int8_scratch_bytes, op_offload_staging_bytes,
+                               peak_per_device)
+from placement.devices import CPU, Device
 from placement.errors import PlacementError
 from placement.layers import output_slot_member
 from placement.tensors import ModelSpec, Role, TensorInfo
@@ -241,6 +249,9 @@ def footprint(spec: ModelSpec, tensors: list[TensorInfo], placement: Mapping[str
     compute = peak_per_device(forward_steps(spec, tensors, placement, s, kv_blocks=kv_blocks))
     for dev, n in op_offload_staging_bytes(tensors, lambda t: placement[t.name], s.host_backed).items():
         compute[dev] = compute.get(dev, 0) + n          # op offload's staging buffers, kept between passes
+    scratch = decode_int8_scratch_bytes(spec, tensors, lambda t: placement[t.name], Devices(s.gpu_dtype, s.host_backed))
+    if scratch:
+        compute[CPU] = compute.get(CPU, 0) + scratch    # int8 decode scratch of the RAM-resident experts, bound at load
     devices = set(weights) | set(kv)
     return {d: Footprint(weights[d], kv[d], compute.get(d, 0)) for d in devices}
 

@@ -146,3 +146,31 @@ def test_planner_counts_int8_decode_activations_of_the_routed_experts():
     assert not auto.int8(1, [Q.Q4_K])                  # dense matrices: prompt batches only
     assert not flt.int8(1, [Q.Q4_K], routed=True) and flt.int8(17, [Q.Q4_K], routed=True)
     assert forced.int8(1, [Q.Q8_0], routed=True) and not forced.int8(1, [Q.F16], routed=True)
+
+
+def _bound_int8_bytes(s) -> int:
+    """Bytes of the int8 decode scratch each compiled MoE block (trunk and NextN) holds (qx, qh)."""
+    n = 0
+    head = [s.model.nextn.block] if s.model.nextn is not None else []
+    for b in s.model.blocks + head:
+        if isinstance(b, CompiledBlock) and b._ffn_half is kb.moe_half:
+            for pair in b._ffn_args[17:19]:
+                n += sum(a.nbytes for a in pair) if pair is not None else 0
+    return n
+
+
+@needs_vnni
+@pytest.mark.parametrize("mode", ["auto", "float", "int8"])
+def test_planner_counts_the_bound_int8_decode_scratch(tmp_path, mode):
+    """The plan's CPU compute carries exactly the int8 scratch the compiled blocks bind at
+    load (it lives for the whole run, so no forward-pass moment holds it)."""
+    from offload.gguf_model import open_model
+    from placement.compute import decode_int8_scratch_bytes
+    tiny = write_tiny_model(tmp_path / "q4k.gguf", SPECS["Q4_K"])
+    m = open_model(str(tiny.path))
+    with rt.load(tiny.path, cache_type="f32", quiet=True, decode_activations=mode) as s:
+        bound = _bound_int8_bytes(s)
+        planned = decode_int8_scratch_bytes(m.spec, list(m.tensors), lambda t: s.plan.tensors[t.name],
+                                            Devices("auto", (), decode=mode))
+    assert bound == planned
+    assert (bound > 0) == (mode != "float")

@@ -58,7 +58,8 @@ def test_compute_formula_qwen3(models):
     o-projection (Q4_K 2048 x 4096, whole, 12.375 B/value) beside q/k/v, mask and output.
     CPU: block 0's routed experts: the embedding's output (block 0's input, still referenced
     on the CPU where the lookup ran), the host copies of x, ids and weights for the experts
-    thread, and moe_ffn's buffers in that thread (A = T·k = 4096 pairs).
+    thread, and moe_ffn's buffers in that thread (A = T·k = 4096 pairs); plus the int8
+    decode scratch every CPU expert layer binds at load.
     """
     _, plan = _qwen3_cpu_moe(models, MemorySettings(8192, ubatch=512))
     gpu, cpu = plan.totals
@@ -85,7 +86,12 @@ def test_compute_formula_qwen3(models):
     worker = TE + A * n_ff * 4 + A * E * 4 + T * x8 + A * h8 + A * 64
     copies = TE + T * 8 * (8 + 4)                                  # x, ids (int64), weights (f32)
     assert worker == 65_929_216
-    assert cpu.compute_bytes == TE + copies + worker == 74_366_976  # 70.9 MiB
+    # bound at load for the whole run (placement.compute.decode_int8_scratch_bytes): each of
+    # the 48 layers' routed experts (Q4_K gate/up, Q6_K down: int8 at decode) holds int8
+    # activations of 16 rows of X and 16·k = 128 rows of H
+    decode8 = 48 * (16 * x8 + 16 * 8 * h8)
+    assert decode8 == 23_003_136
+    assert cpu.compute_bytes == TE + copies + worker + decode8 == 97_370_112  # 92.9 MiB
 
 
 def test_cpu_projection_counts_int8_activations_of_prompt_batches_only():
