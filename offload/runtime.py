@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from cpu_kernels import set_num_threads
+from cpu_kernels.simd8 import has_vnni
 from gpu.kv_cache import KVCache
 from offload.commands.plan import open_draft, plan_from_file
 from offload.compiled_block import MAX_TOKENS
@@ -275,6 +276,9 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     if devices.virtual and not quiet:
         print(f"offload: note: {', '.join(devices.virtual)} backed by the CPU (--virtual-gpus); "
               "no CUDA is used", file=sys.stderr)
+    if decode_activations == "int8" and not has_vnni() and not quiet:
+        print("offload: note: this CPU has no u8 x s8 dot product (AVX512-VNNI / AVX-VNNI): "
+              "--decode-activations int8 runs float activations", file=sys.stderr)
     cfg = arch.config_from_gguf(model.spec, model.metadata)
     draft = open_model(plan.draft_path) if plan.draft_path else None
     for m in (model, draft):

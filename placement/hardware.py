@@ -75,12 +75,17 @@ CPU_READ_EFFICIENCY = 0.7
 # 75 KB blocks, whose bytes take ~5 us: what is left is the fixed cost.
 DEFAULT_LINK_LATENCY_US = 15.0   # one synchronous host<->device copy of a hidden state
 # A compiled CPU block (offload.compiled_block) inside a run (one compiled call for up to 16
-# blocks, BlockRun): 7 thread fork/joins and its scalar work. 85 us measured when each block
-# was 2 calls from Python, less what the runs save per block (~6 us of CPU time measured on
-# a narrow 48-block model, one thread: 338 -> 332 us per block).
-DEFAULT_CPU_LAYER_US = 80.0
+# blocks, BlockRun): its thread fork/joins and scalar work. `python -m bench.pass_cost` on an
+# idle 2-core Xeon (2 threads, medians of 400 tokens): 50 us wall per block of the shipped
+# model (~75 KB a block, ~2 us of reads); the depth bench's narrow sweep fits 68 us per block,
+# which includes its sub-ceiling reads of 2.5 MB blocks (charged here as bytes).
+DEFAULT_CPU_LAYER_US = 50.0
 DEFAULT_GPU_LAYER_US = 100.0     # ~20-30 eager torch ops per layer at a few us each (not measured)
-DEFAULT_FORWARD_US = 120.0       # embedding, output norm, sampling, the Python decode loop, per pass
+# Per pass outside the blocks: embedding rows, output norm + lm_head (compiled calls), the
+# forward's Python, the decode loop, the finite check, sampling. The same runs: 74 us wall on
+# the shipped model, of which its 2 MB F16 head read is ~44 us at the 48 GB/s read ceiling
+# (charged as bytes), and 39 us on the narrow 4-block model (0.16 MB head): ~35 us fixed.
+DEFAULT_FORWARD_US = 35.0
 # Per decode step, outside the forward passes (acceptance, cache rollback, the loop itself):
 # no prior (0); `offload tune` measures it as a step's wall time minus its passes.
 DEFAULT_STEP_US = 0.0

@@ -129,6 +129,15 @@ def test_bad_mode_is_one_line_error(model):
         rt.load(model.path, quiet=True, decode_activations="fast")
 
 
+def test_forced_int8_on_a_cpu_without_vnni_says_it_runs_float(model, capsys):
+    """Without a u8 x s8 dot product the int8 path does not exist: ``int8`` runs float and the
+    load says so (one line); with one, nothing is said."""
+    with rt.load(model.path, cache_type="f32", decode_activations="int8") as s:
+        assert all(m == (has_vnni(), has_vnni()) for m in _moe_modes(s))
+    err = capsys.readouterr().err
+    assert ("--decode-activations int8 runs float activations" in err) == (not has_vnni())
+
+
 def test_cli_flag_maps_to_the_runtime_setting():
     from offload.commands.run import DECODE_ACTIVATIONS
     from offload.cpu_ops import DECODE_ACTIVATIONS as modes
