@@ -153,6 +153,14 @@ def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_r
             head(torch.as_tensor(seq[1:start]), hidden[:start - 1], torch.arange(1, start), cache, logits="none")
         t_end = clock() + seconds
         while out.rounds < min_rounds or clock() < t_end:
+            if loop_tokens:
+                # untimed: the loops below start with a prompt pass over `start` tokens, whose
+                # buffers evict the weights and caches from the CPU's cache; no decode step
+                # follows a prompt, so the first timed pass must not either (measured on a
+                # 2-core EPYC, 32 MB L3, shipped model: T_verify(1) 0.75 ms after the loops
+                # against 0.50 ms without them, the plain decode step 0.55 ms)
+                model.forward(torch.as_tensor(ahead[:1]), state, logits="last")
+                state.truncate(start)
             for b in range(1, max_batch + 1):
                 ids = torch.as_tensor(ahead[:b])
                 t0 = clock()
