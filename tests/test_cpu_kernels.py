@@ -479,7 +479,8 @@ def test_kernels_compiled_for_other_cpus(target, tmp_path):
     "avx512+vnni" (Cascade Lake class: no GFNI, no VBMI) runs the int8 path with word
     shifts for nibbles and bit fields and ``vpshufb`` for value tables; "avx2+avxvnni"
     (Alder Lake class) with 256-bit VNNI and byte shuffles; "avx2" has no VNNI, so int8
-    requests run the float path (and MXFP4's table lookup is a gather). Same bound as on
+    requests run the float path (and the value tables of MXFP4, IQ4_NL, IQ4_XS are two 8-lane
+    ``vpermps`` and a blend per 8 weights). Same bound as on
     this CPU: float rounding of the exact product of the weights with the activations the
     path uses (1e-5 of the magnitudes)."""
     import json
@@ -488,7 +489,8 @@ def test_kernels_compiled_for_other_cpus(target, tmp_path):
     from pathlib import Path
     import llvmlite.binding as ll
     host = ll.get_host_cpu_features()
-    needs = ("avx512f", "avx512bw", "avx512vl", "avx512vnni") if target == "avx512+vnni" else ("avxvnni",)
+    needs = {"avx512+vnni": ("avx512f", "avx512bw", "avx512vl", "avx512vnni"), "avx2+avxvnni": ("avxvnni",),
+             "avx2": ()}[target]
     if not all(host.get(f, False) for f in ("avx2", "fma", "f16c") + needs):
         pytest.skip(f"host cannot run code compiled for an {target} CPU")
     if target == "avx512+vnni":
@@ -501,7 +503,7 @@ def test_kernels_compiled_for_other_cpus(target, tmp_path):
         types, want_int8 = ["Q4_0", "MXFP4", "Q5_1", "Q4_K"], True
     else:
         cpu, feats = "alderlake", _features_without("avx512", "amx", "avxvnni")
-        types, want_int8 = ["Q4_0", "MXFP4"], False
+        types, want_int8 = ["Q4_0", "MXFP4", "IQ4_NL", "IQ4_XS"], False
     env = dict(__import__("os").environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME=cpu,
                NUMBA_CPU_FEATURES=feats)
     r = subprocess.run([sys.executable, "-c", _PROBE, *types], env=env, capture_output=True, text=True,
