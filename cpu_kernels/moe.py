@@ -192,16 +192,22 @@ def routed_scratch(n_assign, n_expert, n_ff, n_embd, chunks):
             phase_pads(max(1, chunks)))
 
 
+def int8_phases(w: ExpertWeights, int8: bool | str | None) -> tuple[bool, bool]:
+    """(gate·up, down): whether each phase over ``w`` takes int8 activations for ``int8``
+    (``use_int8`` per weight; gate·up only when gate and up both do)."""
+    (gk, _, _, _), (uk, _, _, _) = w._parts
+    return use_int8(gk, int8) and use_int8(uk, int8), use_int8(w._down[0], int8)
+
+
 def routed_int8_scratch(w: ExpertWeights, n_tok: int, k: int, int8: bool | str | None):
     """(qx, qh) for ``routed_ffn`` over ``w`` for up to ``n_tok`` tokens with ``k`` experts
     each: ``int8_rows`` of X (n_tok rows of n_embd) where gate and up both take int8
     activations (``use_int8``), of H (n_tok * k rows of n_ff) where down does; None where
     the phase runs float (as ``moe_ffn`` decides per phase). Allocated here, once: callers
     bind the pair at load."""
-    (gk, _, _, _), (uk, _, _, _) = w._parts
-    qx = int8_rows(n_tok, w.n_embd) if use_int8(gk, int8) and use_int8(uk, int8) else None
-    qh = int8_rows(n_tok * k, w.n_ff) if use_int8(w._down[0], int8) else None
-    return qx, qh
+    int8_x, int8_h = int8_phases(w, int8)
+    return (int8_rows(n_tok, w.n_embd) if int8_x else None,
+            int8_rows(n_tok * k, w.n_ff) if int8_h else None)
 
 
 def _build(salt):
@@ -497,17 +503,18 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     (gk, gb, g0, _), (uk, ub, u0, _) = w._parts
     dk, db = w._down
     n_threads = settings.apply_threads()
+    int8_x, int8_h = int8_phases(w, int8)
     if act != "silu" or gate_bias is not None or up_bias is not None:
         H = _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias, int8)
     else:
         H = np.empty((flat.size, w.n_ff), f32)
-        if use_int8(gk, int8) and use_int8(uk, int8):
+        if int8_x:
             xq, dx, xs16, xs4, dx8 = quantized_activations(X)
         else:
             xq, dx, xs16, xs4, dx8 = None, None, sums16(X), None, None
         _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
                        tok, H, n_threads, ACTIVATIONS[act])
-    if use_int8(dk, int8):
+    if int8_h:
         hq, hdx, hs16, hxs4, hdx8 = quantized_activations(H)
     else:
         hq, hdx, hs16, hxs4, hdx8 = None, None, sums16(H), None, None

@@ -20,8 +20,8 @@ from cpu_kernels import ExpertWeights, matmul, moe_ffn, settings
 from cpu_kernels.entry import first_call
 from cpu_kernels.head import embed_rows
 from cpu_kernels.layout import weight_bytes
-from cpu_kernels.matmul import AUTO, use_int8
-from cpu_kernels.moe import routed_ffn_host, routed_int8_scratch, routed_scratch
+from cpu_kernels.matmul import AUTO
+from cpu_kernels.moe import int8_phases, routed_ffn_host, routed_int8_scratch, routed_scratch
 from cpu_kernels.registry import get_kernel, supported_types
 from offload.profile import Profile
 
@@ -76,7 +76,7 @@ class RawEmbedding:
     bound at construction); prompt batches, and types without a CPU kernel, gather the rows and
     run gguf's numpy ``dequantize`` (what ``placement.compute.cpu_lookup_bytes`` counts)."""
 
-    COMPILED_ROWS = 16
+    COMPILED_ROWS = DECODE_TOKENS
 
     def __init__(self, data: np.ndarray, qtype: GGMLQuantizationType, n_embd: int):
         self.data, self.qtype, self.n_embd = data, qtype, n_embd
@@ -176,7 +176,6 @@ class RoutedHandoff:
         (gk, gb, g0, _), (uk, ub, u0, _) = ew._parts
         dk, db = ew._down
         self._experts = experts
-        self._kernels = (gk, uk, dk)
         qx, qh = experts.decode_scratch(k, max_tokens)
         self._modes = (qx is not None, qh is not None)     # int8 activations of gate·up, of down
         cuda = device.type == "cuda"
@@ -202,9 +201,7 @@ class RoutedHandoff:
         t = x.shape[0]
         if t > self.max_tokens or ids.shape[1] != self.k:
             return False
-        int8 = self._experts.int8(t)
-        gk, uk, dk = self._kernels
-        return (use_int8(gk, int8) and use_int8(uk, int8), use_int8(dk, int8)) == self._modes
+        return int8_phases(self._experts.weights, self._experts.int8(t)) == self._modes
 
     def load(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> int:
         """Copy the batch into the host buffers (cast to f32 / int64 on the way); → T."""
