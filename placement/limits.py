@@ -1,0 +1,57 @@
+"""The runtime's fixed sizes and type sets, defined once.
+
+The planner counts what the runtime allocates, so a number both need lives here and both
+import it: ``placement`` (memory and compute estimates), ``cpu_kernels`` (int8 activation
+padding, which weight types decode with int8 activations), ``gpu`` (dequantization and
+attention chunks, op-offload staging) and ``offload`` (the compiled decode batch, the cache
+padding). Standard library and ``gguf`` only: every package may import it, none of them is
+imported here.
+"""
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType as Q
+
+# Decode and verify batches: at most this many tokens take the compiled CPU path (blocks,
+# head, embedding rows, the hybrid hand-off); larger batches are prompt batches.
+DECODE_TOKENS = 16
+# Prompt batches (more tokens than a compiled step takes) quantize the CPU kernels'
+# activations to int8 by default (``--prefill-activations``).
+INT8_FROM = DECODE_TOKENS + 1
+
+# Weight types whose batch-1 int8 path (activations quantized per 32, VNNI dot products) is
+# measurably faster than their float path: "auto" decode activations use int8 for these only.
+# Measured: python -m bench.cpu_kernels --types ... --moe-types "" --no-compile --mb 512 (256 for
+# the second set), --threads 1 and 2, 2026-12-01 on the shared 2-core box (load 1-3); int8 GB/s
+# over float GB/s of the same run, per run (1t, 2t, 1t, 2t | second set: 2t, 1t):
+#   Q4_K 1.63 1.67 2.93 1.50 | Q5_K 2.03 1.65 2.13 1.06 | Q6_K 1.08 1.34 1.14 1.60, 1.19 1.58 |
+#   MXFP4 1.15 1.27 1.70 1.42 | IQ4_XS 1.10 1.16 2.26 1.16 | Q2_K 1.93 1.68 | Q3_K 1.43 2.00 |
+#   Q4_1 1.11 1.15 | IQ4_NL 1.25 1.09 | IQ1_S 1.30 1.26 | IQ2_XXS 1.13 1.17
+# Rule: faster (> 1.05) in every run. Not taken: Q8_0 0.98 0.86 0.79 0.91 (its float path
+# reads at the ceiling), Q4_0 1.10 1.00 1.18 1.00 1.11 0.99, Q5_0 1.04 2.03, IQ3_S 1.51 0.98;
+# not measured (float): Q5_1, IQ2_XS, IQ2_S, IQ3_XXS, IQ1_M; no int8 decoder: F32/F16/BF16.
+DECODE_INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_1, Q.MXFP4, Q.IQ4_NL,
+                               Q.IQ4_XS, Q.IQ1_S, Q.IQ2_XXS})
+# Weight types with no int8 decoder in cpu_kernels: their activations stay float.
+FLOAT_ACTIVATION_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
+
+# Row padding of int8 activations (cpu_kernels.rowdot8.quantize_rows): codes past a row's end
+# that a step may read (times scale 0), per-32 scales and per-4 sums a vector load may read.
+XQ_PAD = 64
+DX_PAD = 16
+S4_PAD = 16
+
+# GPU-resident matrices dequantize at most this many values per step (gpu.quant).
+CHUNK_VALUES = 16 << 20
+# Attention with sinks keeps at most this many float32 scores live at once (gpu.attention).
+SCORE_VALUES = 16 << 20
+# Op offload copies an expert tensor's touched experts in chunks of at most this many bytes
+# (gpu.experts): large enough that each copy runs at the link's speed.
+STAGING_CHUNK_BYTES = 256 << 20
+
+# llama.cpp pads the KV cache to a multiple of 256 cells; so do the planner and the runtime.
+CACHE_PAD = 256
+
+
+def pad(n: int, to: int) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
+    return -(-n // to) * to
