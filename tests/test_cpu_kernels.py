@@ -466,46 +466,32 @@ for name in sys.argv[1:]:
 """
 
 
-def _features_without(*prefixes):
-    import llvmlite.binding as ll
-    feats = ll.get_host_cpu_features()
-    return ",".join(("+" if on and not k.startswith(prefixes) else "-") + k for k, on in feats.items())
-
-
 @pytest.mark.parametrize("target", ["avx512+vnni", "avx2+avxvnni", "avx2"])
 def test_kernels_compiled_for_other_cpus(target, tmp_path):
-    """A fresh process whose Numba target is another CPU (NUMBA_CPU_NAME /
-    NUMBA_CPU_FEATURES; this host runs the code, it has every instruction used):
-    "avx512+vnni" (Cascade Lake class: no GFNI, no VBMI) runs the int8 path with word
+    """A fresh process whose Numba target is another CPU class (``cpu_kernels.targets``:
+    NUMBA_CPU_NAME and NUMBA_CPU_FEATURES; this host runs the code, it has every instruction
+    used): "avx512+vnni" (Cascade Lake class: no GFNI, no VBMI) runs the int8 path with word
     shifts for nibbles and bit fields and ``vpshufb`` for value tables; "avx2+avxvnni"
-    (Alder Lake class) with 256-bit VNNI and byte shuffles; "avx2" has no VNNI, so int8
-    requests run the float path (and the value tables of MXFP4, IQ4_NL, IQ4_XS are two 8-lane
-    ``vpermps`` and a blend per 8 weights). Same bound as on
-    this CPU: float rounding of the exact product of the weights with the activations the
-    path uses (1e-5 of the magnitudes)."""
+    (Alder Lake class) with 256-bit VNNI and byte shuffles; "avx2" (Haswell class) has no
+    VNNI, so int8 requests run the float path (and the value tables of MXFP4, IQ4_NL, IQ4_XS
+    are two 8-lane ``vpermps`` and a blend per 8 weights). Same bound as on this CPU: float
+    rounding of the exact product of the weights with the activations the path uses (1e-5
+    of the magnitudes)."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
-    import llvmlite.binding as ll
-    host = ll.get_host_cpu_features()
-    needs = {"avx512+vnni": ("avx512f", "avx512bw", "avx512vl", "avx512vnni"), "avx2+avxvnni": ("avxvnni",),
-             "avx2": ()}[target]
-    if not all(host.get(f, False) for f in ("avx2", "fma", "f16c") + needs):
-        pytest.skip(f"host cannot run code compiled for an {target} CPU")
-    if target == "avx512+vnni":
-        cpu = "cascadelake"
-        feats = _features_without("gfni", "avx512vbmi", "avx512bitalg", "avx512vpopcntdq", "avx512fp16",
-                                  "avx512bf16", "avx512ifma", "avxvnni", "amx", "vaes", "vpclmulqdq")
-        types, want_int8 = ["Q4_0", "MXFP4", "Q4_K", "IQ4_XS"], True
-    elif target == "avx2+avxvnni":
-        cpu, feats = "alderlake", _features_without("avx512", "amx")
-        types, want_int8 = ["Q4_0", "MXFP4", "Q5_1", "Q4_K"], True
-    else:
-        cpu, feats = "alderlake", _features_without("avx512", "amx", "avxvnni")
-        types, want_int8 = ["Q4_0", "MXFP4", "IQ4_NL", "IQ4_XS"], False
-    env = dict(__import__("os").environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME=cpu,
-               NUMBA_CPU_FEATURES=feats)
+
+    from cpu_kernels.targets import numba_env
+    cls, types, want_int8 = {"avx512+vnni": ("cascadelake", ["Q4_0", "MXFP4", "Q4_K", "IQ4_XS"], True),
+                             "avx2+avxvnni": ("alderlake", ["Q4_0", "MXFP4", "Q5_1", "Q4_K"], True),
+                             "avx2": ("haswell", ["Q4_0", "MXFP4", "IQ4_NL", "IQ4_XS"], False)}[target]
+    try:
+        target_env = numba_env(cls)
+    except ValueError as e:
+        pytest.skip(str(e))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), **target_env)
     r = subprocess.run([sys.executable, "-c", _PROBE, *types], env=env, capture_output=True, text=True,
                        cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -514,6 +500,26 @@ def test_kernels_compiled_for_other_cpus(target, tmp_path):
     for row in rows:
         assert row["vnni"] is want_int8 and row["int8"] is want_int8, row
         assert row["err"] <= 1.0, row
+
+
+def test_cpu_class_targets():
+    """``python -m cpu_kernels.targets CLASS`` prints the two exports; an unknown class is
+    one line and exit 2; the Haswell string turns off every AVX-512 and VNNI feature."""
+    import subprocess
+    import sys
+
+    from cpu_kernels.targets import numba_env
+    try:
+        env = numba_env("haswell")
+    except ValueError as e:           # not an AVX2 host
+        pytest.skip(str(e))
+    on = {f[1:] for f in env["NUMBA_CPU_FEATURES"].split(",") if f[0] == "+"}
+    assert env["NUMBA_CPU_NAME"] == "haswell" and {"avx2", "fma", "f16c"} <= on
+    assert not any(f.startswith(("avx512", "amx", "avxvnni")) for f in on)
+    r = subprocess.run([sys.executable, "-m", "cpu_kernels.targets", "pentium"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown CPU class 'pentium'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "cpu_kernels.targets", "haswell"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("export NUMBA_CPU_NAME='haswell'\n")
 
 
 # ---------------------------------------------------------------- data never raises
