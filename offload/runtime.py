@@ -339,7 +339,8 @@ def enable_op_offload(net: CausalLM, weights: WeightStore, plan: Plan, model: Mo
     from gpu.experts import StagingBuffers
     from offload.cpu_ops import CpuExperts
     from offload.moe import MoE
-    from placement.cost import FootprintError, SpecProfile
+    from placement.cost import SpecProfile
+    from placement.footprint import FootprintError
     from placement.op_offload import MODES, PrefillModel, choose_threshold
     from placement.speculative import default_profile
 

@@ -3,7 +3,7 @@ router spreads a verify batch over experts, and how many drafts the head gets ac
 
 Each function measures one thing on a loaded ``Session`` and returns plain numbers (or a
 ``placement`` profile); the command (``offload.commands.tune``) sequences them within the
-budget, fits ``placement.cost`` and runs the real decode loop to compare.
+budget, fits the cost model (``placement.cost_fit``) and runs the real decode loop to compare.
 
 - ``Calibration``: greedy plain decoding of the calibration prompts. Its text is what the
   timed passes feed (real tokens route like real decoding), its step time is the plain
@@ -27,8 +27,7 @@ import torch
 from offload.moe import MoE
 from offload.stats import conditional
 from placement.acceptance import AcceptanceProfile
-from placement.cost import RoutingProfile
-from placement.routing import PromptCounts, RoutingCounts
+from placement.routing import PromptCounts, RoutingCounts, RoutingProfile
 
 
 def _clock() -> float:

@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from placement.acceptance import AcceptanceProfile
-from placement.cost import FitResult, RoutingProfile, SpecTable
+from placement.cost import SpecTable
+from placement.cost_fit import FitResult
 from placement.hardware import HardwareProfile
-from placement.routing import RoutingCounts
+from placement.routing import RoutingCounts, RoutingProfile
 
 if TYPE_CHECKING:                   # offload.tune imports torch
     from offload.tune import Decode, PrefillRates

@@ -1,4 +1,5 @@
-"""Speculative-decoding cost model: is drafting worth it on this placement, and how far?
+"""Speculative-decoding cost model: the time of a forward pass and the n_max table (is drafting
+worth it on this placement, and how far?).
 
 Per step with draft length n (DESIGN.md "Break-even model"):
 
@@ -10,293 +11,33 @@ accepted tokens through the head, as the chained MTP loop does: ``step_time``.)
     S(n) = E(n)·T(0) / T(n)                                speedup over plain decode
 
 ``T_verify(B)`` and ``T_draft`` are the time of one forward pass of B tokens (resp. one token
-through the draft head), built from bytes read per device over that device's bandwidth:
-dense weights once per pass; routed experts once per *distinct* expert the B tokens touch
-(uniform routing: ``U(B) = E·(1−(1−k/E)^B)`` per layer, or a measured ``RoutingProfile``);
-hidden-state copies host<->device wherever the pass changes device; fixed costs per layer
-and per pass. Every term is linear in one ``HardwareProfile.linear_params`` entry, so one
-feature vector serves prediction and the least-squares fit that ``offload tune`` runs.
+through the draft head), built from the bytes a ``placement.footprint`` reads per device
+over that device's bandwidth: dense weights once per pass; routed experts once per
+*distinct* expert the B tokens touch (``placement.routing``: uniform ``U(B) = E·(1−(1−k/E)^B)``
+per layer, a measured ``RoutingProfile``, or per-expert ``RoutingCounts``); hidden-state
+copies host<->device wherever the pass changes device; fixed costs per layer and per pass.
+Every term is linear in one ``HardwareProfile.linear_params`` entry, so one feature vector
+(``forward_features``) serves prediction here and the least-squares fit that ``offload tune``
+runs (``placement.cost_fit``).
 ``T_step(n)`` is the decode loop's own per-step work outside the passes (sampling,
 acceptance, rollback, Python): ``step`` for every step plus ``spec_step`` when n > 0.
 """
 from __future__ import annotations
 
-from placement.errors import PlacementError
-
-import itertools
-import math
-import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
-
 from placement.acceptance import DEFAULT_MTP, AcceptanceProfile
+from placement.devices import CPU
+from placement.footprint import DecodeFootprint, ExpertSlice, FootprintError, ForwardFootprint, LayerFootprint
 from placement.hardware import HardwareProfile, ProfileError
-from placement.routing import RoutingCounts
-from placement.tensors import Role, TensorInfo
-
-CPU = "CPU"
-_DEVICE = re.compile(r"CPU|CUDA\d+")
-
-
-class FootprintError(PlacementError):
-    """A tensor list / tensor map the cost model cannot turn into a footprint (one line)."""
+from placement.routing import RoutingCounts, RoutingProfile, distinct_experts_uniform
 
 
 # ---------------------------------------------------------------------------------------------
-# What one forward pass reads, and where: the planner fills this from a plan.
+# Routing: which of a slice's experts a batch of B tokens touches.
 # ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ExpertSlice:
-    """A layer's routed-expert weights held on one device.
-
-    ``-ot`` places whole tensors, so a slice usually holds all ``n_experts`` experts but only
-    the matrices (gate/up/down) that were sent there; ``bytes_per_expert`` counts those.
-    Hot experts (``placement.hot_experts``) split a CPU block by expert instead: ``experts``
-    names which ones the slice holds (None: any ``n_experts`` of them, in proportion).
-    """
-
-    device: str
-    bytes_per_expert: float
-    n_experts: int
-    experts: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class LayerFootprint:
-    layer: int
-    home: str                                # device the hidden state lives on (attention's)
-    reads: tuple[tuple[str, int], ...]       # (device, bytes) read once per pass, any batch
-    experts: tuple[ExpertSlice, ...] = ()
-    n_expert: int = 0                        # routed experts in the layer (0: dense layer)
-    n_expert_used: int = 0                   # k
-
-
-@dataclass(frozen=True)
-class ForwardFootprint:
-    """One forward pass: token input, layers in order, output head."""
-
-    input_device: str
-    layers: tuple[LayerFootprint, ...]
-    head_home: str
-    head_reads: tuple[tuple[str, int], ...]
-
-
-@dataclass(frozen=True)
-class DecodeFootprint:
-    target: ForwardFootprint
-    draft: ForwardFootprint | None           # the NextN head; None when the model has none
-    n_embd: int
-    act_bytes: int = 4                       # bytes per hidden-state element copied between devices
-
-
-def _nextn_name(tensor: MODEL_TENSOR, layer: int) -> str:
-    return TENSOR_NAMES[tensor].format(bid=layer) + "."
-
-
-def footprint_from_tensors(tensors: Sequence[TensorInfo], tensor_map: Mapping[str, str], *,
-                           n_expert_used: int, draft_layers: Sequence[int] | None = None,
-                           n_embd: int | None = None, act_bytes: int = 4,
-                           kv_bytes: Mapping[int, int] | None = None,
-                           hot_experts: Mapping[str, Mapping[int, Sequence[int]]] | None = None) -> DecodeFootprint:
-    """Build the footprint of a placed model.
-
-    ``tensor_map`` is the plan's tensor name -> device. NextN layers (``TensorInfo.nextn``)
-    are left out of the target pass; ``draft_layers`` are the layers one draft forward runs
-    (default: the first NextN layer, the one chained MTP drafting reuses). Embedding tables
-    are looked up one row per token, so they count only as the pass's input device (a tied
-    output head still reads ``token_embd`` whole). ``kv_bytes`` (layer -> bytes) is the KV
-    cache attention reads per pass at the context the prediction is for, on that layer's
-    home device; without it the prediction is for a short context. ``hot_experts`` (GPU →
-    layer → expert ids, a plan's ``hot_experts``) takes those experts out of their CPU block.
-    """
-    if n_expert_used <= 0:
-        raise FootprintError(f"n_expert_used must be positive, got {n_expert_used}")
-    for t in tensors:
-        dev = tensor_map.get(t.name)
-        if dev is None:
-            raise FootprintError(f"tensor {t.name} has no device in the tensor map")
-        if not _DEVICE.fullmatch(dev):
-            raise FootprintError(f"tensor {t.name}: unknown device {dev!r}")
-
-    by_layer: dict[int, list[TensorInfo]] = defaultdict(list)
-    globals_: list[TensorInfo] = []
-    for t in tensors:
-        (globals_ if t.layer is None else by_layer[t.layer]).append(t)
-    nextn_layers = sorted(i for i, ts in by_layer.items()
-                          if any(t.nextn or t.role is Role.NEXTN for t in ts))
-
-    embd = next((t for t in globals_ if t.role is Role.EMBEDDING), None)
-    out = next((t for t in globals_ if t.role is Role.OUTPUT), None) or embd  # tied output
-    norm_prefix = TENSOR_NAMES[MODEL_TENSOR.OUTPUT_NORM] + "."
-    out_norm = next((t for t in globals_ if t.name.startswith(norm_prefix)), None)
-    if out is None:
-        raise FootprintError("model has neither an output nor a token_embd tensor")
-    if n_embd is None:
-        if embd is None:
-            raise FootprintError("no token_embd tensor: pass n_embd")
-        n_embd = embd.shape[-1]                       # numpy order: (n_vocab, n_embd)
-    head = (tensor_map[out.name], _reads([out, out_norm], tensor_map))
-    input_device = tensor_map[embd.name] if embd is not None else head[0]
-
-    hot: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)
-    for dev, layers in (hot_experts or {}).items():
-        for layer, ids in layers.items():
-            hot[layer][dev] = tuple(ids)
-    kv = dict(kv_bytes or {})
-    unknown = sorted(set(kv) - set(by_layer))
-    if unknown:
-        raise FootprintError(f"kv_bytes given for layer(s) {unknown} not in the model")
-    target_layers = tuple(_layer_footprint(i, by_layer[i], tensor_map, n_expert_used, kv.get(i, 0), hot.get(i))
-                          for i in sorted(by_layer) if i not in nextn_layers)
-    if not target_layers:
-        raise FootprintError("model has no target layers")
-    target = ForwardFootprint(input_device, target_layers, *head)
-
-    if draft_layers is None:
-        draft_layers = nextn_layers[:1]
-    draft = None
-    if draft_layers:
-        missing = [i for i in draft_layers if i not in by_layer]
-        if missing:
-            raise FootprintError(f"draft layer(s) {missing} not in the model")
-        d_layers = tuple(_layer_footprint(i, by_layer[i], tensor_map, n_expert_used, kv.get(i, 0), hot.get(i))
-                         for i in draft_layers)
-        d_ts = [t for i in draft_layers for t in by_layer[i]]
-        d_out = _first_named(d_ts, MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD) or out
-        d_norm = _first_named(d_ts, MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM) or out_norm
-        # The draft pass starts from the target's last hidden state.
-        draft = ForwardFootprint(target_layers[-1].home, d_layers,
-                                 tensor_map[d_out.name], _reads([d_out, d_norm], tensor_map))
-    return DecodeFootprint(target, draft, int(n_embd), act_bytes)
-
-
-def _first_named(ts: Iterable[TensorInfo], kind: MODEL_TENSOR) -> TensorInfo | None:
-    return next((t for t in ts if t.layer is not None
-                 and t.name.startswith(_nextn_name(kind, t.layer))), None)
-
-
-def _reads(ts: Iterable[TensorInfo | None], tensor_map: Mapping[str, str]) -> tuple[tuple[str, int], ...]:
-    acc: dict[str, int] = defaultdict(int)
-    for t in ts:
-        if t is not None:
-            acc[tensor_map[t.name]] += t.n_bytes
-    return tuple(sorted(acc.items()))
-
-
-# Per-layer tensors that are not read whole each pass: looked up (embeddings) or belonging
-# to the draft head's output (counted in ForwardFootprint.head_reads).
-_NOT_LAYER_READS = (MODEL_TENSOR.NEXTN_EMBED_TOKENS, MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD,
-                    MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM)
-
-
-def _layer_footprint(layer: int, ts: list[TensorInfo], tensor_map: Mapping[str, str],
-                     k: int, kv_bytes: int, hot: Mapping[str, tuple[int, ...]] | None = None) -> LayerFootprint:
-    skip = tuple(_nextn_name(kind, layer) for kind in _NOT_LAYER_READS)
-    dense = [t for t in ts if t.role is not Role.ROUTED_EXPERTS and not t.name.startswith(skip)]
-    exps = [t for t in ts if t.role is Role.ROUTED_EXPERTS]
-
-    # Home: where the layer's attention runs (the NextN input projection for a draft layer).
-    anchor = ([t for t in ts if t.name.startswith(_nextn_name(MODEL_TENSOR.NEXTN_EH_PROJ, layer))]
-              or [t for t in ts if t.role is Role.ATTENTION] or dense or exps)
-    home = tensor_map[max(anchor, key=lambda t: t.n_bytes).name]
-
-    n_expert = 0
-    per_dev: dict[str, float] = defaultdict(float)
-    for t in exps:
-        if t.n_experts == 0:
-            raise FootprintError(f"{t.name}: routed-expert tensor is not 3-D (shape {t.shape})")
-        if n_expert and t.n_experts != n_expert:
-            raise FootprintError(f"blk.{layer}: expert tensors disagree on the expert count "
-                                 f"({n_expert} vs {t.n_experts} in {t.name})")
-        n_expert = t.n_experts
-        per_dev[tensor_map[t.name]] += t.n_bytes / t.n_experts
-    if n_expert and k > n_expert:
-        raise FootprintError(f"blk.{layer}: n_expert_used {k} exceeds the {n_expert} experts")
-    slices = tuple(ExpertSlice(dev, b, n_expert) for dev, b in sorted(per_dev.items()))
-    if hot:
-        if set(per_dev) != {CPU}:
-            raise FootprintError(f"blk.{layer}: hot experts need the block's expert tensors on the CPU")
-        held = sorted(e for ids in hot.values() for e in ids)
-        rest = tuple(sorted(set(range(n_expert)) - set(held)))
-        slices = (ExpertSlice(CPU, per_dev[CPU], len(rest), rest),) + tuple(
-            ExpertSlice(dev, per_dev[CPU], len(ids), tuple(ids)) for dev, ids in sorted(hot.items()))
-    reads = dict(_reads(dense, tensor_map))
-    if kv_bytes:
-        reads[home] = reads.get(home, 0) + kv_bytes
-    return LayerFootprint(layer, home, tuple(sorted(reads.items())), slices, n_expert, k if n_expert else 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Routing: how many distinct experts a batch of B tokens touches in one layer.
-# ---------------------------------------------------------------------------------------------
-
-def distinct_experts_uniform(n_expert: int, k: int, batch: int) -> float:
-    """U(B) = E·(1−(1−k/E)^B): expected distinct experts when each token picks k of E uniformly.
-
-    Each expert is missed by one token with probability 1−k/E, independently across tokens.
-    """
-    return n_expert * (1.0 - (1.0 - k / n_expert) ** batch)
-
-
-@dataclass(frozen=True)
-class RoutingProfile:
-    """Measured mean distinct experts per MoE layer for B = 1, 2, … tokens (``offload tune``).
-
-    Beyond the measured B the uniform curve is scaled by the ratio seen at the last measured B.
-    A model whose layers differ in E uses the measured *fraction* of experts touched.
-    """
-
-    distinct: tuple[float, ...]
-    n_expert: int
-    n_expert_used: int
-    source: str = "measured"
-
-    def __post_init__(self) -> None:
-        d = tuple(float(x) for x in self.distinct)
-        object.__setattr__(self, "distinct", d)
-        if not d or self.n_expert <= 0 or not 0 < self.n_expert_used <= self.n_expert:
-            raise ProfileError("routing profile: needs distinct counts, n_expert and n_expert_used")
-        prev = 0.0
-        for b, x in enumerate(d, start=1):
-            cap = min(self.n_expert, b * self.n_expert_used)
-            if not (math.isfinite(x) and prev <= x <= cap + 1e-9 and x > 0):
-                raise ProfileError(f"routing profile: distinct experts at B={b} is {x}, "
-                                   f"expected non-decreasing in (0, {cap}]")
-            prev = x
-
-    def distinct_for(self, n_expert: int, k: int, batch: int) -> float:
-        m = len(self.distinct)
-        if batch <= m:
-            frac = self.distinct[batch - 1] / self.n_expert
-        else:
-            ratio = self.distinct[-1] / distinct_experts_uniform(self.n_expert, self.n_expert_used, m)
-            frac = ratio * distinct_experts_uniform(self.n_expert, self.n_expert_used, batch) / self.n_expert
-        return min(frac * n_expert, n_expert, batch * k)
-
-    def to_dict(self) -> dict:
-        return {"source": self.source, "n_expert": self.n_expert,
-                "n_expert_used": self.n_expert_used, "distinct": list(self.distinct)}
-
-    @classmethod
-    def from_dict(cls, d: object) -> RoutingProfile:
-        if not isinstance(d, Mapping) or not {"distinct", "n_expert", "n_expert_used"} <= set(d):
-            raise ProfileError("routing profile: expected a mapping with distinct, n_expert, n_expert_used")
-        unknown = sorted(str(x) for x in d if x not in ("distinct", "n_expert", "n_expert_used", "source"))
-        if unknown:
-            raise ProfileError(f"routing profile: unknown key(s) {', '.join(unknown)}")
-        try:
-            return cls(tuple(d["distinct"]), int(d["n_expert"]), int(d["n_expert_used"]),
-                       str(d.get("source", "measured")))
-        except (TypeError, ValueError) as e:
-            if isinstance(e, ProfileError):
-                raise
-            raise ProfileError(f"routing profile: {e}") from None
-
 
 def _distinct(routing: RoutingProfile | None, n_expert: int, k: int, batch: int) -> float:
     if routing is None:
@@ -604,106 +345,3 @@ class SpecProfile:
                    DEFAULT_MTP if acc is None else AcceptanceProfile.from_dict(acc),
                    None if rout is None else RoutingProfile.from_dict(rout))
 
-
-# ---------------------------------------------------------------------------------------------
-# Fitting the profile to measurements (offload tune).
-# ---------------------------------------------------------------------------------------------
-
-DEFAULT_FREE = ("cpu_read", "forward")
-_BANDWIDTHS = ("cpu_read", "gpu_read", "link")        # inverse bandwidths: must stay > 0
-
-
-@dataclass(frozen=True)
-class FitResult:
-    profile: HardwareProfile
-    fitted: dict[str, float]                          # free linear params (s, s/byte)
-    rows: tuple[tuple[str, float, float], ...]        # (what, measured s, predicted s)
-
-    @property
-    def max_rel_error(self) -> float:
-        return max(abs(p - m) / m for _, m, p in self.rows)
-
-
-def fit_profile(fp: DecodeFootprint, base: HardwareProfile, *, verify_s: Mapping[int, float],
-                draft_s: float | Mapping[int, float] | None = None, free: Sequence[str] = DEFAULT_FREE,
-                routing: RoutingProfile | None = None) -> FitResult:
-    """Least squares (non-negative, on relative error) for the ``free`` linear parameters.
-
-    ``verify_s`` maps batch B -> measured T_verify(B); ``draft_s`` is a measured draft pass
-    (one token), or a mapping batch B -> a measured head pass over B tokens.
-    The other parameters stay at ``base``. Terms that are constant in B (per-layer and
-    per-pass costs, dense reads) cannot be told apart by T_verify alone: free at most one of
-    them unless the draft pass, with its different mix, is measured too.
-    """
-    params = base.linear_params()
-    free = list(dict.fromkeys(free))
-    unknown = [p for p in free if p not in params]
-    if unknown:
-        raise ProfileError(f"fit: unknown parameter(s) {', '.join(unknown)} "
-                           f"(known: {', '.join(sorted(params))})")
-    kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
-    passes = [(f"verify B={b}", fp.target, b, t) for b, t in sorted(verify_s.items())]
-    if draft_s is not None:
-        if fp.draft is None:
-            raise FootprintError("fit: draft time given but the footprint has no draft head")
-        drafts = {1: draft_s} if isinstance(draft_s, (int, float)) else dict(draft_s)
-        passes += [(f"draft B={b}", fp.draft, b, t) for b, t in sorted(drafts.items())]
-    samples: list[tuple[str, dict[str, float], float]] = [
-        (what, forward_features(part, b, **kw), float(t)) for what, part, b, t in passes]
-    # Hot layers overlap their two expert parts (``overlap_credit``), which is not linear in
-    # the parameters: the fit adds back what ``base`` says they hide and fits the sum.
-    hidden = [overlap_credit(part, b, params, routing=routing) for _, part, b, _ in passes]
-    if any(not (math.isfinite(t) and t > 0) for _, _, t in samples):
-        raise ProfileError("fit: measured times must be positive")
-    if len(samples) < len(free):
-        raise ProfileError(f"fit: {len(samples)} measurements cannot determine {len(free)} parameters")
-
-    # Rows weighted by 1/measured: timing noise is roughly proportional to the time.
-    a = np.array([[feats.get(p, 0.0) / t for p in free] for _, feats, t in samples])      # (rows, free)
-    y = np.array([(t + h - sum(c * params[k] for k, c in feats.items() if k not in free)) / t
-                  for (_, feats, t), h in zip(samples, hidden)])                              # (rows,)
-    for j, p in enumerate(free):
-        if not a[:, j].any():
-            raise ProfileError(f"fit: parameter {p} has no effect on this footprint")
-    scale = np.linalg.norm(a, axis=0)
-    a_n = a / scale
-    if np.linalg.matrix_rank(a_n, tol=1e-9) < len(free):
-        raise ProfileError(f"fit: parameters {', '.join(free)} cannot be separated by these "
-                           "measurements; fix some of them")
-    x = _nnls(a_n, y) / scale
-    fitted = dict(zip(free, (float(v) for v in x)))
-    # A bandwidth cannot be infinite: one fitted to no cost at all stays at ``base`` and the
-    # others are fitted again without it (cpu_compute = 0 is allowed: "free next to reads").
-    stuck = [p for p, v in fitted.items() if v == 0.0 and p.split(":", 1)[0] in _BANDWIDTHS]
-    if stuck:
-        rest = [p for p in free if p not in stuck]
-        if not rest:
-            raise ProfileError(f"fit: {', '.join(stuck)} fitted to no cost at all; the measurements "
-                               "do not show it")
-        return fit_profile(fp, base, verify_s=verify_s, draft_s=draft_s, free=rest, routing=routing)
-    try:
-        profile = base.with_linear_params(fitted, source="measured")
-    except ProfileError as e:
-        raise ProfileError(f"fit: {e}") from None
-    new = profile.linear_params()
-    rows = tuple((what, t, _dot(feats, new) - overlap_credit(part, b, new, routing=routing))
-                 for (what, feats, t), (_, part, b, _) in zip(samples, passes))
-    return FitResult(profile, fitted, rows)
-
-
-def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """min ||a x - y|| s.t. x >= 0, exactly, by trying every support set (few parameters)."""
-    n = a.shape[1]
-    best, best_res = np.zeros(n), float(np.sum(y * y))
-    for size in range(1, n + 1):
-        for support in itertools.combinations(range(n), size):
-            cols = list(support)
-            sol, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
-            if np.any(sol < 0):
-                continue
-            x = np.zeros(n)
-            x[cols] = sol
-            res = float(np.sum((a @ x - y) ** 2))
-            if res < best_res - 1e-18:
-                best, best_res = x, res
-    return best

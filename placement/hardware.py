@@ -5,7 +5,7 @@ Three sources, in increasing order of trust:
 1. defaults by GPU name (``gpu_profile("NVIDIA GeForce RTX 4090")``) from the table below
    and a generic CPU default — good enough to rank draft lengths before anything runs;
 2. a YAML the user writes (``HardwareProfile.from_yaml``), same schema as ``to_dict``;
-3. measured by ``offload tune`` (``placement.cost.fit_profile`` fits the free parameters).
+3. measured by ``offload tune`` (``placement.cost_fit.fit_profile`` fits the free parameters).
 
 The cost model is linear in the *inverse* bandwidths and the fixed costs, so the profile
 also exposes them as one flat parameter vector (``linear_params``) that the fit solves for.

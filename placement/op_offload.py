@@ -24,8 +24,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from placement.cost import (CPU, ExpertSlice, ForwardFootprint, LayerFootprint, expert_slice_use,
-                            forward_time)
+from placement.cost import expert_slice_use, forward_time
+from placement.devices import CPU
+from placement.footprint import ExpertSlice, ForwardFootprint, LayerFootprint
 from placement.hardware import HardwareProfile
 from placement.plan import Plan, PlannedModel
 from placement.routing import RoutingCounts

@@ -1,4 +1,12 @@
-"""Routing counts: how often each routed expert of each MoE layer is chosen (``offload profile``).
+"""Routing statistics: how the tokens of a batch spread over the routed experts of each MoE layer.
+
+Two measurements of it:
+
+- ``RoutingCounts``: how often each routed expert of each MoE layer is chosen (``offload profile``,
+  the file below); ``uniform_counts`` is every expert equally likely.
+- ``RoutingProfile``: mean distinct experts per MoE layer for B = 1, 2, … tokens (``offload tune``,
+  a plan's ``speculative.profile.routing``); ``distinct_experts_uniform`` is the uniform curve it
+  extends beyond the measured B.
 
 The file ``offload profile`` writes (``routing.yaml``)::
 
@@ -23,6 +31,7 @@ honest).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +39,7 @@ import numpy as np
 import yaml
 
 from placement.errors import PlacementError
+from placement.hardware import ProfileError
 
 VERSION = 1
 HEADER = """\
@@ -258,3 +268,70 @@ def uniform_counts(n_expert: int, n_expert_used: int, moe_layers: Sequence[int],
     share = n_expert_used * tokens / n_expert
     return RoutingCounts(n_expert, n_expert_used, tokens, {i: (share,) * n_expert for i in moe_layers},
                          source="uniform")
+
+
+# ---------------------------------------------------------------------------------------------
+# Distinct experts per batch: the uniform curve and the measured one (``offload tune``).
+# ---------------------------------------------------------------------------------------------
+
+def distinct_experts_uniform(n_expert: int, k: int, batch: int) -> float:
+    """U(B) = E·(1−(1−k/E)^B): expected distinct experts when each token picks k of E uniformly.
+
+    Each expert is missed by one token with probability 1−k/E, independently across tokens.
+    """
+    return n_expert * (1.0 - (1.0 - k / n_expert) ** batch)
+
+
+@dataclass(frozen=True)
+class RoutingProfile:
+    """Measured mean distinct experts per MoE layer for B = 1, 2, … tokens (``offload tune``).
+
+    Beyond the measured B the uniform curve is scaled by the ratio seen at the last measured B.
+    A model whose layers differ in E uses the measured *fraction* of experts touched.
+    """
+
+    distinct: tuple[float, ...]
+    n_expert: int
+    n_expert_used: int
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        d = tuple(float(x) for x in self.distinct)
+        object.__setattr__(self, "distinct", d)
+        if not d or self.n_expert <= 0 or not 0 < self.n_expert_used <= self.n_expert:
+            raise ProfileError("routing profile: needs distinct counts, n_expert and n_expert_used")
+        prev = 0.0
+        for b, x in enumerate(d, start=1):
+            cap = min(self.n_expert, b * self.n_expert_used)
+            if not (math.isfinite(x) and prev <= x <= cap + 1e-9 and x > 0):
+                raise ProfileError(f"routing profile: distinct experts at B={b} is {x}, "
+                                   f"expected non-decreasing in (0, {cap}]")
+            prev = x
+
+    def distinct_for(self, n_expert: int, k: int, batch: int) -> float:
+        m = len(self.distinct)
+        if batch <= m:
+            frac = self.distinct[batch - 1] / self.n_expert
+        else:
+            ratio = self.distinct[-1] / distinct_experts_uniform(self.n_expert, self.n_expert_used, m)
+            frac = ratio * distinct_experts_uniform(self.n_expert, self.n_expert_used, batch) / self.n_expert
+        return min(frac * n_expert, n_expert, batch * k)
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "n_expert": self.n_expert,
+                "n_expert_used": self.n_expert_used, "distinct": list(self.distinct)}
+
+    @classmethod
+    def from_dict(cls, d: object) -> RoutingProfile:
+        if not isinstance(d, Mapping) or not {"distinct", "n_expert", "n_expert_used"} <= set(d):
+            raise ProfileError("routing profile: expected a mapping with distinct, n_expert, n_expert_used")
+        unknown = sorted(str(x) for x in d if x not in ("distinct", "n_expert", "n_expert_used", "source"))
+        if unknown:
+            raise ProfileError(f"routing profile: unknown key(s) {', '.join(unknown)}")
+        try:
+            return cls(tuple(d["distinct"]), int(d["n_expert"]), int(d["n_expert_used"]),
+                       str(d.get("source", "measured")))
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ProfileError):
+                raise
+            raise ProfileError(f"routing profile: {e}") from None

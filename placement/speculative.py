@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from placement.cost import (DecodeFootprint, SpecProfile, SpecTable, footprint_from_tensors, predicted_decode_tps,
-                            speculation_table)
+from placement.cost import SpecProfile, SpecTable, predicted_decode_tps, speculation_table
+from placement.footprint import DecodeFootprint, footprint_from_tensors
 from placement.hardware import HardwareProfile
 from placement.plan import Plan, PlannedModel
 from placement.routing import RoutingCounts

@@ -1,4 +1,5 @@
-"""Speculative cost model (placement/cost.py, hardware.py, acceptance.py): pure math, no GPU."""
+"""Speculative cost model (placement/footprint.py, routing.py's RoutingProfile, cost.py, cost_fit.py,
+hardware.py, acceptance.py): pure math, no GPU."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,13 +12,17 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from placement.acceptance import DEFAULT_MTP, AcceptanceProfile
 from placement.cost import (
-    CPU, DecodeFootprint, ExpertSlice, FootprintError, ForwardFootprint, LayerFootprint,
-    RoutingProfile, SpecProfile, best_over_p_min, distinct_experts_uniform, fit_profile,
-    footprint_from_tensors, forward_time, predicted_decode_tps, speculation_table, step_time,
+    SpecProfile, best_over_p_min, forward_time, predicted_decode_tps, speculation_table, step_time,
+)
+from placement.cost_fit import fit_profile
+from placement.devices import CPU
+from placement.footprint import (
+    DecodeFootprint, ExpertSlice, FootprintError, ForwardFootprint, LayerFootprint, footprint_from_tensors,
 )
 from placement.hardware import (
     GpuProfile, HardwareProfile, ProfileError, cpu_read_gbps_from_memory, gpu_profile,
 )
+from placement.routing import RoutingProfile, distinct_experts_uniform
 from placement.tensors import Role, TensorInfo
 
 

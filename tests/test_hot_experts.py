@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from placement.cost import distinct_experts_uniform, forward_features
+from placement.cost import forward_features
 from placement.devices import parse_devices
 from placement.errors import PlacementError
 from placement.hot_experts import slice_bytes
 from placement.planner import PlanOptions, make_plan
-from placement.routing import RoutingCounts, uniform_counts
+from placement.routing import RoutingCounts, distinct_experts_uniform, uniform_counts
 from placement.speculative import hot_gain, plan_footprint
 from tests.test_cli_plan import offload
 

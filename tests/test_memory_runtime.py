@@ -189,8 +189,8 @@ def test_int8_activation_terms_are_the_kernels():
 
 def test_placement_imports_neither_torch_numba_nor_offload():
     code = ("import sys, placement.plan, placement.fit, placement.report, placement.plan_file, "
-            "placement.compute, placement.cost, placement.routing, placement.hot_experts, placement.planner, "
-            "placement.speculative, placement.op_offload\n"
+            "placement.compute, placement.footprint, placement.cost, placement.cost_fit, placement.routing, "
+            "placement.hot_experts, placement.planner, placement.speculative, placement.op_offload\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numba', 'offload', 'gpu', "
             "'cpu_kernels'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -28,7 +28,7 @@ from offload import tune as measure
 from offload.bench_tasks import TASKS
 from offload.commands.tune import FIT_FREE, choose, read_prompts
 from offload.tune_result import MeasuredRow
-from placement.cost import fit_profile
+from placement.cost_fit import fit_profile
 from placement.hardware import HardwareProfile
 from placement.speculative import plan_footprint
 from tests.nextn_split import split_nextn

@@ -31,7 +31,8 @@ from placement.plan_file import load_plan_file, plan_to_yaml
 from placement.planner import (DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, DEFAULT_UBATCH, FIT_MODES, FLAG_NAMES,
                                PlanOptions, make_plan)
 from placement.report import format_plan
-from placement.cost import FootprintError, SpecProfile
+from placement.cost import SpecProfile
+from placement.footprint import FootprintError
 from placement.hardware import HardwareProfile
 from placement.hot_experts import describe
 from placement.routing import RoutingCounts

@@ -262,8 +262,9 @@ def main(argv=None) -> int:
 
 def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock) -> TuneResult:
     from offload import tune as measure
-    from placement.cost import (SpecProfile, best_over_p_min, distinct_experts_uniform, fit_profile,
-                                speculation_table)
+    from placement.cost import SpecProfile, best_over_p_min, speculation_table
+    from placement.cost_fit import fit_profile
+    from placement.routing import distinct_experts_uniform
     from placement.speculative import default_profile, plan_footprint, predict
 
     max_n, n_tok = args.max_n, args.n_predict
