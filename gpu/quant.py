@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
 from gpu import fused
+from placement.limits import CHUNK_VALUES
 
 DEQUANTIZERS: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {}
 
@@ -319,7 +320,6 @@ def dequantize(raw: torch.Tensor, qtype: Q, *, dtype: torch.dtype = torch.float3
     return out.reshape(*lead, raw.shape[-1] // size * block).to(dtype)
 
 
-_CHUNK_ELEMS = 16 << 20   # dequantized temporary per step (64 MiB as float32)
 _TORCH_OF = {np.uint8: torch.uint8, np.float32: torch.float32, np.float16: torch.float16}
 
 
@@ -343,7 +343,7 @@ class QuantTensor:
         """Copy raw GGUF data (a read-only memmap view) to ``device`` without changing a byte,
         a slice at a time so the host-side temporary stays small."""
         raw = torch.empty(data.shape, dtype=_TORCH_OF[data.dtype.type], device=device)
-        step = max(1, (_CHUNK_ELEMS * 4) // max(1, data[0].nbytes)) if data.ndim > 1 else data.shape[0]
+        step = max(1, (CHUNK_VALUES * 4) // max(1, data[0].nbytes)) if data.ndim > 1 else data.shape[0]
         for i in range(0, data.shape[0], step):
             raw[i:i + step].copy_(torch.from_numpy(np.array(data[i:i + step])))
         return cls(raw, qtype, shape)
@@ -368,7 +368,7 @@ class QuantTensor:
         if self.qtype == Q.F32 and dtype == torch.float32 or self.qtype == Q.F16 and dtype == torch.float16:
             return torch.nn.functional.linear(x, self.raw)
         rows, cols = self.shape
-        step = max(1, _CHUNK_ELEMS // cols)
+        step = max(1, CHUNK_VALUES // cols)
         if step >= rows:
             return torch.nn.functional.linear(x, self.dequantize(dtype))
         out = torch.empty(x.shape[0], rows, dtype=dtype, device=x.device)
