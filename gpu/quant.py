@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
 from gpu import fused
+from gpu.qtypes import IQ4_NL_VALUES, MXFP4_VALUES
 from placement.limits import CHUNK_VALUES
 
 DEQUANTIZERS: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -86,23 +87,19 @@ def _q5_1(b):   # d f16, m f16, qh[4], qs[16]: q * d + m
     return _f16(b[:, :2]) * (_nibbles(b[:, 8:]) | _q5_high(b[:, 4:8])).float() + _f16(b[:, 2:4])
 
 
-_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)   # e2m1, doubled
-
-
 def _lookup(table, idx: torch.Tensor) -> torch.Tensor:
     return torch.tensor(table, dtype=torch.float32, device=idx.device)[idx.long()]
 
 
 @_register(Q.IQ4_NL)
 def _iq4_nl(b):   # d f16, qs[16]: d * kvalues[q]
-    return _f16(b[:, :2]) * _lookup(_IQ4NL, _nibbles(b[:, 2:]))
+    return _f16(b[:, :2]) * _lookup(IQ4_NL_VALUES, _nibbles(b[:, 2:]))
 
 
 @_register(Q.MXFP4)
 def _mxfp4(b):    # e (E8M0), qs[16]: 2^(e-128) * doubled e2m1 value
     d = torch.exp2(b[:, :1].float() - 128)
-    return d * _lookup(_MXFP4, _nibbles(b[:, 1:]))
+    return d * _lookup(MXFP4_VALUES, _nibbles(b[:, 1:]))
 
 
 def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +185,7 @@ def _iq4_xs(b):  # d f16, scales_h u16, scales_l[4], qs[128]; 8 sub-blocks of 32
     shf = (sh >> (2 * torch.arange(8, device=b.device))) & 3
     dl = d * ((sl | (shf << 4)).float() - 32)                           # (n, 8)
     qs = b[:, 8:].reshape(n, 8, 16)
-    q = _lookup(_IQ4NL, torch.cat((qs & 0x0F, qs >> 4), -1))            # (n, 8, 32)
+    q = _lookup(IQ4_NL_VALUES, torch.cat((qs & 0x0F, qs >> 4), -1))     # (n, 8, 32)
     return (dl[..., None] * q).reshape(n, 256)
 
 
