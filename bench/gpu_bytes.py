@@ -7,7 +7,7 @@ kernels vs today's per-call dequantization — computed from the plan, not measu
 Per token (B = 1, plain decoding: the NextN block and the KV cache are left out):
 - a GPU matrix is read whole; a GPU expert tensor only for the ``n_expert_used`` of its
   ``n_expert`` experts that a token routes to;
-- fused (a type in ``gpu.fused.FUSED_TYPES``): its raw GGUF bytes, once;
+- fused (a type in ``gpu.qtypes.FUSED_TYPES``): its raw GGUF bytes, once;
 - today (per-call dequant, and any type without a fused kernel): the raw bytes, plus the
   bf16 copy written (2 B per weight) and read back by the matmul (2 B per weight) — a lower
   bound: the torch dequantizers also materialize float32 intermediates;
@@ -22,7 +22,7 @@ from collections import defaultdict
 
 from gguf import GGMLQuantizationType as Q
 
-from gpu.fused import FUSED_TYPES
+from gpu.qtypes import FUSED_TYPES
 from offload.gguf_model import open_model
 from placement.tensors import Role
 

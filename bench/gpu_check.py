@@ -42,7 +42,7 @@ def _numerics() -> bool:
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
-    from gpu.fused import FUSED_TYPES
+    from gpu.qtypes import FUSED_TYPES
     from gpu.triton_matmul import fused_linear
     from tests.tiny_models import random_blocks
 
@@ -109,7 +109,7 @@ def _aot(capabilities: list[int]) -> bool:
     import torch
     from triton.backends.nvidia.compiler import get_ptxas
 
-    from gpu.fused import FUSED_TYPES
+    from gpu.qtypes import FUSED_TYPES
     from gpu.triton_matmul import compile_for
 
     print("kernels compiled ahead of time (BLOCK_N 32, BLOCK_K 128, 4 warps): registers/thread, spill bytes")
@@ -171,7 +171,7 @@ def _kernel_speed(rows: int, cols: int) -> bool:
     from gguf import GGML_QUANT_SIZES
 
     import gpu.quant as gq
-    from gpu.fused import FUSED_TYPES
+    from gpu.qtypes import FUSED_TYPES
     from gpu.triton_matmul import fused_linear
     from tests.tiny_models import random_blocks
 
@@ -220,18 +220,19 @@ def _wide_model(tmp: str, n_layer: int):
 def _decode(path, n_tokens: int) -> bool:
     import gpu.fused as fused
     import offload.runtime as rt
+    from gpu.qtypes import TILE_B
     prompt = list(range(3, 11))
     plan = dict(devices="CUDA0=100GiB,CPU=100GiB", cpu_moe=True)
     print(f"(b) decode, experts in RAM, the rest on CUDA0 (bf16), {n_tokens} tokens after an 8-token prompt")
     with rt.load(path, quiet=True, **plan) as s:
         s.warmup()
         tps = {}
-        for label, crossover in (("per-call dequant", 0), ("fused", fused.TILE_B),
-                                 ("per-call dequant", 0), ("fused", fused.TILE_B)):
+        for label, crossover in (("per-call dequant", 0), ("fused", TILE_B),
+                                 ("per-call dequant", 0), ("fused", TILE_B)):
             fused.CROSSOVER = crossover
             list(s.generate(prompt, max_tokens=n_tokens, stop_at_eos=False))
             tps[label] = max(tps.get(label, 0.0), s.stats.eval_tps)      # best of two
-        fused.CROSSOVER = fused.TILE_B
+        fused.CROSSOVER = TILE_B
     for label, v in tps.items():
         print(f"  {label:<17} {v:8.2f} tokens/s")
     print(f"  fused / per-call dequant: {tps['fused'] / tps['per-call dequant']:.2f}x")
@@ -241,17 +242,18 @@ def _decode(path, n_tokens: int) -> bool:
 def _parity(path) -> bool:
     import gpu.fused as fused
     import offload.runtime as rt
+    from gpu.qtypes import TILE_B
     ids = list(range(3, 11))
     with rt.load(path, devices="CPU=100GiB", cache_type="f32", quiet=True) as s:
         want = s.logits(ids)
     err = {}
     for dtype in ("f32", "bf16"):
-        for label, crossover in (("fused", fused.TILE_B), ("per-call dequant", 0)):
+        for label, crossover in (("fused", TILE_B), ("per-call dequant", 0)):
             fused.CROSSOVER = crossover
             with rt.load(path, devices="CUDA0=100GiB,CPU=100GiB", cpu_moe=True, gpu_dtype=dtype,
                          cache_type="f32", quiet=True) as s:
                 err[dtype, label] = _rel(s.logits(ids), want)
-    fused.CROSSOVER = fused.TILE_B
+    fused.CROSSOVER = TILE_B
     print("(d) logits parity, experts in RAM + the rest on CUDA0 (8-token batch) vs all-CPU: "
           "max |diff| / max |logit|")
     checks = {"f32": err["f32", "fused"] <= LOGIT_TOL_F32,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
+from gguf import quants as gq
 from numba import njit
 
 from .pair8 import pair_decoder, unit_pair_decoder
@@ -16,11 +17,10 @@ from .simd import byte_fields, ld_e8m0, ld_f16, vload, vlut16, vset2, vzero
 f32 = np.float32
 _jit = njit(fastmath=True, error_model="numpy")
 
-# ggml's kvalues_mxfp4: e2m1 values doubled (0.5 -> 1); the scale is halved to match.
-MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
-# ggml's kvalues_iq4nl
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10,
-                       1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+# ggml's kvalues_mxfp4 (gguf-py's): e2m1 values doubled (0.5 -> 1); the scale is halved to match.
+MXFP4_VALUES = np.array(gq.MXFP4.kvalues, np.float32)
+# ggml's kvalues_iq4nl (gguf-py's)
+IQ4_VALUES = np.array(gq.IQ4_NL.kvalues, np.float32)
 
 
 @_jit

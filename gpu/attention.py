@@ -7,7 +7,7 @@ Qwen3's unbiased attention are the same class. Keys are cached after RoPE.
 A sink is a learned per-head logit that joins each query's softmax as one more column with
 no value: it takes probability mass away from the keys without adding anything. torch's fused
 attention has no such column, so attention with sinks is computed explicitly, a chunk of
-queries at a time (at most ``SCORE_VALUES`` float32 scores live at once).
+queries at a time (at most ``placement.limits.SCORE_VALUES`` float32 scores live at once).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from gpu.kv_cache import KVCache
 from gpu.norm import RMSNorm
 from gpu.rope import Rope
+from placement.limits import SCORE_VALUES
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -88,9 +89,6 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
         q.transpose(0, 1)[None].to(dtype), keys[None].to(dtype), values[None].to(dtype),
         attn_mask=mask, scale=scale, enable_gqa=n_head != keys.shape[0])   # (1, H, T, Dv)
     return out[0].transpose(0, 1).float()
-
-
-SCORE_VALUES = 16 << 20     # float32 scores live at once in attend_with_sinks (64 MiB)
 
 
 def query_chunk(n_head: int, t: int, n_keys: int) -> int:

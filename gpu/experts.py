@@ -11,6 +11,7 @@ import torch
 
 from gpu.ffn import GLU
 from gpu.quant import QuantTensor
+from placement.limits import STAGING_CHUNK_BYTES
 
 
 def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None = None):
@@ -95,16 +96,11 @@ class ExpertSubset:
         return self.experts(x, self.local[ids.to(self.device)], weights, keep=self.keep)
 
 
-# Op offload copies an expert tensor's touched experts in chunks of at most this many bytes
-# (at least one expert's slice): the staging stays small next to a big model's expert tensors
-# (DeepSeek-V3's Q6_K ffn_down_exps is 3.1 GB) while each copy is long enough to run at the
-# link's speed. placement.compute.STAGING_CHUNK_BYTES mirrors it (a test ties them).
-STAGING_CHUNK_BYTES = 256 << 20
-
-
 def staging_buffer_bytes(tensor_bytes: int, n_expert: int) -> int:
-    """One staging buffer for an (n_expert, ...) tensor of ``tensor_bytes``: the chunk size,
-    within [one expert's slice, the whole tensor]."""
+    """One staging buffer for an (n_expert, ...) tensor of ``tensor_bytes``: the chunk size
+    (``placement.limits.STAGING_CHUNK_BYTES``), within [one expert's slice, the whole tensor].
+    The staging stays small next to a big model's expert tensors (DeepSeek-V3's Q6_K
+    ffn_down_exps is 3.1 GB) while each copy is long enough to run at the link's speed."""
     return min(tensor_bytes, max(STAGING_CHUNK_BYTES, tensor_bytes // n_expert))
 
 

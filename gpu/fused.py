@@ -5,13 +5,13 @@ Decode shapes read each weight once through the fused kernel; prefill-size batch
 dense matmul wins, keep the chunked path (``gpu.quant.QuantTensor.linear``). This module never
 imports triton: ``import offload`` and ``offload plan`` must not pay for it (or need it).
 
-The crossover batch (``CROSSOVER``, env ``OFFLOAD_FUSED_MAX_B``) is an estimate, not a
-measurement — no GPU has run these kernels yet: for B ≤ 16 (one tile of the kernel) the
-fused kernel reads the raw blocks once (0.56 B/param for Q4_K) while the chunked path reads
-them, writes bf16 (2 B/param) and reads it back (2 B/param) before the same GEMM, so the
-fused kernel moves ~8× fewer bytes at every B it supports. Above 16 rows it would re-run the
-dequantization per 16-row tile, so the default crossover is the tile height. Set the env
-variable to 0 to switch fused kernels off.
+The crossover batch (``CROSSOVER``, env ``OFFLOAD_FUSED_MAX_B``) is an estimate from the bytes
+each path moves: for B ≤ 16 (one tile of the kernel) the fused kernel reads the raw blocks
+once (0.56 B/param for Q4_K) while the chunked path reads them, writes bf16 (2 B/param) and
+reads it back (2 B/param) before the same GEMM, so the fused kernel moves ~8× fewer bytes at
+every B it supports. Above 16 rows it would re-run the dequantization per 16-row tile, so
+the default crossover is the tile height. Set the env variable to 0 to switch fused kernels
+off.
 """
 from __future__ import annotations
 
@@ -23,10 +23,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gpu.errors import GpuSettingError
+from gpu.qtypes import FUSED_TYPES, TILE_B
 
-TILE_B = 16                     # rows of x per kernel tile (tl.dot needs ≥ 16)
-FUSED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4, Q.IQ4_XS,
-                         Q.Q4_K, Q.Q5_K, Q.Q6_K})
 FUSED_DEVICE_TYPES = ("cuda",)  # the CPU / virtual-GPU path keeps the chunked dequant
 
 

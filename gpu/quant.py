@@ -19,6 +19,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
 from gpu import fused
+from gpu.qtypes import IQ4_NL_VALUES, MXFP4_VALUES
+from placement.limits import CHUNK_VALUES
 
 DEQUANTIZERS: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {}
 
@@ -85,23 +87,19 @@ def _q5_1(b):   # d f16, m f16, qh[4], qs[16]: q * d + m
     return _f16(b[:, :2]) * (_nibbles(b[:, 8:]) | _q5_high(b[:, 4:8])).float() + _f16(b[:, 2:4])
 
 
-_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)   # e2m1, doubled
-
-
 def _lookup(table, idx: torch.Tensor) -> torch.Tensor:
     return torch.tensor(table, dtype=torch.float32, device=idx.device)[idx.long()]
 
 
 @_register(Q.IQ4_NL)
 def _iq4_nl(b):   # d f16, qs[16]: d * kvalues[q]
-    return _f16(b[:, :2]) * _lookup(_IQ4NL, _nibbles(b[:, 2:]))
+    return _f16(b[:, :2]) * _lookup(IQ4_NL_VALUES, _nibbles(b[:, 2:]))
 
 
 @_register(Q.MXFP4)
 def _mxfp4(b):    # e (E8M0), qs[16]: 2^(e-128) * doubled e2m1 value
     d = torch.exp2(b[:, :1].float() - 128)
-    return d * _lookup(_MXFP4, _nibbles(b[:, 1:]))
+    return d * _lookup(MXFP4_VALUES, _nibbles(b[:, 1:]))
 
 
 def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +185,7 @@ def _iq4_xs(b):  # d f16, scales_h u16, scales_l[4], qs[128]; 8 sub-blocks of 32
     shf = (sh >> (2 * torch.arange(8, device=b.device))) & 3
     dl = d * ((sl | (shf << 4)).float() - 32)                           # (n, 8)
     qs = b[:, 8:].reshape(n, 8, 16)
-    q = _lookup(_IQ4NL, torch.cat((qs & 0x0F, qs >> 4), -1))            # (n, 8, 32)
+    q = _lookup(IQ4_NL_VALUES, torch.cat((qs & 0x0F, qs >> 4), -1))     # (n, 8, 32)
     return (dl[..., None] * q).reshape(n, 256)
 
 
@@ -319,7 +317,6 @@ def dequantize(raw: torch.Tensor, qtype: Q, *, dtype: torch.dtype = torch.float3
     return out.reshape(*lead, raw.shape[-1] // size * block).to(dtype)
 
 
-_CHUNK_ELEMS = 16 << 20   # dequantized temporary per step (64 MiB as float32)
 _TORCH_OF = {np.uint8: torch.uint8, np.float32: torch.float32, np.float16: torch.float16}
 
 
@@ -343,7 +340,7 @@ class QuantTensor:
         """Copy raw GGUF data (a read-only memmap view) to ``device`` without changing a byte,
         a slice at a time so the host-side temporary stays small."""
         raw = torch.empty(data.shape, dtype=_TORCH_OF[data.dtype.type], device=device)
-        step = max(1, (_CHUNK_ELEMS * 4) // max(1, data[0].nbytes)) if data.ndim > 1 else data.shape[0]
+        step = max(1, (CHUNK_VALUES * 4) // max(1, data[0].nbytes)) if data.ndim > 1 else data.shape[0]
         for i in range(0, data.shape[0], step):
             raw[i:i + step].copy_(torch.from_numpy(np.array(data[i:i + step])))
         return cls(raw, qtype, shape)
@@ -368,7 +365,7 @@ class QuantTensor:
         if self.qtype == Q.F32 and dtype == torch.float32 or self.qtype == Q.F16 and dtype == torch.float16:
             return torch.nn.functional.linear(x, self.raw)
         rows, cols = self.shape
-        step = max(1, _CHUNK_ELEMS // cols)
+        step = max(1, CHUNK_VALUES // cols)
         if step >= rows:
             return torch.nn.functional.linear(x, self.dequantize(dtype))
         out = torch.empty(x.shape[0], rows, dtype=dtype, device=x.device)

@@ -24,21 +24,13 @@ import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from gpu.fused import FUSED_TYPES, TILE_B
-from gpu.quant import _IQ4NL, _MXFP4
+from gpu.qtypes import FUSED_KERNEL_IDS, TILE_B, VALUE_TABLES
 
-# gguf's own type codes, usable as compile-time constants inside the kernel
-_Q8_0 = tl.constexpr(int(Q.Q8_0))
-_Q4_0 = tl.constexpr(int(Q.Q4_0))
-_Q4_1 = tl.constexpr(int(Q.Q4_1))
-_Q5_0 = tl.constexpr(int(Q.Q5_0))
-_Q5_1 = tl.constexpr(int(Q.Q5_1))
-_IQ4_NL = tl.constexpr(int(Q.IQ4_NL))
-_MXFP4_T = tl.constexpr(int(Q.MXFP4))
-_IQ4_XS = tl.constexpr(int(Q.IQ4_XS))
-_Q4_K = tl.constexpr(int(Q.Q4_K))
-_Q5_K = tl.constexpr(int(Q.Q5_K))
-_Q6_K = tl.constexpr(int(Q.Q6_K))
+# The branch ids of _dequant as compile-time constants, from the one table of fused types (a
+# name here without an entry there fails at import; an entry without a branch fails to compile).
+_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _IQ4_NL, _MXFP4, _IQ4_XS, _Q4_K, _Q5_K, _Q6_K = (
+    tl.constexpr(FUSED_KERNEL_IDS[q]) for q in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.MXFP4,
+                                                Q.IQ4_XS, Q.Q4_K, Q.Q5_K, Q.Q6_K))
 
 
 @triton.jit
@@ -93,7 +85,7 @@ def _dequant(wp, base, sub, j, table, QTYPE: tl.constexpr):
         w = _f16(wp, base) * q.to(tl.float32) + _f16(wp, base + 2)
     elif QTYPE == _IQ4_NL:   # block_iq4_nl: d f16, qs[16]: d * kvalues_iq4nl[q]
         w = _f16(wp, base) * tl.load(table + _nibble(wp, base + 2, j))
-    elif QTYPE == _MXFP4_T:  # block_mxfp4: e (E8M0), qs[16]: 2^(e-128) * doubled e2m1 value
+    elif QTYPE == _MXFP4:    # block_mxfp4: e (E8M0), qs[16]: 2^(e-128) * doubled e2m1 value
         e = _u8(wp, base)
         # ggml_e8m0_to_fp32_half, exact: denormal for e < 2, else exponent bits e-1
         half = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
@@ -112,13 +104,15 @@ def _dequant(wp, base, sub, j, table, QTYPE: tl.constexpr):
         q = (_u8(wp, base + 48 + 32 * (sub // 2) + j) >> (4 * (sub % 2))) & 15
         q = q | (((_u8(wp, base + 16 + j) >> sub) & 1) << 4)
         w = _f16(wp, base) * sc * q.to(tl.float32) - _f16(wp, base + 2) * mn
-    else:                    # block_q6_K: ql[128], qh[64], scales[16] int8, d; halves of 128, rows of 32
+    elif QTYPE == _Q6_K:     # block_q6_K: ql[128], qh[64], scales[16] int8, d; halves of 128, rows of 32
         h = sub // 4
         g = sub % 4
         lo = (_u8(wp, base + 64 * h + 32 * (g % 2) + j) >> (4 * (g // 2))) & 15
         hi = (_u8(wp, base + 128 + 32 * h + j) >> (2 * g)) & 3
         sc = _i8(wp, base + 192 + 8 * h + 2 * g + j // 16)
         w = _f16(wp, base + 208) * sc * ((lo | (hi << 4)) - 32).to(tl.float32)
+    else:
+        tl.static_assert(False, "no _dequant branch for this QTYPE (gpu.qtypes.FUSED_KERNEL_IDS)")
     return w
 
 
@@ -156,13 +150,10 @@ def _fused_kernel(w_ptr, x_ptr, y_ptr, table, B, N, K, w_row_stride, x_row_strid
     tl.store(out, acc, mask=(bs[:, None] < B) & (rows[None, :] < N))
 
 
-_TABLES = {Q.MXFP4: _MXFP4, Q.IQ4_XS: _IQ4NL, Q.IQ4_NL: _IQ4NL}
-
-
 @lru_cache(maxsize=None)
 def _table(qtype: Q, device: torch.device) -> torch.Tensor:
     """The type's 16-entry value table on ``device`` (a dummy for types without one)."""
-    return torch.tensor(_TABLES.get(qtype, (0,) * 16), dtype=torch.float32, device=device)
+    return torch.tensor(VALUE_TABLES.get(qtype, (0,) * 16), dtype=torch.float32, device=device)
 
 
 @lru_cache(maxsize=None)
@@ -183,13 +174,19 @@ def _block_k(cols: int) -> int:
     raise ValueError(f"row length {cols} is not a multiple of 32")
 
 
+def _kernel_id(qtype: Q) -> int:
+    """The ``QTYPE`` the kernel switches on; a type without a decode branch never reaches it."""
+    if qtype not in FUSED_KERNEL_IDS:
+        raise NotImplementedError(f"no fused kernel for {qtype.name}")
+    return FUSED_KERNEL_IDS[qtype]
+
+
 def fused_linear(raw: torch.Tensor, qtype: Q, x: torch.Tensor, *, block_n: int = 32,
                  split_k: int | None = None) -> torch.Tensor:
     """raw: (N, row_bytes) uint8 GGUF rows (rows may be strided, bytes within a row contiguous),
     x: (B, K) with B ≤ 16 → (B, N) in x's dtype. ``split_k``: programs per row (default: enough
     to give the device a few programs per multiprocessor)."""
-    if qtype not in FUSED_TYPES:
-        raise NotImplementedError(f"no fused kernel for {qtype.name}")
+    qtype_id = _kernel_id(qtype)
     qk, type_size = GGML_QUANT_SIZES[qtype]
     n, row_bytes = raw.shape
     b, k = x.shape
@@ -212,7 +209,7 @@ def fused_linear(raw: torch.Tensor, qtype: Q, x: torch.Tensor, *, block_n: int =
     part = torch.empty((split_k, b, n), dtype=torch.float32, device=x.device)
     _fused_kernel[(n_blocks, split_k)](
         raw, x, part, _table(qtype, x.device), b, n, k, raw.stride(0), x.stride(0), per_split,
-        QTYPE=int(qtype), QK=qk, TYPE_SIZE=type_size, BLOCK_B=TILE_B, BLOCK_N=block_n,
+        QTYPE=qtype_id, QK=qk, TYPE_SIZE=type_size, BLOCK_B=TILE_B, BLOCK_N=block_n,
         BLOCK_K=bk, UPCAST=x.dtype == torch.float32 or x.device.type == "cpu")
     y = part[0] if split_k == 1 else part.sum(0)
     return y.to(x.dtype)
@@ -232,7 +229,7 @@ def compile_for(qtype: Q, x_dtype: torch.dtype, capability: int, *, block_n: int
     x_ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[x_dtype]
     runtime = dict(w_ptr="*u8", x_ptr=x_ty, y_ptr="*fp32", table="*fp32", B="i32", N="i32", K="i32",
                    w_row_stride="i32", x_row_stride="i32", tiles_per_split="i32")
-    constants = dict(QTYPE=int(qtype), QK=qk, TYPE_SIZE=type_size, BLOCK_B=TILE_B, BLOCK_N=block_n,
+    constants = dict(QTYPE=_kernel_id(qtype), QK=qk, TYPE_SIZE=type_size, BLOCK_B=TILE_B, BLOCK_N=block_n,
                      BLOCK_K=block_k, UPCAST=x_dtype == torch.float32)
     src = ASTSource(fn=_fused_kernel, signature=runtime | {k: "constexpr" for k in constants},
                     constexprs=constants)

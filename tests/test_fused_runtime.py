@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 import gpu.fused as fused
 import offload.runtime as rt
+from gpu.qtypes import TILE_B
 from tests.tiny_models import TinySpec, write_tiny_model
 
 if not torch.cuda.is_available():
@@ -46,7 +47,7 @@ def _gpu_logits(tiny, monkeypatch, *, virtual: bool, gpu_dtype: str, use_fused: 
     calls = []
     real = fused.linear
     monkeypatch.setattr(fused, "linear", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(fused, "CROSSOVER", fused.TILE_B if use_fused else 0)
+    monkeypatch.setattr(fused, "CROSSOVER", TILE_B if use_fused else 0)
     if virtual:
         monkeypatch.setattr(fused, "FUSED_DEVICE_TYPES", ("cpu",))
     with rt.load(tiny.path, devices="CUDA0=8GiB,CPU=16GiB", cpu_moe=True, virtual_gpus=virtual,

@@ -30,7 +30,7 @@ def test_dequantizer_matches_gguf(qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.F32])
 def test_quant_tensor_linear_in_chunks(qtype, monkeypatch):
-    monkeypatch.setattr(gq, "_CHUNK_ELEMS", 3 * 256)      # force several row chunks
+    monkeypatch.setattr(gq, "CHUNK_VALUES", 3 * 256)      # force several row chunks
     rng = np.random.default_rng(1)
     rows, cols = 10, 256
     if qtype == Q.F32:

@@ -13,7 +13,10 @@ rounding keeps well inside (observed ~1e-7 of it).
 """
 from __future__ import annotations
 
+import ast
+import inspect
 import os
+import textwrap
 
 import numpy as np
 import pytest
@@ -23,6 +26,7 @@ from gguf.quants import dequantize
 
 import gpu.fused as fused
 import gpu.quant as gq
+from gpu.qtypes import FUSED_KERNEL_IDS, FUSED_TYPES
 from tests.tiny_models import random_blocks
 
 if not torch.cuda.is_available():
@@ -32,7 +36,7 @@ tm = pytest.importorskip("gpu.triton_matmul", reason="triton is not installed (p
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402  (after the skip)
 
 DEV = torch.device("cpu" if isinstance(tm._fused_kernel, InterpretedFunction) else "cuda")
-TYPES = sorted(fused.FUSED_TYPES, key=lambda q: q.name)
+TYPES = sorted(FUSED_TYPES, key=lambda q: q.name)
 
 
 def _weights(rng, qtype, rows, cols):
@@ -100,6 +104,47 @@ def test_fused_refuses_what_it_cannot_do():
         tm.fused_linear(raw, Q.Q2_K, torch.zeros((1, 256), device=DEV))
 
 
+def test_each_fused_type_has_its_own_decode_branch():
+    """``_dequant``'s chain has one ``QTYPE == _X`` branch per entry of the fused-type table and
+    its final ``else`` decodes nothing: no type falls through to the last branch's layout."""
+    fn = ast.parse(textwrap.dedent(inspect.getsource(tm._dequant.fn))).body[0]
+    node, ids = next(n for n in fn.body if isinstance(n, ast.If)), []
+    while isinstance(node, ast.If):
+        test = node.test
+        assert isinstance(test, ast.Compare) and ast.unparse(test.left) == "QTYPE", ast.unparse(test)
+        ids.append(getattr(tm, test.comparators[0].id).value)
+        node = node.orelse[0] if len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If) else node.orelse
+    assert sorted(ids) == sorted(FUSED_KERNEL_IDS.values()) and len(ids) == len(set(ids))
+    assert len(node) == 1 and ast.unparse(node[0]).startswith("tl.static_assert(False, 'no _dequant branch")
+
+
+def test_a_type_listed_without_a_branch_fails_instead_of_decoding(monkeypatch):
+    """The trap: a type added to the fused table whose branch was forgotten must not decode as
+    another type's layout. Q8_K has no branch; its 292-byte blocks keep even a wrong decode in
+    bounds, so only the missing-branch guard can make this raise."""
+    monkeypatch.setitem(FUSED_KERNEL_IDS, Q.Q8_K, int(Q.Q8_K))
+    raw = torch.zeros((4, 292), dtype=torch.uint8, device=DEV)
+    with pytest.raises(Exception) as failed:     # interpreted: AssertionError; compiled: CompilationError
+        tm.fused_linear(raw, Q.Q8_K, torch.ones((1, 256), device=DEV))
+    causes, e = [], failed.value                 # (compiled, the message is on the cause)
+    while e is not None:
+        causes.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert any("no _dequant branch" in c for c in causes), causes
+
+
+def test_a_type_without_a_fused_kernel_takes_the_dequant_path(monkeypatch):
+    """On a fused device and at a decode batch, a type with no kernel branch (Q2_K) goes
+    through per-call dequantization, never the kernel."""
+    monkeypatch.setattr(fused, "FUSED_DEVICE_TYPES", (DEV.type,))
+    monkeypatch.setattr(fused, "linear", lambda *a: pytest.fail("fused kernel called for Q2_K"))
+    rng = np.random.default_rng(4)
+    raw, w = _weights(rng, Q.Q2_K, 8, 256)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    got = gq.QuantTensor.upload(raw, Q.Q2_K, (8, 256), DEV).linear(torch.from_numpy(x).to(DEV), torch.float32)
+    _check(got.cpu().numpy(), x, w)
+
+
 def test_selection_cuda_decode_only(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(fused, "CROSSOVER", 16)
@@ -152,7 +197,7 @@ def test_every_kernel_compiles_for_hopper():
     compiling needs the kernel without TRITON_INTERPRET."""
     import subprocess
     import sys
-    code = ("import torch\nfrom gpu.fused import FUSED_TYPES\nfrom gpu.triton_matmul import compile_for\n"
+    code = ("import torch\nfrom gpu.qtypes import FUSED_TYPES\nfrom gpu.triton_matmul import compile_for\n"
             "for q in FUSED_TYPES:\n    assert 'cubin' in compile_for(q, torch.bfloat16, 90).asm, q\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
