@@ -2,7 +2,7 @@
 verify steps (T <= ``MAX_TOKENS``) as two compiled calls, ``cpu_kernels.block``'s
 ``attention_half`` and ``moe_half`` (or ``dense_half``).
 
-Design (see README "Compiled CPU blocks"): at load, ``compile_block`` reads the reference
+Design (see docs/compiled-blocks.md): at load, ``compile_block`` reads the reference
 ``Block`` (the torch path, built as usual) and binds its raw GGUF views, quant tags, norm
 weights, biases and routing settings into an argument tuple per half; the first call compiles
 (or loads from Numba's cache) the entries for exactly those argument types, and every later call

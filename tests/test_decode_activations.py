@@ -18,7 +18,7 @@ all within REL_TOL_INT8 (observed: flips of 1.4e-3 and 2.8e-3 on these models). 
 ran) and under INT8_VS_FLOAT = 6e-2 of the largest logit: the int8 activations' error
 bound (cpu_kernels.settings) gives ~1e-2, and a near-tied top-k choice that flips moves a
 position as a different expert set would, up to 6e-2 in int8 prefill on the shipped model
-(README "CPU experts"); observed here 1.3e-2 (Q4_K), 9.0e-3 (MXFP4), 3.2e-2 (Q5_K).
+(docs/cpu-kernels.md); observed here 1.3e-2 (Q4_K), 9.0e-3 (MXFP4), 3.2e-2 (Q5_K).
 """
 from __future__ import annotations
 

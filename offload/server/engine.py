@@ -3,8 +3,8 @@ served one at a time in arrival order (FIFO).
 
 Why one at a time: the model runs one sequence (``Block`` takes one cache); batching several
 sequences would need batched attention over separate caches. What it could win is what a
-verify batch wins (the experts a batch of tokens touches are read once) — see the README's
-numbers for this box.
+verify batch wins (the experts a batch of tokens touches are read once) — see the
+numbers for this box in docs/serving.md.
 
 The event loop never runs the model: ``prepare`` checks a request and builds its prompt (in
 the loop, cheap), ``submit`` queues it (503 when ``max_queue`` requests already wait), and
