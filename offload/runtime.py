@@ -15,7 +15,7 @@ import torch
 from cpu_kernels import set_num_threads
 from cpu_kernels.simd8 import has_vnni
 from gpu.kv_cache import KVCache
-from offload.commands.plan import open_draft, plan_from_file
+from offload.plans import open_draft, plan_from_file
 from offload.compiled_block import MAX_TOKENS
 from offload.cpu_ops import DECODE_ACTIVATIONS
 from offload.devices import DeviceMap, resolve

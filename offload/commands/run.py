@@ -141,46 +141,6 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
             f"p_min {p_min:g}, verify {args.spec_verify}")
 
 
-class TextStream:
-    """The text of a growing token sequence, piece by piece as it becomes valid UTF-8: decodes
-    the new tokens behind a few already-returned ones and keeps what follows their text (a
-    SentencePiece decoder drops the leading space of whatever it decodes first, so the new
-    tokens alone would lose theirs); holds back an incomplete multi-byte character."""
-
-    CONTEXT = 8                 # tokens looked back for a context that decodes cleanly
-
-    def __init__(self, detokenize):
-        self.detokenize = detokenize
-        self.ids: list[int] = []
-        self.start = 0          # ids before this are returned; only a short context is re-decoded
-
-    def _new_text(self) -> str:
-        # the context must decode to whole characters on its own (not a byte token cut from
-        # its character, not only control tokens), else it would not be a prefix of the text
-        for ctx in range(self.start - 1, max(self.start - self.CONTEXT, 0) - 1, -1):
-            head = self.detokenize(self.ids[ctx:self.start])
-            if head and "\ufffd" not in head:
-                text = self.detokenize(self.ids[ctx:])
-                if text.startswith(head):
-                    return text[len(head):]
-        return self.detokenize(self.ids[self.start:])
-
-    def push(self, tok: int) -> str:
-        """The new text that ``tok`` completes ("" while a character is incomplete)."""
-        self.ids.append(tok)
-        piece = self._new_text()
-        if not piece or piece.endswith("\ufffd"):   # nothing yet (a space the decoder strips
-            return ""                                 # when first, a control token) or half a character
-        self.start = len(self.ids)
-        return piece
-
-    def close(self) -> str:
-        """What is left (an incomplete character decodes as U+FFFD)."""
-        piece = self._new_text()
-        self.start = len(self.ids)
-        return piece
-
-
 def open_cli_model(args: argparse.Namespace):
     """The positional model, or None with ``--placement`` (the plan names its model), or the
     shipped model."""
@@ -215,6 +175,7 @@ def main(argv=None) -> int:
     import torch                  # imported only when a command needs it
 
     from offload import runtime
+    from offload.tokenizer import TextStream
 
     if args.prompt_file:
         try:

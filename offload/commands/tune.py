@@ -65,9 +65,10 @@ import time
 from pathlib import Path
 
 from offload.bench_tasks import TASKS
-from offload.commands.plan import add_placement_arguments, plan_from_args, read_plan_file
+from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.commands.run import add_session_arguments, runtime_process_settings, session_options
 from offload.errors import ArgumentParser, OffloadError, write_atomic
+from offload.plans import read_plan_file
 from offload.tune_result import HotComparison, MeasuredRow, RunRecord, StepTerms, TuneResult
 from placement.draft import NoDraftHead, check_p_min
 from placement.errors import PlacementError
