@@ -339,9 +339,9 @@ def enable_op_offload(net: CausalLM, weights: WeightStore, plan: Plan, model: Mo
     from gpu.experts import StagingBuffers
     from offload.cpu_ops import CpuExperts
     from offload.moe import MoE
-    from placement.cost import FootprintError, SpecProfile
+    from placement.cost import FootprintError
     from placement.op_offload import MODES, PrefillModel, choose_threshold
-    from placement.speculative import default_profile
+    from placement.speculative import plan_profile
 
     if mode not in MODES:
         raise OffloadError(f"--op-offload must be one of {', '.join(MODES)}, got {mode!r}")
@@ -354,9 +354,7 @@ def enable_op_offload(net: CausalLM, weights: WeightStore, plan: Plan, model: Mo
         return None, "op offload: off (no GPU)"
     if mode == "auto" and virtual:
         return None, "op offload: off (auto does not stream to CPU-backed --virtual-gpus; use on)"
-    section = plan.speculative or {}
-    hw = (SpecProfile.from_dict(section["profile"]).hardware if section.get("profile")
-          else default_profile(plan).hardware)
+    hw = plan_profile(plan).hardware
     try:
         prefill = PrefillModel(plan, model, hw)
     except FootprintError as exc:

@@ -34,7 +34,7 @@ from placement.cost import FootprintError, SpecProfile
 from placement.hardware import HardwareProfile
 from placement.hot_experts import describe
 from placement.routing import RoutingCounts
-from placement.speculative import DEFAULT_MAX_N, complete_hardware, hot_gain, predict
+from placement.speculative import DEFAULT_MAX_N, complete_hardware, hot_gain, plan_profile, predict
 
 # what a plan file fixes, so it cannot be combined with --placement
 PLAN_FILE_FIXES = FLAG_NAMES + ("devices",)
@@ -121,11 +121,6 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def table_source(plan: Plan) -> str:
-    hw = (plan.speculative or {}).get("profile", {}).get("hardware", {})
-    return str(hw.get("source", "defaults"))
-
-
 LLAMA_CPP_HOT_NOTE = ("llama.cpp cannot express partial expert tensors (it places whole ones): these flags are "
                       "the nearest whole-tensor map, with the hot experts ({what}) left on the CPU")
 
@@ -134,12 +129,10 @@ def op_offload_forecast(plan: Plan, model, hits) -> dict | None:
     """``--op-offload auto``'s threshold for this plan and box, and predicted prefill t/s at the
     ubatch with the RAM-resident experts on the CPU and streamed (None: nothing to stream)."""
     from placement.op_offload import PrefillModel
-    from placement.speculative import default_profile
 
     if not any(d.is_gpu for d in plan.devices):
         return None
-    section = plan.speculative or {}
-    hw = SpecProfile.from_dict(section["profile"]).hardware if section.get("profile") else default_profile(plan).hardware
+    hw = plan_profile(plan).hardware
     try:
         m = PrefillModel(plan, model, hw, hits=hits)
     except FootprintError:          # a model the cost model cannot read (e.g. 2-D expert biases)
@@ -176,16 +169,14 @@ def main(argv: list[str]) -> int:
     elif plan.drafting != "none":
         profile = None
         if args.hw_profile:
-            old = plan.speculative or {}
-            base = SpecProfile.from_dict(old["profile"]) if old.get("profile") else None
+            base = plan.speculative.profile if plan.speculative is not None else None
             hw = complete_hardware(HardwareProfile.from_yaml(args.hw_profile), plan)
             profile = SpecProfile(hw) if base is None else dataclasses.replace(base, hardware=hw)
         table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n, hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
     if hits is not None and plan.hot_experts:
         try:
-            gain = hot_gain(plan, model, draft, hits=hits, max_n=args.spec_max_n,
-                            profile=SpecProfile.from_dict(plan.speculative["profile"]) if plan.speculative else None)
+            gain = hot_gain(plan, model, draft, hits=hits, max_n=args.spec_max_n)
         except FootprintError as exc:      # the plan stands; only the forecast is left out
             print(f"offload: note: no hot-expert forecast: {exc}", file=sys.stderr)
     op = op_offload_forecast(plan, model, hits)
@@ -208,7 +199,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(format_plan(plan, model, draft))
         if table is not None:
             print(f"\nspeculative decoding ({plan.drafting} draft head; predicted, "
-                  f"profile: {table_source(plan)}):")
+                  f"profile: {plan_profile(plan).hardware.source}):")
             print(table.format())
         if gain is not None:
             print(gain.format())

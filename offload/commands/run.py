@@ -25,6 +25,7 @@ from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.host_memory import return_freed_memory
 from placement.draft import NoDraftHead, check_n_max, check_p_min
+from placement.speculative import SpecSection
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
 DEFAULT_PROMPT = "def fibonacci(n):"
@@ -112,7 +113,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
 def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
     """The flags and the plan's ``speculative`` section → (n_max, p_min, verify) as keywords
     for ``Session.generate``, and a one-line account of where they came from."""
-    section = plan.speculative or {}
+    section = plan.speculative or SpecSection()
     head = {"in-model NextN": "the model's NextN head", "--draft": f"the NextN head of {plan.draft_path}"}
     if args.spec_type == "mtp" and plan.drafting == "none":
         raise NoDraftHead(plan.model_path, "--spec-type mtp")
@@ -120,14 +121,14 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
         check_n_max(args.spec_n_max, "--spec-n-max")
     if args.spec_p_min is not None:
         check_p_min(args.spec_p_min, "--spec-p-min")
-    p_min = args.spec_p_min if args.spec_p_min is not None else float(section.get("p_min", 0.0) or 0.0)
+    p_min = args.spec_p_min if args.spec_p_min is not None else float(section.p_min or 0.0)
     if args.spec_type == "none":
         return {"n_max": 0}, "speculative decoding off (--spec-type none)"
     if args.spec_n_max is not None:
         n_max, source = args.spec_n_max, "--spec-n-max"
-    elif plan.drafting != "none" and "n_max" in section:
-        n_max = int(section["n_max"])
-        source = f"the plan's speculative.n_max ({section.get('source', 'plan')})"
+    elif plan.drafting != "none" and section.n_max is not None:
+        n_max = int(section.n_max)
+        source = f"the plan's speculative.n_max ({section.source or 'plan'})"
     else:
         return {"n_max": 0}, ("speculative decoding off: n_max 0 (" +
                               ("the plan has no speculative section; --spec-n-max N drafts with "
