@@ -23,7 +23,6 @@ import math
 
 import yaml
 
-from placement.cost import SpecProfile
 from placement.devices import CPU, Device, format_bytes, normalize_device_name, parse_size, sort_devices
 from placement.draft import check_n_max, check_p_min
 from placement.errors import PlacementError
@@ -216,12 +215,10 @@ def _speculative(doc: _Doc, spec: dict | None) -> SpecSection | None:
             doc.fail(at + (key,), f"speculative.{key} must be a list of mappings")
     if spec.get("tune") is not None and not isinstance(spec["tune"], dict):
         doc.fail(at + ("tune",), f"speculative.tune must be a mapping, got {spec['tune']!r}")
-    if spec.get("profile") is not None:
-        try:
-            SpecProfile.from_dict(spec["profile"])
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:   # ProfileError, or a wrong type inside
-            doc.fail(at + ("profile",), f"speculative.profile: {exc}")
-    return SpecSection.from_dict(spec)
+    try:
+        return SpecSection.from_dict(spec)      # the keys are checked: only the profile can fail here
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:   # ProfileError, or a wrong type inside
+        doc.fail(at + ("profile",), f"speculative.profile: {exc}")
 
 
 def _rules(doc: _Doc, seq: Any, path: tuple, devices: list[str]) -> tuple[Rule, ...]:
