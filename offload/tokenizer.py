@@ -8,6 +8,8 @@
 
 Control and user-defined tokens are matched whole in the input text; control tokens (BOS,
 EOS, chat markers) decode to nothing, as in llama.cpp's default detokenization.
+``TextStream`` turns a growing token sequence into text pieces (``offload run``'s stdout,
+``offload serve``'s chunks).
 """
 from __future__ import annotations
 
@@ -92,6 +94,46 @@ class Tokenizer:
         return cls(tok, bos_id=meta.get(Keys.Tokenizer.BOS_ID),
                    eos_ids=frozenset(int(i) for i in eos if i is not None),
                    add_bos=bool(meta.get(Keys.Tokenizer.ADD_BOS, add_bos_default)))
+
+
+class TextStream:
+    """The text of a growing token sequence, piece by piece as it becomes valid UTF-8: decodes
+    the new tokens behind a few already-returned ones and keeps what follows their text (a
+    SentencePiece decoder drops the leading space of whatever it decodes first, so the new
+    tokens alone would lose theirs); holds back an incomplete multi-byte character."""
+
+    CONTEXT = 8                 # tokens looked back for a context that decodes cleanly
+
+    def __init__(self, detokenize):
+        self.detokenize = detokenize
+        self.ids: list[int] = []
+        self.start = 0          # ids before this are returned; only a short context is re-decoded
+
+    def _new_text(self) -> str:
+        # the context must decode to whole characters on its own (not a byte token cut from
+        # its character, not only control tokens), else it would not be a prefix of the text
+        for ctx in range(self.start - 1, max(self.start - self.CONTEXT, 0) - 1, -1):
+            head = self.detokenize(self.ids[ctx:self.start])
+            if head and "\ufffd" not in head:
+                text = self.detokenize(self.ids[ctx:])
+                if text.startswith(head):
+                    return text[len(head):]
+        return self.detokenize(self.ids[self.start:])
+
+    def push(self, tok: int) -> str:
+        """The new text that ``tok`` completes ("" while a character is incomplete)."""
+        self.ids.append(tok)
+        piece = self._new_text()
+        if not piece or piece.endswith("\ufffd"):   # nothing yet (a space the decoder strips
+            return ""                                 # when first, a control token) or half a character
+        self.start = len(self.ids)
+        return piece
+
+    def close(self) -> str:
+        """What is left (an incomplete character decodes as U+FFFD)."""
+        piece = self._new_text()
+        self.start = len(self.ids)
+        return piece
 
 
 def _check_arrays(meta: dict, tokens, types) -> None:

@@ -12,6 +12,7 @@ from placement.cost import SpecTable
 from placement.cost_fit import FitResult
 from placement.hardware import HardwareProfile
 from placement.routing import RoutingCounts, RoutingProfile
+from placement.speculative import SpecSection
 
 if TYPE_CHECKING:                   # offload.tune imports torch
     from offload.tune import Decode, PrefillRates
@@ -136,7 +137,7 @@ class TuneResult:
     measured: tuple[MeasuredRow, ...]
     chosen_n_max: int
     choice: str                                  # why
-    section: dict                                # the plan's ``speculative`` section
+    section: SpecSection                         # the plan's ``speculative`` section
     prefill: PrefillRates | None = None          # the op-offload rates measured
     routing_counts: RoutingCounts | None = None  # per-expert counts (written into the plan)
     hot: HotComparison | None = None             # without vs with hot experts
@@ -163,7 +164,7 @@ class TuneResult:
             "predicted": {str(p): t.to_dict() for p, t in self.predicted.items()},
             "p_min": self.p_min, "stages": list(self.stages), "repeats": self.repeats,
             "runs": [r.to_json() for r in self.runs], "measured": [asdict(m) for m in self.measured],
-            "chosen_n_max": self.chosen_n_max, "choice": self.choice, "section": self.section,
+            "chosen_n_max": self.chosen_n_max, "choice": self.choice, "section": self.section.to_dict(),
             "table_text": self.table.format(), "break_even_n_max": self.table.break_even_n,
             "best_n_max": self.table.best.n,
             "op_offload_rates": None if self.prefill is None else self.prefill.to_dict(),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from placement.devices import CPU, Device, format_bytes
 from placement.errors import PlacementError
@@ -23,6 +23,9 @@ from placement.memory import (DeviceTotals, Footprint, MemorySettings, add_footp
                               footprint, forward_steps)
 from placement.rules import Rule, assign, check_devices, first_match
 from placement.tensors import ModelSpec, TensorInfo
+
+if TYPE_CHECKING:                   # placement.speculative imports this module
+    from placement.speculative import SpecSection
 
 
 class PlannedModel(Protocol):
@@ -89,7 +92,7 @@ class Plan:
     draft_tensors: Mapping[str, str] = field(default_factory=dict)
     drafting: str = "none"              # "in-model NextN", "--draft", or "none"
     notes: tuple[str, ...] = ()
-    speculative: Mapping[str, Any] | None = None  # filled by the cost model (offload tune)
+    speculative: SpecSection | None = None  # filled by the cost model (offload plan, offload tune)
     hot_experts: HotExperts = field(default_factory=dict)   # GPU → block → single experts held there
 
     @property
@@ -134,7 +137,7 @@ class Plan:
             "placed_by": self.placement.placed_by(self.tensors),
             "draft_placed_by": self.placement.placed_by(self.draft_tensors, draft=True),
             "notes": list(self.notes),
-            "speculative": self.speculative,
+            "speculative": self.speculative.to_dict() if self.speculative is not None else None,
             "hot_experts": to_json(self.hot_experts),
         }
 

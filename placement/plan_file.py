@@ -23,7 +23,6 @@ import math
 
 import yaml
 
-from placement.cost import SpecProfile
 from placement.devices import CPU, Device, format_bytes, normalize_device_name, parse_size, sort_devices
 from placement.draft import check_n_max, check_p_min
 from placement.errors import PlacementError
@@ -33,6 +32,7 @@ from placement.memory import MemorySettings
 from placement.plan import Placement, Plan
 from placement.routing import RoutingCounts
 from placement.rules import Rule
+from placement.speculative import SECTION_KEYS, SpecSection
 
 VERSION = 1
 HEADER = """\
@@ -55,7 +55,7 @@ SPEC_NUMBERS = ("predicted_plain_tps", "predicted_speedup", "draft_ms", "measure
 SPEC_COUNTS = ("break_even_n_max", "best_n_max", "measured_best_n_max")
 SPEC_TEXT = ("type", "source", "routing", "choice")
 SPEC_LISTS = ("rows", "measured_rows")
-SPEC_KEYS = {"n_max", "p_min", "profile", "tune", *SPEC_NUMBERS, *SPEC_COUNTS, *SPEC_TEXT, *SPEC_LISTS}
+SPEC_KEYS = frozenset(SECTION_KEYS)
 TOP_KEYS = {"version", "model", "draft", "context", "cache_type", "ubatch", "devices", "layout",
             "rules", "draft_placement", "speculative", "totals", "notes", "hot_experts", "routing"}
 
@@ -71,7 +71,7 @@ class PlanFile:
     targets: Mapping[str, int]
     placement: Placement
     n_layer: int
-    speculative: Mapping[str, Any] | None
+    speculative: SpecSection | None
     hot_experts: HotExperts | None = None   # GPU → block → experts (checked against the model when resolved)
     routing: RoutingCounts | None = None    # the routing profile ``offload tune`` measured (``routing:``)
 
@@ -94,7 +94,7 @@ def plan_to_yaml(plan: Plan, *, routing: RoutingCounts | None = None) -> str:
         "rules": [r.as_dict() for r in plan.placement.rules],
         "draft_placement": {"device": plan.placement.draft_device,
                             "rules": [r.as_dict() for r in plan.placement.draft_rules]},
-        "speculative": dict(plan.speculative) if plan.speculative else None,
+        "speculative": (plan.speculative.to_dict() or None) if plan.speculative is not None else None,
         **({"hot_experts": to_json(plan.hot_experts)} if plan.hot_experts else {}),
         **({"routing": routing.to_dict()} if routing is not None else {}),
         "notes": list(plan.notes),
@@ -179,7 +179,7 @@ def _positive(doc: _Doc, mapping: Any, key: str, path: tuple = (), *, default: i
     return value
 
 
-def _speculative(doc: _Doc, spec: dict | None) -> dict | None:
+def _speculative(doc: _Doc, spec: dict | None) -> SpecSection | None:
     """The ``speculative:`` section, every key checked (see SPEC_KEYS)."""
     if spec is None:
         return None
@@ -215,12 +215,10 @@ def _speculative(doc: _Doc, spec: dict | None) -> dict | None:
             doc.fail(at + (key,), f"speculative.{key} must be a list of mappings")
     if spec.get("tune") is not None and not isinstance(spec["tune"], dict):
         doc.fail(at + ("tune",), f"speculative.tune must be a mapping, got {spec['tune']!r}")
-    if spec.get("profile") is not None:
-        try:
-            SpecProfile.from_dict(spec["profile"])
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:   # ProfileError, or a wrong type inside
-            doc.fail(at + ("profile",), f"speculative.profile: {exc}")
-    return spec
+    try:
+        return SpecSection.from_dict(spec)      # the keys are checked: only the profile can fail here
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:   # ProfileError, or a wrong type inside
+        doc.fail(at + ("profile",), f"speculative.profile: {exc}")
 
 
 def _rules(doc: _Doc, seq: Any, path: tuple, devices: list[str]) -> tuple[Rule, ...]:

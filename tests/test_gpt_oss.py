@@ -112,7 +112,7 @@ def test_prompt_cache_falls_back_to_a_fresh_state_past_the_window(tmp_path):
     have dropped the rows that prefix needs, so the prompt cache starts fresh (n_cached 0)
     and the answer equals a fresh run; a prompt that extends the last one is still reused."""
     import offload.runtime as rt
-    from offload.runtime import PromptCache
+    from offload.session import PromptCache
     from tests.tiny_models import TinySpec, write_tiny_model
 
     tiny = write_tiny_model(tmp_path / "oss.gguf", TinySpec(arch="gpt-oss", n_layer=2, window=4, seed=34))

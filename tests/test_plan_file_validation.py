@@ -81,7 +81,7 @@ def test_bad_plan_file_is_refused_naming_the_key(good_plan, path, value, message
 
 def test_the_good_plan_loads(good_plan):
     pf = load_plan_file(yaml.safe_dump(good_plan, sort_keys=False), "plan.yaml")
-    assert pf.speculative["n_max"] == good_plan["speculative"]["n_max"]
+    assert pf.speculative.n_max == good_plan["speculative"]["n_max"]
 
 
 def test_run_with_a_bad_plan_file_exits_2_with_one_line(good_plan, tmp_path, capsys):

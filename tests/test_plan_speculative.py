@@ -59,3 +59,24 @@ def test_spec_type_none_and_missing_head(fixture_paths, tmp_path):
     r = offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX, "--hw-profile", str(bad), "-o", str(tmp_path / "p.yaml"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_section_reads_typed_and_writes_back_as_written(fixture_paths, tmp_path):
+    """``SpecSection``: the file form in, the same keys in the same order out (a refreshed
+    tune section has ``rows`` after ``tune``), and ``plan_profile`` is the section's profile."""
+    from placement.cost import SpecProfile
+    from placement.speculative import SpecSection
+
+    out = tmp_path / "plan.yaml"
+    assert offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX, "-o", str(out)).returncode == 0
+    d = yaml.safe_load(out.read_text())["speculative"]
+    rows, profile = d.pop("rows"), d.pop("profile")
+    d.update({"source": "tune", "measured_speedup": None, "choice": "best measured", "tune": {"repeats": 1},
+              "rows": rows, "profile": profile})
+    section = SpecSection.from_dict(d)
+    assert section.n_max == d["n_max"] and section.source == "tune" and section.measured_speedup is None
+    assert isinstance(section.profile, SpecProfile) and section.profile == SpecProfile.from_dict(profile)
+    assert list(section.to_dict()) == list(d) and section.to_dict() == d
+    assert SpecSection.from_dict(section.to_dict()) == section
+    assert SpecSection().to_dict() == {} and list(SpecSection.of({"p_min": 0.5, "type": "mtp"}).to_dict()) == \
+        ["p_min", "type"]

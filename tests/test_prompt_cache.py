@@ -19,7 +19,7 @@ import torch
 
 import offload.runtime as rt
 from offload.errors import OffloadError
-from offload.runtime import PromptCache, common_prefix
+from offload.session import PromptCache, common_prefix
 from offload.sampling import Sampler
 from offload.speculative import generate_step
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 from gguf import Keys, TokenType
 
-from offload.commands.run import TextStream
 from offload.errors import OffloadError
-from offload.tokenizer import Tokenizer
+from offload.tokenizer import TextStream, Tokenizer
 from tests.tiny_models import bytes_to_unicode, tiny_vocab
 
 TEXTS = ["def the(self):\n    return x", "héllo wörld 日本語 🙂\t\n", "  leading and trailing  ", "x123 4567"]

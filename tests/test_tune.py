@@ -364,8 +364,8 @@ def test_tune_on_virtual_gpus_compares_hot_experts_and_stores_routing_and_rates(
     rates = d["op_offload_rates"]
     assert rates["cpu_batched_gflops"] > 0 and rates["link_gbps"] == {}
     assert any("CUDA0" in n and "no CUDA device" in n for n in rates["notes"])
-    hw = pf.speculative["profile"]["hardware"]
-    assert hw["cpu_batched_gflops"] == rates["cpu_batched_gflops"]     # what offload run --placement reads
+    hw = pf.speculative.profile.hardware
+    assert hw.cpu_batched_gflops == rates["cpu_batched_gflops"]     # what offload run --placement reads
     hot = d["hot_experts"]
     assert hot["virtual_gpus"] is True and "CUDA0" in hot["hot_experts"]
     assert all(v > 0 for side in hot["measured_plain_tps"].values() for v in side)

@@ -18,16 +18,15 @@ import argparse
 import dataclasses
 import json
 import sys
-import warnings
-from pathlib import Path
 
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.gguf_model import ModelFile, open_model
+from offload.plans import open_draft, plan_from_file, read_plan_file
 from placement.devices import resolve_devices
 from placement.draft import NoDraftHead, check_n_max
 from placement.llama_args import format_args, llama_cpp_args
-from placement.plan import Plan, build_plan
-from placement.plan_file import load_plan_file, plan_to_yaml
+from placement.plan import Plan
+from placement.plan_file import plan_to_yaml
 from placement.planner import (DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, DEFAULT_UBATCH, FIT_MODES, FLAG_NAMES,
                                PlanOptions, make_plan)
 from placement.report import format_plan
@@ -36,8 +35,7 @@ from placement.footprint import FootprintError
 from placement.hardware import HardwareProfile
 from placement.hot_experts import describe
 from placement.routing import RoutingCounts
-from placement.speculative import DEFAULT_MAX_N, complete_hardware, hot_gain, predict
-from placement.tensors import Role
+from placement.speculative import DEFAULT_MAX_N, complete_hardware, hot_gain, plan_profile, predict
 
 # what a plan file fixes, so it cannot be combined with --placement
 PLAN_FILE_FIXES = FLAG_NAMES + ("devices",)
@@ -84,45 +82,6 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                         "with the hottest single experts of CPU-resident blocks")
 
 
-def open_draft(path: str, model: ModelFile) -> ModelFile:
-    """A ``--draft`` GGUF: a NextN block of the same architecture and width as the model."""
-    draft = open_model(path)
-    if not any(t.role is Role.NEXTN for t in draft.tensors):
-        raise OffloadError(f"{path}: --draft needs a GGUF holding a NextN block (no blk.N.nextn.* tensors)")
-    if (draft.spec.arch, draft.spec.n_embd) != (model.spec.arch, model.spec.n_embd):
-        raise OffloadError(f"{path}: draft is {draft.spec.arch} with n_embd {draft.spec.n_embd}, "
-                           f"the model is {model.spec.arch} with n_embd {model.spec.n_embd}")
-    return draft
-
-
-def read_plan_file(path: str):
-    """The parsed plan file at ``path`` (``PlanFile``); unreadable or malformed → one-line error."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise OffloadError(f"{path}: cannot read plan file ({getattr(exc, 'strerror', None) or exc})") from None
-    return load_plan_file(text, path)
-
-
-def plan_from_file(path: str, model: ModelFile | None, draft_path: str | None = None):
-    """The plan file at ``path`` resolved against ``model`` (None: the model it names) → (Plan, model, draft)."""
-    pf = read_plan_file(path)
-    if model is None:
-        model = open_model(pf.model_path)
-    elif Path(model.path).resolve() != Path(pf.model_path).resolve():
-        warnings.warn(f"{path} was made for {pf.model_path}; planning {model.path}", stacklevel=2)
-    if pf.n_layer != model.spec.n_layer:
-        raise OffloadError(f"{path}: the plan's layout is for {pf.n_layer} blocks but {model.path} "
-                           f"has {model.spec.n_layer}")
-    draft_path = draft_path or pf.draft_path
-    draft = open_draft(draft_path, model) if draft_path else None
-    plan = build_plan(model, pf.placement, pf.settings, pf.devices, pf.targets, mode="plan file", draft=draft,
-                      hot_experts=pf.hot_experts)
-    plan = dataclasses.replace(plan, speculative=pf.speculative)
-    plan.check_fits()
-    return plan, model, draft
-
-
 def plan_from_args(args: argparse.Namespace, model: ModelFile | None) -> tuple[Plan, ModelFile, ModelFile | None]:
     """args (``add_placement_arguments``) + model → (Plan, model, draft).
 
@@ -163,11 +122,6 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def table_source(plan: Plan) -> str:
-    hw = (plan.speculative or {}).get("profile", {}).get("hardware", {})
-    return str(hw.get("source", "defaults"))
-
-
 LLAMA_CPP_HOT_NOTE = ("llama.cpp cannot express partial expert tensors (it places whole ones): these flags are "
                       "the nearest whole-tensor map, with the hot experts ({what}) left on the CPU")
 
@@ -176,12 +130,10 @@ def op_offload_forecast(plan: Plan, model, hits) -> dict | None:
     """``--op-offload auto``'s threshold for this plan and box, and predicted prefill t/s at the
     ubatch with the RAM-resident experts on the CPU and streamed (None: nothing to stream)."""
     from placement.op_offload import PrefillModel
-    from placement.speculative import default_profile
 
     if not any(d.is_gpu for d in plan.devices):
         return None
-    section = plan.speculative or {}
-    hw = SpecProfile.from_dict(section["profile"]).hardware if section.get("profile") else default_profile(plan).hardware
+    hw = plan_profile(plan).hardware
     try:
         m = PrefillModel(plan, model, hw, hits=hits)
     except FootprintError:          # a model the cost model cannot read (e.g. 2-D expert biases)
@@ -218,16 +170,14 @@ def main(argv: list[str]) -> int:
     elif plan.drafting != "none":
         profile = None
         if args.hw_profile:
-            old = plan.speculative or {}
-            base = SpecProfile.from_dict(old["profile"]) if old.get("profile") else None
+            base = plan.speculative.profile if plan.speculative is not None else None
             hw = complete_hardware(HardwareProfile.from_yaml(args.hw_profile), plan)
             profile = SpecProfile(hw) if base is None else dataclasses.replace(base, hardware=hw)
         table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n, hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
     if hits is not None and plan.hot_experts:
         try:
-            gain = hot_gain(plan, model, draft, hits=hits, max_n=args.spec_max_n,
-                            profile=SpecProfile.from_dict(plan.speculative["profile"]) if plan.speculative else None)
+            gain = hot_gain(plan, model, draft, hits=hits, max_n=args.spec_max_n)
         except FootprintError as exc:      # the plan stands; only the forecast is left out
             print(f"offload: note: no hot-expert forecast: {exc}", file=sys.stderr)
     op = op_offload_forecast(plan, model, hits)
@@ -250,7 +200,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(format_plan(plan, model, draft))
         if table is not None:
             print(f"\nspeculative decoding ({plan.drafting} draft head; predicted, "
-                  f"profile: {table_source(plan)}):")
+                  f"profile: {plan_profile(plan).hardware.source}):")
             print(table.format())
         if gain is not None:
             print(gain.format())

@@ -25,6 +25,7 @@ from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.host_memory import return_freed_memory
 from placement.draft import NoDraftHead, check_n_max, check_p_min
+from placement.speculative import SpecSection
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
 DEFAULT_PROMPT = "def fibonacci(n):"
@@ -112,7 +113,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
 def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
     """The flags and the plan's ``speculative`` section → (n_max, p_min, verify) as keywords
     for ``Session.generate``, and a one-line account of where they came from."""
-    section = plan.speculative or {}
+    section = plan.speculative or SpecSection()
     head = {"in-model NextN": "the model's NextN head", "--draft": f"the NextN head of {plan.draft_path}"}
     if args.spec_type == "mtp" and plan.drafting == "none":
         raise NoDraftHead(plan.model_path, "--spec-type mtp")
@@ -120,14 +121,14 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
         check_n_max(args.spec_n_max, "--spec-n-max")
     if args.spec_p_min is not None:
         check_p_min(args.spec_p_min, "--spec-p-min")
-    p_min = args.spec_p_min if args.spec_p_min is not None else float(section.get("p_min", 0.0) or 0.0)
+    p_min = args.spec_p_min if args.spec_p_min is not None else float(section.p_min or 0.0)
     if args.spec_type == "none":
         return {"n_max": 0}, "speculative decoding off (--spec-type none)"
     if args.spec_n_max is not None:
         n_max, source = args.spec_n_max, "--spec-n-max"
-    elif plan.drafting != "none" and "n_max" in section:
-        n_max = int(section["n_max"])
-        source = f"the plan's speculative.n_max ({section.get('source', 'plan')})"
+    elif plan.drafting != "none" and section.n_max is not None:
+        n_max = int(section.n_max)
+        source = f"the plan's speculative.n_max ({section.source or 'plan'})"
     else:
         return {"n_max": 0}, ("speculative decoding off: n_max 0 (" +
                               ("the plan has no speculative section; --spec-n-max N drafts with "
@@ -139,46 +140,6 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
     return ({"n_max": n_max, "p_min": p_min, "verify": args.spec_verify},
             f"speculative decoding: mtp with {head[plan.drafting]}, n_max {n_max} (from {source}), "
             f"p_min {p_min:g}, verify {args.spec_verify}")
-
-
-class TextStream:
-    """The text of a growing token sequence, piece by piece as it becomes valid UTF-8: decodes
-    the new tokens behind a few already-returned ones and keeps what follows their text (a
-    SentencePiece decoder drops the leading space of whatever it decodes first, so the new
-    tokens alone would lose theirs); holds back an incomplete multi-byte character."""
-
-    CONTEXT = 8                 # tokens looked back for a context that decodes cleanly
-
-    def __init__(self, detokenize):
-        self.detokenize = detokenize
-        self.ids: list[int] = []
-        self.start = 0          # ids before this are returned; only a short context is re-decoded
-
-    def _new_text(self) -> str:
-        # the context must decode to whole characters on its own (not a byte token cut from
-        # its character, not only control tokens), else it would not be a prefix of the text
-        for ctx in range(self.start - 1, max(self.start - self.CONTEXT, 0) - 1, -1):
-            head = self.detokenize(self.ids[ctx:self.start])
-            if head and "\ufffd" not in head:
-                text = self.detokenize(self.ids[ctx:])
-                if text.startswith(head):
-                    return text[len(head):]
-        return self.detokenize(self.ids[self.start:])
-
-    def push(self, tok: int) -> str:
-        """The new text that ``tok`` completes ("" while a character is incomplete)."""
-        self.ids.append(tok)
-        piece = self._new_text()
-        if not piece or piece.endswith("\ufffd"):   # nothing yet (a space the decoder strips
-            return ""                                 # when first, a control token) or half a character
-        self.start = len(self.ids)
-        return piece
-
-    def close(self) -> str:
-        """What is left (an incomplete character decodes as U+FFFD)."""
-        piece = self._new_text()
-        self.start = len(self.ids)
-        return piece
 
 
 def open_cli_model(args: argparse.Namespace):
@@ -215,6 +176,7 @@ def main(argv=None) -> int:
     import torch                  # imported only when a command needs it
 
     from offload import runtime
+    from offload.tokenizer import TextStream
 
     if args.prompt_file:
         try:

@@ -78,12 +78,13 @@ def main(argv=None) -> int:
     from offload.server.engine import Engine
     from offload.speculative import SpecOptions
     from offload.tokenizer import Tokenizer
+    from placement.speculative import SpecSection
 
     torch.set_num_threads(args.torch_threads)
     model = open_cli_model(args)
     plan, model, _ = plan_from_args(args, model)
     spec, account = spec_settings(args, plan)
-    p_min = args.spec_p_min if args.spec_p_min is not None else float((plan.speculative or {}).get("p_min", 0.0) or 0.0)
+    p_min = args.spec_p_min if args.spec_p_min is not None else float((plan.speculative or SpecSection()).p_min or 0.0)
     options = SpecOptions(n_max=spec["n_max"], p_min=p_min, verify=args.spec_verify)
     # everything that can be wrong with the flags is found before the port is bound
     template = ChatTemplate.for_model(model.metadata, Tokenizer.from_gguf(model.metadata), args.chat_template)

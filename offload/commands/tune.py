@@ -65,9 +65,10 @@ import time
 from pathlib import Path
 
 from offload.bench_tasks import TASKS
-from offload.commands.plan import add_placement_arguments, plan_from_args, read_plan_file
+from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.commands.run import add_session_arguments, runtime_process_settings, session_options
 from offload.errors import ArgumentParser, OffloadError, write_atomic
+from offload.plans import read_plan_file
 from offload.tune_result import HotComparison, MeasuredRow, RunRecord, StepTerms, TuneResult
 from placement.draft import NoDraftHead, check_p_min
 from placement.errors import PlacementError
@@ -248,7 +249,7 @@ def main(argv=None) -> int:
         say(f"wrote the measured routing profile to {args.routing_out}")
     if out_path:
         write_atomic(out_path, plan_to_yaml(tuned, routing=result.routing_counts))
-        say(f"wrote n_max {result.section['n_max']}, p_min {result.section['p_min']:g} into {out_path}")
+        say(f"wrote n_max {result.section.n_max}, p_min {result.section.p_min:g} into {out_path}")
     else:
         say("no plan written (give -o PLAN.yaml, or tune a --placement file)")
     if args.json:
@@ -265,7 +266,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     from placement.cost import SpecProfile, best_over_p_min, speculation_table
     from placement.cost_fit import fit_profile
     from placement.routing import distinct_experts_uniform
-    from placement.speculative import default_profile, plan_footprint, predict
+    from placement.speculative import SpecSection, plan_footprint, plan_profile, predict
 
     max_n, n_tok = args.max_n, args.n_predict
     budget = clock.budget
@@ -322,9 +323,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
 
     # fit: pass times → hardware profile; loop overheads from the decode runs
     fp = plan_footprint(plan, model, draft)
-    old = plan.speculative or {}
-    base_hw = (SpecProfile.from_dict(old["profile"]).hardware if old.get("profile")
-               else default_profile(plan).hardware)
+    base_hw = plan_profile(plan).hardware
     free = [p for p in FIT_FREE if p in base_hw.linear_params()]
     fit = fit_profile(fp, base_hw, verify_s=verify_s, draft_s=draft_s, free=free, routing=routing)
     step_s, spec_step_s = passes.loop_overheads()
@@ -373,11 +372,12 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
 
     # the plan section: predict()'s shape with the measured profile, then tune's choice
     profile = SpecProfile(hw, table.acceptance, routing)
-    plan_in = dataclasses.replace(plan, speculative={k: v for k, v in old.items()
-                                                     if k not in ("n_max", "p_min", "source")} or None)
-    _, section = predict(plan_in, model, draft, profile=profile, max_n=max_n)
+    old = plan.speculative.entries() if plan.speculative is not None else {}
+    kept = {k: v for k, v in old.items() if k not in ("n_max", "p_min", "source")}
+    plan_in = dataclasses.replace(plan, speculative=SpecSection.of(kept) if kept else None)
+    entries = predict(plan_in, model, draft, profile=profile, max_n=max_n)[1].entries()
     by_n = {m.n_max: m for m in measured}
-    section.update({
+    entries.update({
         "n_max": chosen, "p_min": p_min, "source": "tune",
         "measured_speedup": round(by_n[chosen].speedup_mean, 4) if chosen in by_n else None,
         "measured_best_n_max": max(measured, key=lambda m: m.speedup_mean).n_max,
@@ -388,7 +388,8 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
                  "load_average": [round(load0, 2), round(load1, 2)], "cores": os.cpu_count()},
     })
     # the profile last, where predict() puts it
-    section["profile"] = section.pop("profile")
+    entries["profile"] = entries.pop("profile")
+    section = SpecSection.of(entries)
     return TuneResult(
         model=plan.model_path, devices=session.devices.describe(), budget_s=budget, seconds=clock.elapsed(),
         load_average=(load0, load1), tokens_per_run=n_tok, calibration_step_ms=plain_step * 1e3,

@@ -24,12 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from offload.chat_template import ChatTemplate, ChatTemplateError, TemplateRaised
-from offload.commands.run import TextStream
 from offload.errors import OffloadError
 from offload.server.metrics import Metrics
 from offload.server.protocol import APIError, Request, Result, server_busy
 from offload.server.stops import StopText
 from offload.speculative import SpecOptions
+from offload.tokenizer import TextStream
 
 
 @dataclass

@@ -1,0 +1,54 @@
+"""Plan files and draft models as the library opens them: ``offload.load``, ``offload run`` /
+``plan`` / ``tune`` / ``serve`` all resolve a ``--placement`` file or a ``--draft`` GGUF here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+from offload.errors import OffloadError
+from offload.gguf_model import ModelFile, open_model
+from placement.plan import Plan, build_plan
+from placement.plan_file import PlanFile, load_plan_file
+from placement.tensors import Role
+
+
+def open_draft(path: str, model: ModelFile) -> ModelFile:
+    """A ``--draft`` GGUF: a NextN block of the same architecture and width as the model."""
+    draft = open_model(path)
+    if not any(t.role is Role.NEXTN for t in draft.tensors):
+        raise OffloadError(f"{path}: --draft needs a GGUF holding a NextN block (no blk.N.nextn.* tensors)")
+    if (draft.spec.arch, draft.spec.n_embd) != (model.spec.arch, model.spec.n_embd):
+        raise OffloadError(f"{path}: draft is {draft.spec.arch} with n_embd {draft.spec.n_embd}, "
+                           f"the model is {model.spec.arch} with n_embd {model.spec.n_embd}")
+    return draft
+
+
+def read_plan_file(path: str) -> PlanFile:
+    """The parsed plan file at ``path``; unreadable or malformed → one-line error."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OffloadError(f"{path}: cannot read plan file ({getattr(exc, 'strerror', None) or exc})") from None
+    return load_plan_file(text, path)
+
+
+def plan_from_file(path: str, model: ModelFile | None,
+                   draft_path: str | None = None) -> tuple[Plan, ModelFile, ModelFile | None]:
+    """The plan file at ``path`` resolved against ``model`` (None: the model it names) → (Plan, model, draft)."""
+    pf = read_plan_file(path)
+    if model is None:
+        model = open_model(pf.model_path)
+    elif Path(model.path).resolve() != Path(pf.model_path).resolve():
+        warnings.warn(f"{path} was made for {pf.model_path}; planning {model.path}", stacklevel=2)
+    if pf.n_layer != model.spec.n_layer:
+        raise OffloadError(f"{path}: the plan's layout is for {pf.n_layer} blocks but {model.path} "
+                           f"has {model.spec.n_layer}")
+    draft_path = draft_path or pf.draft_path
+    draft = open_draft(draft_path, model) if draft_path else None
+    plan = build_plan(model, pf.placement, pf.settings, pf.devices, pf.targets, mode="plan file", draft=draft,
+                      hot_experts=pf.hot_experts)
+    plan = dataclasses.replace(plan, speculative=pf.speculative)
+    plan.check_fits()
+    return plan, model, draft

@@ -1,0 +1,178 @@
+"""A loaded model as the CLI, the server and embedders use it (``offload.load`` returns a
+``Session``): tokenize, logits, ``generate`` (plain or speculative), and llama-server's prompt
+cache. ``offload.runtime`` builds it.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from gpu.kv_cache import KVCache
+from offload.devices import DeviceMap
+from offload.errors import OffloadError
+from offload.models.common import CausalLM
+from offload.profile import Profile
+from offload.sampling import Sampler
+from offload.speculative import SpecOptions, generate_step
+from offload.stats import RunStats, peak_rss_bytes
+from offload.weights import WeightStore
+from placement.draft import NoDraftHead
+from placement.plan import Plan
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class PromptCache:
+    """llama-server's prompt cache: the caches of the last sequence and the tokens it ran,
+    so the next prompt evaluates only what follows their longest common prefix.
+
+    Invariant: ``tokens`` is the last sequence (prompt + every yielded token); the trunk
+    cache holds its first ``state.n_past`` tokens and the head cache pairs that need only
+    ``tokens`` (pair t reads x_0..x_{t+1})."""
+
+    def __init__(self):
+        self.state, self.head, self.tokens = None, None, []
+
+    def take(self, model: CausalLM, head, ids: list[int], drafting: bool):
+        """The state to continue ``ids`` on, rolled back to the reusable prefix, and its
+        length n_cached (< len(ids): the last prompt token always runs, for its logits)."""
+        if self.state is None or self.head is not head:
+            self.state, self.head, self.tokens = model.new_state(head), head, []
+        state = self.state
+        common = min(common_prefix(self.tokens, ids), state.n_past)
+        head_cache = state.nextn_cache
+        head_ok = max(0, min(head_cache.length, common - 1)) if head_cache is not None else 0
+        # drafting primes the head from the trunk states of the evaluated positions, so the
+        # trunk is reused only as far as the head's pairs reach
+        n_cached = head_ok if drafting else min(common, len(ids) - 1)
+        try:
+            state.truncate(n_cached)
+        except ValueError:      # a sliding-window cache no longer holds the rows that prefix needs
+            self.state = state = model.new_state(head)
+            head_cache, n_cached = state.nextn_cache, 0
+        if head_cache is not None:
+            head_cache.truncate(min(head_ok, n_cached))
+        self.tokens = list(ids)
+        return state, n_cached
+
+
+class Session:
+    """A loaded model. ``logits`` starts a fresh sequence; ``generate`` does too, or with
+    ``cache_prompt`` reuses the previous sequence's longest common prefix."""
+
+    def __init__(self, *, model: CausalLM, tokenizer, devices: DeviceMap, weights: WeightStore,
+                 profile: Profile, pool: ThreadPoolExecutor, meta: Mapping, plan: Plan):
+        self.model, self.tokenizer, self.devices, self.plan = model, tokenizer, devices, plan
+        self.allocated = dict(weights.allocated)
+        self.profile, self._pool, self.meta = profile, pool, meta
+        self.load_s = 0.0
+        self.stats: RunStats | None = None
+        self.prompt_cache = PromptCache()
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    @torch.inference_mode()
+    def logits(self, ids) -> np.ndarray:
+        """Logits (len(ids), n_vocab) float32 for a fresh sequence, one batch."""
+        state = self.model.new_state()
+        out, _ = self.model.forward(torch.as_tensor(list(ids), dtype=torch.long), state)
+        return out.cpu().numpy()
+
+    def warmup(self) -> None:
+        """Throw-away passes (one token, and a 2-token batch, through the trunk and the draft
+        head) so kernel loading/compilation stays out of the timings."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            state = self.model.new_state()
+            _, h = self.model.forward(torch.as_tensor([0]), state, logits="last")
+            _, h2 = self.model.forward(torch.as_tensor([0, 0]), state, logits="all")
+            if self.model.nextn is not None:
+                self.model.nextn(torch.as_tensor([0, 0]), h2, torch.arange(1, 3), state.nextn_cache)
+                self.model.nextn(torch.as_tensor([0]), h, torch.arange(3, 4), state.nextn_cache)
+        self.load_s += time.perf_counter() - t0
+
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, ubatch: int | None = None,
+                 stop_at_eos: bool = True, n_max: int = 0, p_min: float = 0.0, verify: str = "batched",
+                 head=None, cache_prompt: bool = False) -> Iterator[int]:
+        """Yield generated token ids for a fresh sequence. The prompt is processed in
+        batches of ``ubatch`` tokens (default: the plan's), then one step at a time: plain
+        decoding with ``n_max = 0``, else speculative decoding with the draft head (``head``,
+        default the model's NextN / ``--draft`` head) drafting up to ``n_max`` tokens per step
+        (see ``offload.speculative``). ``self.stats`` (RunStats) is filled as it goes.
+        ``cache_prompt``: keep the KV of the longest prefix shared with the previous
+        ``cache_prompt`` sequence (``self.prompt_cache``) and evaluate only the rest."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        ubatch = self.plan.settings.ubatch if ubatch is None else ubatch
+        ctx = self.plan.settings.ctx
+        if not ids:
+            raise OffloadError("the prompt is empty")
+        if ubatch < 1:
+            raise OffloadError(f"--ubatch must be >= 1, got {ubatch}")
+        if len(ids) + max_tokens > ctx:
+            raise OffloadError(f"{len(ids)} prompt tokens + {max_tokens} to generate exceed the "
+                               f"context of {ctx} (raise --ctx)")
+        options = SpecOptions(n_max=n_max, p_min=p_min, verify=verify)
+        head = head if head is not None else self.model.nextn
+        if n_max and head is None:
+            raise NoDraftHead(self.plan.model_path, f"n_max {n_max}")
+        try:
+            sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        except ValueError as exc:
+            raise OffloadError(f"sampling: {exc}") from None
+        stats = self.stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
+        if cache_prompt:
+            state, n_cached = self.prompt_cache.take(self.model, head, ids, drafting=n_max > 0)
+        else:
+            state, n_cached = self.model.new_state(head if n_max else None), 0
+        eos = self.tokenizer.eos_ids if stop_at_eos else frozenset()
+        try:
+            for tok in generate_step(self.model, ids, state=state, sampler=sampler,
+                                     head=head if n_max else None, options=options, ubatch=ubatch,
+                                     max_tokens=max_tokens, eos=eos, stats=stats, profile=self.profile,
+                                     n_cached=n_cached):
+                if cache_prompt:
+                    self.prompt_cache.tokens.append(tok)
+                yield tok
+        except Exception:
+            if cache_prompt:              # a pass may have stopped between layers: start over
+                self.prompt_cache = PromptCache()
+            raise
+        finally:
+            stats.memory = self.memory(state)
+
+    def memory(self, state=None) -> dict:
+        """Peak RSS, what each device holds for weights, and (given a state) its KV caches."""
+        kv = defaultdict(int)
+        if state is not None:
+            for block, cache in zip(self.model.blocks, state.caches):
+                kv[block.device_name] += cache.nbytes
+            nextn = self.model.nextn
+            if nextn is not None and isinstance(state.nextn_cache, KVCache):
+                kv[nextn.block.device_name] += state.nextn_cache.nbytes
+        return {"peak_rss": peak_rss_bytes(), "weights": dict(self.allocated), "kv": dict(kv)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
