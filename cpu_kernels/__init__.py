@@ -8,7 +8,7 @@
     set_num_threads(n)                      threads the kernels use
     set_int8_activations(on)                llama.cpp-style int8 activations (VNNI CPUs)
                                             (``int8=`` per call: True/False, "auto" = the types
-                                            in ``matmul.DECODE_INT8_TYPES``, None = this setting)
+                                            in ``placement.limits.DECODE_INT8_TYPES``, None = this setting)
     supported_types()                       quant types with a kernel
     UnsupportedQuantType                    raised for the others, naming type and tensor
 

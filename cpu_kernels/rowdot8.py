@@ -22,9 +22,6 @@ from .simd import vfma, vload, vstore, vsum, vzero
 from .simd8 import spread_dx0, spread_dxh, spread_k0, spread_k1, spread_k2, spread_k3
 
 f32 = np.float32
-XQ_PAD = 64       # int8 activations past a row's end that a step may read (times scale 0)
-DX_PAD = 16       # activation scales past a row's end that a vector load may read
-S4_PAD = 16       # the same for the per-4 arrays (xs4, dx8)
 
 
 @njit(fastmath=True, error_model="numpy")
@@ -33,7 +30,7 @@ def quantize_rows(x, xq, dx, xs16, xs4, dx8):
     [B, >= cols // 32 + DX_PAD] (scale of each 32: max |x| / 127), xs16 float32
     [B, cols // 16]: sums of 16 dequantized activations dx * xq; for the pair engine,
     xs4 float32 [B, >= cols // 4 + S4_PAD]: sums of 4 of them, dx8 float32 (same shape):
-    the scale of each 4's 32. Padding is zeroed."""
+    the scale of each 4's 32. Padding is zeroed (its sizes: ``placement.limits``)."""
     b_n, cols = x.shape
     for b in range(b_n):
         xq[b, cols:] = 0

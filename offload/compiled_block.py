@@ -1,5 +1,5 @@
 """The compiled CPU block: a decoder block whose every tensor is in RAM runs decode and
-verify steps (T <= ``MAX_TOKENS``) as two compiled calls, ``cpu_kernels.block``'s
+verify steps (T <= ``DECODE_TOKENS``) as two compiled calls, ``cpu_kernels.block``'s
 ``attention_half`` and ``moe_half`` (or ``dense_half``).
 
 Design (see docs/compiled-blocks.md): at load, ``compile_block`` reads the reference
@@ -39,11 +39,14 @@ from cpu_kernels.layout import weight_bytes
 from cpu_kernels.registry import get_kernel
 from gpu.ffn import SwiGLU
 from gpu.router import SigmoidRouter, SoftmaxRouter
-from offload.cpu_ops import DECODE_TOKENS, CpuExperts, RawLinear, to_host
+from offload.cpu_ops import CpuExperts, RawLinear, to_host
 from offload.moe import MoE
+from placement.limits import DECODE_TOKENS
 
 KV_TYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
-MAX_TOKENS = DECODE_TOKENS    # decode and verify batches; prefill batches use the reference block
+# Kept only for offload/runtime.py's import (another change switches it to placement.limits.DECODE_TOKENS,
+# then this line goes); nothing else uses the name.
+MAX_TOKENS = DECODE_TOKENS
 ENV = "OFFLOAD_BLOCKS"   # "reference": the torch path for every block
 
 
@@ -96,7 +99,7 @@ def _bind(block) -> tuple | None:
     if not isinstance(ffn, MoE) or not isinstance(ffn.experts, CpuExperts):
         return None
     # hot experts on a GPU (the CPU side skips them) and biased or non-SiLU experts run in
-    # the reference MoE; op offload only takes batches past MAX_TOKENS, which go there anyway
+    # the reference MoE; op offload only takes batches past DECODE_TOKENS, which go there anyway
     if ffn.hot or ffn.owned is not None or ffn.experts.act != "silu" or ffn.experts.biases:
         return None
     router = ffn.router
@@ -120,9 +123,9 @@ def _bind(block) -> tuple | None:
     dk, db = ew._down
     if ew.n_ff % 16:
         return None
-    # the routed experts' activations as the reference's moe_ffn takes them at T <= MAX_TOKENS
+    # the routed experts' activations as the reference's moe_ffn takes them at T <= DECODE_TOKENS
     # (int8 per phase for the decode mode's types), their scratch bound here once
-    qx, qh = ffn.experts.decode_scratch(router.k, MAX_TOKENS)
+    qx, qh = ffn.experts.decode_scratch(router.k, DECODE_TOKENS)
     moe_args = ((_vec(block.ffn_norm.weight), rp[0], rp[1], bias, kind, router.k, bool(router.norm),
                  float(router.scale), gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, ew.n_ff, qx, qh) + shared)
     return head + (kb.moe_half, moe_args)
@@ -161,7 +164,7 @@ class CompiledBlock:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         t = x.shape[0]
-        if t > MAX_TOKENS or self._rebound():
+        if t > DECODE_TOKENS or self._rebound():
             return self.reference(x, positions, cache)
         xh, pos, cos, sin, chunks = self._step_inputs(x, positions)
         need = cache.reserve(t)
@@ -203,7 +206,7 @@ class BlockRun:
     """Consecutive ``CompiledBlock``s of one kind (same argument types, RoPE table and cache
     type) stepped by one compiled call, ``cpu_kernels.block.blocks_run``: a decode step then
     crosses from Python into compiled code once per run instead of twice per block, and
-    none of the wrapper's Python runs per block. Batches past ``MAX_TOKENS``, a rebound
+    none of the wrapper's Python runs per block. Batches past ``DECODE_TOKENS``, a rebound
     block (see ``CompiledBlock._rebound``) or caches of unequal length take the blocks one
     by one (the same kernels: tests hold both ways to each other and to the reference)."""
 
@@ -231,7 +234,7 @@ class BlockRun:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, caches) -> torch.Tensor:
         n_past = caches[0].length
-        if x.shape[0] > MAX_TOKENS or any(c.length != n_past for c in caches) or \
+        if x.shape[0] > DECODE_TOKENS or any(c.length != n_past for c in caches) or \
                 any(b._rebound() for b in self.blocks):
             for b, c in zip(self.blocks, caches):
                 x = b(x, positions, c)

@@ -3,7 +3,7 @@ the raw GGUF rows (``cpu_kernels.head.output_head``), bound once.
 
 The reference is ``CausalLM.forward``'s torch path (``gpu.norm.RMSNorm``, then the
 ``RawLinear`` head through ``cpu_kernels.matmul``); it still runs for logits of more than
-``MAX_ROWS`` rows (whole prompts: the kernels' batched path, int8 activations there) and
+``DECODE_TOKENS`` rows (whole prompts: the kernels' batched path, int8 activations there) and
 wherever the head is not a raw CPU matrix. ``OFFLOAD_BLOCKS=reference`` turns this off too.
 """
 from __future__ import annotations
@@ -17,10 +17,9 @@ from cpu_kernels.head import output_head
 from cpu_kernels.layout import weight_bytes
 from cpu_kernels.registry import get_kernel
 from gpu.norm import RMSNorm
-from offload.compiled_block import MAX_TOKENS, compiled_enabled
+from offload.compiled_block import compiled_enabled
 from offload.cpu_ops import RawLinear, to_host
-
-MAX_ROWS = MAX_TOKENS       # logit rows per call (decode and verify); more take the reference
+from placement.limits import DECODE_TOKENS
 
 
 class CompiledHead:
@@ -46,7 +45,7 @@ class CompiledHead:
         return cls(norm, output)
 
     def takes(self, n_rows: int, logits: str) -> bool:
-        return logits != "all" or n_rows <= MAX_ROWS
+        return logits != "all" or n_rows <= DECODE_TOKENS     # logit rows per call: decode and verify
 
     def __call__(self, x: torch.Tensor, logits: str) -> tuple[torch.Tensor | None, torch.Tensor]:
         xh = to_host(x)

@@ -20,10 +20,10 @@ from cpu_kernels import ExpertWeights, matmul, moe_ffn, settings
 from cpu_kernels.entry import first_call
 from cpu_kernels.head import embed_rows
 from cpu_kernels.layout import weight_bytes
-from cpu_kernels.matmul import AUTO
 from cpu_kernels.moe import int8_phases, routed_ffn_host, routed_int8_scratch, routed_scratch
 from cpu_kernels.registry import get_kernel, supported_types
 from offload.profile import Profile
+from placement.limits import DECODE_ACTIVATIONS, DECODE_TOKENS, int8_request
 
 
 def to_host(x: torch.Tensor) -> np.ndarray:
@@ -35,24 +35,11 @@ def to_host(x: torch.Tensor) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-DECODE_TOKENS = 16      # decode and verify batches: at most this many tokens (compiled_block.MAX_TOKENS)
-DECODE_ACTIVATIONS = {"auto": AUTO, "int8": True, "float": False}    # --decode-activations
-
-
-def int8_for(batch: int, int8_batch: int | None, decode: str | None = None) -> bool | str | None:
-    """Whether a batch of ``batch`` tokens uses int8 activations (``cpu_kernels.matmul.use_int8``'s
-    argument): decode/verify batches (at most ``DECODE_TOKENS``) as ``decode`` says — "auto"
-    (per weight type: ``cpu_kernels.matmul.DECODE_INT8_TYPES``), "int8" or "float"; larger ones
-    from ``int8_batch`` tokens on (prompt prefill: llama.cpp's Q8 activations, VNNI dot
-    products; error bound in ``cpu_kernels.settings``). None for either: the process setting."""
-    if decode is not None and batch <= DECODE_TOKENS:
-        return DECODE_ACTIVATIONS[decode]
-    return None if int8_batch is None else batch >= int8_batch
-
-
 class RawLinear:
     """``y = x @ W^T (+ b)`` with W the raw GGUF data of a 2-D tensor; batches of at least
-    ``int8_batch`` tokens use int8 activations (see ``int8_for``)."""
+    ``int8_batch`` tokens use int8 activations (``placement.limits.int8_request``: prompt
+    prefill, llama.cpp's Q8 activations, VNNI dot products; error bound in
+    ``cpu_kernels.settings``)."""
 
     def __init__(self, data: np.ndarray, qtype: GGMLQuantizationType, *, bias: torch.Tensor | None = None,
                  name: str = "", int8_batch: int | None = None):
@@ -63,7 +50,7 @@ class RawLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         home = x.device
         y = torch.from_numpy(matmul(to_host(x), self.data, self.qtype, name=self.name,
-                                    int8=int8_for(x.shape[0] if x.dim() > 1 else 1, self.int8_batch)))
+                                    int8=int8_request(x.shape[0] if x.dim() > 1 else 1, self.int8_batch)))
         if self.bias is not None:
             y += self.bias
         return y if home.type == "cpu" else y.to(home)
@@ -71,17 +58,17 @@ class RawLinear:
 
 class RawEmbedding:
     """Row lookup in a raw (possibly quantized) ``token_embd``: only the rows asked for are
-    dequantized, per call. Decode and verify batches (up to ``COMPILED_ROWS`` ids) take one
+    dequantized, per call. Decode and verify batches (up to ``DECODE_TOKENS`` ids) take one
     compiled call, ``cpu_kernels.head.embed_rows`` (the registry's decoders; its entry point
     bound at construction); prompt batches, and types without a CPU kernel, gather the rows and
-    run gguf's numpy ``dequantize`` (what ``placement.compute.cpu_lookup_bytes`` counts)."""
-
-    COMPILED_ROWS = DECODE_TOKENS
+    run gguf's numpy ``dequantize`` (what ``placement.compute.cpu_lookup_bytes`` counts).
+    ``compiled = False`` turns the compiled lookup off (the tests' reference pass)."""
 
     def __init__(self, data: np.ndarray, qtype: GGMLQuantizationType, n_embd: int):
         self.data, self.qtype, self.n_embd = data, qtype, n_embd
         self.device = torch.device("cpu")
         self._tag = self._rows = self._entry = None
+        self.compiled = False
         if GGMLQuantizationType(qtype) in supported_types() and data.ndim == 2 and data.flags.c_contiguous \
                 and len(data):
             kern = get_kernel(qtype, "token_embd")
@@ -89,10 +76,11 @@ class RawEmbedding:
             # compile (or load from Numba's cache) now, on row 0: not in the first token
             self._entry = first_call(embed_rows, (self._tag, self._rows, np.zeros(1, np.int64),
                                                   np.empty((1, n_embd), np.float32)))[0]
+            self.compiled = True
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         idx = ids.cpu().numpy()
-        if self._rows is not None and 0 < len(idx) <= self.COMPILED_ROWS:
+        if self.compiled and 0 < len(idx) <= DECODE_TOKENS:
             return torch.from_numpy(self._compiled(idx))
         rows = self.data[idx]
         if self.qtype != GGMLQuantizationType.F32:
@@ -117,7 +105,8 @@ class CpuExperts:
                  decode: str | None = None):
         """``act`` / ``biases`` ("gate", "up", "down" float32 arrays): as ``moe_ffn`` takes them;
         ``int8_batch``: batches of at least this many tokens use int8 activations; ``decode``:
-        the activations of decode/verify batches ("auto", "int8", "float"; see ``int8_for``)."""
+        the activations of decode/verify batches ("auto", "int8", "float"; see
+        ``placement.limits.int8_request``)."""
         if decode is not None and decode not in DECODE_ACTIVATIONS:
             raise ValueError(f"decode activations {decode!r}: expected one of {', '.join(DECODE_ACTIVATIONS)}")
         self.weights, self.profile, self.int8_batch, self.decode = weights, profile, int8_batch, decode
@@ -132,8 +121,8 @@ class CpuExperts:
                            int8=self.int8(x.shape[0]), **self.biases)
 
     def int8(self, batch: int) -> bool | str | None:
-        """``moe_ffn``'s ``int8`` for a batch of ``batch`` tokens (see ``int8_for``)."""
-        return int8_for(batch, self.int8_batch, self.decode)
+        """``moe_ffn``'s ``int8`` for a batch of ``batch`` tokens (``placement.limits.int8_request``)."""
+        return int8_request(batch, self.int8_batch, self.decode)
 
     def decode_scratch(self, k: int, max_tokens: int = DECODE_TOKENS):
         """(qx, qh) int8 activation scratch of ``routed_ffn`` for decode/verify batches of up to

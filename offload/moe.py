@@ -8,7 +8,7 @@ nothing would overlap — both share the same cores — so the experts run inlin
 thread: the hand-off (a thread wake-up per layer and token, worst on a loaded machine) costs
 more than it hides (measured with ``bench.runtime_decode`` on the shipped model).
 
-Decode and verify batches (up to ``compiled_block.MAX_TOKENS`` tokens, SiLU experts without
+Decode and verify batches (up to ``placement.limits.DECODE_TOKENS`` tokens, SiLU experts without
 biases, float activations) hand the CPU side over through a ``RoutedHandoff`` bound on the
 layer's first such call: host buffers (pinned on CUDA) and one compiled call for grouping,
 gate·up, down and the weighted sum. Larger batches and the other cases keep ``moe_ffn``.
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from gpu.experts import group_by_expert
 from offload.cpu_ops import CpuExperts, RoutedHandoff, to_host
 from offload.profile import Profile
+from placement.limits import DECODE_TOKENS
 
 
 HANDOFF_ENV = "OFFLOAD_HANDOFF"    # "reference": moe_ffn for every batch (the old hand-off)
@@ -88,11 +89,10 @@ class MoE:
         if not self.compiled_handoff:
             return None
         if self._handoff is False:
-            from offload.compiled_block import MAX_TOKENS     # (it imports this module)
-            if x.shape[0] > MAX_TOKENS:
+            if x.shape[0] > DECODE_TOKENS:
                 return None
             with torch.inference_mode(False):     # plain tensors: usable in and out of inference mode
-                self._handoff = self.experts.handoff(x.device, ids.shape[1], self.owned, MAX_TOKENS)
+                self._handoff = self.experts.handoff(x.device, ids.shape[1], self.owned, DECODE_TOKENS)
         fast = self._handoff
         return fast if fast is not None and fast.takes(x, ids) else None
 

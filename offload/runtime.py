@@ -86,7 +86,7 @@ def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus
     ``decode_activations`` (the CLI's ``--decode-activations auto|int8|float``): the CPU routed
     experts' activations for decode/verify batches (at most ``placement.limits.DECODE_TOKENS``
     tokens): "auto" = int8 for the weight types whose int8 path measured faster
-    (``cpu_kernels.matmul.DECODE_INT8_TYPES``), float for the others; "int8"; "float".
+    (``placement.limits.DECODE_INT8_TYPES``), float for the others; "int8"; "float".
     """
     model = open_model(model_path)
     return load_plan(model, plan_for(model, placement, devices, **plan_options), virtual_gpus=virtual_gpus,

@@ -52,7 +52,7 @@ class WeightStore:
         self.model, self.device_of, self.devices = model, device_of, devices
         self.compute_dtype, self.profile, self.progress = compute_dtype, profile, progress
         self.int8_batch = int8_batch     # CPU matmuls: int8 activations from this batch on
-        self.decode_activations = decode_activations    # CPU routed experts' decode batches (int8_for)
+        self.decode_activations = decode_activations    # CPU routed experts' decode batches (limits.int8_request)
         self.allocated: dict[str, int] = defaultdict(int)
         self.used: set[str] = set()
         self._uploaded: dict[tuple[str, str], QuantTensor] = {}   # (name, device): upload once

@@ -27,11 +27,12 @@ bias in the cache dtype); that branch is not measured here (no CUDA on the devel
 
 Prompt batches on the CPU: the runtime's default (``offload.runtime.load``'s
 ``int8_prefill``) gives the Numba kernels int8 activations for batches of more than
-``compiled_block.MAX_TOKENS`` tokens, so a CPU matrix or MoE layer fed ``n ≥ INT8_FROM``
+``DECODE_TOKENS`` tokens, so a CPU matrix or MoE layer fed ``n ≥ INT8_FROM``
 rows of a quantized type holds ``int8_activation_bytes`` for them (codes, scales and the
 partial sums ``cpu_kernels.matmul.quantized_activations`` makes) instead of the float path's
 16-value sums. Counted whenever the runtime asks for int8; the float path (a CPU without
-VNNI, or ``--prefill-activations float``) holds less.
+VNNI, or ``--prefill-activations float``) holds less. These sizes, type sets and the request
+rule (``int8_request``, ``wants_int8``) are ``placement.limits``', which the runtime imports too.
 
 Decode/verify batches (at most ``DECODE_TOKENS``) on the CPU routed experts: by default
 (``--decode-activations auto``) the kernels take int8 activations where the experts' types
@@ -49,6 +50,8 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType as Q
 
 from placement.devices import CPU
+from placement.limits import (CHUNK_VALUES, DECODE_TOKENS, DX_PAD, FLOAT_ACTIVATION_TYPES, INT8_FROM, S4_PAD,
+                              SCORE_VALUES, STAGING_CHUNK_BYTES, XQ_PAD, int8_request, wants_int8)
 from placement.tensors import ModelSpec, Role, TensorInfo
 
 Moment = dict[str, int]     # bytes live on each device at one point of the pass
@@ -56,8 +59,6 @@ Moment = dict[str, int]     # bytes live on each device at one point of the pass
 F32 = 4
 INT64 = 8
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
-CHUNK_VALUES = 16 << 20     # gpu.quant._CHUNK_ELEMS: values dequantized per step of a matrix
-SCORE_VALUES = 16 << 20     # gpu.attention.SCORE_VALUES: float32 scores live at once with sinks
 ROUTING_BYTES = 64          # moe_ffn / group_by_expert index arrays, per (token, expert) pair
                             # (flat, tok, order, first: int64; weights f32; keep bool; ≤ 53 B)
 
@@ -86,16 +87,6 @@ NUMPY_GROUP_SCRATCH = 12
 NUMPY_GROUP_SCRATCH_OF: dict[Q, float] = {
     Q.IQ2_XXS: 17, Q.IQ2_XS: 17, Q.IQ2_S: 17, Q.IQ3_XXS: 17, Q.IQ3_S: 17, Q.IQ1_S: 13, Q.IQ1_M: 13,
 }
-
-
-# int8 activations of CPU kernels (see the module docstring)
-INT8_FROM = 17              # offload.compiled_block.MAX_TOKENS + 1: batches a compiled step does not take
-FLOAT_ACTIVATION_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})   # no int8 decoder in cpu_kernels
-XQ_PAD, DX_PAD, S4_PAD = 64, 16, 16                         # cpu_kernels.rowdot8's row padding
-DECODE_TOKENS = INT8_FROM - 1   # offload.cpu_ops.DECODE_TOKENS: decode/verify batches
-# cpu_kernels.matmul.DECODE_INT8_TYPES (measured there; tests/test_memory_runtime.py holds them equal)
-DECODE_INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_1, Q.MXFP4, Q.IQ4_NL,
-                               Q.IQ4_XS, Q.IQ1_S, Q.IQ2_XXS})
 
 
 def int8_activation_bytes(n: int, cols: int) -> int:
@@ -149,15 +140,11 @@ class Devices:
 
     def int8(self, n: int, types: Iterable[Q], routed: bool = False) -> bool:
         """Whether a CPU kernel over weights of ``types`` called for a batch of ``n`` tokens
-        uses int8 activations (offload.cpu_ops.int8_for; cpu_kernels.matmul.use_int8);
-        ``routed``: the routed experts, whose decode batches follow ``decode``."""
-        types = list(types)
-        if routed and n <= DECODE_TOKENS:
-            if self.decode == "auto":
-                return all(t in DECODE_INT8_TYPES for t in types)
-            return self.decode == "int8" and not any(t in FLOAT_ACTIVATION_TYPES for t in types)
-        return (self.int8_from is not None and n >= self.int8_from
-                and not any(t in FLOAT_ACTIVATION_TYPES for t in types))
+        uses int8 activations (placement.limits.int8_request and wants_int8, as the runtime asks;
+        FLOAT_ACTIVATION_TYPES have no int8 decoder; a VNNI CPU assumed); ``routed``: the routed
+        experts, whose decode batches follow ``decode``."""
+        request = int8_request(n, self.int8_from, self.decode if routed else None)
+        return bool(request) and all(wants_int8(request, t) and t not in FLOAT_ACTIVATION_TYPES for t in types)
 
     def torch_cpu(self, dev: str) -> bool:
         return dev == CPU or dev in self.host_backed
@@ -636,9 +623,6 @@ def peak_of_group(moments: Sequence[Moment], group: Iterable[str]) -> int:
     another)."""
     group = set(group)
     return max((sum(v for d, v in m.items() if d in group) for m in moments), default=0)
-
-
-STAGING_CHUNK_BYTES = 256 << 20     # gpu.experts.STAGING_CHUNK_BYTES: op offload copies in chunks
 
 
 def staging_buffer_bytes(t: TensorInfo) -> int:

@@ -2,7 +2,7 @@
 
 The planner counts what the runtime allocates, so a number both need lives here and both
 import it: ``placement`` (memory and compute estimates), ``cpu_kernels`` (int8 activation
-padding, which weight types decode with int8 activations), ``gpu`` (dequantization and
+padding, which weight types decode with int8 activations, which calls ask for them), ``gpu`` (dequantization and
 attention chunks, op-offload staging) and ``offload`` (the compiled decode batch, the cache
 padding). Standard library and ``gguf`` only: every package may import it, none of them is
 imported here.
@@ -34,6 +34,12 @@ DECODE_INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_1, Q
 # Weight types with no int8 decoder in cpu_kernels: their activations stay float.
 FLOAT_ACTIVATION_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 
+# What the CPU kernels are asked for (cpu_kernels.matmul.use_int8's ``int8``): True, False, or AUTO
+# (per weight type: int8 for DECODE_INT8_TYPES); None leaves it to the process setting.
+AUTO = "auto"
+# --decode-activations: the request of decode/verify batches on the CPU routed experts.
+DECODE_ACTIVATIONS = {"auto": AUTO, "int8": True, "float": False}
+
 # Row padding of int8 activations (cpu_kernels.rowdot8.quantize_rows): codes past a row's end
 # that a step may read (times scale 0), per-32 scales and per-4 sums a vector load may read.
 XQ_PAD = 64
@@ -55,3 +61,20 @@ CACHE_PAD = 256
 def pad(n: int, to: int) -> int:
     """``n`` rounded up to a multiple of ``to``."""
     return -(-n // to) * to
+
+
+def int8_request(batch: int, int8_from: int | None, decode: str | None = None) -> bool | str | None:
+    """The int8 request for a CPU kernel call over ``batch`` tokens: decode/verify batches (at
+    most ``DECODE_TOKENS``) as ``decode`` says (a key of ``DECODE_ACTIVATIONS``; the routed
+    experts), larger ones, or any when ``decode`` is None, int8 from ``int8_from`` tokens on
+    (prompt prefill); None when ``int8_from`` is None there (the process setting)."""
+    if decode is not None and batch <= DECODE_TOKENS:
+        return DECODE_ACTIVATIONS[decode]
+    return None if int8_from is None else batch >= int8_from
+
+
+def wants_int8(request: bool | str, qtype: Q) -> bool:
+    """Whether weights of ``qtype`` are to take int8 activations under ``request`` (True, False
+    or AUTO). Whether they then do is the kernels' to say: an int8 decoder for the type (none
+    for FLOAT_ACTIVATION_TYPES) and a VNNI CPU (cpu_kernels.matmul.use_int8)."""
+    return qtype in DECODE_INT8_TYPES if request == AUTO else bool(request)

@@ -110,9 +110,8 @@ from placement.compute import (Devices, ForwardModel, decode_int8_scratch_bytes,
 from placement.devices import CPU, Device
 from placement.errors import PlacementError
 from placement.layers import output_slot_member
+from placement.limits import CACHE_PAD, pad
 from placement.tensors import ModelSpec, Role, TensorInfo
-
-CACHE_PAD = 256          # llama.cpp pads the KV cache to a multiple of 256 cells
 
 # The KV cache types llama.cpp's -ctk/-ctv accept.
 CACHE_TYPES: dict[str, GGMLQuantizationType] = {
@@ -136,10 +135,6 @@ def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
     if n % block:
         raise PlacementError(f"a KV row of {n} values is not a multiple of {qtype.name}'s block of {block}")
     return n // block * size
-
-
-def pad(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 GPU_DTYPES = ("auto", "f32", "f16", "bf16")

@@ -22,7 +22,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import offload.runtime as rt
-from offload.compiled_block import ENV, MAX_TOKENS, BlockRun, CompiledBlock
+from offload.compiled_block import ENV, BlockRun, CompiledBlock
+from placement.limits import DECODE_TOKENS
 from tests.tiny_models import TinySpec, write_tiny_model
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
@@ -144,9 +145,9 @@ def test_dense_and_moe_runs_equal_single_blocks_and_reference(tmp_path):
 
 @pytest.mark.parametrize("prompt_len", [4, len(PROMPT)], ids=["compiled-prefill", "reference-prefill"])
 def test_shipped_batches_of_1_to_8_match_reference(shipped, prompt_len):
-    """After a prefill run compiled (4 tokens) or by the reference path (20 > MAX_TOKENS),
+    """After a prefill run compiled (4 tokens) or by the reference path (20 > DECODE_TOKENS),
     batches of T = 1…8 tokens give the reference path's logits."""
-    assert len(PROMPT) > MAX_TOKENS
+    assert len(PROMPT) > DECODE_TOKENS
     fast, ref = both(shipped.model, lambda m: batches_after_prefill(m, PROMPT[:prompt_len], range(1, 9)))
     for t, (a, b) in enumerate(zip(fast, ref), start=1):
         assert a.shape == (t, shipped.config.n_vocab)

@@ -1,6 +1,6 @@
 """Decode/verify batches (T <= 16) of the CPU routed experts in int8 activations for the weight
 types whose int8 path is faster (``--decode-activations auto``, the default;
-``cpu_kernels.matmul.DECODE_INT8_TYPES``), float for the others, with a switch.
+``placement.limits.DECODE_INT8_TYPES``), float for the others, with a switch.
 
 Held here: the mode actually bound and run (the compiled entries' argument types, which
 name the int8 scratch; the logits move off the float path's), the compiled block against the
@@ -22,8 +22,6 @@ position as a different expert set would, up to 6e-2 in int8 prefill on the ship
 """
 from __future__ import annotations
 
-from importlib import import_module
-
 import numpy as np
 import pytest
 import torch
@@ -34,6 +32,7 @@ from cpu_kernels import block as kb
 from cpu_kernels.simd8 import has_vnni
 from offload.commands.run import build_parser, session_options
 from offload.compiled_block import CompiledBlock
+from placement import limits
 from placement.compute import Devices
 from tests.test_compiled_block import PROMPT, batches_after_prefill, both, rel_err
 from tests.tiny_models import TinySpec, write_tiny_model
@@ -42,7 +41,6 @@ REL_TOL = 1e-5            # tests/test_compiled_block.py's: float32 summation or
 REL_TOL_INT8 = 1e-2       # see the module docstring
 INT8_VS_FLOAT = 6e-2
 
-km = import_module("cpu_kernels.matmul")     # the module (the package exports a function of that name)
 needs_vnni = pytest.mark.skipif(not has_vnni(), reason="int8 path needs AVX512-VNNI or AVX-VNNI")
 SPECS = {"Q4_K": TinySpec(expert_type=Q.Q4_K, seed=21),
          "MXFP4": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.MXFP4, seed=22),
@@ -98,7 +96,7 @@ def test_float_switch_is_the_float_path_bit_for_bit(model, monkeypatch):
     """``float`` = what ``auto`` runs for a type outside the set (the float specialisation)."""
     with rt.load(model.path, cache_type="f32", quiet=True, decode_activations="float") as f:
         flt = torch.inference_mode()(_steps)(f.model)
-    monkeypatch.setattr(km, "DECODE_INT8_TYPES", frozenset())
+    monkeypatch.setattr(limits, "DECODE_INT8_TYPES", frozenset())
     with rt.load(model.path, cache_type="f32", quiet=True) as s:
         assert all(m == (False, False) for m in _moe_modes(s))
         auto = torch.inference_mode()(_steps)(s.model)
@@ -140,7 +138,7 @@ def test_forced_int8_on_a_cpu_without_vnni_says_it_runs_float(model, capsys):
 
 def test_cli_flag_maps_to_the_runtime_setting():
     from offload.commands.run import DECODE_ACTIVATIONS
-    from offload.cpu_ops import DECODE_ACTIVATIONS as modes
+    from placement.limits import DECODE_ACTIVATIONS as modes
     assert DECODE_ACTIVATIONS == tuple(modes)
     parser = build_parser()
     assert session_options(parser.parse_args([]))["decode_activations"] == "auto"

@@ -96,7 +96,7 @@ def test_compute_formula_qwen3(models):
 
 def test_cpu_projection_counts_int8_activations_of_prompt_batches_only():
     """A CPU projection holds its float32 result and what the kernel derives from the input:
-    int8 activations for a prompt batch (more than 16 tokens, compiled_block.MAX_TOKENS) of
+    int8 activations for a prompt batch (more than 16 tokens, placement.limits.DECODE_TOKENS) of
     a quantized type; the float path's sums of 16 for a decode/verify batch, a float type, or
     with int8 off (``Devices(int8_from=None)``)."""
     q8 = TensorInfo("blk.0.attn_q.weight", (4096, 2048), GGMLQuantizationType.Q8_0, 4096 * 2176, 0, Role.ATTENTION)

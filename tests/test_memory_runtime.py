@@ -141,22 +141,22 @@ def traced_peak(fn) -> int:
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.MXFP4, Q.F16], ids=lambda t: t.name)
 def test_cpu_projection_bound_matches_numpy_allocations(qtype):
     """offload.cpu_ops.RawLinear (cpu_kernels.matmul) as the runtime builds it, int8
-    activations from MAX_TOKENS + 1 tokens: its numpy peak (tracemalloc) equals
+    activations from INT8_FROM tokens: its numpy peak (tracemalloc) equals
     ``placement.compute.projection``'s CPU bytes up to the call's own objects — the result
     and the sums of 16 for decode batches and float types, the quantized activations
     (codes, scales, partial sums) for prompt batches of quantized types. (The kernels'
     per-thread scratch is Numba's, not numpy's, and no plan counts it.)"""
     from cpu_kernels.simd8 import has_vnni
-    from offload.compiled_block import MAX_TOKENS
     from offload.cpu_ops import RawLinear
+    from placement.limits import DECODE_TOKENS, INT8_FROM
     rng = np.random.default_rng(200 + int(qtype))
     rows, cols = 256, 2048
     raw, raw_dtype, _ = random_tensor(rng, (rows, cols), qtype, 0.02)
     raw = np.ascontiguousarray(raw) if raw_dtype is None else raw.view(np.uint8).copy()
-    lin = RawLinear(raw, qtype, name="blk.0.attn_q.weight", int8_batch=MAX_TOKENS + 1)
+    lin = RawLinear(raw, qtype, name="blk.0.attn_q.weight", int8_batch=INT8_FROM)
     info = TensorInfo("blk.0.attn_q.weight", (rows, cols), qtype, raw.nbytes, 0, Role.ATTENTION)
     kinds = Devices("auto", ())
-    for n in (1, MAX_TOKENS, MAX_TOKENS + 1, 512):
+    for n in (1, DECODE_TOKENS, INT8_FROM, 512):
         x = torch.randn(n, cols)
         lin(x)                                  # compiled before tracing
         measured = traced_peak(lambda: lin(x))
@@ -169,28 +169,24 @@ def test_cpu_projection_bound_matches_numpy_allocations(qtype):
 
 def test_int8_activation_terms_are_the_kernels():
     """The planner's int8 terms restate cpu_kernels facts; held to them here: the bytes
-    ``quantized_activations`` allocates, the types with an int8 decoder, and the batch from
-    which the runtime asks for int8 (past a compiled decode/verify step), and the types whose
-    routed experts decode with int8 under ``--decode-activations auto``."""
-    from cpu_kernels.matmul import DECODE_INT8_TYPES, quantized_activations
+    ``quantized_activations`` allocates and the types with an int8 decoder. (The batch from
+    which the runtime asks for int8 and the types decoding with int8 under
+    ``--decode-activations auto`` are placement.limits', which both import.)"""
+    from cpu_kernels.matmul import quantized_activations
     from cpu_kernels.registry import get_kernel
-    from offload.compiled_block import MAX_TOKENS
-    from offload.cpu_ops import DECODE_TOKENS
     from placement import compute
+    from placement.limits import FLOAT_ACTIVATION_TYPES
     for n, cols in ((1, 32), (3, 256), (17, 2048), (5, 768)):
         arrays = quantized_activations(np.ones((n, cols), np.float32))
         assert sum(a.nbytes for a in arrays) == compute.int8_activation_bytes(n, cols), (n, cols)
     known = [t for t in Q if t in DEQUANTIZERS or t in (Q.F32, Q.F16, Q.BF16)]
-    assert {t for t in known if not get_kernel(t).has_int8} == compute.FLOAT_ACTIVATION_TYPES
-    assert compute.INT8_FROM == MAX_TOKENS + 1
-    assert compute.DECODE_TOKENS == DECODE_TOKENS == MAX_TOKENS
-    assert compute.DECODE_INT8_TYPES == DECODE_INT8_TYPES
+    assert {t for t in known if not get_kernel(t).has_int8} == FLOAT_ACTIVATION_TYPES
 
 
 def test_placement_imports_neither_torch_numba_nor_offload():
     code = ("import sys, placement.plan, placement.fit, placement.report, placement.plan_file, "
             "placement.compute, placement.footprint, placement.cost, placement.cost_fit, placement.routing, "
-            "placement.hot_experts, placement.planner, placement.speculative, placement.op_offload\n"
+            "placement.hot_experts, placement.planner, placement.speculative, placement.op_offload, placement.limits\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numba', 'offload', 'gpu', "
             "'cpu_kernels'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -124,9 +124,9 @@ def test_staged_streaming_equals_the_resident_experts(fused, chunk_experts):
 def test_staging_sizes_agree_between_runtime_and_planner(models):
     """placement.compute's staging term uses the runtime's chunk rule (gpu.experts)."""
     from gpu import experts
-    from placement import compute
+    from placement import compute, limits
 
-    assert compute.STAGING_CHUNK_BYTES == experts.STAGING_CHUNK_BYTES
+    assert limits.STAGING_CHUNK_BYTES == experts.STAGING_CHUNK_BYTES     # while gpu.experts defines its own
     ds = models["deepseek-v3"]
     for t in (t for t in ds.tensors if t.layer == 10 and t.n_experts):
         assert compute.staging_buffer_bytes(t) == experts.staging_buffer_bytes(t.n_bytes, t.shape[0])

@@ -24,10 +24,11 @@ from gguf.quants import dequantize
 import offload.runtime as rt
 from cpu_kernels import supported_types
 from gpu.norm import RMSNorm
-from offload.compiled_head import MAX_ROWS, CompiledHead
+from offload.compiled_head import CompiledHead
 from offload.cpu_ops import RawEmbedding, RawLinear
 from offload.sampling import Sampler
 from offload.speculative import generate_step
+from placement.limits import DECODE_TOKENS
 from tests.test_compiled_block import PROMPT, REL_TOL, batches_after_prefill, reference_blocks, rel_err
 from tests.test_compiled_block import TINY as HF_TINY
 from tests.test_compiled_block import shipped  # noqa: F401  (the shipped model, all CPU, f32 cache: a fixture)
@@ -67,11 +68,11 @@ def test_output_head_matches_norm_then_lm_head(qtype):
     norm = RMSNorm(torch.from_numpy(rng.uniform(0.5, 1.5, n_embd).astype(np.float32)), 1e-5)
     head = CompiledHead.bind(norm, lin)
     assert head is not None
-    for t in (1, 2, 3, 5, 8, MAX_ROWS, 40):
+    for t in (1, 2, 3, 5, 8, DECODE_TOKENS, 40):
         x = torch.from_numpy((rng.standard_normal((t, n_embd)) * 3).astype(np.float32))
         for mode in ("all", "last", "none"):
             if not head.takes(t, mode):
-                assert t > MAX_ROWS and mode == "all"
+                assert t > DECODE_TOKENS and mode == "all"
                 continue
             got, h = head(x, mode)
             want, h_ref = reference_head(norm, lin, x, mode)
@@ -96,17 +97,17 @@ def reference_pass(model):
     lm_head (a plain callable head binds no compiled head), gguf's numpy embedding."""
     output, embed = model.output, model.embed
     model.output = lambda h: output(h)
-    rows = getattr(embed, "COMPILED_ROWS", None)
-    if rows is not None:
-        embed.COMPILED_ROWS = 0
+    compiled = getattr(embed, "compiled", False)
+    if compiled:
+        embed.compiled = False
     try:
         with reference_blocks(model):
             assert model.output_head is None
             yield
     finally:
         model.output = output
-        if rows is not None:
-            del embed.COMPILED_ROWS
+        if compiled:
+            embed.compiled = True
 
 
 def both(model, fn):
@@ -120,7 +121,7 @@ def both(model, fn):
 
 
 def prefill_logits(model, prompt):
-    """The prompt's logits of every row (T > MAX_ROWS: the reference head runs) and of the
+    """The prompt's logits of every row (T > DECODE_TOKENS: the reference head runs) and of the
     last one (the compiled head after reference blocks), and the final hidden states."""
     out = []
     for mode in ("all", "last"):

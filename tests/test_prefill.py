@@ -1,7 +1,7 @@
 """Prompt batches with int8 activations, the runtime's default (``offload.load``'s
 ``int8_prefill``; ``--prefill-activations int8|float`` on the CLI).
 
-Error bound: a batch of more than ``compiled_block.MAX_TOKENS`` tokens quantizes the CPU
+Error bound: a batch of more than ``placement.limits.DECODE_TOKENS`` tokens quantizes the CPU
 kernels' activations per 32 values (llama.cpp's Q8_0 activations), so each dot product moves
 by at most sum |w|·dx/2 (dx = max |x| / 127 over the 32; tested per kernel and type in
 tests/test_cpu_kernels.py). Through the shipped model's blocks (40 prompts of 17–200 tokens,
@@ -12,7 +12,7 @@ reach it through attention); about 1 % of positions flip a near-tied top-k choic
 like a different expert set would (up to 6e-2); greedy argmax equal at 99.6 %. Held here,
 on fixed prompts: positions without a flip under 2e-2, the 90th percentile of all under
 5e-3, flips on at most 5 % of positions, argmax equal at >= 98 %, and the error above 0 where
-the CPU has VNNI (the int8 path really ran). Decode and verify batches (<= MAX_TOKENS) stay
+the CPU has VNNI (the int8 path really ran). Decode and verify batches (<= DECODE_TOKENS) stay
 float: bit-identical to the float setting.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pytest
 
 import offload.runtime as rt
 from offload.commands.run import build_parser, session_options
-from offload.compiled_block import MAX_TOKENS
+from placement.limits import DECODE_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models" / "tiny-glm4moe-mtp.gguf"
@@ -41,7 +41,7 @@ def sessions():
         yield flt, int8
 
 
-@pytest.mark.parametrize("n", [MAX_TOKENS + 1, 48, 200])
+@pytest.mark.parametrize("n", [DECODE_TOKENS + 1, 48, 200])
 def test_int8_prompt_batches_stay_within_the_bound(sessions, n, monkeypatch):
     from cpu_kernels.simd8 import has_vnni
     from offload.cpu_ops import CpuExperts
@@ -70,7 +70,7 @@ def test_int8_prompt_batches_stay_within_the_bound(sessions, n, monkeypatch):
 
 def test_decode_batches_stay_float(sessions):
     flt, int8 = sessions
-    ids = np.random.default_rng(1).integers(1, 4000, MAX_TOKENS).tolist()
+    ids = np.random.default_rng(1).integers(1, 4000, DECODE_TOKENS).tolist()
     np.testing.assert_array_equal(int8.logits(ids), flt.logits(ids))
 
 

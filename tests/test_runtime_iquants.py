@@ -36,7 +36,7 @@ def pair(tmp_path_factory):
 
 def _logits(path):
     # float activations on both sides: IQ2_XXS experts decode with int8 activations by
-    # default (cpu_kernels.matmul.DECODE_INT8_TYPES), F32 ones cannot; this compares decoders
+    # default (placement.limits.DECODE_INT8_TYPES), F32 ones cannot; this compares decoders
     with rt.load(path, devices="CPU=16GiB", cache_type="f32", quiet=True, decode_activations="float") as s:
         assert set(s.plan.tensors.values()) == {"CPU"}
         return s.logits(IDS)

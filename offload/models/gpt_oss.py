@@ -28,7 +28,7 @@ from offload.errors import OffloadError
 from offload.models.common import (Block, BuildContext, BuiltAttention, CausalLM, ModelConfig, build_trunk,
                                    config_fields, yarn_scaling)
 from offload.moe import MoE
-from placement.memory import CACHE_PAD, pad
+from placement.limits import CACHE_PAD, pad
 from placement.tensors import ModelSpec
 
 FFN_NORM = "post_attention_norm"
