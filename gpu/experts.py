@@ -11,7 +11,7 @@ import torch
 
 from gpu.ffn import GLU
 from gpu.quant import QuantTensor
-from placement.limits import STAGING_CHUNK_BYTES
+from placement.limits import staging_buffer_bytes
 
 
 def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None = None):
@@ -94,14 +94,6 @@ class ExpertSubset:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: (T, n_embd), ids/weights: (T, k) global → (T, n_embd) on x's device."""
         return self.experts(x, self.local[ids.to(self.device)], weights, keep=self.keep)
-
-
-def staging_buffer_bytes(tensor_bytes: int, n_expert: int) -> int:
-    """One staging buffer for an (n_expert, ...) tensor of ``tensor_bytes``: the chunk size
-    (``placement.limits.STAGING_CHUNK_BYTES``), within [one expert's slice, the whole tensor].
-    The staging stays small next to a big model's expert tensors (DeepSeek-V3's Q6_K
-    ffn_down_exps is 3.1 GB) while each copy is long enough to run at the link's speed."""
-    return min(tensor_bytes, max(STAGING_CHUNK_BYTES, tensor_bytes // n_expert))
 
 
 class StagingBuffers:

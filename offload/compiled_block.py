@@ -44,9 +44,6 @@ from offload.moe import MoE
 from placement.limits import DECODE_TOKENS
 
 KV_TYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
-# Kept only for offload/runtime.py's import (another change switches it to placement.limits.DECODE_TOKENS,
-# then this line goes); nothing else uses the name.
-MAX_TOKENS = DECODE_TOKENS
 ENV = "OFFLOAD_BLOCKS"   # "reference": the torch path for every block
 
 

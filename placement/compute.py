@@ -51,7 +51,7 @@ from gguf import GGMLQuantizationType as Q
 
 from placement.devices import CPU
 from placement.limits import (CHUNK_VALUES, DECODE_TOKENS, DX_PAD, FLOAT_ACTIVATION_TYPES, INT8_FROM, S4_PAD,
-                              SCORE_VALUES, STAGING_CHUNK_BYTES, XQ_PAD, int8_request, wants_int8)
+                              SCORE_VALUES, XQ_PAD, int8_request, staging_buffer_bytes, wants_int8)
 from placement.tensors import ModelSpec, Role, TensorInfo
 
 Moment = dict[str, int]     # bytes live on each device at one point of the pass
@@ -625,10 +625,9 @@ def peak_of_group(moments: Sequence[Moment], group: Iterable[str]) -> int:
     return max((sum(v for d, v in m.items() if d in group) for m in moments), default=0)
 
 
-def staging_buffer_bytes(t: TensorInfo) -> int:
-    """One op-offload staging buffer for expert tensor ``t`` (gpu.experts.staging_buffer_bytes):
-    a chunk, within [one expert's slice, the whole tensor]."""
-    return min(t.n_bytes, max(STAGING_CHUNK_BYTES, t.n_bytes // t.shape[0]))
+def tensor_staging_bytes(t: TensorInfo) -> int:
+    """One op-offload staging buffer for expert tensor ``t`` (``limits.staging_buffer_bytes``)."""
+    return staging_buffer_bytes(t.n_bytes, t.shape[0])
 
 
 def streamable_expert_blocks(tensors: Sequence[TensorInfo]) -> dict[int, list[TensorInfo]]:
@@ -671,7 +670,7 @@ def op_offload_staging_bytes(tensors: Sequence[TensorInfo], device_of: Callable[
             continue
         home = device_of(attn[i]) if i in attn else CPU
         gpu = home if home != CPU else gpus[0]
-        largest[gpu] = max(largest.get(gpu, 0), max(staging_buffer_bytes(t) for t in mats))
+        largest[gpu] = max(largest.get(gpu, 0), max(tensor_staging_bytes(t) for t in mats))
     skip = set(host_backed)
     return {g: 2 * n for g, n in largest.items() if g not in skip}
 

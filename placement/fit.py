@@ -42,7 +42,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from placement.compute import block_anchors, staging_buffer_bytes, streamable_expert_blocks
+from placement.compute import block_anchors, streamable_expert_blocks, tensor_staging_bytes
 from placement.devices import CPU, Device, format_bytes
 from placement.errors import PlacementError
 from placement.layers import LayerLayout, output_slot_member
@@ -92,7 +92,7 @@ class _Forward:
         self.first_gpu, self.host_backed = first_gpu, set(s.host_backed)
         anchors = block_anchors(model.tensors)
         self.streamable = {i: (anchors[i].name if i in anchors else None, frozenset(t.name for t in mats),
-                               max(staging_buffer_bytes(t) for t in mats))
+                               max(tensor_staging_bytes(t) for t in mats))
                            for i, mats in streamable_expert_blocks(model.tensors).items()}
 
     def peak_on(self, gpu: str, placed: Mapping[tuple[bool, int | None], frozenset[str]]) -> int:

@@ -54,6 +54,14 @@ SCORE_VALUES = 16 << 20
 # (gpu.experts): large enough that each copy runs at the link's speed.
 STAGING_CHUNK_BYTES = 256 << 20
 
+
+def staging_buffer_bytes(tensor_bytes: int, n_expert: int) -> int:
+    """One op-offload staging buffer for an (n_expert, ...) expert tensor of ``tensor_bytes``:
+    the chunk size, within [one expert's slice, the whole tensor]. The staging stays small
+    next to a big model's expert tensors (DeepSeek-V3's Q6_K ffn_down_exps is 3.1 GB) while
+    each copy is long enough to run at the link's speed."""
+    return min(tensor_bytes, max(STAGING_CHUNK_BYTES, tensor_bytes // n_expert))
+
 # llama.cpp pads the KV cache to a multiple of 256 cells; so do the planner and the runtime.
 CACHE_PAD = 256
 

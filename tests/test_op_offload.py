@@ -121,17 +121,18 @@ def test_staged_streaming_equals_the_resident_experts(fused, chunk_experts):
         assert torch.abs(got - want).max() <= 1e-5 * torch.abs(want).max()
 
 
-def test_staging_sizes_agree_between_runtime_and_planner(models):
-    """placement.compute's staging term uses the runtime's chunk rule (gpu.experts)."""
-    from gpu import experts
-    from placement import compute, limits
+def test_staging_buffers_are_a_chunk_within_one_expert_and_the_whole_tensor(models):
+    """The staging rule (``placement.limits.staging_buffer_bytes``: gpu.experts' StagingBuffers
+    and placement.compute's term both call it): a small tensor whole, a huge expert's slice
+    whole, else one chunk; the plan counts two buffers of the largest streamed tensor's."""
+    from placement import compute
+    from placement.limits import STAGING_CHUNK_BYTES, staging_buffer_bytes
 
-    assert limits.STAGING_CHUNK_BYTES == experts.STAGING_CHUNK_BYTES     # while gpu.experts defines its own
+    assert staging_buffer_bytes(1000, 4) == 1000
+    assert staging_buffer_bytes(16 * STAGING_CHUNK_BYTES, 8) == 2 * STAGING_CHUNK_BYTES
     ds = models["deepseek-v3"]
-    for t in (t for t in ds.tensors if t.layer == 10 and t.n_experts):
-        assert compute.staging_buffer_bytes(t) == experts.staging_buffer_bytes(t.n_bytes, t.shape[0])
     big = max((t for t in ds.tensors if t.n_experts), key=lambda t: t.n_bytes)
-    assert compute.staging_buffer_bytes(big) == 256 << 20 < big.n_bytes       # DeepSeek-V3: chunked
+    assert compute.tensor_staging_bytes(big) == 256 << 20 < big.n_bytes       # DeepSeek-V3: chunked
     plan = make_plan(ds, parse_devices("CUDA0=24GiB,CPU=384GiB"), PlanOptions(ctx=8192))
     staged = compute.op_offload_staging_bytes(ds.tensors, lambda t: plan.tensors[t.name])
     assert staged == {"CUDA0": 2 << 28}
