@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.subprocess_env import bare_env
 from tests.tiny_models import TinySpec, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +109,7 @@ SHAPES = {"standard": [[1, 256], [64, 512], [512, 512], [128, 4096]],
 @pytest.mark.parametrize("plan", PLANS)
 def test_one_forward_pass_takes_what_the_planner_says(tmp_path, model, plan):
     tiny = write_tiny_model(tmp_path / "tiny.gguf", MODELS[model])
-    env = {"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/usr/bin:/bin"}
+    env = bare_env(OMP_WAIT_POLICY="PASSIVE")
     out = subprocess.run([sys.executable, "-c", PROBE, str(tiny.path), json.dumps(PLANS[plan]),
                           json.dumps(SHAPES[model])], cwd=ROOT, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]

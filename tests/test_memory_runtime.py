@@ -34,6 +34,7 @@ from offload.cpu_ops import RawEmbedding
 from placement.compute import Devices, cpu_lookup_bytes, projection
 from placement.devices import CPU
 from placement.tensors import Role, TensorInfo
+from tests.subprocess_env import bare_env
 from tests.tiny_models import TinySpec, random_tensor, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,7 +264,7 @@ def test_peak_rss_growth_stays_under_the_host_estimate(tmp_path, plan, arch):
     spec = ARCHS[arch]
     tiny = write_tiny_model(tmp_path / "tiny.gguf", spec)
     options = dict(PLANS[plan], ctx=512, ubatch=448)
-    env = {"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/usr/bin:/bin"}
+    env = bare_env(OMP_WAIT_POLICY="PASSIVE")
     out = subprocess.run([sys.executable, "-c", PROBE, str(tiny.path), json.dumps(options)],
                          cwd=ROOT, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -304,7 +305,7 @@ def test_return_freed_memory_gives_freed_blocks_back():
     MALLOC_MMAP_THRESHOLD_ is left alone."""
     def probe(mode, **env):
         out = subprocess.run([sys.executable, "-c", FREED, mode], cwd=ROOT, capture_output=True, text=True,
-                             env={"PATH": "/usr/bin:/bin", **env}, check=True)
+                             env=bare_env(**env), check=True)
         return json.loads(out.stdout)
     fixed, default = probe("fixed"), probe("default")
     assert fixed["fixed"] and fixed["returned"] >= 0.9 * fixed["n"]

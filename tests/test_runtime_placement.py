@@ -41,14 +41,19 @@ def tiny(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu_logits(tiny):
-    with rt.load(tiny.path, devices="CPU=16GiB", cache_type="f32", quiet=True) as s:
+    # float activations pinned: the virtual GPUs compute in float32 whatever the CPU class,
+    # so the CPU kernels must too (int8 ones, where a type and a VNNI CPU take them, have
+    # their own bound in tests/test_decode_activations.py and tests/test_prefill.py)
+    with rt.load(tiny.path, devices="CPU=16GiB", cache_type="f32", quiet=True, decode_activations="float",
+                 int8_prefill=False) as s:
         assert set(s.plan.tensors.values()) == {"CPU"}
         return s.logits(IDS)
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_plans_give_the_same_logits(tiny, cpu_logits, plan):
-    with rt.load(tiny.path, virtual_gpus=True, cache_type="f32", quiet=True, **PLANS[plan]) as s:
+    with rt.load(tiny.path, virtual_gpus=True, cache_type="f32", quiet=True, decode_activations="float",
+                 int8_prefill=False, **PLANS[plan]) as s:
         got = s.logits(IDS)
         assert set(s.devices.torch_devices) == set(s.plan.tensors.values())
         # what each device holds is what the planner counted for it
@@ -63,7 +68,8 @@ def test_plan_file_round_trip_runs(tiny, cpu_logits, tmp_path):
         path = tmp_path / "plan.yaml"
         path.write_text(plan_to_yaml(s.plan))
         want = dict(s.plan.tensors)
-    with rt.load(tiny.path, placement=path, virtual_gpus=True, quiet=True) as s:
+    with rt.load(tiny.path, placement=path, virtual_gpus=True, quiet=True, decode_activations="float",
+                 int8_prefill=False) as s:
         assert dict(s.plan.tensors) == want
         got = s.logits(IDS)
     assert np.abs(got - cpu_logits).max() < REL_TOL * np.abs(cpu_logits).max()
