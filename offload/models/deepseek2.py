@@ -27,13 +27,13 @@ from gpu.mla import LatentAttention
 from gpu.norm import RMSNorm
 from gpu.rope import RopeSpec, YaRN
 from gpu.router import SigmoidRouter, SoftmaxRouter
+from offload.compiled_block import compile_block
 from offload.errors import OffloadError
-from offload.models.common import (BuildContext, BuiltAttention, CausalLM, ModelConfig, build_nextn,
-                                   build_trunk, config_fields, meta_value, nextn_layer,
-                                   yarn_scaling)
+from offload.models import parts
+from offload.models.base import BuildContext, CausalLM, DecoderBlock, State
+from offload.models.config import ModelConfig, config_fields, meta_value, yarn_scaling
+from offload.models.parts import BuiltAttention
 from placement.tensors import ModelSpec
-
-FFN_NORM = "ffn_norm"
 
 
 @dataclass(frozen=True)
@@ -119,29 +119,51 @@ def mla_attention(w, cfg: Deepseek2Config, i: int, ctx: BuildContext) -> BuiltAt
     return BuiltAttention(home_name, home, attn, cache)
 
 
-def build(cfg: Deepseek2Config, w, ctx: BuildContext, draft=None) -> CausalLM:
+class Deepseek2Block(DecoderBlock):
+    """x + latent attention(attn_norm(x)); then h + ffn(ffn_norm(h)), the FFN dense in the
+    leading blocks and MoE with shared experts after them."""
+
+    def __call__(self, x, positions, cache):
+        x = self.arrive(x)
+        h = x + self.attn(self.attn_norm(x), positions, cache)
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class Deepseek2(CausalLM):
+    def forward(self, ids, state: State, *, logits: str = "all"):
+        x = self.embed(ids)
+        x = self.run_blocks(x, state.positions(ids.shape[0]), state.caches)
+        return self.final(x, logits)
+
+
+def router(w, cfg: Deepseek2Config, p: str, home):
+    """Softmax top-k (V2), or sigmoid with the selection bias and group-limited top-k (V3)."""
+    gate = w.linear(f"{p}.ffn_gate_inp.weight", float32=True)
+    if cfg.gating == ExpertGatingFuncType.SOFTMAX:
+        return SoftmaxRouter(gate, k=cfg.n_expert_used, norm=cfg.expert_weights_norm,
+                             scale=cfg.expert_weights_scale)
+    bias = f"{p}.exp_probs_b.bias"
+    return SigmoidRouter(gate, w.vector(bias).to(home) if w.has(bias) else None,
+                         k=cfg.n_expert_used, norm=cfg.expert_weights_norm,
+                         scale=cfg.expert_weights_scale, n_group=cfg.n_group,
+                         n_group_used=cfg.n_group_used)
+
+
+def block(w, cfg: Deepseek2Config, i: int, ctx: BuildContext):
+    """Block i of ``w`` (the model's, or a ``--draft`` file's NextN block)."""
+    p = f"blk.{i}"
+    a = mla_attention(w, cfg, i, ctx)
+    ffn = parts.moe_or_dense(w, p, lambda: router(w, cfg, p, a.device), ctx)
+    return compile_block(Deepseek2Block(
+        attn_norm=a.norm(w, f"{p}.attn_norm", cfg.rms_eps), attn=a.attn,
+        ffn_norm=a.norm(w, f"{p}.ffn_norm", cfg.rms_eps), ffn=ffn, **a.where(ctx.profile)))
+
+
+def build(cfg: Deepseek2Config, w, ctx: BuildContext, draft=None) -> Deepseek2:
     """The trunk from ``w``; the draft head from ``draft`` (a ``--draft`` file's weights)
     when given, else the model's own NextN block if it has one."""
-    def router_of(store):
-        def router(p, home):
-            gate = store.linear(f"{p}.ffn_gate_inp.weight", float32=True)
-            if cfg.gating == ExpertGatingFuncType.SOFTMAX:
-                return SoftmaxRouter(gate, k=cfg.n_expert_used, norm=cfg.expert_weights_norm,
-                                     scale=cfg.expert_weights_scale)
-            bias = f"{p}.exp_probs_b.bias"
-            return SigmoidRouter(gate, store.vector(bias).to(home) if store.has(bias) else None,
-                                 k=cfg.n_expert_used, norm=cfg.expert_weights_norm,
-                                 scale=cfg.expert_weights_scale, n_group=cfg.n_group,
-                                 n_group_used=cfg.n_group_used)
-        return router
-
-    embed, blocks, output_norm, output = build_trunk(w, cfg, ctx, ffn_norm=FFN_NORM, make_router=router_of(w),
-                                                     attention=mla_attention)
-    nextn = None
-    if draft is not None or cfg.n_nextn:
-        store = draft if draft is not None else w
-        i = nextn_layer(draft) if draft is not None else cfg.n_layer
-        nextn = build_nextn(store, cfg, i, ctx, ffn_norm=FFN_NORM, make_router=router_of(store),
-                            attention=mla_attention, embed=embed, output=output)
-    return CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output,
-                    nextn=nextn)
+    embed = w.embedding("token_embd.weight")
+    blocks = [block(w, cfg, i, ctx) for i in range(cfg.n_layer)]
+    output_norm, output = parts.output_ends(w, cfg)
+    nextn = parts.draft_head(w, draft, cfg, lambda store, i: block(store, cfg, i, ctx), embed=embed, output=output)
+    return Deepseek2(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=nextn)

@@ -7,12 +7,12 @@ from __future__ import annotations
 from gguf import ExpertGatingFuncType, Keys
 
 from gpu.router import SigmoidRouter
+from offload.compiled_block import compile_block
 from offload.errors import OffloadError
-from offload.models.common import (BuildContext, CausalLM, ModelConfig, build_nextn, build_trunk,
-                                   common_config, meta_value, nextn_layer)
+from offload.models import parts
+from offload.models.base import BuildContext, CausalLM, DecoderBlock, State
+from offload.models.config import ModelConfig, common_config, meta_value
 from placement.tensors import ModelSpec
-
-FFN_NORM = "post_attention_norm"
 
 
 def config_from_gguf(spec: ModelSpec, meta) -> ModelConfig:
@@ -24,24 +24,45 @@ def config_from_gguf(spec: ModelSpec, meta) -> ModelConfig:
     return common_config(spec, meta)
 
 
-def build(cfg: ModelConfig, w, ctx: BuildContext, draft=None) -> CausalLM:
+class Glm4MoeBlock(DecoderBlock):
+    """x + attention(attn_norm(x)); then h + ffn(post_attention_norm(h)), the FFN dense in
+    the leading blocks and MoE with a shared expert after them."""
+
+    def __call__(self, x, positions, cache):
+        x = self.arrive(x)
+        h = x + self.attn(self.attn_norm(x), positions, cache)
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class Glm4Moe(CausalLM):
+    def forward(self, ids, state: State, *, logits: str = "all"):
+        x = self.embed(ids)
+        x = self.run_blocks(x, state.positions(ids.shape[0]), state.caches)
+        return self.final(x, logits)
+
+
+def router(w, cfg: ModelConfig, p: str, home) -> SigmoidRouter:
+    bias = f"{p}.exp_probs_b.bias"
+    return SigmoidRouter(w.linear(f"{p}.ffn_gate_inp.weight", float32=True),
+                         w.vector(bias).to(home) if w.has(bias) else None,
+                         k=cfg.n_expert_used, norm=cfg.expert_weights_norm, scale=cfg.expert_weights_scale)
+
+
+def block(w, cfg: ModelConfig, i: int, ctx: BuildContext):
+    """Block i of ``w`` (the model's, or a ``--draft`` file's NextN block)."""
+    p = f"blk.{i}"
+    a = parts.gqa_attention(w, cfg, i, ctx)
+    ffn = parts.moe_or_dense(w, p, lambda: router(w, cfg, p, a.device), ctx)
+    return compile_block(Glm4MoeBlock(
+        attn_norm=a.norm(w, f"{p}.attn_norm", cfg.rms_eps), attn=a.attn,
+        ffn_norm=a.norm(w, f"{p}.post_attention_norm", cfg.rms_eps), ffn=ffn, **a.where(ctx.profile)))
+
+
+def build(cfg: ModelConfig, w, ctx: BuildContext, draft=None) -> Glm4Moe:
     """The trunk from ``w``; the draft head from ``draft`` (a ``--draft`` file's weights)
     when given, else the model's own NextN block if it has one."""
-    def router_of(store):
-        def router(p, home):
-            bias = f"{p}.exp_probs_b.bias"
-            return SigmoidRouter(store.linear(f"{p}.ffn_gate_inp.weight", float32=True),
-                                 store.vector(bias).to(home) if store.has(bias) else None,
-                                 k=cfg.n_expert_used, norm=cfg.expert_weights_norm,
-                                 scale=cfg.expert_weights_scale)
-        return router
-
-    embed, blocks, output_norm, output = build_trunk(w, cfg, ctx, ffn_norm=FFN_NORM, make_router=router_of(w))
-    nextn = None
-    if draft is not None or cfg.n_nextn:
-        store = draft if draft is not None else w
-        i = nextn_layer(draft) if draft is not None else cfg.n_layer
-        nextn = build_nextn(store, cfg, i, ctx, ffn_norm=FFN_NORM, make_router=router_of(store),
-                            embed=embed, output=output)
-    return CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output,
-                    nextn=nextn)
+    embed = w.embedding("token_embd.weight")
+    blocks = [block(w, cfg, i, ctx) for i in range(cfg.n_layer)]
+    output_norm, output = parts.output_ends(w, cfg)
+    nextn = parts.draft_head(w, draft, cfg, lambda store, i: block(store, cfg, i, ctx), embed=embed, output=output)
+    return Glm4Moe(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=nextn)

@@ -21,17 +21,17 @@ from dataclasses import dataclass
 
 from gpu.attention import Attention
 from gpu.kv_cache import WindowKVCache
-from gpu.norm import RMSNorm
 from gpu.rope import RopeSpec, YaRN
 from gpu.router import TopKSoftmaxRouter
 from offload.errors import OffloadError
-from offload.models.common import (Block, BuildContext, BuiltAttention, CausalLM, ModelConfig, build_trunk,
-                                   config_fields, yarn_scaling)
+from offload.models import parts
+from offload.models.base import BuildContext, CausalLM, DecoderBlock, State
+from offload.models.config import ModelConfig, config_fields, yarn_scaling
+from offload.models.parts import BuiltAttention
 from offload.moe import MoE
 from placement.limits import CACHE_PAD, pad
 from placement.tensors import ModelSpec
 
-FFN_NORM = "post_attention_norm"
 ACTIVATION = "swiglu_oai"
 
 
@@ -86,21 +86,37 @@ def attention(w, cfg: GptOssConfig, i: int, ctx: BuildContext) -> BuiltAttention
         cfg.n_head_kv, cfg.head_dim, window=window, max_cells=cells, device=dev, dtype=ctx.kv_dtype))
 
 
-def block(w, cfg: GptOssConfig, i: int, ctx: BuildContext) -> Block:
-    """x + attn(attn_norm(x)); h + moe(post_attention_norm(h))."""
+class GptOssBlock(DecoderBlock):
+    """x + attention with sinks (windowed or full)(attn_norm(x)); h + moe(post_attention_norm(h))."""
+
+    def __call__(self, x, positions, cache):
+        x = self.arrive(x)
+        h = x + self.attn(self.attn_norm(x), positions, cache)
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class GptOss(CausalLM):
+    def forward(self, ids, state: State, *, logits: str = "all"):
+        x = self.embed(ids)
+        x = self.run_blocks(x, state.positions(ids.shape[0]), state.caches)
+        return self.final(x, logits)
+
+
+def block(w, cfg: GptOssConfig, i: int, ctx: BuildContext) -> GptOssBlock:
     p = f"blk.{i}"
     a = attention(w, cfg, i, ctx)
-    norm = lambda n: RMSNorm(w.vector(f"{p}.{n}.weight").to(a.device), cfg.rms_eps)  # noqa: E731
     router = TopKSoftmaxRouter(w.linear(f"{p}.ffn_gate_inp.weight", f"{p}.ffn_gate_inp.bias", float32=True),
                                k=cfg.n_expert_used)
     moe = MoE(router=router, experts=w.experts(p, act=ACTIVATION), shared=None, pool=ctx.pool,
               profile=ctx.profile)
-    return Block(device_name=a.device_name, device=a.device, attn_norm=norm("attn_norm"), attn=a.attn,
-                 ffn_norm=norm(FFN_NORM), ffn=moe, profile=ctx.profile, cache=a.cache)
+    return GptOssBlock(attn_norm=a.norm(w, f"{p}.attn_norm", cfg.rms_eps), attn=a.attn,
+                       ffn_norm=a.norm(w, f"{p}.post_attention_norm", cfg.rms_eps), ffn=moe,
+                       **a.where(ctx.profile))
 
 
-def build(cfg: GptOssConfig, w, ctx: BuildContext, draft=None) -> CausalLM:
-    if draft is not None:
-        raise OffloadError("gpt-oss has no NextN (MTP) block: --draft is not supported")
-    embed, blocks, output_norm, output = build_trunk(w, cfg, ctx, build=block)
-    return CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=None)
+def build(cfg: GptOssConfig, w, ctx: BuildContext, draft=None) -> GptOss:
+    parts.refuse_draft("gpt-oss", draft)
+    embed = w.embedding("token_embd.weight")
+    blocks = [block(w, cfg, i, ctx) for i in range(cfg.n_layer)]
+    output_norm, output = parts.output_ends(w, cfg)
+    return GptOss(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=None)

@@ -1,0 +1,187 @@
+"""What every architecture file uses and none restates: the block interface, a sequence's
+caches, the causal LM's common ends (embedding, block runs, output head, the generate
+contract) and the NextN (MTP) draft head. An architecture subclasses ``DecoderBlock`` and
+``CausalLM`` and writes their ``__call__`` / ``forward`` as its own math
+(``offload/models/<arch>.py``).
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from gpu.kv_cache import KVCache
+from gpu.norm import RMSNorm
+from gpu.rope import Rope, rope_for
+from offload.compiled_block import block_runs
+from offload.compiled_head import CompiledHead
+from offload.models.config import ModelConfig
+from offload.profile import Profile
+
+
+class DecoderBlock:
+    """The block interface the model loop, the caches, the compiled path and ``offload tune``
+    keep: ``device_name``, ``device``, ``profile``, ``new_cache()`` (a fresh cache of the
+    block's own kind, with ``length`` and ``truncate(n)``) and ``__call__(x, positions, cache)
+    -> x``. An architecture's block names its parts as keywords (``attn_norm``, ``attn``,
+    ``ffn_norm``, ``ffn`` where it has them: tune and the compiled path look them up by
+    those names) and writes ``__call__`` as its math."""
+
+    def __init__(self, *, device_name: str, device: torch.device, profile: Profile,
+                 cache: Callable[[torch.device], object], **parts):
+        self.device_name, self.device, self.profile = device_name, device, profile
+        self._cache = cache
+        for name, part in parts.items():
+            setattr(self, name, part)
+
+    def new_cache(self):
+        """A fresh cache for this block, on its device, as the plan sized it."""
+        return self._cache(self.device)
+
+    def arrive(self, x: torch.Tensor) -> torch.Tensor:
+        """x on this block's device: the hidden state moves only at a block boundary."""
+        if x.device != self.device:
+            with self.profile.time("transfer"):
+                x = x.to(self.device)
+        return x
+
+
+@dataclass
+class State:
+    """One sequence's caches. ``truncate(n)`` rolls the trunk back to n positions; the draft
+    head's cache (``nextn_cache``: anything with ``length`` and ``truncate``) is rolled back
+    by the speculative loop, which knows how far it is valid."""
+    caches: list[KVCache]
+    nextn_cache: object | None = None
+
+    @property
+    def n_past(self) -> int:
+        return self.caches[0].length
+
+    def positions(self, n: int) -> torch.Tensor:
+        """(n,) host tensor of the RoPE positions of the next n tokens."""
+        return torch.arange(self.n_past, self.n_past + n)
+
+    def truncate(self, n: int) -> None:
+        for c in self.caches:
+            c.truncate(n)
+
+
+class CausalLM:
+    """The ends every causal LM here shares; an architecture's ``forward(ids, state, *,
+    logits)`` states what lies between them. ``forward`` runs the trunk over ids (T,) at
+    positions ``state.n_past``.. and advances the caches by T; it returns logits ((T, n_vocab)
+    for "all", (1, n_vocab) for "last", None for "none") and the final hidden states
+    (T, n_embd) after ``output_norm``, which the output head and the NextN head read."""
+
+    def __init__(self, *, config: ModelConfig, embed, blocks: list, output_norm: RMSNorm,
+                 output, nextn: NextN | None):
+        self.config, self.embed, self.blocks = config, embed, blocks
+        self.output_norm, self.output, self.nextn = output_norm, output, nextn
+        self._runs_for, self._runs = None, []
+        self._head = None
+        self._bound_head()              # bound (and compiled) at load, not in the first pass
+
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, caches: list) -> torch.Tensor:
+        """x through every block in order, consecutive compiled blocks as one call each."""
+        for step, lo, hi in self.block_runs():
+            x = step(x, positions, caches[lo:hi])
+        return x
+
+    def final(self, x: torch.Tensor, logits: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``output_norm`` then ``output`` (one compiled call where it applies) → (logits, h)."""
+        head = self.output_head
+        if head is not None and head.takes(x.shape[0], logits):
+            return head(x, logits)
+        h = self.output_norm(x)
+        if logits == "none":
+            return None, h
+        return self.output(h if logits == "all" else h[-1:]).float(), h
+
+    @property
+    def output_head(self) -> CompiledHead | None:
+        """``output_norm`` + ``output`` as one compiled call (``offload.compiled_head``; None
+        where it does not apply), bound again when someone replaces either part."""
+        head = self._bound_head()
+        return head if type(head) is CompiledHead else None
+
+    def _bound_head(self):
+        head = self._head
+        if head is None or head.norm is not self.output_norm or head.output is not self.output:
+            head = self._head = CompiledHead.bind(self.output_norm, self.output) or _NoHead(self)
+        return head
+
+    def block_runs(self) -> list:
+        """``offload.compiled_block.block_runs`` of the current ``blocks`` (rebuilt when
+        someone replaces the list or one of its blocks, e.g. a test's reference blocks)."""
+        if self._runs_for != self.blocks:
+            self._runs_for, self._runs = list(self.blocks), block_runs(self.blocks)
+        return self._runs
+
+    def new_state(self, head=None) -> State:
+        """Fresh caches for the trunk and for ``head`` (default: the model's NextN head)."""
+        head = head if head is not None else self.nextn
+        return State([b.new_cache() for b in self.blocks],
+                     head.new_cache() if head is not None else None)
+
+
+class _NoHead:
+    """Remembers that no compiled head applies to these parts (so the check is not redone)."""
+
+    def __init__(self, model: CausalLM):
+        self.norm, self.output = model.output_norm, model.output
+
+
+class NextN:
+    """The NextN/MTP head of GLM-4.5 and DeepSeek-V3: from the trunk's post-``output_norm``
+    hidden state at t and the token at t+1, one full decoder block with its own KV cache →
+    logits for t+2 and its own pre-norm hidden state (which feeds the next chained draft step)."""
+
+    def __init__(self, *, embed, enorm: RMSNorm, hnorm: RMSNorm, eh_proj, block, norm: RMSNorm, head):
+        self.embed, self.enorm, self.hnorm, self.eh_proj = embed, enorm, hnorm, eh_proj
+        self.block, self.norm, self.head = block, norm, head
+
+    def new_cache(self):
+        """The head's own KV cache (entry t holds the pair (h_t, token t+1)), on its device."""
+        return self.block.new_cache()
+
+    def __call__(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 cache: KVCache, *, logits: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]:
+        """tokens: (T,) ids of t+1; hidden: (T, n_embd) trunk states at t; positions: (T,)
+        RoPE positions (those of the tokens, t+1) → logits ((T, n_vocab) for "all", (1, n_vocab)
+        for "last", None for "none") and h_mtp (T, n_embd), the pre-norm state that chains."""
+        dev = self.block.device
+        e = self.enorm(self.embed(tokens).to(dev))
+        x = self.eh_proj(torch.cat([e, self.hnorm(hidden.to(dev))], dim=-1))
+        h = self.block(x, positions, cache)
+        if logits == "none":
+            return None, h
+        return self.head(self.norm(h if logits == "all" else h[-1:])).float(), h
+
+
+def kv_cache(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_cells: int | None = None) -> KVCache:
+    return KVCache(cfg.n_head_kv, cfg.head_dim, device=device, dtype=dtype, max_cells=max_cells)
+
+
+@dataclass
+class BuildContext:
+    """What every builder needs besides the weights: one RoPE table per device, the
+    profile, and the worker thread that drives CPU experts."""
+    profile: Profile
+    pool: ThreadPoolExecutor
+    kv_dtype: torch.dtype = torch.float32
+    kv_cells: int | None = None       # the planner's cells per cache (context padded to 256)
+    ubatch: int = 512                 # the plan's micro-batch (sizes sliding-window caches)
+    ropes: dict = field(default_factory=dict)
+
+    def cache(self, cfg: ModelConfig) -> Callable[[torch.device], KVCache]:
+        """A new KV cache on a device, as the plan sized it."""
+        return lambda dev: kv_cache(cfg, dev, self.kv_dtype, self.kv_cells)
+
+    def rope(self, cfg: ModelConfig, device: torch.device) -> Rope:
+        key = (cfg.rope_spec, device)
+        if key not in self.ropes:
+            self.ropes[key] = rope_for(cfg.rope_spec, device)
+        return self.ropes[key]
