@@ -528,7 +528,7 @@ class ForwardModel:
         return moments
 
     def nextn_glue(self, b: BlockTensors, h: str, device_of) -> list[Moment]:
-        """offload.models.common.NextN before its block: enorm(embed(t)), hnorm(h), their
+        """offload.models.base.NextN before its block: enorm(embed(t)), hnorm(h), their
         (T, 2E) concatenation and eh_proj (the trunk's hidden state is held by the caller)."""
         te = self.T * self.spec.n_embd * F32
         base = {h: 3 * te}                             # e, enorm(e), hnorm(h)
@@ -573,7 +573,7 @@ class ForwardModel:
         norm = self.globals.get("output_norm.weight")
         if norm is not None:
             out_t = self.globals.get("output.weight")
-            if out_t is not None:     # the norm runs where the output matrix is (build_trunk)
+            if out_t is not None:     # the norm runs where the output matrix is (models/parts.output_ends)
                 out += self.output(out_t, device_of(out_t), trunk_home, device_of)
             else:
                 dev = device_of(norm)

@@ -61,7 +61,7 @@ def test_a_missing_tensor_is_named(tiny, tmp_path):
 
 def test_a_block_without_attention_is_one_line_not_a_key_error(tiny, tmp_path):
     """A corrupt file whose block 2 lost its attention tensors used to fail with
-    ``KeyError: None`` from offload/devices.py (via build_attention)."""
+    ``KeyError: None`` from offload/devices.py (via the attention builder)."""
     bad = _copy(tiny, tmp_path)
     _rename(bad, b"blk.2.attn_", b"blk.2.attx_")
     with pytest.raises(OffloadError, match=r"lacks tensor blk\.2\.attn_q\.weight \(block 2 has no attention"):
