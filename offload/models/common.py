@@ -17,7 +17,7 @@ from gpu.ffn import SwiGLU
 from gpu.kv_cache import KVCache
 from gpu.norm import RMSNorm
 from gpu.rope import Rope, RopeSpec, YaRN, rope_for
-from offload.compiled_block import block_runs, compile_block
+from offload.compiled_block import CompiledParts, block_runs, compile_block
 from offload.compiled_head import CompiledHead
 from offload.errors import OffloadError
 from offload.gguf_header import LazyArray
@@ -133,6 +133,7 @@ class Block:
         self.device_name, self.device, self.attn_norm, self.attn = device_name, device, attn_norm, attn
         self.ffn_norm, self.ffn, self.profile = ffn_norm, ffn, profile
         self._cache = cache
+        self.path = "reference"     # offload.compiled_block.compile_block says which path and why
 
     def new_cache(self):
         """A fresh KV cache for this block, on its device, as the plan sized it."""
@@ -324,11 +325,12 @@ def build_moe(w, p: str, router: Callable, ctx: BuildContext) -> MoE:
 
 
 def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str,
-                make_router: Callable, attention: Callable = build_attention) -> Block:
+                make_router: Callable, compiled: CompiledParts, attention: Callable = build_attention) -> Block:
     """Block i: MoE when it has a router (``ffn_gate_inp``), dense FFN otherwise.
     ``make_router(prefix, device)`` builds the architecture's router; ``attention(w, cfg, i,
-    ctx) -> BuiltAttention`` its attention kind (GQA by default) with its cache. A wholly CPU-resident
-    GQA block runs compiled (``offload.compiled_block``; this Block stays its reference)."""
+    ctx) -> BuiltAttention`` its attention kind (GQA by default) with its cache; ``compiled``
+    the compiled CPU parts the architecture declares for its blocks (``offload.compiled_block``:
+    a wholly CPU-resident block runs them, this Block stays its reference)."""
     p = f"blk.{i}"
     a = attention(w, cfg, i, ctx)
     home_name, home = a.device_name, a.device
@@ -339,13 +341,13 @@ def build_block(w, cfg: ModelConfig, i: int, ctx: BuildContext, *, ffn_norm: str
         ffn = build_swiglu(w, p)
     return compile_block(Block(device_name=home_name, device=home, attn_norm=norm(f"{p}.attn_norm.weight"),
                                attn=a.attn, ffn_norm=norm(f"{p}.{ffn_norm}.weight"), ffn=ffn,
-                               profile=ctx.profile, cache=a.cache))
+                               profile=ctx.profile, cache=a.cache), compiled)
 
 
 def build_trunk(w, cfg: ModelConfig, ctx: BuildContext, *, build: Callable = build_block, **block) -> tuple:
     """Embedding, trunk blocks, output norm and head (``output`` or tied ``token_embd``).
     ``build(w, cfg, i, ctx, **block)`` makes block i (default ``build_block``, whose keywords
-    are ffn_norm, make_router, attention); an architecture may bring its own."""
+    are ffn_norm, make_router, compiled, attention); an architecture may bring its own."""
     embed = w.embedding("token_embd.weight")
     blocks = [build(w, cfg, i, ctx, **block) for i in range(cfg.n_layer)]
     # the output layer is output_norm's slot; a tied model reads token_embd there (a second

@@ -27,6 +27,7 @@ from gpu.mla import LatentAttention
 from gpu.norm import RMSNorm
 from gpu.rope import RopeSpec, YaRN
 from gpu.router import SigmoidRouter, SoftmaxRouter
+from offload.compiled_block import HANDOFF_ONLY
 from offload.errors import OffloadError
 from offload.models.common import (BuildContext, BuiltAttention, CausalLM, ModelConfig, build_nextn,
                                    build_trunk, config_fields, meta_value, nextn_layer,
@@ -34,6 +35,8 @@ from offload.models.common import (BuildContext, BuiltAttention, CausalLM, Model
 from placement.tensors import ModelSpec
 
 FFN_NORM = "ffn_norm"
+# the compiled CPU parts its blocks take: the MoE hand-off of RAM-resident experts only
+COMPILED = HANDOFF_ONLY.because("MLA attention has no compiled half")
 
 
 @dataclass(frozen=True)
@@ -136,12 +139,12 @@ def build(cfg: Deepseek2Config, w, ctx: BuildContext, draft=None) -> CausalLM:
         return router
 
     embed, blocks, output_norm, output = build_trunk(w, cfg, ctx, ffn_norm=FFN_NORM, make_router=router_of(w),
-                                                     attention=mla_attention)
+                                                     attention=mla_attention, compiled=COMPILED)
     nextn = None
     if draft is not None or cfg.n_nextn:
         store = draft if draft is not None else w
         i = nextn_layer(draft) if draft is not None else cfg.n_layer
         nextn = build_nextn(store, cfg, i, ctx, ffn_norm=FFN_NORM, make_router=router_of(store),
-                            attention=mla_attention, embed=embed, output=output)
+                            attention=mla_attention, compiled=COMPILED, embed=embed, output=output)
     return CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output,
                     nextn=nextn)

@@ -8,6 +8,7 @@ from gguf import ExpertGatingFuncType, Keys
 
 from gpu.router import SigmoidRouter
 from offload.errors import OffloadError
+from offload.compiled_block import GQA_BLOCK
 from offload.models.common import (BuildContext, CausalLM, ModelConfig, build_nextn, build_trunk,
                                    common_config, meta_value, nextn_layer)
 from placement.tensors import ModelSpec
@@ -36,12 +37,13 @@ def build(cfg: ModelConfig, w, ctx: BuildContext, draft=None) -> CausalLM:
                                  scale=cfg.expert_weights_scale)
         return router
 
-    embed, blocks, output_norm, output = build_trunk(w, cfg, ctx, ffn_norm=FFN_NORM, make_router=router_of(w))
+    embed, blocks, output_norm, output = build_trunk(w, cfg, ctx, ffn_norm=FFN_NORM, make_router=router_of(w),
+                                                     compiled=GQA_BLOCK)
     nextn = None
     if draft is not None or cfg.n_nextn:
         store = draft if draft is not None else w
         i = nextn_layer(draft) if draft is not None else cfg.n_layer
         nextn = build_nextn(store, cfg, i, ctx, ffn_norm=FFN_NORM, make_router=router_of(store),
-                            embed=embed, output=output)
+                            compiled=GQA_BLOCK, embed=embed, output=output)
     return CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output,
                     nextn=nextn)

@@ -24,6 +24,7 @@ from gpu.kv_cache import WindowKVCache
 from gpu.norm import RMSNorm
 from gpu.rope import RopeSpec, YaRN
 from gpu.router import TopKSoftmaxRouter
+from offload.compiled_block import REFERENCE, compile_block
 from offload.errors import OffloadError
 from offload.models.common import (Block, BuildContext, BuiltAttention, CausalLM, ModelConfig, build_trunk,
                                    config_fields, yarn_scaling)
@@ -33,6 +34,8 @@ from placement.tensors import ModelSpec
 
 FFN_NORM = "post_attention_norm"
 ACTIVATION = "swiglu_oai"
+# no compiled CPU parts: the compiled attention has no sinks or window, the experts are biased
+COMPILED = REFERENCE.because("attention sinks and swiglu_oai experts have no compiled half")
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,9 @@ def block(w, cfg: GptOssConfig, i: int, ctx: BuildContext) -> Block:
                                k=cfg.n_expert_used)
     moe = MoE(router=router, experts=w.experts(p, act=ACTIVATION), shared=None, pool=ctx.pool,
               profile=ctx.profile)
-    return Block(device_name=a.device_name, device=a.device, attn_norm=norm("attn_norm"), attn=a.attn,
-                 ffn_norm=norm(FFN_NORM), ffn=moe, profile=ctx.profile, cache=a.cache)
+    return compile_block(Block(device_name=a.device_name, device=a.device, attn_norm=norm("attn_norm"),
+                               attn=a.attn, ffn_norm=norm(FFN_NORM), ffn=moe, profile=ctx.profile,
+                               cache=a.cache), COMPILED)
 
 
 def build(cfg: GptOssConfig, w, ctx: BuildContext, draft=None) -> CausalLM:

@@ -7,6 +7,7 @@ from gguf import ExpertGatingFuncType, Keys
 
 from gpu.router import SoftmaxRouter
 from offload.errors import OffloadError
+from offload.compiled_block import GQA_BLOCK
 from offload.models.common import (BuildContext, CausalLM, ModelConfig, build_trunk, common_config,
                                    meta_value)
 from placement.tensors import ModelSpec
@@ -27,6 +28,7 @@ def build(cfg: ModelConfig, w, ctx: BuildContext, draft=None) -> CausalLM:
                              k=cfg.n_expert_used, norm=cfg.expert_weights_norm,
                              scale=cfg.expert_weights_scale)
 
-    embed, blocks, output_norm, output = build_trunk(w, cfg, ctx, ffn_norm="ffn_norm", make_router=router)
+    embed, blocks, output_norm, output = build_trunk(w, cfg, ctx, ffn_norm="ffn_norm", make_router=router,
+                                                     compiled=GQA_BLOCK)
     return CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output,
                     nextn=None)
