@@ -4,7 +4,8 @@ verify steps (T <= ``DECODE_TOKENS``) as two compiled calls, ``cpu_kernels.block
 
 Design (see docs/compiled-blocks.md): at load, ``compile_block`` reads the reference
 ``Block`` (the torch path, built as usual) and binds its raw GGUF views, quant tags, norm
-weights, biases and routing settings into an argument tuple per half; the first call compiles
+weights, biases and routing settings into a named record per half (``AttentionArgs``,
+``MoeArgs``, ``DenseArgs``: one field per kernel parameter, in the kernel's order); the first call compiles
 (or loads from Numba's cache) the entries for exactly those argument types, and every later call
 goes straight to those compiled entry points — no registry lookup, type dispatch or Numba
 argument typing per call (measured on this box: ~0.8 µs for a 50-argument call, against
@@ -18,13 +19,19 @@ The model loop steps consecutive compiled blocks of one kind as a ``BlockRun`` (
 one compiled call, ``cpu_kernels.block.blocks_run``, for up to ``RUN_BLOCKS`` blocks, so a
 decode token pays the Python side of a compiled call once per run, not twice per block.
 
-Anything the compiled block does not cover (a tensor on a GPU, a quantized KV cache, an
-attention or router kind other than GQA + sigmoid/softmax top-k) keeps the reference
-block. ``OFFLOAD_BLOCKS=reference`` forces the reference path everywhere.
+An architecture declares which compiled parts its blocks take (``CompiledParts``: its model
+file passes ``GQA_BLOCK``, ``HANDOFF_ONLY`` or ``REFERENCE`` with a reason); a block is bound
+only for those. Anything the compiled block does not cover (a tensor on a GPU, a window
+cache, an attention or router kind other than GQA + sigmoid/softmax top-k) keeps the
+reference block, and every block's ``path`` says which it takes and why ("compiled",
+"reference: attention on CUDA0"; ``offload run -v`` prints them). ``OFFLOAD_BLOCKS=reference``
+forces the reference path everywhere.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, fields, replace
+from typing import ClassVar
 
 import numba
 import numpy as np
@@ -37,7 +44,9 @@ from cpu_kernels import settings
 from cpu_kernels.entry import first_call
 from cpu_kernels.layout import weight_bytes
 from cpu_kernels.registry import get_kernel
+from gpu.attention import Attention
 from gpu.ffn import SwiGLU
+from gpu.kv_cache import KVCache
 from gpu.router import SigmoidRouter, SoftmaxRouter
 from offload.cpu_ops import CpuExperts, RawLinear, to_host
 from offload.moe import MoE
@@ -49,6 +58,137 @@ ENV = "OFFLOAD_BLOCKS"   # "reference": the torch path for every block
 
 def compiled_enabled() -> bool:
     return os.environ.get(ENV, "compiled").lower() != "reference"
+
+
+# -- what an architecture declares ----------------------------------------------------
+
+@dataclass(frozen=True)
+class CompiledParts:
+    """Which compiled CPU parts an architecture's blocks take, declared in its model file
+    (``build_block(..., compiled=...)``): ``attention`` the kind ``attention_half`` computes
+    ("gqa": GQA with NeoX RoPE, optional q/k/v biases and per-head q/k norms; None: none),
+    ``ffn`` the second halves it may take ("moe": ``moe_half``, "dense": ``dense_half``),
+    ``handoff`` whether an MoE block on the reference path may hand its RAM-resident experts to
+    the compiled ``routed_ffn`` (``offload.moe``'s hybrid hand-off), and ``reason``: what a
+    block with no compiled attention reports (``path``). A block is bound only for the parts
+    declared here; everything else takes the reference path and says why."""
+    attention: str | None = None
+    ffn: tuple[str, ...] = ()
+    handoff: bool = False
+    reason: str = "not declared by the architecture"
+
+    def because(self, reason: str) -> CompiledParts:
+        """These parts, with ``reason`` as what a block on the reference path reports."""
+        return replace(self, reason=reason)
+
+
+ATTENTION_KINDS = ("gqa",)
+FFN_KINDS = ("moe", "dense")
+GQA_BLOCK = CompiledParts(attention="gqa", ffn=FFN_KINDS, handoff=True)   # glm4moe, qwen3moe
+HANDOFF_ONLY = CompiledParts(handoff=True)      # reference blocks whose CPU experts take the hand-off
+REFERENCE = CompiledParts()                     # nothing compiled
+
+
+# -- the compiled halves' bound arguments, by name ---------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class _KernelArgs:
+    """A compiled half's arguments that are bound at load, one field per kernel parameter in
+    the kernel's order; ``BEFORE``/``AFTER`` name the per-call ones around them (a test holds
+    ``BEFORE + fields + AFTER`` to the kernel's signature). ``as_args()`` is the one place
+    the record becomes the kernel's positional tuple."""
+    KERNEL: ClassVar
+    BEFORE: ClassVar[tuple[str, ...]]
+    AFTER: ClassVar[tuple[str, ...]] = ("chunks",)
+
+    def as_args(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionArgs(_KernelArgs):
+    """``attention_half``: raw GGUF rows ``w*`` with their QTags ``t*``, biases ``b*`` and
+    per-head norms or None."""
+    KERNEL: ClassVar = staticmethod(kb.attention_half)
+    BEFORE: ClassVar = ("x", "y", "positions", "cos", "sin", "kvt", "kc", "vc", "n_past", "eps")
+    attn_norm: np.ndarray
+    tq: object
+    wq: np.ndarray
+    bq: np.ndarray | None
+    tk: object
+    wk: np.ndarray
+    bk: np.ndarray | None
+    tv: object
+    wv: np.ndarray
+    bv: np.ndarray | None
+    to: object
+    wo: np.ndarray
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
+    n_head: int
+    n_rot: int
+
+
+@dataclass(frozen=True, eq=False)
+class MoeArgs(_KernelArgs):
+    """``moe_half``: the router (``route_kind`` one of ``cpu_kernels.block``'s kinds), the
+    routed experts (gate and up may be one fused tensor: row offsets ``g0``/``u0``), their
+    int8 decode scratch ``qx``/``qh`` (None: float), the shared expert or None."""
+    KERNEL: ClassVar = staticmethod(kb.moe_half)
+    BEFORE: ClassVar = ("y", "eps")
+    ffn_norm: np.ndarray
+    tr: object
+    wr: np.ndarray
+    probs_b: np.ndarray | None
+    route_kind: int
+    k_used: int
+    w_norm: bool
+    w_scale: float
+    tg: object
+    wg: np.ndarray
+    g0: int
+    tu: object
+    wu: np.ndarray
+    u0: int
+    td: object
+    wd: np.ndarray
+    n_ff: int
+    qx: tuple | None
+    qh: tuple | None
+    tsg: object = None
+    wsg: np.ndarray | None = None
+    tsu: object = None
+    wsu: np.ndarray | None = None
+    tsd: object = None
+    wsd: np.ndarray | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class DenseArgs(_KernelArgs):
+    """``dense_half``: a dense SwiGLU FFN's raw rows and QTags."""
+    KERNEL: ClassVar = staticmethod(kb.dense_half)
+    BEFORE: ClassVar = ("y", "eps")
+    ffn_norm: np.ndarray
+    tg: object
+    wg: np.ndarray
+    tu: object
+    wu: np.ndarray
+    td: object
+    wd: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class Bound:
+    """What ``_bind`` found for a block: the norms' eps, each half's record and the KV cache
+    type's QTag."""
+    eps: float
+    attention: AttentionArgs
+    ffn: MoeArgs | DenseArgs
+    kv_tag: object
+
+
+# the routers moe_half computes, by class (group-limited sigmoid routing excepted)
+ROUTE_KINDS = {SigmoidRouter: kb.SIGMOID, SoftmaxRouter: kb.SOFTMAX}
 
 
 def _raw(lin):
@@ -63,92 +203,134 @@ def _vec(t) -> np.ndarray | None:
     return None if t is None else np.ascontiguousarray(t.detach().float().cpu().numpy())
 
 
-def _bind(block) -> tuple | None:
-    """(eps, attention arguments, FFN half, its arguments) after the per-call ones, or None
-    when the compiled block does not cover this block."""
+def _bind(block, parts: CompiledParts) -> Bound | str:
+    """The bound records of ``block`` for the halves ``parts`` declares, or why it takes the
+    reference path (a short phrase: its ``path`` reads "reference: <phrase>")."""
+    if parts.attention is None:
+        return parts.reason
+    if not compiled_enabled():
+        return f"{ENV}=reference"
     attn, ffn = block.attn, block.ffn
-    if block.device.type != "cpu" or type(attn).__name__ != "Attention":
-        return None
+    if block.device_name != "CPU" or block.device.type != "cpu":
+        return f"attention on {block.device_name}"
+    if not isinstance(attn, Attention):
+        return f"attention kind {type(attn).__name__} not compiled"
     # what the compiled attention does not do: sinks, sliding windows, a non-default scale
     # (gpt-oss), interleaved rotary pairs (it rotates NeoX halves)
-    if getattr(attn, "sinks", None) is not None or getattr(attn, "window", 0) or \
-            getattr(attn, "scale", None) is not None or getattr(attn.rope, "interleaved", False):
-        return None
+    for why, present in (("sinks", attn.sinks is not None), ("sliding window", bool(attn.window)),
+                         ("attention scale", attn.scale is not None),
+                         ("interleaved rotary", attn.rope.interleaved)):
+        if present:
+            return why
     projs = [_raw(p) for p in (attn.q, attn.k, attn.v, attn.o)]
     if None in projs:
-        return None
+        return "attention projections off the CPU"
     (tq, wq), (tk, wk), (tv, wv), (to, wo) = projs
     d = attn.head_dim
-    if wq.shape[0] != attn.n_head * d or wk.shape[0] != attn.n_head_kv * d or d % 16 or \
-            wo.shape[0] % 16:
-        return None
-    attn_args = (_vec(block.attn_norm.weight), tq, wq, _vec(attn.q.bias), tk, wk, _vec(attn.k.bias),
-                 tv, wv, _vec(attn.v.bias), to, wo,
-                 None if attn.q_norm is None else _vec(attn.q_norm.weight),
-                 None if attn.k_norm is None else _vec(attn.k_norm.weight),
-                 attn.n_head, attn.rope.n_rot)
-    head = (block.attn_norm.eps, attn_args)
+    if wq.shape[0] != attn.n_head * d or wk.shape[0] != attn.n_head_kv * d:
+        return "q/k rows are not heads x head_dim"
+    if d % 16 or wo.shape[0] % 16:
+        return f"head_dim {d} or n_embd {wo.shape[0]} not a multiple of 16"
+    cache = block.new_cache()
+    if type(cache) is not KVCache:            # the plain cache the kernel reads and writes raw
+        return f"KV cache {type(cache).__name__}"
+    if cache.k.dtype not in KV_TYPES or cache.k.device.type != "cpu":
+        return f"KV cache {cache.k.dtype} on {cache.k.device}"
+    attention = AttentionArgs(
+        _vec(block.attn_norm.weight), tq, wq, _vec(attn.q.bias), tk, wk, _vec(attn.k.bias), tv, wv,
+        _vec(attn.v.bias), to, wo, None if attn.q_norm is None else _vec(attn.q_norm.weight),
+        None if attn.k_norm is None else _vec(attn.k_norm.weight), attn.n_head, attn.rope.n_rot)
     if isinstance(ffn, SwiGLU):
-        dense = [_raw(p) for p in (ffn.gate, ffn.up, ffn.down)]
-        if None in dense or dense[0][1].shape[0] % 16:
-            return None
-        return head + (kb.dense_half, (_vec(block.ffn_norm.weight),) + tuple(x for pair in dense for x in pair))
-    if not isinstance(ffn, MoE) or not isinstance(ffn.experts, CpuExperts):
-        return None
+        ffn_args = _bind_dense(block, ffn) if "dense" in parts.ffn else "dense FFN not declared"
+    else:
+        ffn_args = _bind_moe(block, ffn) if "moe" in parts.ffn else "MoE FFN not declared"
+    if isinstance(ffn_args, str):
+        return ffn_args
+    return Bound(block.attn_norm.eps, attention, ffn_args, get_kernel(KV_TYPES[cache.k.dtype]).tag)
+
+
+def _bind_dense(block, ffn: SwiGLU) -> DenseArgs | str:
+    dense = [_raw(p) for p in (ffn.gate, ffn.up, ffn.down)]
+    if None in dense:
+        return "dense FFN off the CPU"
+    if dense[0][1].shape[0] % 16:
+        return f"dense n_ff {dense[0][1].shape[0]} not a multiple of 16"
+    (tg, wg), (tu, wu), (td, wd) = dense
+    return DenseArgs(_vec(block.ffn_norm.weight), tg, wg, tu, wu, td, wd)
+
+
+def _bind_moe(block, ffn) -> MoeArgs | str:
+    if not isinstance(ffn, MoE):
+        return f"FFN kind {type(ffn).__name__} not compiled"
+    if not isinstance(ffn.experts, CpuExperts):
+        return "routed experts off the CPU"
     # hot experts on a GPU (the CPU side skips them) and biased or non-SiLU experts run in
     # the reference MoE; op offload only takes batches past DECODE_TOKENS, which go there anyway
-    if ffn.hot or ffn.owned is not None or ffn.experts.act != "silu" or ffn.experts.biases:
-        return None
+    if ffn.hot or ffn.owned is not None:
+        return "hot experts on a GPU"
+    if ffn.experts.act != "silu":
+        return f"experts act {ffn.experts.act}"
+    if ffn.experts.biases:
+        return "expert biases"
     router = ffn.router
-    if isinstance(router, SigmoidRouter):
-        kind, bias = kb.SIGMOID, _vec(router.bias)
-    elif isinstance(router, SoftmaxRouter):
-        kind, bias = kb.SOFTMAX, None
-    else:
-        return None
+    kind = ROUTE_KINDS.get(type(router))
+    if kind is None:
+        return f"router {type(router).__name__} not compiled"
+    if kind == kb.SIGMOID and router.n_group > 1:
+        return "group-limited routing"
     rp = _raw(router.proj)
-    if rp is None or router.proj.bias is not None:
-        return None
-    shared = (None,) * 6
+    if rp is None:
+        return "router off the CPU"
+    if router.proj.bias is not None:
+        return "router bias"
+    shared = ()
     if ffn.shared is not None:
         sh = [_raw(p) for p in (ffn.shared.gate, ffn.shared.up, ffn.shared.down)]
-        if None in sh or sh[0][1].shape[0] % 16:
-            return None
+        if None in sh:
+            return "shared expert off the CPU"
+        if sh[0][1].shape[0] % 16:
+            return f"shared expert n_ff {sh[0][1].shape[0]} not a multiple of 16"
         shared = tuple(x for pair in sh for x in pair)
     ew = ffn.experts.weights
     (gk, gb, g0, _), (uk, ub, u0, _) = ew._parts
     dk, db = ew._down
     if ew.n_ff % 16:
-        return None
+        return f"expert n_ff {ew.n_ff} not a multiple of 16"
     # the routed experts' activations as the reference's moe_ffn takes them at T <= DECODE_TOKENS
     # (int8 per phase for the decode mode's types), their scratch bound here once
     qx, qh = ffn.experts.decode_scratch(router.k, DECODE_TOKENS)
-    moe_args = ((_vec(block.ffn_norm.weight), rp[0], rp[1], bias, kind, router.k, bool(router.norm),
-                 float(router.scale), gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, ew.n_ff, qx, qh) + shared)
-    return head + (kb.moe_half, moe_args)
+    return MoeArgs(_vec(block.ffn_norm.weight), rp[0], rp[1],
+                   _vec(router.bias) if kind == kb.SIGMOID else None, kind, router.k, bool(router.norm),
+                   float(router.scale), gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, ew.n_ff, qx, qh, *shared)
 
 
 class CompiledBlock:
     """Block interface (``device_name``, ``device``, ``new_cache()``, ``__call__``) over
-    ``cpu_kernels.block``; ``reference`` is the torch block it was bound from (prefill, fallback)."""
+    ``cpu_kernels.block``; ``reference`` is the torch block it was bound from (prefill, fallback),
+    whose parts (``attn``, ``ffn``, norms) it shows to code that inspects blocks."""
 
-    def __init__(self, reference, eps: float, attn_args: tuple, ffn_half, ffn_args: tuple, kv_tag):
+    path = "compiled"
+
+    def __init__(self, reference, bound: Bound):
         self.reference = reference
         self.device_name, self.device = reference.device_name, reference.device
         self.profile = reference.profile
         self.rope = reference.attn.rope
-        self._eps, self._kv_tag = float(eps), kv_tag
-        self._attn_args, self._ffn_half, self._ffn_args = attn_args, ffn_half, ffn_args
+        self.attn_args, self.ffn_args = bound.attention, bound.ffn
+        self._eps, self._kv_tag = float(bound.eps), bound.kv_tag
+        # the kernels' positional tuples, made once (the records' as_args)
+        self._attn_args, self._ffn_args = bound.attention.as_args(), bound.ffn.as_args()
+        self._ffn_half = type(bound.ffn).KERNEL
         self._attn_entry = self._ffn_entry = None
         self._rope_tables = (None, None, None)        # (cos tensor, cos, sin as numpy)
         ffn = reference.ffn
         self._bound_parts = (ffn, getattr(ffn, "router", None))
 
-    def __getattr__(self, name):
-        # the reference block's parts (attn, ffn, norms) for code that inspects blocks
-        if name == "reference":          # not yet set (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.reference, name)
+    # the reference's parts, read through (replacing one is done on the reference)
+    attn = property(lambda self: self.reference.attn)
+    ffn = property(lambda self: self.reference.ffn)
+    attn_norm = property(lambda self: self.reference.attn_norm)
+    ffn_norm = property(lambda self: self.reference.ffn_norm)
 
     def _rebound(self) -> bool:
         """Whether someone replaced a part of the reference since binding (e.g. ``offload
@@ -215,7 +397,7 @@ class BlockRun:
         # of the run's ~600 arrays would be unboxed array by array at every call
         self._bound = List([(b._eps, b._attn_args) for b in blocks])
         ffn = List([b._ffn_args for b in blocks])
-        self._moe, self._dense = (ffn, None) if first._ffn_half is kb.moe_half else (None, ffn)
+        self._moe, self._dense = (ffn, None) if isinstance(first.ffn_args, MoeArgs) else (None, ffn)
         self._raws, self._seen = None, [None] * len(blocks)
         self._entry = None
 
@@ -280,15 +462,30 @@ def block_runs(blocks) -> list[tuple[object, int, int]]:
     return out
 
 
-def compile_block(block):
-    """``CompiledBlock`` for a wholly CPU-resident GQA block with an f32/f16/bf16 KV cache;
-    the block itself otherwise (or when ``OFFLOAD_BLOCKS=reference``)."""
-    if not compiled_enabled():
+def compile_block(block, parts: CompiledParts):
+    """``CompiledBlock`` for a wholly CPU-resident block whose halves ``parts`` declares (GQA
+    attention, an MoE or dense FFN) with an f32/f16/bf16 KV cache; the block itself otherwise
+    (or when ``OFFLOAD_BLOCKS=reference``), its ``path`` saying why. Either way the block's
+    ``path`` is "compiled" or "reference: <why>" (``path_lines`` lists them at load)."""
+    if not parts.handoff and isinstance(block.ffn, MoE):
+        block.ffn.compiled_handoff = False
+    bound = _bind(block, parts)
+    if isinstance(bound, str):
+        block.path = f"reference: {bound}"
         return block
-    cache = block.new_cache()
-    if getattr(cache, "k", None) is None or cache.k.dtype not in KV_TYPES or cache.k.device.type != "cpu":
-        return block
-    bound = _bind(block)
-    if bound is None:
-        return block
-    return CompiledBlock(block, *bound, get_kernel(KV_TYPES[cache.k.dtype]).tag)
+    return CompiledBlock(block, bound)
+
+
+def path_lines(model) -> list[str]:
+    """One line per run of consecutive trunk blocks with one ``path`` ("blocks 0-2: reference:
+    dense FFN off the CPU", "blocks 3-47: compiled"), then the NextN head's block's."""
+    out, blocks, i = [], model.blocks, 0
+    while i < len(blocks):
+        j = i + 1
+        while j < len(blocks) and blocks[j].path == blocks[i].path:
+            j += 1
+        out.append((f"block {i}" if j - i == 1 else f"blocks {i}-{j - 1}") + f": {blocks[i].path}")
+        i = j
+    if model.nextn is not None:
+        out.append(f"nextn block: {model.nextn.block.path}")
+    return out

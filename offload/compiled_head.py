@@ -1,7 +1,7 @@
 """The output end of a pass on the CPU as one compiled call: ``output_norm`` + lm_head over
 the raw GGUF rows (``cpu_kernels.head.output_head``), bound once.
 
-The reference is ``CausalLM.forward``'s torch path (``gpu.norm.RMSNorm``, then the
+The reference is ``CausalLM.final``'s torch path (``gpu.norm.RMSNorm``, then the
 ``RawLinear`` head through ``cpu_kernels.matmul``); it still runs for logits of more than
 ``DECODE_TOKENS`` rows (whole prompts: the kernels' batched path, int8 activations there) and
 wherever the head is not a raw CPU matrix. ``OFFLOAD_BLOCKS=reference`` turns this off too.
@@ -23,7 +23,7 @@ from placement.limits import DECODE_TOKENS
 
 
 class CompiledHead:
-    """``(x, logits) -> (logits or None, h)`` as ``CausalLM.forward`` returns them: h =
+    """``(x, logits) -> (logits or None, h)`` as ``CausalLM.final`` returns them: h =
     output_norm(x) (T, n_embd), logits of all rows, the last, or none."""
 
     def __init__(self, norm: RMSNorm, output: RawLinear):

@@ -13,7 +13,9 @@ RoPE pairs, a routing weight) shows at 1e-2 or more.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,19 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import offload.runtime as rt
-from offload.compiled_block import ENV, BlockRun, CompiledBlock
+from offload.compiled_block import (
+    ENV,
+    GQA_BLOCK,
+    REFERENCE,
+    AttentionArgs,
+    BlockRun,
+    CompiledBlock,
+    CompiledParts,
+    DenseArgs,
+    MoeArgs,
+    compile_block,
+    path_lines,
+)
 from placement.limits import DECODE_TOKENS
 from tests.tiny_models import TinySpec, write_tiny_model
 
@@ -217,12 +231,96 @@ def test_tiny_models_match_reference(case, tmp_path):
 
 def test_reference_forced_by_env_and_kept_off_cpu(monkeypatch):
     """``OFFLOAD_BLOCKS=reference`` keeps the torch blocks; a block on a (virtual) GPU is
-    never compiled."""
+    never compiled. Each says why in its ``path``."""
     monkeypatch.setenv(ENV, "reference")
     with rt.load(SHIPPED, devices="CPU=16GiB", quiet=True) as s:
         assert not any(isinstance(b, CompiledBlock) for b in s.model.blocks)
+        assert {b.path for b in s.model.blocks + [s.model.nextn.block]} == {"reference: OFFLOAD_BLOCKS=reference"}
     monkeypatch.delenv(ENV)
     with rt.load(SHIPPED, devices="CUDA0=1GiB,CPU=16GiB", virtual_gpus=True, n_cpu_moe=2,
                  quiet=True) as s:
         kinds = {b.device_name: isinstance(b, CompiledBlock) for b in s.model.blocks}
+        paths = {b.device_name: b.path for b in s.model.blocks}
     assert kinds.get("CUDA0") is False
+    assert paths["CUDA0"] == "reference: attention on CUDA0"
+
+
+# -- what an architecture declares, and what each block reports -------------------------
+
+def test_shipped_blocks_report_the_compiled_path(shipped):
+    assert {b.path for b in shipped.model.blocks} == {"compiled"}
+    assert shipped.model.nextn.block.path == "compiled"
+    assert path_lines(shipped.model) == [f"blocks 0-{len(shipped.model.blocks) - 1}: compiled",
+                                         "nextn block: compiled"]
+
+
+def test_compiled_block_reads_its_reference_parts_explicitly(shipped):
+    """The parts outside code inspects (tune's routers, op offload's MoE) are the reference's;
+    there is no attribute forwarding beyond them."""
+    b = shipped.model.blocks[1]
+    ref = b.reference
+    assert (b.attn, b.ffn, b.attn_norm, b.ffn_norm) == (ref.attn, ref.ffn, ref.attn_norm, ref.ffn_norm)
+    assert not hasattr(b, "_cache")
+
+
+def test_parts_are_bound_only_where_declared(shipped):
+    """The same reference block: compiled under GQA_BLOCK, kept under REFERENCE (with the
+    declared reason), kept when only the MoE half is declared for a dense block."""
+    ref = shipped.model.blocks[0].reference          # block 0: dense FFN
+    assert isinstance(compile_block(ref, GQA_BLOCK), CompiledBlock)
+    kept = compile_block(ref, REFERENCE.because("a test says so"))
+    assert kept is ref and ref.path == "reference: a test says so"
+    assert compile_block(ref, REFERENCE) is ref and ref.path == "reference: not declared by the architecture"
+    moe_only = CompiledParts(attention="gqa", ffn=("moe",))
+    assert compile_block(ref, moe_only) is ref and ref.path == "reference: dense FFN not declared"
+    with pytest.raises(TypeError):
+        compile_block(ref)                             # the declaration is required
+
+
+@pytest.mark.parametrize("record", [AttentionArgs, MoeArgs, DenseArgs])
+def test_record_fields_are_the_kernel_signature(record):
+    """Each record's fields, between the per-call arguments before and after them, are the
+    compiled half's parameters in order: ``as_args()`` is the kernel's positional tuple."""
+    params = list(inspect.signature(record.KERNEL.py_func).parameters)
+    assert [*record.BEFORE, *(f.name for f in fields(record)), *record.AFTER] == params
+
+
+def test_bound_records_name_the_kernel_arguments(shipped):
+    b = shipped.model.blocks[1]
+    assert isinstance(b.attn_args, AttentionArgs) and isinstance(b.ffn_args, MoeArgs)
+    assert b.attn_args.n_head == shipped.config.n_head
+    assert b.ffn_args.k_used == shipped.config.n_expert_used
+    assert len(b.ffn_args.as_args()) == len(fields(MoeArgs))
+    assert isinstance(shipped.model.blocks[0].ffn_args, DenseArgs)
+
+
+def test_deepseek2_blocks_report_the_reference_path(tmp_path):
+    tiny = write_tiny_model(tmp_path / "ds.gguf", TinySpec(arch="deepseek2", seed=40))
+    with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
+        blocks = s.model.blocks + [s.model.nextn.block]
+        assert not any(isinstance(b, CompiledBlock) for b in blocks)
+        assert {b.path for b in blocks} == {"reference: MLA attention has no compiled half"}
+        assert path_lines(s.model)[0] == f"blocks 0-{len(s.model.blocks) - 1}: reference: MLA attention " \
+                                         "has no compiled half"
+
+
+def test_gpt_oss_blocks_report_the_reference_path(tmp_path):
+    tiny = write_tiny_model(tmp_path / "oss.gguf", TinySpec(arch="gpt-oss", expert_type=Q.MXFP4, n_layer=2,
+                                                             n_embd=512, n_head=8, n_head_kv=2, head_dim=64,
+                                                             n_expert=16, n_expert_used=4, window=16, seed=36))
+    with rt.load(tiny.path, quiet=True) as s:
+        assert not any(isinstance(b, CompiledBlock) for b in s.model.blocks)
+        paths = {b.path for b in s.model.blocks}
+    assert len(paths) == 1 and paths.pop().startswith("reference: ")
+
+
+def test_path_lines_group_runs_of_one_path():
+    class B:
+        def __init__(self, path):
+            self.path = path
+
+    class M:
+        blocks = [B("reference: dense FFN on CUDA0")] * 3 + [B("compiled")] * 44 + [B("reference: x")]
+        nextn = None
+    assert path_lines(M) == ["blocks 0-2: reference: dense FFN on CUDA0", "blocks 3-46: compiled",
+                             "block 47: reference: x"]

@@ -31,7 +31,7 @@ import offload.runtime as rt
 from cpu_kernels import block as kb
 from cpu_kernels.simd8 import has_vnni
 from offload.commands.run import build_parser, session_options
-from offload.compiled_block import CompiledBlock
+from offload.compiled_block import CompiledBlock, MoeArgs
 from placement import limits
 from placement.compute import Devices
 from tests.test_compiled_block import PROMPT, batches_after_prefill, both, rel_err
@@ -57,9 +57,8 @@ def _moe_modes(s) -> list[tuple[bool, bool]]:
     """(gate·up int8, down int8) bound into each compiled MoE block."""
     out = []
     for b in s.model.blocks:
-        if isinstance(b, CompiledBlock) and b._ffn_half is kb.moe_half:
-            qx, qh = b._ffn_args[17:19]
-            out.append((qx is not None, qh is not None))
+        if isinstance(b, CompiledBlock) and isinstance(b.ffn_args, MoeArgs):
+            out.append((b.ffn_args.qx is not None, b.ffn_args.qh is not None))
     return out
 
 
@@ -160,8 +159,8 @@ def _bound_int8_bytes(s) -> int:
     n = 0
     head = [s.model.nextn.block] if s.model.nextn is not None else []
     for b in s.model.blocks + head:
-        if isinstance(b, CompiledBlock) and b._ffn_half is kb.moe_half:
-            for pair in b._ffn_args[17:19]:
+        if isinstance(b, CompiledBlock) and isinstance(b.ffn_args, MoeArgs):
+            for pair in (b.ffn_args.qx, b.ffn_args.qh):
                 n += sum(a.nbytes for a in pair) if pair is not None else 0
     return n
 

@@ -37,6 +37,7 @@ def test_stdout_is_exactly_the_generated_text(tiny, tmp_path):
         want = s.detokenize(s.generate("def the", max_tokens=12, stop_at_eos=False))
     assert p.stdout == want + "\n"
     assert "prompt eval time" in p.stderr and "eval time" in p.stderr
+    assert ": compiled" not in p.stderr and "nextn block" not in p.stderr     # the block paths: -v only
     d = json.loads(stats.read_text())
     assert d["n_gen"] == 12 and d["n_prompt"] == len(rt.load(tiny.path, quiet=True).tokenize("def the"))
     assert d["tokens_per_second"] > 0
@@ -48,6 +49,20 @@ def test_virtual_gpus_plan_is_announced_and_gives_the_same_text(tiny):
               "-ts", "1,1", "--n-cpu-moe", "2", "--virtual-gpus", check_rc=0)
     assert gpu.stdout == plain.stdout
     assert "virtual" in gpu.stderr and "CUDA1" in gpu.stderr
+
+
+def test_verbose_lists_each_blocks_path(capsys):
+    """``-v`` on the shipped model: one line per run of blocks with one path, and the NextN
+    head's; a virtual GPU's blocks say they take the reference path and why."""
+    from offload.cli import main
+    assert main(["run", "-p", "def", "-n", "2", "-v"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "offload: blocks 0-3: compiled" in err and "offload: nextn block: compiled" in err
+    assert main(["run", "-p", "def", "-n", "2", "-v", "--devices", "CUDA0=1GiB,CPU=16GiB", "--virtual-gpus",
+                 "--n-cpu-moe", "2"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("offload: block") and line.endswith(": reference: attention on CUDA0")
+               for line in err), err
 
 
 def run_here(capsys, *args):

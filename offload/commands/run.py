@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--stats-json", metavar="PATH", help="write timings/counters as JSON here")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the path each block takes: compiled CPU kernels, or the reference "
+                        "(torch) path and why")
     add_session_arguments(p)
     add_spec_arguments(p)
     p.add_argument("--spec-diagnose", action="store_true",
@@ -176,6 +179,7 @@ def main(argv=None) -> int:
     import torch                  # imported only when a command needs it
 
     from offload import runtime
+    from offload.compiled_block import path_lines
     from offload.tokenizer import TextStream
 
     if args.prompt_file:
@@ -197,6 +201,9 @@ def main(argv=None) -> int:
     with session:
         print(f"offload: {session.devices.describe()}", file=sys.stderr)
         print(f"offload: {account}", file=sys.stderr)
+        if args.verbose:
+            for line in path_lines(session.model):
+                print(f"offload: {line}", file=sys.stderr)
         session.warmup()
         stream = TextStream(session.detokenize)
         ids = session.tokenize(prompt)

@@ -33,6 +33,7 @@ class DecoderBlock:
                  cache: Callable[[torch.device], object], **parts):
         self.device_name, self.device, self.profile = device_name, device, profile
         self._cache = cache
+        self.path = "reference"     # offload.compiled_block.compile_block says which path and why
         for name, part in parts.items():
             setattr(self, name, part)
 

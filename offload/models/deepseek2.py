@@ -27,13 +27,16 @@ from gpu.mla import LatentAttention
 from gpu.norm import RMSNorm
 from gpu.rope import RopeSpec, YaRN
 from gpu.router import SigmoidRouter, SoftmaxRouter
-from offload.compiled_block import compile_block
+from offload.compiled_block import HANDOFF_ONLY, compile_block
 from offload.errors import OffloadError
 from offload.models import parts
 from offload.models.base import BuildContext, CausalLM, DecoderBlock, State
 from offload.models.config import ModelConfig, config_fields, meta_value, yarn_scaling
 from offload.models.parts import BuiltAttention
 from placement.tensors import ModelSpec
+
+# the compiled CPU parts its blocks take: the MoE hand-off of RAM-resident experts only
+COMPILED = HANDOFF_ONLY.because("MLA attention has no compiled half")
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ def block(w, cfg: Deepseek2Config, i: int, ctx: BuildContext):
     ffn = parts.moe_or_dense(w, p, lambda: router(w, cfg, p, a.device), ctx)
     return compile_block(Deepseek2Block(
         attn_norm=a.norm(w, f"{p}.attn_norm", cfg.rms_eps), attn=a.attn,
-        ffn_norm=a.norm(w, f"{p}.ffn_norm", cfg.rms_eps), ffn=ffn, **a.where(ctx.profile)))
+        ffn_norm=a.norm(w, f"{p}.ffn_norm", cfg.rms_eps), ffn=ffn, **a.where(ctx.profile)), COMPILED)
 
 
 def build(cfg: Deepseek2Config, w, ctx: BuildContext, draft=None) -> Deepseek2:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from gguf import ExpertGatingFuncType, Keys
 
 from gpu.router import SigmoidRouter
-from offload.compiled_block import compile_block
+from offload.compiled_block import GQA_BLOCK, compile_block
 from offload.errors import OffloadError
 from offload.models import parts
 from offload.models.base import BuildContext, CausalLM, DecoderBlock, State
@@ -55,7 +55,7 @@ def block(w, cfg: ModelConfig, i: int, ctx: BuildContext):
     ffn = parts.moe_or_dense(w, p, lambda: router(w, cfg, p, a.device), ctx)
     return compile_block(Glm4MoeBlock(
         attn_norm=a.norm(w, f"{p}.attn_norm", cfg.rms_eps), attn=a.attn,
-        ffn_norm=a.norm(w, f"{p}.post_attention_norm", cfg.rms_eps), ffn=ffn, **a.where(ctx.profile)))
+        ffn_norm=a.norm(w, f"{p}.post_attention_norm", cfg.rms_eps), ffn=ffn, **a.where(ctx.profile)), GQA_BLOCK)
 
 
 def build(cfg: ModelConfig, w, ctx: BuildContext, draft=None) -> Glm4Moe:

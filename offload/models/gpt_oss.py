@@ -23,6 +23,7 @@ from gpu.attention import Attention
 from gpu.kv_cache import WindowKVCache
 from gpu.rope import RopeSpec, YaRN
 from gpu.router import TopKSoftmaxRouter
+from offload.compiled_block import REFERENCE, compile_block
 from offload.errors import OffloadError
 from offload.models import parts
 from offload.models.base import BuildContext, CausalLM, DecoderBlock, State
@@ -33,6 +34,8 @@ from placement.limits import CACHE_PAD, pad
 from placement.tensors import ModelSpec
 
 ACTIVATION = "swiglu_oai"
+# no compiled CPU parts: the compiled attention has no sinks or window, the experts are biased
+COMPILED = REFERENCE.because("attention sinks and swiglu_oai experts have no compiled half")
 
 
 @dataclass(frozen=True)
@@ -109,9 +112,9 @@ def block(w, cfg: GptOssConfig, i: int, ctx: BuildContext) -> GptOssBlock:
                                k=cfg.n_expert_used)
     moe = MoE(router=router, experts=w.experts(p, act=ACTIVATION), shared=None, pool=ctx.pool,
               profile=ctx.profile)
-    return GptOssBlock(attn_norm=a.norm(w, f"{p}.attn_norm", cfg.rms_eps), attn=a.attn,
-                       ffn_norm=a.norm(w, f"{p}.post_attention_norm", cfg.rms_eps), ffn=moe,
-                       **a.where(ctx.profile))
+    return compile_block(GptOssBlock(attn_norm=a.norm(w, f"{p}.attn_norm", cfg.rms_eps), attn=a.attn,
+                                     ffn_norm=a.norm(w, f"{p}.post_attention_norm", cfg.rms_eps), ffn=moe,
+                                     **a.where(ctx.profile)), COMPILED)
 
 
 def build(cfg: GptOssConfig, w, ctx: BuildContext, draft=None) -> GptOss:

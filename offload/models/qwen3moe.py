@@ -7,7 +7,7 @@ from __future__ import annotations
 from gguf import ExpertGatingFuncType, Keys
 
 from gpu.router import SoftmaxRouter
-from offload.compiled_block import compile_block
+from offload.compiled_block import GQA_BLOCK, compile_block
 from offload.errors import OffloadError
 from offload.models import parts
 from offload.models.base import BuildContext, CausalLM, DecoderBlock, State
@@ -46,7 +46,7 @@ def block(w, cfg: ModelConfig, i: int, ctx: BuildContext):
     return compile_block(Qwen3MoeBlock(
         attn_norm=a.norm(w, f"{p}.attn_norm", cfg.rms_eps), attn=a.attn,
         ffn_norm=a.norm(w, f"{p}.ffn_norm", cfg.rms_eps), ffn=parts.moe(w, p, router, ctx),
-        **a.where(ctx.profile)))
+        **a.where(ctx.profile)), GQA_BLOCK)
 
 
 def build(cfg: ModelConfig, w, ctx: BuildContext, draft=None) -> Qwen3Moe:
