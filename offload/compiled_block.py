@@ -65,7 +65,7 @@ def compiled_enabled() -> bool:
 @dataclass(frozen=True)
 class CompiledParts:
     """Which compiled CPU parts an architecture's blocks take, declared in its model file
-    (``build_block(..., compiled=...)``): ``attention`` the kind ``attention_half`` computes
+    (``compile_block(block, parts)`` in its block builder): ``attention`` the kind ``attention_half`` computes
     ("gqa": GQA with NeoX RoPE, optional q/k/v biases and per-head q/k norms; None: none),
     ``ffn`` the second halves it may take ("moe": ``moe_half``, "dense": ``dense_half``),
     ``handoff`` whether an MoE block on the reference path may hand its RAM-resident experts to

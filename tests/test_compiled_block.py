@@ -1,5 +1,5 @@
 """The compiled CPU block (``offload.compiled_block``) against the torch reference path it
-was bound from (``offload.models.common.Block``): same logits within a stated tolerance on
+was bound from (an architecture's ``DecoderBlock``, e.g. ``offload.models.glm4moe.Glm4MoeBlock``): same logits within a stated tolerance on
 the shipped model and on the transformers-checked tiny models, for batches of T = 1…8 after
 a prefill, for a prompt short enough to run compiled, for a prefill by the reference path
 continued by compiled steps (they share the KV cache), for the NextN head, and across a
