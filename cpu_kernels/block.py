@@ -14,8 +14,8 @@ regions on Numba's thread pool:
       → top-k, tokens grouped by expert → [routed gate·up] → [routed down] → [shared down]
       → weighted sum + residual
 
-Brackets are parallel regions (``project3``: row groups of up to three matrices that read the
-same activations, as one work list; the routed phases are ``moe``'s). Everything between
+Brackets are parallel regions (``matmuls_sharing_x``: row groups of up to three matrices that
+read the same activations, as one work list; the routed phases are ``moe``'s). Everything between
 them is a few hundred scalar operations per token. The math is the reference path's
 (``offload.models.common.Block`` over ``gpu.*``); only the float rounding order differs.
 
@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .moe import _silu_glu, routed_ffn, routed_scratch, sums16_rows
+from .moe import _silu_glu, bsums_of_rows, routed_ffn, routed_scratch
 from .registry import QTagType, source_digest
 from .rowdot import rows4, rows4_scratch
 from .simd import st_bf16, st_f16, st_f32, vbf16, vf16, vf32, vfma, vload, vsplat, vstore, vsum, vzero
@@ -104,7 +104,7 @@ def _n_groups(w):
 
 def _build(salt):
     @njit(parallel=True, **_kw)
-    def project3(t0, w0, y0, t1, w1, y1, t2, w2, y2, X, xs16, chunks):
+    def matmuls_sharing_x(t0, w0, y0, t1, w1, y1, t2, w2, y2, X, bsums, chunks):
         """y_i = X @ W_i^T for up to three matrices (w1/w2 may be None) over one work list
         of 4-row groups, so q/k/v (or router + shared gate + up) are one parallel region."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
@@ -115,13 +115,13 @@ def _build(salt):
             acc, cacc, res, toks, sc = rows4_scratch()
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
                 if it < g0:
-                    rows4(t0, w0, 4 * it, X, xs16, y0, acc, cacc, res, toks, sc)
+                    rows4(t0, w0, 4 * it, X, bsums, y0, acc, cacc, res, toks, sc)
                 if w1 is not None:
                     if g0 <= it < g0 + g1:
-                        rows4(t1, w1, 4 * (it - g0), X, xs16, y1, acc, cacc, res, toks, sc)
+                        rows4(t1, w1, 4 * (it - g0), X, bsums, y1, acc, cacc, res, toks, sc)
                 if w2 is not None:
                     if it >= g0 + g1:
-                        rows4(t2, w2, 4 * (it - g0 - g1), X, xs16, y2, acc, cacc, res, toks, sc)
+                        rows4(t2, w2, 4 * (it - g0 - g1), X, bsums, y2, acc, cacc, res, toks, sc)
 
     @njit(parallel=True, **_kw)
     def attend(q, kvt, kc, vc, n_past, out, n_head, scale):
@@ -167,10 +167,10 @@ def _build(salt):
                     for c in range(0, d, 16):
                         vstore(of, qo + c, vfma(p, kv_read16(kvt, vc, vo + c * es), vload(of, qo + c)))
 
-    return project3, attend
+    return matmuls_sharing_x, attend
 
 
-project3, attend = _build(source_digest())
+matmuls_sharing_x, attend = _build(source_digest())
 
 
 @njit(**_kw)
@@ -260,41 +260,41 @@ def _route(logits, bias, kind, k, norm, scale, ids, wts):
 
 
 def _build_entries(salt):
-    # The entry points link project3 / attend / moe's phases (and through them the decoders
+    # The entry points link matmuls_sharing_x / attend / moe's phases (and through them the decoders
     # of other files) into their own compiled code: they carry the package's source digest
     # so that Numba's cache never serves them with an older decoder inlined.
 
     @njit(**_kw)
-    def _normed(x, w, eps):
+    def _norm_and_bsums(x, w, eps):
         """(rms_norm(x) · w, its per-16 sums): a block half's normalised input."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         xn = np.empty(x.shape, f32)
         xs = np.empty((x.shape[0], x.shape[1] // 16), f32)
         rms_norm(x, w, eps, xn)
-        sums16_rows(xn, xn.shape[0], xs)
+        bsums_of_rows(xn, xn.shape[0], xs)
         return xn, xs
 
     @njit(**_kw)
-    def _swiglu(tg, gw, tu, uw, td, dw, X, xs16, Y, chunks):
+    def _swiglu(tg, gw, tu, uw, td, dw, X, bsums, Y, chunks):
         """Y = down(silu(gate(X)) · up(X)) (dense FFN or shared expert)."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         t_n = X.shape[0]
         n_ff = gw.shape[0]
         G = np.empty((t_n, n_ff), f32)
         U = np.empty((t_n, n_ff), f32)
-        project3(tg, gw, G, tu, uw, U, None, None, None, X, xs16, chunks)
-        _glu_down(G, U, td, dw, Y, chunks)
+        matmuls_sharing_x(tg, gw, G, tu, uw, U, None, None, None, X, bsums, chunks)
+        _swiglu_down(G, U, td, dw, Y, chunks)
 
     @njit(**_kw)
-    def _glu_down(G, U, td, dw, Y, chunks):
+    def _swiglu_down(G, U, td, dw, Y, chunks):
         """Y = down(silu(G) · U), G overwritten."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         for t in range(G.shape[0]):
             for c in range(G.shape[1]):
                 G[t, c] = _silu_glu(G[t, c], U[t, c], 0)
         gs = np.empty((G.shape[0], G.shape[1] // 16), f32)
-        sums16_rows(G, G.shape[0], gs)
-        project3(td, dw, Y, None, None, None, None, None, None, G, gs, chunks)
+        bsums_of_rows(G, G.shape[0], gs)
+        matmuls_sharing_x(td, dw, Y, None, None, None, None, None, None, G, gs, chunks)
 
     @njit(**_kw)
     def attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
@@ -312,11 +312,11 @@ def _build_entries(salt):
         n_kv = kc.shape[0]
         d = wq.shape[0] // n_head
         es = kv_size(kvt)
-        xn, xs = _normed(x, attn_norm, eps)
+        xn, xs = _norm_and_bsums(x, attn_norm, eps)
         q = np.empty((t_n, n_head * d), f32)
         k = np.empty((t_n, n_kv * d), f32)
         v = np.empty((t_n, n_kv * d), f32)
-        project3(tq, wq, q, tk, wk, k, tv, wv, v, xn, xs, chunks)
+        matmuls_sharing_x(tq, wq, q, tk, wk, k, tv, wv, v, xn, xs, chunks)
         _heads(q, bq, q_norm, eps, n_head, d, n_rot, positions, cos, sin)
         _heads(k, bk, k_norm, eps, n_kv, d, n_rot, positions, cos, sin)
         if bv is not None:
@@ -333,8 +333,8 @@ def _build_entries(salt):
         att = np.empty((t_n, n_head * d), f32)
         attend(q, kvt, kc, vc, n_past, att, n_head, f32(1) / np.sqrt(f32(d)))
         atts = np.empty((t_n, n_head * d // 16), f32)
-        sums16_rows(att, att.shape[0], atts)
-        project3(to, wo, y, None, None, None, None, None, None, att, atts, chunks)
+        bsums_of_rows(att, att.shape[0], atts)
+        matmuls_sharing_x(to, wo, y, None, None, None, None, None, None, att, atts, chunks)
         for t in range(t_n):
             for c in range(n_embd):
                 y[t, c] += x[t, c]
@@ -344,7 +344,7 @@ def _build_entries(salt):
         """y += down(silu(gate(h)) · up(h)), h = ffn_norm(y): a dense FFN block's second half."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         t_n, n_embd = y.shape
-        xn, xs = _normed(y, ffn_norm, eps)
+        xn, xs = _norm_and_bsums(y, ffn_norm, eps)
         f = np.empty((t_n, n_embd), f32)
         _swiglu(tg, wg, tu, wu, td, wd, xn, xs, f, chunks)
         for t in range(t_n):
@@ -364,16 +364,16 @@ def _build_entries(salt):
         """
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         t_n, n_embd = y.shape
-        xn, xs = _normed(y, ffn_norm, eps)
+        xn, xs = _norm_and_bsums(y, ffn_norm, eps)
         n_expert = wr.shape[0]
         logits = np.empty((t_n, n_expert), f32)
         if wsg is not None:                              # router and shared gate/up together
             n_sh = wsg.shape[0]
             G = np.empty((t_n, n_sh), f32)
             U = np.empty((t_n, n_sh), f32)
-            project3(tr, wr, logits, tsg, wsg, G, tsu, wsu, U, xn, xs, chunks)
+            matmuls_sharing_x(tr, wr, logits, tsg, wsg, G, tsu, wsu, U, xn, xs, chunks)
         else:
-            project3(tr, wr, logits, None, None, None, None, None, None, xn, xs, chunks)
+            matmuls_sharing_x(tr, wr, logits, None, None, None, None, None, None, xn, xs, chunks)
         ids = np.empty((t_n, k_used), np.int64)
         wts = np.empty((t_n, k_used), f32)
         _route(logits, probs_b, route_kind, k_used, w_norm, w_scale, ids, wts)
@@ -382,7 +382,7 @@ def _build_entries(salt):
                    routed_scratch(t_n * k_used, n_expert, n_ff, n_embd, chunks), qx, qh, f, chunks)
         if wsg is not None:
             sh = np.empty((t_n, n_embd), f32)
-            _glu_down(G, U, tsd, wsd, sh, chunks)
+            _swiglu_down(G, U, tsd, wsd, sh, chunks)
             for t in range(t_n):
                 for c in range(n_embd):
                     f[t, c] += sh[t, c]
@@ -413,7 +413,7 @@ def _build_entries(salt):
             x, y = y, x
         return x
 
-    return _normed, _swiglu, _glu_down, attention_half, dense_half, moe_half, blocks_run
+    return _norm_and_bsums, _swiglu, _swiglu_down, attention_half, dense_half, moe_half, blocks_run
 
 
-_normed, _swiglu, _glu_down, attention_half, dense_half, moe_half, blocks_run = _build_entries(source_digest())
+_norm_and_bsums, _swiglu, _swiglu_down, attention_half, dense_half, moe_half, blocks_run = _build_entries(source_digest())

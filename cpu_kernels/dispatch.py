@@ -20,12 +20,12 @@ def scales(tag, w, ob):
 
 
 def quants(tag, w, ob, k):
-    """(v0, v1) of unit k of the block at byte ob (jitted code only)."""
+    """(v0, v1) of sub-block k of the block at byte ob (jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
 def codes(tag, w, ob, j):
-    """64 unsigned 8-bit codes of units 2j, 2j + 1 (int8 path; jitted code only)."""
+    """64 unsigned 8-bit codes of sub-blocks 2j, 2j + 1 (int8 path; jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
@@ -35,7 +35,7 @@ def code_offset(tag):
 
 
 def layout(tag):
-    """(bytes per block, units per block, same_d) (jitted code only)."""
+    """(bytes per block, sub-blocks per block, same_d) (jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
@@ -64,8 +64,8 @@ def _quants(tag, w, ob, k):
 def _layout(tag):
     if isinstance(tag, QTagType):
         kern = kernel_by_name(tag.qname)
-        type_size, upb, same_d = kern.type_size, kern.units_per_block, kern.same_d
-        return lambda tag: (type_size, upb, same_d)
+        type_size, n_sub, same_d = kern.type_size, kern.sub_blocks_per_block, kern.same_d
+        return lambda tag: (type_size, n_sub, same_d)
     return None
 
 
@@ -96,41 +96,43 @@ def _code_offset(tag):
     return None
 
 
-def pair2(tag, w, ob):
-    """(codes, d, m) of the blocks at ob and the next (pair8; jitted code only)."""
+def decode_block_pair(tag, w, ob):
+    """Int8 path of 32-weight types: (codes, d, m) of the two consecutive blocks at ob
+    (``pair8.block_pair_decoder``; jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
-def pair1(tag, w, ob):
-    """(codes, d, m) of the block at ob alone (pair8; jitted code only)."""
+def decode_block(tag, w, ob):
+    """(codes, d, m) of the block at ob alone, the second block's lanes zero: a row's odd
+    last block (``pair8.block_pair_decoder``; jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
-def pair_info(tag):
-    """(offset, has_min) of the pair decoder (jitted code only)."""
+def block_pair_offset_min(tag):
+    """(code offset, has_min) of the block-pair decoder (jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
-@overload(pair2)
-def _pair2(tag, w, ob):
-    if isinstance(tag, QTagType) and kernel_by_name(tag.qname).pair is not None:
-        fn = kernel_by_name(tag.qname).pair[0]
+@overload(decode_block_pair)
+def _decode_block_pair(tag, w, ob):
+    if isinstance(tag, QTagType) and kernel_by_name(tag.qname).block_pair is not None:
+        fn = kernel_by_name(tag.qname).block_pair[0]
         return lambda tag, w, ob: fn(w, ob)
     return None
 
 
-@overload(pair1)
-def _pair1(tag, w, ob):
-    if isinstance(tag, QTagType) and kernel_by_name(tag.qname).pair is not None:
-        fn = kernel_by_name(tag.qname).pair[1]
+@overload(decode_block)
+def _decode_block(tag, w, ob):
+    if isinstance(tag, QTagType) and kernel_by_name(tag.qname).block_pair is not None:
+        fn = kernel_by_name(tag.qname).block_pair[1]
         return lambda tag, w, ob: fn(w, ob)
     return None
 
 
-@overload(pair_info)
-def _pair_info(tag):
+@overload(block_pair_offset_min)
+def _block_pair_offset_min(tag):
     if isinstance(tag, QTagType):
         kern = kernel_by_name(tag.qname)
-        off, has_min = kern.pair_offset, kern.pair_min
+        off, has_min = kern.block_pair_offset, kern.block_pair_min
         return lambda tag: (off, has_min)
     return None

@@ -1,4 +1,4 @@
-"""Decoders for unquantized weights: F32, F16, BF16. A unit is 32 consecutive values
+"""Decoders for unquantized weights: F32, F16, BF16. A sub-block is 32 consecutive values
 (a 32-element pseudo-block) with d = 1, m = 0; rows whose length is not a multiple of
 32 finish with the scalar ``elem_*`` loaders.
 """
@@ -17,7 +17,7 @@ _jit = njit(fastmath=True, error_model="numpy")
 
 
 @_jit
-def unit_scales(w, ob):
+def identity_scales(w, ob):
     return vset2(f32(1), f32(1)), vzero()
 
 
@@ -51,6 +51,6 @@ def elem_bf16(w, ro, c):
     return f32_from_bits(u32(ld_u16(w, ro + 2 * c)) << u32(16))
 
 
-register(T.F32, units_per_block=1, scales=unit_scales, quants=quants_f32, same_d=True, elem=elem_f32)
-register(T.F16, units_per_block=1, scales=unit_scales, quants=quants_f16, same_d=True, elem=elem_f16)
-register(T.BF16, units_per_block=1, scales=unit_scales, quants=quants_bf16, same_d=True, elem=elem_bf16)
+register(T.F32, sub_blocks_per_block=1, scales=identity_scales, quants=quants_f32, same_d=True, elem=elem_f32)
+register(T.F16, sub_blocks_per_block=1, scales=identity_scales, quants=quants_f16, same_d=True, elem=elem_f16)
+register(T.BF16, sub_blocks_per_block=1, scales=identity_scales, quants=quants_bf16, same_d=True, elem=elem_bf16)

@@ -1,9 +1,9 @@
 """Decoders for ggml's lattice ("i-") quants: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
-IQ1_M (256-weight super-blocks, 8 units of 32). Contract as in ``registry``.
+IQ1_M (256-weight super-blocks, 8 sub-blocks of 32). Contract as in ``registry``.
 
 These types do not store weights as bit fields: each group of 8 weights (4 for IQ3) is an
 index into a fixed grid of byte vectors (``iq2xxs_grid`` …), plus sign bits (IQ2/IQ3) or a
-±1/8 shift (IQ1). A unit is 4 groups of 8: per type, scalar code gathers 4 grid words (8
+±1/8 shift (IQ1). A sub-block is 4 groups of 8: per type, scalar code gathers 4 grid words (8
 bytes each; IQ3's two 4-byte entries form one) and a 32-bit word of signs; ``LATTICE``
 turns them into float vectors (the negation is one masked byte subtract), or into
 codes + 128 for the int8 engine. IQ1's values are kept as 8 * grid ± 1 (integers,
@@ -60,11 +60,11 @@ def _const(ty, vals):
 
 
 def _negative_lanes(builder, s, kind):
-    """<32 x i1>: which of the unit's 32 weights are negative, from the u32 s. "mask" and
+    """<32 x i1>: which of the sub-block's 32 weights are negative, from the u32 s. "mask" and
     "shifted": s is that mask (lane 8l + j at bit 8l + j; one kmov). "ksigns": s holds four
     7-bit ksigns_iq2xs indices (group l at bit 7l) and the table is computed in vector
     lanes: lane j < 7 of a group is bit j of its index, lane 7 their parity (one popcount)
-    — measured faster than four scalar table loads per unit."""
+    — measured faster than four scalar table loads per sub-block."""
     if kind != "ksigns":
         return builder.bitcast(s, ir.VectorType(_I1, 32))
     v32 = ir.VectorType(_I32, 32)
@@ -79,7 +79,7 @@ def _negative_lanes(builder, s, kind):
 
 
 def _unit_bytes(context, builder, sig, args, i, kind):
-    """<32 x i8> signed values of one unit from (g0, g1, g2, g3, s) at args[i:i + 5]:
+    """<32 x i8> signed values of one sub-block from (g0, g1, g2, g3, s) at args[i:i + 5]:
     byte j of g_l is weight 8l + j; lanes ``_negative_lanes`` marks are negated, or for
     IQ1 ("shifted") 8 * value - 1 where marked and 8 * value + 1 elsewhere."""
     v = ir.Constant(ir.VectorType(_I64, 4), None)
@@ -97,7 +97,7 @@ def _unit_bytes(context, builder, sig, args, i, kind):
 def _lattice(kind):
     @intrinsic
     def floats(typingctx, g0, g1, g2, g3, s):
-        """(v0, v1): the unit's weights 0..15 and 16..31 as float vectors."""
+        """(v0, v1): the sub-block's weights 0..15 and 16..31 as float vectors."""
         if not all(isinstance(t, types.Integer) for t in (g0, g1, g2, g3, s)):
             return None
 
@@ -110,7 +110,7 @@ def _lattice(kind):
 
     @intrinsic
     def codes(typingctx, g0, g1, g2, g3, s, h0, h1, h2, h3, t):
-        """Two units' values + 128 as 64 unsigned codes (the int8 engine's u8 operand)."""
+        """Two sub-blocks' values + 128 as 64 unsigned codes (the int8 engine's u8 operand)."""
         if not all(isinstance(x, types.Integer) for x in (g0, g1, g2, g3, s, h0, h1, h2, h3, t)):
             return None
 
@@ -126,20 +126,20 @@ def _lattice(kind):
 LATTICE = {kind: _lattice(kind) for kind in ("mask", "ksigns", "shifted")}
 
 
-def _decoders(unit, kind):
-    """(quants, codes) of a type from ``unit(w, ob, k) -> (g0, g1, g2, g3, s)``: four grid
-    words and the unit's signs as ``_negative_lanes`` reads them for ``kind``."""
+def _decoders(sub_block, kind):
+    """(quants, codes) of a type from ``sub_block(w, ob, k) -> (g0, g1, g2, g3, s)``: four grid
+    words and the sub-block's signs as ``_negative_lanes`` reads them for ``kind``."""
     to_f32, to_codes = LATTICE[kind]
 
     @_jit
     def quants(w, ob, k):
-        g0, g1, g2, g3, s = unit(w, ob, k)
+        g0, g1, g2, g3, s = sub_block(w, ob, k)
         return to_f32(g0, g1, g2, g3, s)
 
     @_jit
     def codes(w, ob, j):
-        g0, g1, g2, g3, s = unit(w, ob, 2 * j)
-        h0, h1, h2, h3, t = unit(w, ob, 2 * j + 1)
+        g0, g1, g2, g3, s = sub_block(w, ob, 2 * j)
+        h0, h1, h2, h3, t = sub_block(w, ob, 2 * j + 1)
         return to_codes(g0, g1, g2, g3, s, h0, h1, h2, h3, t)
     return quants, codes
 
@@ -147,7 +147,7 @@ def _decoders(unit, kind):
 @intrinsic
 def unit_fields(typingctx, arr, off, stride, shift, mask):
     """Lanes 2k, 2k + 1 = float((byte[off + stride * k] >> shift) & mask), k < 8: one scale
-    field per unit when the units' scale bytes are further apart than ``byte_fields``' 16."""
+    field per sub-block when the sub-blocks' scale bytes are further apart than ``byte_fields``' 16."""
     if not all(isinstance(t, types.Integer) for t in (off, stride, shift, mask)) or not isinstance(arr, types.Array):
         return None
 
@@ -182,11 +182,11 @@ def f16_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
-_K = [L // 2 for L in range(16)]       # unit of each scale lane
+_K = [L // 2 for L in range(16)]       # sub-block of each scale lane
 
 
 # block_iq2_xxs { ggml_half d; uint16_t qs[32]; }  66 bytes
-# unit k: 8 bytes at 2 + 8k: grid indices q[0..3], then u32 aux with the ksigns indices
+# sub-block k: 8 bytes at 2 + 8k: grid indices q[0..3], then u32 aux with the ksigns indices
 # (7 bits each, group l at bit 7l) and the scale s = aux >> 28;
 # w[8l + j] = d * (0.5 + s) / 4 * iq2xxs_grid[q[l]][j] * (-1 if bit j of ksigns[...] else 1)
 @_jit
@@ -195,15 +195,15 @@ def scales_iq2_xxs(w, ob):
 
 
 @_jit
-def unit_iq2_xxs(w, ob, k):
+def sub_block_iq2_xxs(w, ob, k):
     q = ob + 2 + 8 * k
     return (IQ2XXS_GRID[ld_u8(w, q)], IQ2XXS_GRID[ld_u8(w, q + 1)], IQ2XXS_GRID[ld_u8(w, q + 2)],
             IQ2XXS_GRID[ld_u8(w, q + 3)], ld_u32(w, q + 4) & 0x0FFFFFFF)
 
 
 # block_iq2_xs { ggml_half d; uint16_t qs[32]; uint8_t scales[8]; }  74 bytes
-# unit k: u16 q_l at 2 + 8k + 2l: grid index q & 511, ksigns index q >> 9; half h of the
-# unit (groups 2h, 2h + 1) scaled by d * (0.5 + nibble h of scales[k]) / 4.
+# sub-block k: u16 q_l at 2 + 8k + 2l: grid index q & 511, ksigns index q >> 9; half h of the
+# sub-block (groups 2h, 2h + 1) scaled by d * (0.5 + nibble h of scales[k]) / 4.
 # Scale lanes from the 16 bytes at 58 (scales[k] is byte 8 + k there).
 _iq2_xs_sc = byte_fields([8 + k for k in _K], [4 * (L % 2) for L in range(16)], [15] * 16)
 
@@ -219,7 +219,7 @@ def scales_iq2_xs(w, ob):
 
 
 @_jit
-def unit_iq2_xs(w, ob, k):
+def sub_block_iq2_xs(w, ob, k):
     q = ob + 2 + 8 * k
     q0, q1, q2, q3 = ld_u16(w, q), ld_u16(w, q + 2), ld_u16(w, q + 4), ld_u16(w, q + 6)
     s = np.int64(q0 >> 9) | np.int64(q1 >> 9) << 7 | np.int64(q2 >> 9) << 14 | np.int64(q3 >> 9) << 21
@@ -227,7 +227,7 @@ def unit_iq2_xs(w, ob, k):
 
 
 # block_iq2_s { ggml_half d; uint8_t qs[32]; uint8_t signs[32]; uint8_t qh[8]; uint8_t scales[8]; }
-# 82 bytes. unit k, group l: index qs[4k + l] | ((qh[k] >> 2l) & 3) << 8, sign byte
+# 82 bytes. sub-block k, group l: index qs[4k + l] | ((qh[k] >> 2l) & 3) << 8, sign byte
 # signs[4k + l]; halves scaled as IQ2_XS (scales[k] is byte 8 + k of the 16 at 66).
 @_jit
 def scales_iq2_s(w, ob):
@@ -235,7 +235,7 @@ def scales_iq2_s(w, ob):
 
 
 @_jit
-def unit_iq2_s(w, ob, k):
+def sub_block_iq2_s(w, ob, k):
     q = ob + 2 + 4 * k
     h = np.int64(ld_u8(w, ob + 66 + k))
     return (IQ2S_GRID[np.int64(ld_u8(w, q)) | (h & 3) << 8],
@@ -245,7 +245,7 @@ def unit_iq2_s(w, ob, k):
 
 
 # block_iq3_xxs { ggml_half d; uint8_t qs[64]; uint32_t aux[8]; }  98 bytes
-# unit k: 8 indices qs[8k + i] into iq3xxs_grid (4 values each); aux[k] as IQ2_XXS's
+# sub-block k: 8 indices qs[8k + i] into iq3xxs_grid (4 values each); aux[k] as IQ2_XXS's
 # (ksigns indices, scale aux >> 28); w = d * (0.5 + s) / 2 * grid * ±1.
 @_jit
 def scales_iq3_xxs(w, ob):
@@ -259,7 +259,7 @@ def _iq3(grid, a, b):
 
 
 @_jit
-def unit_iq3_xxs(w, ob, k):
+def sub_block_iq3_xxs(w, ob, k):
     q = ob + 2 + 8 * k
     g = IQ3XXS_GRID
     return (_iq3(g, ld_u8(w, q), ld_u8(w, q + 1)), _iq3(g, ld_u8(w, q + 2), ld_u8(w, q + 3)),
@@ -268,7 +268,7 @@ def unit_iq3_xxs(w, ob, k):
 
 
 # block_iq3_s { ggml_half d; uint8_t qs[64]; uint8_t qh[8]; uint8_t signs[32]; uint8_t scales[4]; }
-# 110 bytes. unit k: indices qs[8k + i] | ((qh[k] >> i) & 1) << 8 into iq3s_grid, sign
+# 110 bytes. sub-block k: indices qs[8k + i] | ((qh[k] >> i) & 1) << 8 into iq3s_grid, sign
 # bytes signs[4k + l]; w = d * (1 + 2 * nibble k % 2 of scales[k // 2]) * grid * ±1.
 # Scale lanes from the 16 bytes at 94 (scales[k // 2] is byte 12 + k // 2 there).
 _iq3_s_sc = byte_fields([12 + k // 2 for k in _K], [4 * (k % 2) for k in _K], [15] * 16)
@@ -280,7 +280,7 @@ def scales_iq3_s(w, ob):
 
 
 @_jit
-def unit_iq3_s(w, ob, k):
+def sub_block_iq3_s(w, ob, k):
     q = ob + 2 + 8 * k
     h = np.int64(ld_u8(w, ob + 66 + k))
     g = IQ3S_GRID
@@ -292,7 +292,7 @@ def unit_iq3_s(w, ob, k):
 
 
 # block_iq1_s { ggml_half d; uint8_t qs[32]; uint16_t qh[8]; }  50 bytes
-# unit k: index qs[4k + l] | ((qh[k] >> 3l) & 7) << 8 into iq1s_grid (-1/0/1 bytes);
+# sub-block k: index qs[4k + l] | ((qh[k] >> 3l) & 7) << 8 into iq1s_grid (-1/0/1 bytes);
 # w = d * (2 * ((qh[k] >> 12) & 7) + 1) * (grid + delta), delta = -1/8 if qh[k] >> 15 else 1/8.
 # Scale lanes from the 16 bytes at 34 (the high byte of qh[k] is byte 2k + 1 there).
 _iq1_s_sc = byte_fields([2 * k + 1 for k in _K], [4] * 16, [7] * 16)
@@ -304,7 +304,7 @@ def scales_iq1_s(w, ob):
 
 
 @_jit
-def unit_iq1_s(w, ob, k):
+def sub_block_iq1_s(w, ob, k):
     q = ob + 2 + 4 * k
     h = np.int64(ld_u16(w, ob + 34 + 2 * k))
     g = IQ1S_GRID
@@ -315,7 +315,7 @@ def unit_iq1_s(w, ob, k):
 
 # block_iq1_m { uint8_t qs[32]; uint8_t qh[16]; uint8_t scales[8]; }  56 bytes (no d field)
 # d: the f16 whose nibbles are the top nibbles of the four u16 sc[i] (sc[0]'s lowest).
-# unit k, group l: index qs[4k + l] | ((qh[2k + l // 2] >> 4 * (l % 2)) & 7) << 8, delta
+# sub-block k, group l: index qs[4k + l] | ((qh[2k + l // 2] >> 4 * (l % 2)) & 7) << 8, delta
 # sign bit 3 of that nibble; half h: d * (2 * ((sc[k // 2] >> 6 * (k % 2) + 3h) & 7) + 1).
 # Scale lanes from the 16 bytes at 40 (sc[i] is bytes 8 + 2i, 9 + 2i there); the field at
 # bit 6 spans both bytes.
@@ -338,7 +338,7 @@ def scales_iq1_m(w, ob):
 
 
 @_jit
-def unit_iq1_m(w, ob, k):
+def sub_block_iq1_m(w, ob, k):
     q = ob + 4 * k
     h = np.int64(ld_u16(w, ob + 32 + 2 * k))      # qh[2k], qh[2k + 1]: one nibble per group
     g = IQ1S_GRID
@@ -349,16 +349,16 @@ def unit_iq1_m(w, ob, k):
             g[np.int64(ld_u8(w, q + 2)) | (h & 0x700)], g[np.int64(ld_u8(w, q + 3)) | (h & 0x7000) >> 4], s * 0xFF)
 
 
-_TYPES = (  # type, scales, unit decoder, same d for both halves, how the unit's signs come
-    (T.IQ2_XXS, scales_iq2_xxs, unit_iq2_xxs, True, "ksigns"),
-    (T.IQ2_XS, scales_iq2_xs, unit_iq2_xs, False, "ksigns"),
-    (T.IQ2_S, scales_iq2_s, unit_iq2_s, False, "mask"),
-    (T.IQ3_XXS, scales_iq3_xxs, unit_iq3_xxs, True, "ksigns"),
-    (T.IQ3_S, scales_iq3_s, unit_iq3_s, True, "mask"),
-    (T.IQ1_S, scales_iq1_s, unit_iq1_s, True, "shifted"),
-    (T.IQ1_M, scales_iq1_m, unit_iq1_m, False, "shifted"),
+_TYPES = (  # type, scales, sub-block decoder, same d for both halves, how the sub-block's signs come
+    (T.IQ2_XXS, scales_iq2_xxs, sub_block_iq2_xxs, True, "ksigns"),
+    (T.IQ2_XS, scales_iq2_xs, sub_block_iq2_xs, False, "ksigns"),
+    (T.IQ2_S, scales_iq2_s, sub_block_iq2_s, False, "mask"),
+    (T.IQ3_XXS, scales_iq3_xxs, sub_block_iq3_xxs, True, "ksigns"),
+    (T.IQ3_S, scales_iq3_s, sub_block_iq3_s, True, "mask"),
+    (T.IQ1_S, scales_iq1_s, sub_block_iq1_s, True, "shifted"),
+    (T.IQ1_M, scales_iq1_m, sub_block_iq1_m, False, "shifted"),
 )
-for _qt, _scales, _unit, _same_d, _kind in _TYPES:
-    _quants, _codes = _decoders(_unit, _kind)
-    register(_qt, units_per_block=8, scales=_scales, quants=_quants, same_d=_same_d,
+for _qt, _scales, _sub_block, _same_d, _kind in _TYPES:
+    _quants, _codes = _decoders(_sub_block, _kind)
+    register(_qt, sub_blocks_per_block=8, scales=_scales, quants=_quants, same_d=_same_d,
              codes=_codes, code_offset=128)

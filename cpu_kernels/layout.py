@@ -38,7 +38,7 @@ def activations(x: np.ndarray, cols: int, what: str) -> np.ndarray:
     return x
 
 
-def sums16(x: np.ndarray) -> np.ndarray:
+def bsums_of(x: np.ndarray) -> np.ndarray:
     """float32 [B, cols // 16]: sums of each 16-column group (for the decoders' offsets)."""
     n = x.shape[1] // 16 * 16
     return np.ascontiguousarray(x[:, :n].reshape(x.shape[0], -1, 16).sum(-1, dtype=np.float32))

@@ -2,10 +2,10 @@
 
 Contract (see ``registry``): ``scales(w, ob) -> (vd, vm)`` with (d, m) of the block's two
 16-weight halves in lanes 0 and 1, ``quants(w, ob, k) -> (v0, v1)``; weights ``d * v + m``
-for the block at byte offset ``ob`` of the raw bytes ``w`` (one unit per block: k = 0).
+for the block at byte offset ``ob`` of the raw bytes ``w`` (one sub-block per block: k = 0).
 Offsets like Q4_0's "-8" go into ``m``, which the driver multiplies by the activations'
 16-column sums. The int8 path decodes two blocks at a time (``pair8``): unsigned codes,
-``pair_offset`` = what the codes add to the signed values.
+``block_pair_offset`` = what the codes add to the signed values.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from numba import njit
 
-from .pair8 import pair_decoder
+from .pair8 import block_pair_decoder
 from .registry import register
 from .simd import ld_f16, ld_u32, target_has, vbit_lanes, vbits, vi8, vload, vlut16, vset2
 
@@ -108,14 +108,14 @@ def quants_q8_0(w, ob, k):
     return vi8(w, ob + 2), vi8(w, ob + 18)
 
 
-register(T.Q4_0, units_per_block=1, scales=scales_q4_0, quants=quants_q4_0, same_d=True,
-         pair=pair_decoder(block_bytes=18, qs=2, scale="f16"), pair_offset=8)
-register(T.Q4_1, units_per_block=1, scales=scales_q4_1, quants=quants_q4_1, same_d=True,
-         pair=pair_decoder(block_bytes=20, qs=4, scale="f16", min_at=2), pair_min=True)
-register(T.Q5_0, units_per_block=1, scales=scales_q5_0, quants=quants_q5_0, same_d=True,
-         pair=pair_decoder(block_bytes=22, qs=6, scale="f16", qh=2), pair_offset=16)
-register(T.Q5_1, units_per_block=1, scales=scales_q5_1, quants=quants_q5_1, same_d=True,
-         pair=pair_decoder(block_bytes=24, qs=8, scale="f16", min_at=2, qh=4), pair_min=True)
+register(T.Q4_0, sub_blocks_per_block=1, scales=scales_q4_0, quants=quants_q4_0, same_d=True,
+         block_pair=block_pair_decoder(block_bytes=18, qs=2, scale="f16"), block_pair_offset=8)
+register(T.Q4_1, sub_blocks_per_block=1, scales=scales_q4_1, quants=quants_q4_1, same_d=True,
+         block_pair=block_pair_decoder(block_bytes=20, qs=4, scale="f16", min_at=2), block_pair_min=True)
+register(T.Q5_0, sub_blocks_per_block=1, scales=scales_q5_0, quants=quants_q5_0, same_d=True,
+         block_pair=block_pair_decoder(block_bytes=22, qs=6, scale="f16", qh=2), block_pair_offset=16)
+register(T.Q5_1, sub_blocks_per_block=1, scales=scales_q5_1, quants=quants_q5_1, same_d=True,
+         block_pair=block_pair_decoder(block_bytes=24, qs=8, scale="f16", min_at=2, qh=4), block_pair_min=True)
 # int8 codes of Q8_0 are the signed values + 128 (the instruction multiplies u8 x s8).
-register(T.Q8_0, units_per_block=1, scales=scales_q8_0, quants=quants_q8_0, same_d=True,
-         pair=pair_decoder(block_bytes=34, qs=2, scale="f16", signed8=True), pair_offset=128)
+register(T.Q8_0, sub_blocks_per_block=1, scales=scales_q8_0, quants=quants_q8_0, same_d=True,
+         block_pair=block_pair_decoder(block_bytes=34, qs=2, scale="f16", signed8=True), block_pair_offset=128)

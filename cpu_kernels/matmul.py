@@ -7,7 +7,7 @@ from numba import njit, prange
 from placement.limits import DX_PAD, S4_PAD, XQ_PAD, wants_int8
 
 from . import settings
-from .layout import activations, row_cols, sums16, weight_bytes
+from .layout import activations, bsums_of, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
 from .rowdot import TOKEN_TILE, rows4, rows4_scratch
 from .rowdot8 import dot4_i8, quantize_rows
@@ -18,7 +18,7 @@ f32 = np.float32
 
 def _build(salt):
     @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def matmul_kernel(tag, w, X, xs16, Y, chunks):
+    def matmul_kernel(tag, w, X, bsums, Y, chunks):
         """Y[t, r] = W[r] . X[t]; w: uint8 [rows, row_bytes]; row groups of 4 split into
         ``chunks`` parallel pieces (one per thread: numba.get_num_threads() inside a
         jitted function would make it uncacheable)."""
@@ -28,15 +28,15 @@ def _build(salt):
         for ch in prange(chunks):
             acc, cacc, res, toks, sc = rows4_scratch()
             for g in range(ch * groups // chunks, (ch + 1) * groups // chunks):
-                rows4(tag, w, 4 * g, X, xs16, Y, acc, cacc, res, toks, sc)
+                rows4(tag, w, 4 * g, X, bsums, Y, acc, cacc, res, toks, sc)
     @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def matmul_i8_kernel(tag, w, xq, dx, xs16, xs4, dx8, Y, chunks):
+    def matmul_i8_kernel(tag, w, xq, dx, bsums, xs4, dx8, Y, chunks):
         """As matmul_kernel with int8-quantized activations (``rowdot8``)."""
         _salt = salt  # noqa: F841
         rows = w.shape[0]
         rs = w.strides[0]
         n = Y.shape[0]
-        cols = xs16.shape[1] * 16
+        cols = bsums.shape[1] * 16
         groups = (rows + 3) // 4
         chunks = max(1, min(groups, chunks))
         for ch in prange(chunks):
@@ -53,7 +53,7 @@ def _build(salt):
                     for i in range(nt):
                         toks[i] = t0 + i
                     dot4_i8(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
-                            min(r0 + 3, last) * rs, cols, xq, dx, xs16, xs4, dx8, toks, nt, acc, cacc, res)
+                            min(r0 + 3, last) * rs, cols, xq, dx, bsums, xs4, dx8, toks, nt, acc, cacc, res)
                     for i in range(nt):
                         for r in range(nr):
                             Y[t0 + i, r0 + r] = res[i, r]
@@ -64,7 +64,7 @@ _matmul_kernel, _matmul_i8_kernel = _build(source_digest())
 
 
 def int8_rows(rows: int, cols: int):
-    """Empty (xq, dx, xs16, xs4, dx8) for ``rows`` rows of ``cols`` values, as
+    """Empty (xq, dx, bsums, xs4, dx8) for ``rows`` rows of ``cols`` values, as
     ``rowdot8.quantize_rows`` fills them (its padding included): allocated once where a
     caller binds int8 scratch (the routed experts' decode step), per call otherwise."""
     return (np.empty((rows, cols + XQ_PAD), np.int8), np.empty((rows, cols // 32 + DX_PAD), f32),
@@ -73,7 +73,7 @@ def int8_rows(rows: int, cols: int):
 
 
 def quantized_activations(X: np.ndarray):
-    """(xq, dx, xs16, xs4, dx8) for the int8 path (see ``rowdot8.quantize_rows``)."""
+    """(xq, dx, bsums, xs4, dx8) for the int8 path (see ``rowdot8.quantize_rows``)."""
     q = int8_rows(*X.shape)
     quantize_rows(X, *q)
     return q
@@ -108,5 +108,5 @@ def matmul(x, w, qtype, *, name: str = "", int8: bool | str | None = None) -> np
         if use_int8(kern, int8):
             _matmul_i8_kernel(kern.tag, wb, *quantized_activations(X), Y, n_threads)
         else:
-            _matmul_kernel(kern.tag, wb, X, sums16(X), Y, n_threads)
+            _matmul_kernel(kern.tag, wb, X, bsums_of(X), Y, n_threads)
     return Y[0] if squeeze else Y

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType
 from numba import njit, prange
 
 from . import settings
-from .layout import activations, row_cols, sums16, weight_bytes
+from .layout import activations, bsums_of, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
 from .matmul import int8_rows, quantized_activations, use_int8
 from .rowdot import dot4
@@ -125,8 +125,8 @@ def phase_pads(pieces):
 
 
 @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
-def sums16_rows(x, n_rows, out):
-    """out[t, g] = sum of x[t, 16 g : 16 g + 16] for rows t < n_rows (``layout.sums16`` into a
+def bsums_of_rows(x, n_rows, out):
+    """out[t, g] = sum of x[t, 16 g : 16 g + 16] for rows t < n_rows (``layout.bsums_of`` into a
     preallocated array: the decoders' offsets multiply these)."""
     for t in range(n_rows):
         for g in range(out.shape[1]):
@@ -183,7 +183,7 @@ def counting_sort_by_expert(n_tok, ids, wts, owned, count, slot_expert, slot_sta
 def routed_scratch(n_assign, n_expert, n_ff, n_embd, chunks):
     """Scratch for ``routed_ffn`` with room for ``n_assign`` (token, expert) assignments
     (tokens x k) and ``chunks`` parallel pieces: (count, slot_expert, slot_start, assign_tok,
-    assign_w, H, hs16, Ya, phase pads). Callable from Python (allocate once, at load) and
+    assign_w, H, h_bsums, Ya, phase pads). Callable from Python (allocate once, at load) and
     from jitted code."""
     return (np.empty(n_expert + 1, np.int64), np.empty(n_assign, np.int64),
             np.empty(n_assign + 1, np.int64), np.empty(n_assign, np.int64),
@@ -216,10 +216,10 @@ def _build(salt):
     # mode compiles only its own inner routine.
 
     @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def gate_up_rows(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
+    def gate_up_rows(gtag, gw, g0, utag, uw, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
                      assign_tok, H, chunks, act, pads):
         """H[a] = act(gate_e . x) * (up_e . x); work items = (slot, 4 rows of n_ff).
-        X/xs16 (float path: xq, dx, xs4, dx8 None) or xq/dx/xs16/xs4/dx8 (int8 path).
+        X/bsums (float path: xq, dx, xs4, dx8 None) or xq/dx/bsums/xs4/dx8 (int8 path).
         ``pads``: ``phase_pads`` with a row per piece (at least min(chunks, items))."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         n_ff = H.shape[1]
@@ -249,22 +249,22 @@ def _build(salt):
                         toks[i] = assign_tok[a0 + i]
                     if xq is not None:
                         dot4_i8(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
-                                cols, xq, dx, xs16, xs4, dx8, toks, nt, acc, cacc, rg)
+                                cols, xq, dx, bsums, xs4, dx8, toks, nt, acc, cacc, rg)
                         dot4_i8(utag, uw, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
-                                cols, xq, dx, xs16, xs4, dx8, toks, nt, acc, cacc, ru)
+                                cols, xq, dx, bsums, xs4, dx8, toks, nt, acc, cacc, ru)
                     else:
                         dot4(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
-                             cols, X, xs16, toks, nt, acc, cacc, rg, sc)
+                             cols, X, bsums, toks, nt, acc, cacc, rg, sc)
                         dot4(utag, uw, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
-                             cols, X, xs16, toks, nt, acc, cacc, ru, sc)
+                             cols, X, bsums, toks, nt, acc, cacc, ru, sc)
                     for i in range(nt):
                         for r in range(nr):
                             H[a0 + i, r0 + r] = _silu_glu(rg[i, r], ru[i, r], act)
 
     @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def down_rows(dtag, dw, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks, pads):
+    def down_rows(dtag, dw, H, h_bsums, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks, pads):
         """out[a] = down_e . H[a]; work items = (slot, 4 rows of n_embd).
-        H/hs16 (float path: hq, hdx, hxs4, hdx8 None) or hq/hdx/hs16/hxs4/hdx8 (int8 path).
+        H/h_bsums (float path: hq, hdx, hxs4, hdx8 None) or hq/hdx/h_bsums/hxs4/hdx8 (int8 path).
         ``pads`` as gate_up_rows'."""
         _salt = salt  # noqa: F841
         n_ff = H.shape[1]
@@ -288,10 +288,10 @@ def _build(salt):
                         toks[i] = a0 + i
                     if hq is not None:
                         dot4_i8(dtag, dw, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
-                                n_ff, hq, hdx, hs16, hxs4, hdx8, toks, nt, acc, cacc, res)
+                                n_ff, hq, hdx, h_bsums, hxs4, hdx8, toks, nt, acc, cacc, res)
                     else:
                         dot4(dtag, dw, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
-                             n_ff, H, hs16, toks, nt, acc, cacc, res, sc)
+                             n_ff, H, h_bsums, toks, nt, acc, cacc, res, sc)
                     for i in range(nt):
                         for r in range(nr):
                             out[a0 + i, r0 + r] = res[i, r]
@@ -306,22 +306,22 @@ def _build_drivers(salt):
     # theirs, and its cache only notices edits to the caller's own file.
 
     @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
+    def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
                       assign_tok, H, chunks, act):
         """``gate_up_rows`` with its scratch allocated for this call."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
-        _gate_up_rows(gtag, gw, g0, utag, uw, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
+        _gate_up_rows(gtag, gw, g0, utag, uw, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
                       assign_tok, H, chunks, act, phase_pads(max(1, chunks)))
 
     @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def down_phase(dtag, dw, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks):
+    def down_phase(dtag, dw, H, h_bsums, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks):
         """``down_rows`` with its scratch allocated for this call."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
-        _down_rows(dtag, dw, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks,
+        _down_rows(dtag, dw, H, h_bsums, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks,
                    phase_pads(max(1, chunks)))
 
     @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def routed_ffn(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh, Y,
+    def routed_ffn(n_tok, X, bsums, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh, Y,
                    chunks):
         """Y[t] = sum_j wts[t, j] * down_e(silu(gate_e . X[t]) * (up_e . X[t])), e = ids[t, j],
         for rows t < n_tok, over the experts in ``owned`` (None: all): the routed part of an MoE
@@ -329,7 +329,7 @@ def _build_drivers(salt):
         arrays — grouping by expert, the gate·up phase, the down phase, the weighted sum in
         ``moe_ffn``'s order (assignments sorted by expert).
 
-        X (>= n_tok, n_embd) and ``xs16`` its ``sums16`` rows; ids int64 / wts float32 (>= n_tok,
+        X (>= n_tok, n_embd) and ``bsums`` its ``bsums_of`` rows; ids int64 / wts float32 (>= n_tok,
         k); tg/wg/g0, tu/wu/u0, td/wd: ``ExpertWeights._parts`` / ``_down`` (QTag, raw view, first
         row); ``scratch`` from ``routed_scratch`` for >= n_tok * k assignments (its pads bound
         the parallel pieces); ``qx`` / ``qh``: ``routed_int8_scratch``'s pair — int8 activations
@@ -338,7 +338,7 @@ def _build_drivers(salt):
         n_embd). Returns the number of touched experts, or -1 (Y untouched) for an id outside
         0..E-1. Rows past n_tok are neither read nor written."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
-        count, slot_expert, slot_start, assign_tok, assign_w, H, hs16, Ya, pads = scratch
+        count, slot_expert, slot_start, assign_tok, assign_w, H, h_bsums, Ya, pads = scratch
         chunks = max(1, min(chunks, pads[0].shape[0]))
         n_slots = counting_sort_by_expert(n_tok, ids, wts, owned, count, slot_expert, slot_start,
                                           assign_tok, assign_w)
@@ -355,15 +355,15 @@ def _build_drivers(salt):
             _gate_up_rows(tg, wg, g0, tu, wu, u0, X, qs16, xq, dx, xs4, dx8, se, ss, assign_tok, H,
                           chunks, 0, pads)
         else:
-            _gate_up_rows(tg, wg, g0, tu, wu, u0, X, xs16, None, None, None, None, se, ss, assign_tok, H,
+            _gate_up_rows(tg, wg, g0, tu, wu, u0, X, bsums, None, None, None, None, se, ss, assign_tok, H,
                           chunks, 0, pads)
         if qh is not None:
             hq, hdx, qhs16, hxs4, hdx8 = qh
             quantize_rows(H[:n_a], hq, hdx, qhs16, hxs4, hdx8)
             _down_rows(td, wd, H, qhs16, hq, hdx, hxs4, hdx8, se, ss, Ya, chunks, pads)
         else:
-            sums16_rows(H, n_a, hs16)
-            _down_rows(td, wd, H, hs16, None, None, None, None, se, ss, Ya, chunks, pads)
+            bsums_of_rows(H, n_a, h_bsums)
+            _down_rows(td, wd, H, h_bsums, None, None, None, None, se, ss, Ya, chunks, pads)
         n_embd = Y.shape[1]
         for a in range(n_a):
             t = assign_tok[a]
@@ -373,14 +373,14 @@ def _build_drivers(salt):
         return n_slots
 
     @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def routed_ffn_host(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh, Y,
+    def routed_ffn_host(n_tok, X, bsums, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh, Y,
                         chunks):
-        """``routed_ffn`` with ``xs16`` computed here: the CPU side of a hybrid MoE layer (block
+        """``routed_ffn`` with ``bsums`` computed here: the CPU side of a hybrid MoE layer (block
         on a GPU, experts in RAM) as one compiled call over host buffers bound at load."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         if qx is None:
-            sums16_rows(X, n_tok, xs16)
-        return routed_ffn(n_tok, X, xs16, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh,
+            bsums_of_rows(X, n_tok, bsums)
+        return routed_ffn(n_tok, X, bsums, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh,
                           Y, chunks)
 
     return gate_up_phase, down_phase, routed_ffn, routed_ffn_host
@@ -416,12 +416,12 @@ def _project(kern, raw, row0: int, n_rows: int, A_in, slot_expert, slot_start, n
     """(A, n_rows): rows row0.. of each assignment's expert matrix times its row of A_in —
     the grouped down-projection kernel applied to another matrix."""
     if use_int8(kern, int8):
-        q, dq, s16, s4, d8 = quantized_activations(A_in)
+        q, dq, bsums, s4, d8 = quantized_activations(A_in)
     else:
-        q, dq, s16, s4, d8 = None, None, sums16(A_in), None, None
+        q, dq, bsums, s4, d8 = None, None, bsums_of(A_in), None, None
     out = np.empty((A_in.shape[0], n_rows), f32)
     view = raw if row0 == 0 and raw.shape[1] == n_rows else raw[:, row0:row0 + n_rows]
-    _down_phase(kern.tag, view, A_in, s16, q, dq, s4, d8, slot_expert, slot_start, out, n_threads)
+    _down_phase(kern.tag, view, A_in, bsums, q, dq, s4, d8, slot_expert, slot_start, out, n_threads)
     return out
 
 
@@ -509,17 +509,17 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     else:
         H = np.empty((flat.size, w.n_ff), f32)
         if int8_x:
-            xq, dx, xs16, xs4, dx8 = quantized_activations(X)
+            xq, dx, bsums, xs4, dx8 = quantized_activations(X)
         else:
-            xq, dx, xs16, xs4, dx8 = None, None, sums16(X), None, None
-        _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, xs16, xq, dx, xs4, dx8, slot_expert, slot_start,
+            xq, dx, bsums, xs4, dx8 = None, None, bsums_of(X), None, None
+        _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
                        tok, H, n_threads, ACTIVATIONS[act])
     if int8_h:
-        hq, hdx, hs16, hxs4, hdx8 = quantized_activations(H)
+        hq, hdx, h_bsums, hxs4, hdx8 = quantized_activations(H)
     else:
-        hq, hdx, hs16, hxs4, hdx8 = None, None, sums16(H), None, None
+        hq, hdx, h_bsums, hxs4, hdx8 = None, None, bsums_of(H), None, None
     out = np.empty((flat.size, w.n_embd), f32)
-    _down_phase(dk.tag, db, H, hs16, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, n_threads)
+    _down_phase(dk.tag, db, H, h_bsums, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, n_threads)
     if down_bias is not None:
         out += down_bias[flat]
     _weighted_sum(out, tok, wsel, Y)

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 from numba import njit
 
-from .pair8 import pair_decoder, unit_pair_decoder
+from .pair8 import block_pair_decoder, sub_block_pair_decoder
 from .registry import register
 from .simd import byte_fields, ld_e8m0, ld_f16, vload, vlut16, vset2, vzero
 
@@ -57,7 +57,7 @@ def quants_iq4_nl(w, ob, k):
 
 
 # block_iq4_xs { ggml_half d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128]; }  136 bytes
-# unit k: ls = ((scales_l[k // 2] >> 4 * (k % 2)) & 15) | ((scales_h >> 2k) & 3) << 4;
+# sub-block k: ls = ((scales_l[k // 2] >> 4 * (k % 2)) & 15) | ((scales_h >> 2k) & 3) << 4;
 # w = d * (ls - 32) * kv[nibble of qs[16k + l]]  (low nibbles first, then high).
 # Lanes 2k, 2k + 1 of the scale vector, bytes relative to scales_h (ob + 2):
 _K = [L // 2 for L in range(16)]
@@ -76,11 +76,11 @@ def quants_iq4_xs(w, ob, k):
 
 
 # int8 path: codes = table value + offset (unsigned bytes), one vpermb per 64 nibbles.
-register(T.MXFP4, units_per_block=1, scales=scales_mxfp4, quants=quants_mxfp4, same_d=True,
-         pair=pair_decoder(block_bytes=17, qs=1, scale="e8m0", table=MXFP4_VALUES.astype(int) + 12),
-         pair_offset=12)
-register(T.IQ4_NL, units_per_block=1, scales=scales_iq4_nl, quants=quants_iq4_nl, same_d=True,
-         pair=pair_decoder(block_bytes=18, qs=2, scale="f16", table=IQ4_VALUES.astype(int) + 128),
-         pair_offset=128)
-register(T.IQ4_XS, units_per_block=8, scales=scales_iq4_xs, quants=quants_iq4_xs, same_d=True,
-         codes=unit_pair_decoder(nibbles_at=8, table=IQ4_VALUES.astype(int) + 128), code_offset=128)
+register(T.MXFP4, sub_blocks_per_block=1, scales=scales_mxfp4, quants=quants_mxfp4, same_d=True,
+         block_pair=block_pair_decoder(block_bytes=17, qs=1, scale="e8m0", table=MXFP4_VALUES.astype(int) + 12),
+         block_pair_offset=12)
+register(T.IQ4_NL, sub_blocks_per_block=1, scales=scales_iq4_nl, quants=quants_iq4_nl, same_d=True,
+         block_pair=block_pair_decoder(block_bytes=18, qs=2, scale="f16", table=IQ4_VALUES.astype(int) + 128),
+         block_pair_offset=128)
+register(T.IQ4_XS, sub_blocks_per_block=8, scales=scales_iq4_xs, quants=quants_iq4_xs, same_d=True,
+         codes=sub_block_pair_decoder(nibbles_at=8, table=IQ4_VALUES.astype(int) + 128), code_offset=128)

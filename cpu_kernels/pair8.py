@@ -1,8 +1,8 @@
 """The int8 engine: 64 weights per step, one 512-bit ``vpdpbusd`` per row (llama.cpp's
 int8-activation trick, laid out for AVX-512).
 
-For ggml's 32-weight blocks a *pair decoder* turns the raw bytes of blocks A, B
-(consecutive in a row) into
+For ggml's 32-weight blocks a *block-pair decoder* (``block_pair_decoder``) turns the raw
+bytes of blocks A, B (consecutive in a row) into
 
     codes  ``I8x64``: unsigned weight codes u in activation order (A 0..31, then B 0..31),
     d      f32x16: lanes 0..7 the scale of A, lanes 8..15 the scale of B,
@@ -23,10 +23,10 @@ byte: with xs = dx * (sum of the 4 activations) per lane,
 (two FMAs per row and step; dx: the activations' scale per 32, spread over lanes).
 Only bytes of the row's blocks are read: an odd row's last block is decoded alone.
 
-For 256-weight blocks (K-quants, IQ4_XS) a *unit-pair decoder* gives the codes of
-units 2j and 2j + 1 the same way (their bit fields via GF(2) affine maps; IQ4_XS's
-nibbles through its value table); their scales come from the types' ``scales``
-decoders (``rowdot8``).
+For 256-weight blocks (K-quants, IQ4_XS) a *sub-block-pair decoder*
+(``sub_block_pair_decoder``) gives the codes of sub-blocks 2j and 2j + 1 the same way
+(their bit fields via GF(2) affine maps; IQ4_XS's nibbles through its value table); their
+scales come from the types' ``scales`` decoders (``rowdot8``).
 
 Instructions are chosen when Numba compiles, from ``simd.target_features()`` (the
 features Numba's code generator targets): ``vpdpbusd`` zmm with AVX512-VNNI, two ymm
@@ -134,12 +134,12 @@ def _nibbles(builder, c, table):
     return builder.and_(c, _const(_I8, [15] * 64))
 
 
-def unit_pair_decoder(*parts, nibbles_at: int | None = None, table=None):
+def sub_block_pair_decoder(*parts, nibbles_at: int | None = None, table=None):
     """Make an intrinsic ``(w, ob, j) -> codes`` (``I8x64``) for 256-weight blocks: the
-    unsigned codes of units 2j and 2j + 1 (32 weights each) of the block at byte ``ob``,
-    in activation order. Each part is ``(at, shift, width, up)``, functions of the unit
-    k: weight l of unit k has ``((byte[ob + at(k) + l] >> shift(k)) & (2**width - 1)) <<
-    up(k)`` OR-ed over the parts. Or, with ``nibbles_at``, unit k is the 16 bytes at
+    unsigned codes of sub-blocks 2j and 2j + 1 (32 weights each) of the block at byte ``ob``,
+    in activation order. Each part is ``(at, shift, width, up)``, functions of the sub-block
+    k: weight l of sub-block k has ``((byte[ob + at(k) + l] >> shift(k)) & (2**width - 1)) <<
+    up(k)`` OR-ed over the parts. Or, with ``nibbles_at``, sub-block k is the 16 bytes at
     ``nibbles_at + 16 k`` (low nibbles, then high) through ``table`` (IQ4_XS). j must be
     a constant once inlined (the drivers unroll the four pairs); for each j the bytes are
     one or two loads and one bit-field map."""
@@ -186,11 +186,11 @@ def unit_pair_decoder(*parts, nibbles_at: int | None = None, table=None):
     return decode
 
 
-def pair_decoder(*, block_bytes: int, qs: int, scale: str, scale_at: int = 0,
+def block_pair_decoder(*, block_bytes: int, qs: int, scale: str, scale_at: int = 0,
                  min_at: int | None = None, table=None, qh: int | None = None,
                  signed8: bool = False):
-    """Make ``(decode2, decode1)``: intrinsics ``(w, ob) -> (codes, d, m)`` for the blocks
-    at byte ``ob`` and ``ob + block_bytes`` (decode1: block A only, B's lanes zero).
+    """Make ``(decode_block_pair, decode_block)``: intrinsics ``(w, ob) -> (codes, d, m)`` for the blocks
+    at byte ``ob`` and ``ob + block_bytes`` (decode_block: block A only, B's lanes zero).
 
     block_bytes: ggml's block size; qs: byte offset of the 16 nibble bytes (of the 32
     int8 values if ``signed8``); scale: "f16" or "e8m0" (then ``d = 2**(e - 128)``, ggml's

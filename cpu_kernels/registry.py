@@ -1,25 +1,26 @@
 """The kernel registry, keyed by ``gguf.GGMLQuantizationType``.
 
-Every supported type contributes a *unit decoder*: two Numba functions that describe
-32 consecutive weights of a row (one "unit") as
+Every supported type contributes a *sub-block decoder*: two Numba functions that describe
+32 consecutive weights of a row (one sub-block, ggml's word: a 256-weight K-quant
+super-block is 8 of them; Q2_K/Q3_K/Q6_K's 16-weight scale groups are their halves) as
 
     w[j] = d * v[j] + m0   (j < 16)        w[j] = d * v[j] + m1   (16 <= j < 32)
 
 ``scales(w, ob) -> (vd, vm)``: two 16-lane vectors for the block at byte offset ``ob`` of
-the raw bytes ``w``, lanes ``2k`` and ``2k + 1`` holding (d, m) of the two halves of unit
-``k`` (decoded once per block and with vector ops: K-quant scales are packed, and
-unpacking them per unit in scalar code costs as much as the dot product itself);
-``quants(w, ob, k) -> (v0, v1)``: the two 16-lane vectors of unit ``k``.
-``same_d``: both halves of a unit always share d (one multiply per unit instead of two).
-Optional, for the int8-activation path: ``codes(w, ob, j)``, the weights of units 2j and
-2j + 1 as 64 unsigned 8-bit codes ``u`` (``pair8.I8x64``, from ``pair8.unit_pair_decoder``)
-with ``w = d * (u - code_offset) + m`` (256-weight types).
-Optional for 32-weight types, their int8 path: ``pair`` = (decode2, decode1) from
-``pair8.pair_decoder`` (two blocks per step), with ``pair_offset`` (codes minus values)
-and ``pair_min`` (the decoder gives mins).
+the raw bytes ``w``, lanes ``2k`` and ``2k + 1`` holding (d, m) of the two halves of
+sub-block ``k`` (decoded once per block and with vector ops: K-quant scales are packed,
+and unpacking them per sub-block in scalar code costs as much as the dot product itself);
+``quants(w, ob, k) -> (v0, v1)``: the two 16-lane vectors of sub-block ``k``.
+``same_d``: both halves of a sub-block always share d (one multiply per sub-block, not two).
+Optional, for the int8-activation path: ``codes(w, ob, j)``, the weights of sub-blocks 2j
+and 2j + 1 as 64 unsigned 8-bit codes ``u`` (``pair8.I8x64``, from
+``pair8.sub_block_pair_decoder``) with ``w = d * (u - code_offset) + m`` (256-weight types).
+Optional for 32-weight types, their int8 path: ``block_pair`` = (decode_block_pair,
+decode_block) from ``pair8.block_pair_decoder`` (two blocks per step), with
+``block_pair_offset`` (codes minus values) and ``block_pair_min`` (the decoder gives mins).
 The generic drivers (``rowdot``, ``matmul``, ``moe``) only ever see that contract, so a
 new quant type is one decoder pair and one ``register`` call. Types whose ggml block holds 256
-weights (K-quants, IQ4_XS) have 8 units per block; 32-weight types have one. Float types
+weights (K-quants, IQ4_XS) have 8 sub-blocks per block; 32-weight types have one. Float types
 use a 32-element pseudo-block and a scalar tail for rows that are not a multiple of 32.
 
 A ``QTag`` value (one per type) is passed into the compiled drivers: its Numba type names
@@ -54,22 +55,22 @@ class QuantKernel:
     qtype: GGMLQuantizationType
     block_size: int          # weights per block (as ggml)
     type_size: int           # bytes per block (as ggml)
-    units_per_block: int     # 32-weight units per block
+    sub_blocks_per_block: int  # 32-weight sub-blocks per block
     scales: Callable         # njit (w, block_byte_offset) -> (vd, vm)
     quants: Callable         # njit (w, block_byte_offset, k) -> (v0, v1)
     elem: Callable | None    # njit (w, byte_offset_of_row, col) -> float32; float types only
-    same_d: bool             # d of both 16-weight halves of a unit is always equal
-    codes: Callable | None   # intrinsic (w, block_byte_offset, j) -> 64 u8 codes of units 2j, 2j+1
+    same_d: bool             # d of both 16-weight halves of a sub-block is always equal
+    codes: Callable | None   # intrinsic (w, block_byte_offset, j) -> 64 u8 codes of sub-blocks 2j, 2j+1
     code_offset: int         # codes = value + code_offset
     tag: "QTag"
-    pair: tuple | None = None     # (decode2, decode1): int8 path of 32-weight types (pair8)
-    pair_offset: int = 0          # pair codes = value + pair_offset
-    pair_min: bool = False        # the pair decoder's mins are not all zero
+    block_pair: tuple | None = None  # (decode_block_pair, decode_block): int8 path of 32-weight types
+    block_pair_offset: int = 0       # block-pair codes = value + block_pair_offset
+    block_pair_min: bool = False     # the block-pair decoder's mins are not all zero
 
     @property
     def has_int8(self) -> bool:
-        """Whether the type has an int8-activation decoder (codes or pair)."""
-        return self.codes is not None or self.pair is not None
+        """Whether the type has an int8-activation decoder (codes or block_pair)."""
+        return self.codes is not None or self.block_pair is not None
 
 
 class QTag:
@@ -107,23 +108,25 @@ _KERNELS: dict[GGMLQuantizationType, QuantKernel] = {}
 _BY_NAME: dict[str, QuantKernel] = {}
 
 
-def register(qtype: GGMLQuantizationType, *, units_per_block: int, scales: Callable,
+def register(qtype: GGMLQuantizationType, *, sub_blocks_per_block: int, scales: Callable,
              quants: Callable, same_d: bool, elem: Callable | None = None,
-             codes: Callable | None = None, code_offset: int = 0, pair: tuple | None = None,
-             pair_offset: int = 0, pair_min: bool = False) -> None:
+             codes: Callable | None = None, code_offset: int = 0, block_pair: tuple | None = None,
+             block_pair_offset: int = 0, block_pair_min: bool = False) -> None:
     """Register the decoders of ``qtype`` (``elem``: scalar loader, float types only;
-    ``codes``: int8-path decoder of 256-weight types; ``pair``: of 32-weight types)."""
+    ``codes``: int8-path decoder of 256-weight types; ``block_pair``: of 32-weight types)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if elem is not None:               # float types: a 32-element pseudo-block
         type_size = type_size * 32 // block_size
         block_size = 32
-    if block_size != 32 * units_per_block:
-        raise ValueError(f"{qtype.name}: block of {block_size} is not {units_per_block} units of 32")
-    if (codes is not None and units_per_block == 1) or (pair is not None and units_per_block != 1):
-        raise ValueError(f"{qtype.name}: int8 decoders are codes for 256-weight blocks, pair for 32")
-    k = QuantKernel(qtype, block_size, type_size, units_per_block, scales, quants, elem,
-                    same_d, codes, code_offset, QTag(qtype.name), pair, pair_offset,
-                    pair_min)
+    if block_size != 32 * sub_blocks_per_block:
+        raise ValueError(f"{qtype.name}: block of {block_size} is not "
+                         f"{sub_blocks_per_block} sub-blocks of 32")
+    one = sub_blocks_per_block == 1
+    if (codes is not None and one) or (block_pair is not None and not one):
+        raise ValueError(f"{qtype.name}: int8 decoders are codes for 256-weight blocks, block_pair for 32")
+    k = QuantKernel(qtype, block_size, type_size, sub_blocks_per_block, scales, quants, elem,
+                    same_d, codes, code_offset, QTag(qtype.name), block_pair, block_pair_offset,
+                    block_pair_min)
     _KERNELS[qtype] = k
     _BY_NAME[qtype.name] = k
 

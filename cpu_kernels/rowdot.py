@@ -1,12 +1,12 @@
 """The one inner routine every driver uses: four weight rows against a list of tokens.
 
-``dot4`` walks the four rows unit by unit (32 weights), decodes each unit once into
-vectors held in registers, and applies it to every token in ``toks``; so a batch reads
+``dot4`` walks the four rows sub-block by sub-block (32 weights), decodes each sub-block
+once into vectors held in registers, and applies it to every token in ``toks``; so a batch reads
 each weight byte once however many tokens use it. Four rows per pass load each
 activation vector once for four rows (register blocking, DESIGN "Performance notes").
 
 Per block, ``scales`` gives vectors vd, vm with (d, m) of every 16-weight half in lanes
-2k, 2k + 1 (k = unit). The m part of a dot is m * (sum of the 16 activations), so with
+2k, 2k + 1 (k = sub-block). The m part of a dot is m * (sum of the 16 activations), so with
 the activations' 16-column sums xs the whole block's m part is one vector product vm . xs.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _prefetch_next_group(w, ro0, ro1, ob, bb):
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
-def _unit(a, v0, v1, x0, x1, sc, i, same_d):
+def _sub_block_dot(a, v0, v1, x0, x1, sc, i, same_d):
     """a + d0 * (v0 . x0) + d1 * (v1 . x1) lane-wise, d0 = sc[i], d1 = sc[i + 1]."""
     if same_d:
         return vfma(vfma(v1, x1, v0 * x0), vsplat(sc[i]), a)
@@ -39,40 +39,40 @@ def _unit(a, v0, v1, x0, x1, sc, i, same_d):
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
-def _unit1(a, v0, v1, x0, x1, vd, same_d):
-    """As _unit for one-unit blocks, with d0, d1 in lanes 0, 1 of vd."""
+def _sub_block_dot_vd(a, v0, v1, x0, x1, vd, same_d):
+    """As _sub_block_dot for 32-weight blocks (one sub-block), with d0, d1 in lanes 0, 1 of vd."""
     if same_d:
         return vfma(vfma(v1, x1, v0 * x0), vsplat(vlane(vd, 0)), a)
     return vfma(v1 * x1, vsplat(vlane(vd, 1)), vfma(v0 * x0, vsplat(vlane(vd, 0)), a))
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
-def _unit4(tag, w, ro0, ro1, ro2, ro3, ob, k, xf, xo, sc, a0, a1, a2, a3, same_d):
-    """Unit k of block ob for the four rows, one token (activations at xf[xo:xo + 32],
+def _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, k, xf, xo, sc, a0, a1, a2, a3, same_d):
+    """Sub-block k of block ob for the four rows, one token (activations at xf[xo:xo + 32],
     d of row r's halves at sc[16 r + 2k], sc[16 r + 2k + 1])."""
     x0 = vload(xf, xo)
     x1 = vload(xf, xo + 16)
     v0, v1 = quants(tag, w, ro0 + ob, k)
-    a0 = _unit(a0, v0, v1, x0, x1, sc, 2 * k, same_d)
+    a0 = _sub_block_dot(a0, v0, v1, x0, x1, sc, 2 * k, same_d)
     v0, v1 = quants(tag, w, ro1 + ob, k)
-    a1 = _unit(a1, v0, v1, x0, x1, sc, 16 + 2 * k, same_d)
+    a1 = _sub_block_dot(a1, v0, v1, x0, x1, sc, 16 + 2 * k, same_d)
     v0, v1 = quants(tag, w, ro2 + ob, k)
-    a2 = _unit(a2, v0, v1, x0, x1, sc, 32 + 2 * k, same_d)
+    a2 = _sub_block_dot(a2, v0, v1, x0, x1, sc, 32 + 2 * k, same_d)
     v0, v1 = quants(tag, w, ro3 + ob, k)
-    a3 = _unit(a3, v0, v1, x0, x1, sc, 48 + 2 * k, same_d)
+    a3 = _sub_block_dot(a3, v0, v1, x0, x1, sc, 48 + 2 * k, same_d)
     return a0, a1, a2, a3
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
-def _one(tag, w, ro0, ro1, ro2, ro3, n_units, xf, xo, xs, sc):
+def _one(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xo, xs, sc):
     """Four row dots with one token whose activations start at xf[xo] and whose 16-column
     sums are xs; the accumulators stay in registers. sc: float32 scratch [>= 64]."""
-    bb, upb, same_d = layout(tag)
+    bb, n_sub, same_d = layout(tag)
     a0 = vzero()
     a1 = vzero()
     a2 = vzero()
     a3 = vzero()
-    c0 = vzero()        # m parts: vectors for multi-unit blocks, scalars z for one-unit
+    c0 = vzero()        # m parts: vectors for 256-weight blocks, scalars z for 32-weight ones
     c1 = vzero()
     c2 = vzero()
     c3 = vzero()
@@ -80,29 +80,29 @@ def _one(tag, w, ro0, ro1, ro2, ro3, n_units, xf, xo, xs, sc):
     z1 = f32(0)
     z2 = f32(0)
     z3 = f32(0)
-    for b in range(n_units // upb):
+    for b in range(n_sub_blocks // n_sub):
         ob = b * bb
         _prefetch_next_group(w, ro0, ro1, ob, bb)
         d0, m0 = scales(tag, w, ro0 + ob)
         d1, m1 = scales(tag, w, ro1 + ob)
         d2, m2 = scales(tag, w, ro2 + ob)
         d3, m3 = scales(tag, w, ro3 + ob)
-        if upb == 1:
+        if n_sub == 1:
             x0 = vload(xf, xo + 32 * b)
             x1 = vload(xf, xo + 32 * b + 16)
             s0 = xs[2 * b]
             s1 = xs[2 * b + 1]
             v0, v1 = quants(tag, w, ro0 + ob, 0)
-            a0 = _unit1(a0, v0, v1, x0, x1, d0, same_d)
+            a0 = _sub_block_dot_vd(a0, v0, v1, x0, x1, d0, same_d)
             z0 += vlane(m0, 0) * s0 + vlane(m0, 1) * s1
             v0, v1 = quants(tag, w, ro1 + ob, 0)
-            a1 = _unit1(a1, v0, v1, x0, x1, d1, same_d)
+            a1 = _sub_block_dot_vd(a1, v0, v1, x0, x1, d1, same_d)
             z1 += vlane(m1, 0) * s0 + vlane(m1, 1) * s1
             v0, v1 = quants(tag, w, ro2 + ob, 0)
-            a2 = _unit1(a2, v0, v1, x0, x1, d2, same_d)
+            a2 = _sub_block_dot_vd(a2, v0, v1, x0, x1, d2, same_d)
             z2 += vlane(m2, 0) * s0 + vlane(m2, 1) * s1
             v0, v1 = quants(tag, w, ro3 + ob, 0)
-            a3 = _unit1(a3, v0, v1, x0, x1, d3, same_d)
+            a3 = _sub_block_dot_vd(a3, v0, v1, x0, x1, d3, same_d)
             z3 += vlane(m3, 0) * s0 + vlane(m3, 1) * s1
         else:
             xsv = vload(xs, 16 * b)
@@ -114,31 +114,31 @@ def _one(tag, w, ro0, ro1, ro2, ro3, n_units, xf, xo, xs, sc):
             vstore(sc, 16, d1)
             vstore(sc, 32, d2)
             vstore(sc, 48, d3)
-            # All units of the block unrolled: K-quant bit positions depend on k, so the
-            # shifts become constants and bytes shared by neighbouring units load once.
-            xu = xo + 32 * b * upb
-            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 0, xf, xu, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 1, xf, xu + 32, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 2, xf, xu + 64, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 3, xf, xu + 96, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 4, xf, xu + 128, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 5, xf, xu + 160, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 6, xf, xu + 192, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _unit4(tag, w, ro0, ro1, ro2, ro3, ob, 7, xf, xu + 224, sc, a0, a1, a2, a3, same_d)
+            # All sub-blocks of the block unrolled: K-quant bit positions depend on k, so the
+            # shifts become constants and bytes shared by neighbouring sub-blocks load once.
+            xu = xo + 32 * b * n_sub
+            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 0, xf, xu, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 1, xf, xu + 32, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 2, xf, xu + 64, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 3, xf, xu + 96, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 4, xf, xu + 128, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 5, xf, xu + 160, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 6, xf, xu + 192, sc, a0, a1, a2, a3, same_d)
+            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 7, xf, xu + 224, sc, a0, a1, a2, a3, same_d)
     return (vsum(a0) + vsum(c0) + z0, vsum(a1) + vsum(c1) + z1,
             vsum(a2) + vsum(c2) + z2, vsum(a3) + vsum(c3) + z3)
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
-def _many(tag, w, ro0, ro1, ro2, ro3, n_units, xf, cols, xs16, toks, n_t, acc, cacc, res, sc):
-    """Several tokens: decode a unit of the four rows once, then apply it to each token;
+def _many(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, cols, bsums, toks, n_t, acc, cacc, res, sc):
+    """Several tokens: decode a sub-block of the four rows once, then apply it to each token;
     the per-token accumulators live in small scratch arrays (L1)."""
-    bb, upb, same_d = layout(tag)
+    bb, n_sub, same_d = layout(tag)
     for i in range(n_t * 64):
         acc[i] = 0
     for i in range(n_t * 4):
         cacc[i] = 0
-    for b in range(n_units // upb):
+    for b in range(n_sub_blocks // n_sub):
         ob = b * bb
         _prefetch_next_group(w, ro0, ro1, ob, bb)
         d0, m0 = scales(tag, w, ro0 + ob)
@@ -151,21 +151,21 @@ def _many(tag, w, ro0, ro1, ro2, ro3, n_units, xf, cols, xs16, toks, n_t, acc, c
         vstore(sc, 48, d3)
         for i in range(n_t):
             t = toks[i]
-            if upb == 1:
-                s0 = xs16[t, 2 * b]
-                s1 = xs16[t, 2 * b + 1]
+            if n_sub == 1:
+                s0 = bsums[t, 2 * b]
+                s1 = bsums[t, 2 * b + 1]
                 cacc[4 * i] += vlane(m0, 0) * s0 + vlane(m0, 1) * s1
                 cacc[4 * i + 1] += vlane(m1, 0) * s0 + vlane(m1, 1) * s1
                 cacc[4 * i + 2] += vlane(m2, 0) * s0 + vlane(m2, 1) * s1
                 cacc[4 * i + 3] += vlane(m3, 0) * s0 + vlane(m3, 1) * s1
             else:
-                xsv = vload(xs16[t], 16 * b)      # the block's 16 group sums
+                xsv = vload(bsums[t], 16 * b)      # the block's 16 group sums
                 cacc[4 * i] += vsum(m0 * xsv)
                 cacc[4 * i + 1] += vsum(m1 * xsv)
                 cacc[4 * i + 2] += vsum(m2 * xsv)
                 cacc[4 * i + 3] += vsum(m3 * xsv)
-        for k in range(upb):
-            u = b * upb + k
+        for k in range(n_sub):
+            u = b * n_sub + k
             e0, f0 = quants(tag, w, ro0 + ob, k)
             e1, f1 = quants(tag, w, ro1 + ob, k)
             e2, f2 = quants(tag, w, ro2 + ob, k)
@@ -175,37 +175,37 @@ def _many(tag, w, ro0, ro1, ro2, ro3, n_units, xf, cols, xs16, toks, n_t, acc, c
                 x0 = vload(xf, xo)
                 x1 = vload(xf, xo + 16)
                 j = i * 64
-                vstore(acc, j, _unit(vload(acc, j), e0, f0, x0, x1, sc, 2 * k, same_d))
-                vstore(acc, j + 16, _unit(vload(acc, j + 16), e1, f1, x0, x1, sc, 16 + 2 * k, same_d))
-                vstore(acc, j + 32, _unit(vload(acc, j + 32), e2, f2, x0, x1, sc, 32 + 2 * k, same_d))
-                vstore(acc, j + 48, _unit(vload(acc, j + 48), e3, f3, x0, x1, sc, 48 + 2 * k, same_d))
+                vstore(acc, j, _sub_block_dot(vload(acc, j), e0, f0, x0, x1, sc, 2 * k, same_d))
+                vstore(acc, j + 16, _sub_block_dot(vload(acc, j + 16), e1, f1, x0, x1, sc, 16 + 2 * k, same_d))
+                vstore(acc, j + 32, _sub_block_dot(vload(acc, j + 32), e2, f2, x0, x1, sc, 32 + 2 * k, same_d))
+                vstore(acc, j + 48, _sub_block_dot(vload(acc, j + 48), e3, f3, x0, x1, sc, 48 + 2 * k, same_d))
     for i in range(n_t):
         for r in range(4):
             res[i, r] = vsum(vload(acc, i * 64 + r * 16)) + cacc[4 * i + r]
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
-def dot4(tag, w, ro0, ro1, ro2, ro3, cols, X, xs16, toks, n_t, acc, cacc, res, sc):
+def dot4(tag, w, ro0, ro1, ro2, ro3, cols, X, bsums, toks, n_t, acc, cacc, res, sc):
     """res[i, r] = sum_c W[row r, c] * X[toks[i], c] for i < n_t, r < 4.
 
     w: raw weight bytes (any shape); ro0..ro3: byte offsets of the four rows in it.
-    X: float32 [N, cols]; xs16: float32 [N, >= cols // 16] sums of 16-column groups of X
+    X: float32 [N, cols]; bsums: float32 [N, >= cols // 16] sums of 16-column groups of X
     (the decoders' offsets m multiply them). Scratch: acc float32 >= n_t * 64,
     cacc float32 >= n_t * 4, sc float32 >= 64; output res float32 [>= n_t, 4].
     """
-    n_units = cols // 32
+    n_sub_blocks = cols // 32
     xf = X.reshape(-1)
     if n_t == 1:
         t = toks[0]
-        r0, r1, r2, r3 = _one(tag, w, ro0, ro1, ro2, ro3, n_units, xf, t * cols, xs16[t], sc)
+        r0, r1, r2, r3 = _one(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, t * cols, bsums[t], sc)
         res[0, 0] = r0
         res[0, 1] = r1
         res[0, 2] = r2
         res[0, 3] = r3
     else:
-        _many(tag, w, ro0, ro1, ro2, ro3, n_units, xf, cols, xs16, toks, n_t, acc, cacc, res, sc)
-    # Float types only: columns past the last full unit of 32.
-    for c in range(n_units * 32, cols):
+        _many(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, cols, bsums, toks, n_t, acc, cacc, res, sc)
+    # Float types only: columns past the last full sub-block of 32.
+    for c in range(n_sub_blocks * 32, cols):
         for i in range(n_t):
             xv = X[toks[i], c]
             res[i, 0] += elem(tag, w, ro0, c) * xv
@@ -225,7 +225,7 @@ def rows4_scratch():
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
-def rows4(tag, w, r0, X, xs16, Y, acc, cacc, res, toks, sc):
+def rows4(tag, w, r0, X, bsums, Y, acc, cacc, res, toks, sc):
     """Y[:, r0:r0 + 4] = X @ W[r0:r0 + 4]^T over all tokens of X, TOKEN_TILE at a time
     (w: uint8 [rows, row_bytes]; rows past the end repeat the last one, results dropped).
     Scratch as dot4's, for TOKEN_TILE tokens; toks int64 [TOKEN_TILE]."""
@@ -239,7 +239,7 @@ def rows4(tag, w, r0, X, xs16, Y, acc, cacc, res, toks, sc):
         for i in range(nt):
             toks[i] = t0 + i
         dot4(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
-             min(r0 + 3, last) * rs, cols, X, xs16, toks, nt, acc, cacc, res, sc)
+             min(r0 + 3, last) * rs, cols, X, bsums, toks, nt, acc, cacc, res, sc)
         for i in range(nt):
             for r in range(nr):
                 Y[t0 + i, r0 + r] = res[i, r]

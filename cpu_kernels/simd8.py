@@ -1,7 +1,7 @@
 """Helpers of the int8-activation path (llama.cpp's trick: quantize the activations to
 int8 per 32 and take weight codes times activations as integer dot products, ``pair8``):
 whether the compile target has a u8 x s8 dot instruction, and constant lane shuffles
-that spread per-unit scales over the dot's lanes (4 lanes per 16 weights).
+that spread per-sub-block scales over the dot's lanes (4 lanes per 16 weights).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def has_vnni() -> bool:
     return target_has("avx512vnni", "avx512vl") or target_has("avxvnni")
 
 
-def _spread1(idx):
+def _lane_shuffle(idx):
     """Make ``f(v)``: lane i <- lane idx[i] of v (a constant shuffle)."""
     mask = [int(i) for i in idx]
 
@@ -38,9 +38,13 @@ def _spread1(idx):
 
 
 # Scales for the lanes of pair8.pdot: 4 lanes per 16 weights, halves (A0, A1, B0, B1).
-# Units 2j, 2j + 1 of a K-block: d of their halves are lanes 4j .. 4j + 3 of vd.
-spread_k0, spread_k1, spread_k2, spread_k3 = (_spread1([4 * j + i // 4 for i in range(16)]) for j in range(4))
-# Activation scales of units 0, 1 (lanes 0, 1 of a loaded dx vector), 8 lanes each.
-spread_dx0 = _spread1([i // 8 for i in range(16)])
-# The same 8 unit scales, one per half-unit (lane g: unit g // 2), as the K decoders' vd.
-spread_dxh = _spread1([g // 2 for g in range(16)])
+# scales_of_sub_blocks_01(vd) .. _67(vd): sub-blocks 2j, 2j + 1 of a K-quant super-block,
+# whose halves' d are lanes 4j .. 4j + 3 of the ``scales`` decoder's vd, each spread over 4 lanes.
+(scales_of_sub_blocks_01, scales_of_sub_blocks_23, scales_of_sub_blocks_45,
+ scales_of_sub_blocks_67) = (_lane_shuffle([4 * j + i // 4 for i in range(16)]) for j in range(4))
+# Activation scales (dx) of two consecutive sub-blocks (lanes 0, 1 of a loaded dx vector),
+# 8 lanes each.
+act_scales_of_sub_blocks_01 = _lane_shuffle([i // 8 for i in range(16)])
+# The 8 activation scales of a super-block, one per half sub-block (lane g: sub-block g // 2),
+# laid out as the K decoders' vd.
+act_scales_per_half = _lane_shuffle([g // 2 for g in range(16)])

@@ -154,8 +154,9 @@ class RoutedHandoff:
     layer's stream after the three device→host copies is waited on before the kernel reads
     them, and the caller's host→device copy of ``out`` is queued on that same stream, so the
     next ``load`` (which waits on the stream again) cannot overwrite ``out`` before it has
-    been read. THIS CUDA PATH HAS NOT RUN ON A GPU (no GPU where it was written); on the CPU
-    device (``--virtual-gpus``, a CPU block) the copies are plain memcpy and it is tested."""
+    been read. Whether this CUDA path has run on a GPU: docs/gpu.md, "What has not run on a
+    GPU yet". On the CPU device (``--virtual-gpus``, a CPU block) the copies are plain memcpy
+    and it is tested."""
 
     def __init__(self, experts: CpuExperts, device: torch.device, k: int, owned: np.ndarray | None,
                  max_tokens: int):

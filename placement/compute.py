@@ -91,7 +91,7 @@ NUMPY_GROUP_SCRATCH_OF: dict[Q, float] = {
 
 def int8_activation_bytes(n: int, cols: int) -> int:
     """cpu_kernels.matmul.quantized_activations of ``n`` rows of ``cols`` values: int8
-    codes xq (cols + XQ_PAD), per 32 a float32 scale dx (+ DX_PAD), per 16 the sum xs16,
+    codes xq (cols + XQ_PAD), per 32 a float32 scale dx (+ DX_PAD), per 16 the sum bsums,
     per 4 the sum xs4 and its scale dx8 (+ S4_PAD each): about 3.4·cols + 256 bytes a row."""
     return n * (cols + XQ_PAD + F32 * (cols // 32 + DX_PAD + cols // 16 + 2 * (cols // 4 + S4_PAD)))
 
@@ -99,7 +99,7 @@ def int8_activation_bytes(n: int, cols: int) -> int:
 def cpu_input_bytes(n: int, cols: int, int8: bool) -> int:
     """What a CPU kernel (``cpu_kernels.matmul`` / ``moe_ffn``) derives from ``n`` rows of
     its input before multiplying: int8 activations, or the float path's 16-value sums
-    (cpu_kernels.layout.sums16)."""
+    (cpu_kernels.layout.bsums_of)."""
     return int8_activation_bytes(n, cols) if int8 else n * (cols // 16) * F32
 
 
@@ -166,7 +166,7 @@ def projection(t: TensorInfo, dev: str, home: str, n: int, kinds: Devices, *,
     """Peak bytes per device while ``n`` tokens go through the matrix ``t`` on ``dev``,
     called from ``home``, *including* its float32 result on ``home``.
 
-    CPU (offload.cpu_ops.RawLinear → cpu_kernels.matmul): sums16 of the input (n·cols/16)
+    CPU (offload.cpu_ops.RawLinear → cpu_kernels.matmul): bsums of the input (n·cols/16)
     or its int8 activations (``cpu_input_bytes``), the result Y (n·rows), and a host copy of
     the input when home is elsewhere.
     GPU (gpu.linear.Linear → QuantTensor.linear): the input moved to ``dev`` and cast to c;
@@ -463,7 +463,7 @@ class ForwardModel:
         devs = {device_of(t) for t in b.experts}
         if devs == {CPU}:
             # cpu_kernels.moe_ffn in the worker thread: Y (T, E), H (A, n_ff), out (A, E),
-            # what the kernels derive from X (T rows) and H (A rows): sums16, or int8
+            # what the kernels derive from X (T rows) and H (A rows): bsums, or int8
             # activations (a prompt batch, or a decode batch of DECODE_INT8_TYPES); the routing index arrays;
             # the main thread made host copies of x/ids/weights first when home is a GPU
             int8_in = self.kinds.int8(T, [t.ggml_type for t in b.experts if "down" not in t.name], routed=True)

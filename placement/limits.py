@@ -20,15 +20,7 @@ INT8_FROM = DECODE_TOKENS + 1
 
 # Weight types whose batch-1 int8 path (activations quantized per 32, VNNI dot products) is
 # measurably faster than their float path: "auto" decode activations use int8 for these only.
-# Measured: python -m bench.cpu_kernels --types ... --moe-types "" --no-compile --mb 512 (256 for
-# the second set), --threads 1 and 2, 2026-12-01 on the shared 2-core box (load 1-3); int8 GB/s
-# over float GB/s of the same run, per run (1t, 2t, 1t, 2t | second set: 2t, 1t):
-#   Q4_K 1.63 1.67 2.93 1.50 | Q5_K 2.03 1.65 2.13 1.06 | Q6_K 1.08 1.34 1.14 1.60, 1.19 1.58 |
-#   MXFP4 1.15 1.27 1.70 1.42 | IQ4_XS 1.10 1.16 2.26 1.16 | Q2_K 1.93 1.68 | Q3_K 1.43 2.00 |
-#   Q4_1 1.11 1.15 | IQ4_NL 1.25 1.09 | IQ1_S 1.30 1.26 | IQ2_XXS 1.13 1.17
-# Rule: faster (> 1.05) in every run. Not taken: Q8_0 0.98 0.86 0.79 0.91 (its float path
-# reads at the ceiling), Q4_0 1.10 1.00 1.18 1.00 1.11 0.99, Q5_0 1.04 2.03, IQ3_S 1.51 0.98;
-# not measured (float): Q5_1, IQ2_XS, IQ2_S, IQ3_XXS, IQ1_M; no int8 decoder: F32/F16/BF16.
+# The measured ratios and the rule: docs/cpu-kernels.md, "Decode and verify batches".
 DECODE_INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_1, Q.MXFP4, Q.IQ4_NL,
                                Q.IQ4_XS, Q.IQ1_S, Q.IQ2_XXS})
 # Weight types with no int8 decoder in cpu_kernels: their activations stay float.

@@ -209,13 +209,13 @@ def test_row_group_routines_take_no_references(qt):
     calls never touch reference counts: NRT's are atomic (lock-prefixed, a full memory
     fence), and one per array argument per call drained the loads in flight on every row
     group (batch-1 mat-vecs ran at 0.4-0.7x the speed without them)."""
-    from cpu_kernels.layout import sums16
+    from cpu_kernels.layout import bsums_of
     from cpu_kernels.rowdot import rows4, rows4_scratch
     rng = seed(8, qt)
     w = weight_bytes(random_blocks(qt, (8, 256), rng), get_kernel(qt), 2, "w")
     x = rng.standard_normal((1, 256)).astype(np.float32)
     y = np.zeros((1, 8), np.float32)
-    rows4(get_kernel(qt).tag, w, 4, x, sums16(x), y, *rows4_scratch())
+    rows4(get_kernel(qt).tag, w, 4, x, bsums_of(x), y, *rows4_scratch())
     check_close(y[:, 4:], x, dequant(w[4:], qt))           # it ran, and right
     sig = [s for s in rows4.signatures if s[0] == typeof(get_kernel(qt).tag)][0]
     ir = rows4.inspect_llvm(sig)
@@ -397,8 +397,8 @@ def _float_path(x, w, qt):
 
 
 INT8_MOE_CASES = [  # gate/up type, down type, fused gate_up, n_ff
-    (T.Q4_K, T.Q6_K, False, 512),     # 256-weight blocks: unit pairs (simd8.idot2)
-    (T.Q4_0, T.Q8_0, False, 480),     # pair engine; n_ff = 15 blocks: down's last block alone
+    (T.Q4_K, T.Q6_K, False, 512),     # 256-weight blocks: sub-block pairs (rowdot8)
+    (T.Q4_0, T.Q8_0, False, 480),     # block pairs; n_ff = 15 blocks: down's last block alone
     (T.MXFP4, T.Q5_1, True, 480),     # value table and e8m0 scales; mins and 5th bits
     (T.IQ1_S, T.IQ2_XXS, False, 512),  # lattice types: grid bytes + 128 as codes
     (T.IQ3_S, T.IQ1_M, True, 512),

@@ -44,7 +44,7 @@ def _experts(rng, gt, dt, fused, E=16, n_embd=256, n_ff=64):
 
 
 def _bound(ew, m, k, int8=False):
-    """routed_ffn_host's arguments over buffers for m tokens: (X, xs16, ids, wts, owned=None,
+    """routed_ffn_host's arguments over buffers for m tokens: (X, bsums, ids, wts, owned=None,
     tags and views, scratch, int8 scratch qx, qh (``int8``: as moe_ffn's), Y)."""
     (gk, gb, g0, _), (uk, ub, u0, _) = ew._parts
     dk, db = ew._down

@@ -103,11 +103,11 @@ def test_cpu_projection_counts_int8_activations_of_prompt_batches_only():
     f16 = TensorInfo("blk.0.attn_q.weight", (4096, 2048), GGMLQuantizationType.F16, 4096 * 4096, 0, Role.ATTENTION)
     kinds, flt = Devices("auto", ()), Devices("auto", (), int8_from=None)
     x8 = 2048 + 64 + 4 * (64 + 16 + 128 + 2 * (512 + 16))          # one row's int8 activations
-    sums16, y = 2048 // 16 * 4, 4096 * 4                           # one row's sums / result
+    bsums, y = 2048 // 16 * 4, 4096 * 4                            # one row's sums / result
     assert projection(q8, CPU, CPU, 17, kinds) == {CPU: 17 * (x8 + y)}
-    assert projection(q8, CPU, CPU, 16, kinds) == {CPU: 16 * (sums16 + y)}
-    assert projection(f16, CPU, CPU, 512, kinds) == {CPU: 512 * (sums16 + y)}
-    assert projection(q8, CPU, CPU, 512, flt) == {CPU: 512 * (sums16 + y)}
+    assert projection(q8, CPU, CPU, 16, kinds) == {CPU: 16 * (bsums + y)}
+    assert projection(f16, CPU, CPU, 512, kinds) == {CPU: 512 * (bsums + y)}
+    assert projection(q8, CPU, CPU, 512, flt) == {CPU: 512 * (bsums + y)}
     # called from a GPU home: the host copy of the input too, the result moved home
     assert projection(q8, CPU, "CUDA0", 512, kinds) == {CPU: 512 * (x8 + 2048 * 4 + y), "CUDA0": 512 * y}
 
