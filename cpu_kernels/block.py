@@ -17,7 +17,7 @@ regions on Numba's thread pool:
 Brackets are parallel regions (``matmuls_sharing_x``: row groups of up to three matrices that
 read the same activations, as one work list; the routed phases are ``moe``'s). Everything between
 them is a few hundred scalar operations per token. The math is the reference path's
-(``offload.models.common.Block`` over ``gpu.*``); only the float rounding order differs.
+(an architecture's ``DecoderBlock`` over ``gpu.*``); only the float rounding order differs.
 
 ``blocks_run`` steps a run of such blocks (the same argument types) in one call.
 
