@@ -47,7 +47,7 @@ CASES = {
                                     mla=False, yarn_factor=4.0, yarn_orig_ctx=4, seed=24),
     # gpt-oss: a 4-token window so the 12-token prompt crosses it in the even blocks; YaRN
     # with a 4-token original context (the ramp covers the head); sinks, biases and the ±7
-    # clamps of swiglu_oai all active (tests.tiny_models.write_gpt_oss_block)
+    # clamps of swiglu_oai all active (tests.tiny_models.gpt_oss_block)
     "gpt-oss-F32-yarn": TinySpec(arch="gpt-oss", expert_type=Q.F32, n_head=4, n_head_kv=2, window=4,
                                  yarn_factor=4.0, yarn_orig_ctx=4, seed=30),
     "gpt-oss-MXFP4-yarn": TinySpec(arch="gpt-oss", expert_type=Q.MXFP4, window=4, yarn_factor=32.0,
