@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 
 import offload.runtime as rt
 from tests.hf_reference import hf_causal_lm, hf_mtp_layer
-from tests.tiny_models import TinySpec, write_tiny_model
+from tests.tiny_models import ARCHS, TinySpec, write_tiny_model
 
 # Same weights on both sides, so the only differences are float32 (ours) vs float64 (HF)
 # rounding and summation order: observed ~1e-6 of the logit scale. A real mistake (rotary
@@ -74,6 +74,12 @@ def test_logits_match_transformers(case, tmp_path):
     assert ours.shape == ref.shape
     assert rel_err(ours, ref) < REL_TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.99
+
+
+def test_every_architecture_has_a_case():
+    """Every architecture the tiny writer knows is held to transformers here (the other
+    generic checks over every architecture are tests/test_every_arch.py)."""
+    assert {spec.arch for spec in CASES.values()} == set(ARCHS)
 
 
 NEXTN_CASES = {
