@@ -92,25 +92,6 @@ def test_bad_mla_metadata_is_refused(tmp_path):
         rt.load(bad, quiet=True)
 
 
-def test_kv_per_device_is_the_plan_with_virtual_gpus(tmp_path, capsys):
-    """Blocks spread over two virtual GPUs and the CPU, the NextN head drafting in-model:
-    after a full context the KV bytes each device holds are the plan's, device by device."""
-    tiny = write_tiny_model(tmp_path / "ds.gguf", TinySpec(arch="deepseek2", n_layer=4, seed=42))
-    ctx = 300
-    with rt.load(tiny.path, devices="CUDA0=8GiB,CUDA1=8GiB,CPU=16GiB", tensor_split="1,1", n_gpu_layers=4,
-                 virtual_gpus=True, cache_type="f16", ctx=ctx, quiet=True) as s, torch.inference_mode():
-        ids = torch.arange(1, ctx + 1)
-        state = s.model.new_state()
-        _, hidden = s.model.forward(ids, state, logits="none")
-        s.model.nextn(ids[1:], hidden[:-1], ids[1:].clone(), state.nextn_cache, logits="none")
-        allocated = s.memory(state)["kv"]
-        planned = {t.name: t.kv_bytes for t in s.plan.totals if t.kv_bytes}
-    with capsys.disabled():
-        for dev in sorted(planned):
-            print(f"\n  {dev}: KV planned {planned[dev]:,} B, allocated {allocated.get(dev, 0):,} B", end="")
-    assert len(planned) == 3 and allocated == planned
-
-
 def test_run_bench_tune_end_to_end(tmp_path, capsys):
     """A small deepseek2 with its MTP block (the echo head, so drafts are accepted) through
     ``offload run --spec-n-max 2``, ``offload bench`` and ``offload tune`` on a plan with a

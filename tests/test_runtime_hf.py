@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 
 import offload.runtime as rt
 from tests.hf_reference import hf_causal_lm, hf_mtp_layer
-from tests.tiny_models import TinySpec, write_tiny_model
+from tests.tiny_models import ARCHS, TinySpec, write_tiny_model
 
 # Same weights on both sides, so the only differences are float32 (ours) vs float64 (HF)
 # rounding and summation order: observed ~1e-6 of the logit scale. A real mistake (rotary
@@ -47,7 +47,7 @@ CASES = {
                                     mla=False, yarn_factor=4.0, yarn_orig_ctx=4, seed=24),
     # gpt-oss: a 4-token window so the 12-token prompt crosses it in the even blocks; YaRN
     # with a 4-token original context (the ramp covers the head); sinks, biases and the ±7
-    # clamps of swiglu_oai all active (tests.tiny_models.write_gpt_oss_block)
+    # clamps of swiglu_oai all active (tests.tiny_models.gpt_oss_block)
     "gpt-oss-F32-yarn": TinySpec(arch="gpt-oss", expert_type=Q.F32, n_head=4, n_head_kv=2, window=4,
                                  yarn_factor=4.0, yarn_orig_ctx=4, seed=30),
     "gpt-oss-MXFP4-yarn": TinySpec(arch="gpt-oss", expert_type=Q.MXFP4, window=4, yarn_factor=32.0,
@@ -74,6 +74,12 @@ def test_logits_match_transformers(case, tmp_path):
     assert ours.shape == ref.shape
     assert rel_err(ours, ref) < REL_TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.99
+
+
+def test_every_architecture_has_a_case():
+    """Every architecture the tiny writer knows is held to transformers here (the other
+    generic checks over every architecture are tests/test_every_arch.py)."""
+    assert {spec.arch for spec in CASES.values()} == set(ARCHS)
 
 
 NEXTN_CASES = {

@@ -1,5 +1,7 @@
-"""Tiny random glm4moe / qwen3moe / deepseek2 / gpt-oss GGUFs written with ``gguf.GGUFWriter``, exactly as
-llama.cpp names and lays them out, with routed experts in a chosen quant type.
+"""Tiny random GGUFs of every architecture in ``ARCHS`` (glm4moe, qwen3moe, deepseek2, gpt-oss)
+written with ``gguf.GGUFWriter``, exactly as llama.cpp names and lays them out, with routed
+experts in a chosen quant type. An architecture is one ``TinyArch`` entry: its metadata keys
+and its per-block tensor list (name, shape from the spec, quant role, std).
 
 ``write_tiny_model`` returns the file path and the dequantized float32 weights by GGUF
 name (``gguf.quants.dequantize`` of what was written), which the reference models load.
@@ -8,7 +10,8 @@ whatever they dequantize to *is* the weight.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -183,127 +186,93 @@ class TinyModel:
     weights: dict[str, np.ndarray] = field(repr=False)   # dequantized float32, numpy order
 
 
-def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weights: bool = True) -> TinyModel:
-    """``keep_weights=False``: skip the float copies (``weights`` stays empty) and the
-    dequantization that makes them, the slow part of writing a wide benchmark model."""
-    path = Path(path)
-    rng = np.random.default_rng(spec.seed)
-    glm, ds, oss = spec.arch == "glm4moe", spec.arch == "deepseek2", spec.arch == "gpt-oss"
-    lead = glm or ds              # leading dense blocks, shared experts, NextN
-    arch = spec.arch
-    w = GGUFWriter(str(path), arch)
-    n_blocks = spec.n_layer + (1 if lead and spec.nextn else 0)
-    w.add_block_count(n_blocks)
-    w.add_context_length(4096)
-    w.add_embedding_length(spec.n_embd)
-    w.add_feed_forward_length(spec.n_ff)
-    w.add_head_count(spec.n_head)
-    if ds:
-        write_mla_metadata(w, spec)
-    else:
-        w.add_head_count_kv(spec.n_head_kv)
-        w.add_key_length(spec.head_dim)
-        w.add_value_length(spec.head_dim)
-        if not oss:           # gpt-oss files carry no rope dimension count (the whole head)
-            w.add_rope_dimension_count(spec.n_rot if glm else spec.head_dim)
-    if oss:
-        write_gpt_oss_metadata(w, spec)
+# --- the architectures: each one's metadata keys and per-block tensor list, in file order ---
+
+# which of the spec's types a tensor takes, by its quant role
+_ROLE_TYPE = {"dense": "dense_type", "experts": "expert_type", "embd": "embd_type"}
+
+
+@dataclass(frozen=True)
+class TinyTensor:
+    """One tensor to write: GGUF name (within a block: after ``blk.N.``), numpy shape, quant
+    role (``dense``, ``experts``, ``embd``: the spec's type for it; ``f32``), the std of its
+    random values (``mean`` added after), or a fixed ``value`` written as is (no draw)."""
+    name: str
+    shape: tuple[int, ...]
+    role: str
+    std: float
+    mean: float = 0.0
+    value: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    def qtype(self, spec: TinySpec) -> Q:
+        return Q.F32 if self.role == "f32" else getattr(spec, _ROLE_TYPE[self.role])
+
+
+def lin(name: str, out: int, inp: int) -> TinyTensor:
+    """A matrix (out, inp) in the spec's dense type, std 1/√inp."""
+    return TinyTensor(f"{name}.weight", (out, inp), "dense", inp ** -0.5)
+
+
+def norm(name: str, n: int) -> TinyTensor:
+    """An RMSNorm weight near 1."""
+    return TinyTensor(f"{name}.weight", (n,), "f32", 0.1, mean=1.0)
+
+
+def f32(name: str, shape: tuple[int, ...], std: float) -> TinyTensor:
+    return TinyTensor(name, shape, "f32", std)
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    """What one architecture writes beyond the common keys and tensors (``token_embd``, the
+    blocks, ``output_norm``, ``output`` unless tied): ``metadata(w, spec)`` writes its keys after
+    ``head_count`` and before the vocabulary; ``block(spec, i)`` lists block i's tensors;
+    ``nextn``: ``spec.nextn`` adds block ``n_layer``, the NextN (MTP) head."""
+    metadata: Callable[[GGUFWriter, TinySpec], None]
+    block: Callable[[TinySpec, int], list[TinyTensor]]
+    nextn: bool = False
+
+
+def _gqa_keys(w: GGUFWriter, spec: TinySpec, n_rot: int | None) -> None:
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    if n_rot is not None:
+        w.add_rope_dimension_count(n_rot)
+
+
+def _rope_norm_expert_keys(w: GGUFWriter, spec: TinySpec) -> None:
     w.add_rope_freq_base(spec.rope_base)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_expert_count(spec.n_expert)
     w.add_expert_used_count(spec.n_expert_used)
     w.add_expert_feed_forward_length(spec.n_ff_exp)
-    if not oss:
-        w.add_expert_weights_norm(spec.weights_norm)
-    if lead:
-        w.add_leading_dense_block_count(spec.n_dense)
-        w.add_expert_shared_count(spec.n_shared)
-        w.add_expert_weights_scale(spec.weights_scale)
-        w.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX if spec.gating == "softmax"
-                                 else ExpertGatingFuncType.SIGMOID)
-        w.add_nextn_predict_layers(1 if spec.nextn else 0)
-    add_tiny_vocab(w, spec.extra_merges, spec.tokenizer_pre)
-
-    weights = {}
-
-    def put(name, shape, qtype, std, mean=0.0):
-        as_f32 = spec.experts_as_f32 and name.endswith("_exps.weight")
-        data, raw_dtype, deq = random_tensor(rng, shape, qtype, std, dequantized=keep_weights or as_f32)
-        if as_f32:
-            data, raw_dtype = deq, None
-        if mean:
-            data = data + np.float32(mean)
-            deq = data
-        w.add_tensor(name, data, raw_dtype=raw_dtype)
-        if keep_weights:
-            weights[name] = deq
-
-    d, hd = spec.n_embd, spec.head_dim
-    lin = lambda name, out, inp, qt=spec.dense_type: put(name, (out, inp), qt, inp ** -0.5)  # noqa: E731
-    norm = lambda name, n: put(name, (n,), Q.F32, 0.1, mean=1.0)  # noqa: E731
-
-    put("token_embd.weight", (spec.n_vocab, d), spec.embd_type, spec.embd_std)
-    for i in range(n_blocks):
-        p = f"blk.{i}"
-        norm(f"{p}.attn_norm.weight", d)
-        if ds:
-            write_mla_block(spec, p, put, lin, norm)
-        elif oss:
-            write_gpt_oss_block(spec, p, put, lin, norm)
-            continue
-        else:
-            lin(f"{p}.attn_q.weight", spec.n_head * hd, d)
-            lin(f"{p}.attn_k.weight", spec.n_head_kv * hd, d)
-            lin(f"{p}.attn_v.weight", spec.n_head_kv * hd, d)
-        if glm:
-            put(f"{p}.attn_q.bias", (spec.n_head * hd,), Q.F32, 0.1)
-            put(f"{p}.attn_k.bias", (spec.n_head_kv * hd,), Q.F32, 0.1)
-            put(f"{p}.attn_v.bias", (spec.n_head_kv * hd,), Q.F32, 0.1)
-        if not (glm or ds) or glm and spec.qk_norm:
-            norm(f"{p}.attn_q_norm.weight", hd)
-            norm(f"{p}.attn_k_norm.weight", hd)
-        if not ds:
-            lin(f"{p}.attn_output.weight", d, spec.n_head * hd)
-        norm(f"{p}.{'post_attention_norm' if glm else 'ffn_norm'}.weight", d)
-        if lead and i < spec.n_dense:
-            lin(f"{p}.ffn_gate.weight", spec.n_ff, d)
-            lin(f"{p}.ffn_up.weight", spec.n_ff, d)
-            lin(f"{p}.ffn_down.weight", d, spec.n_ff)
-            continue
-        put(f"{p}.ffn_gate_inp.weight", (spec.n_expert, d), Q.F32, d ** -0.5)
-        if lead and spec.gating == "sigmoid":
-            put(f"{p}.exp_probs_b.bias", (spec.n_expert,), Q.F32, 0.1)
-        e, f = spec.n_expert, spec.n_ff_exp
-        put(f"{p}.ffn_gate_exps.weight", (e, f, d), spec.expert_type, d ** -0.5)
-        put(f"{p}.ffn_up_exps.weight", (e, f, d), spec.expert_type, d ** -0.5)
-        put(f"{p}.ffn_down_exps.weight", (e, d, f), spec.expert_type, f ** -0.5)
-        if lead:
-            fs = spec.n_ff_exp * spec.n_shared
-            lin(f"{p}.ffn_gate_shexp.weight", fs, d)
-            lin(f"{p}.ffn_up_shexp.weight", fs, d)
-            lin(f"{p}.ffn_down_shexp.weight", d, fs)
-        if lead and i == spec.n_layer:   # the NextN block's glue (embedding/head shared)
-            if spec.nextn_echo:
-                eh = np.concatenate((spec.nextn_echo * np.eye(d), np.zeros((d, d))), 1).astype(np.float32)
-                w.add_tensor(f"{p}.nextn.eh_proj.weight", eh)
-                weights[f"{p}.nextn.eh_proj.weight"] = eh
-            else:
-                lin(f"{p}.nextn.eh_proj.weight", d, 2 * d)
-            norm(f"{p}.nextn.enorm.weight", d)
-            norm(f"{p}.nextn.hnorm.weight", d)
-            norm(f"{p}.nextn.shared_head_norm.weight", d)
-    norm("output_norm.weight", d)
-    if not spec.tied_output:
-        lin("output.weight", spec.n_vocab, d)
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return TinyModel(path, spec, weights)
 
 
-def write_mla_metadata(w: GGUFWriter, spec: TinySpec) -> None:
+def _leading_dense_keys(w: GGUFWriter, spec: TinySpec) -> None:
+    """glm4moe's and deepseek2's: leading dense blocks, shared experts, gating, NextN."""
+    w.add_leading_dense_block_count(spec.n_dense)
+    w.add_expert_shared_count(spec.n_shared)
+    w.add_expert_weights_scale(spec.weights_scale)
+    w.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX if spec.gating == "softmax"
+                             else ExpertGatingFuncType.SIGMOID)
+    w.add_nextn_predict_layers(1 if spec.nextn else 0)
+
+
+def glm4moe_metadata(w: GGUFWriter, spec: TinySpec) -> None:
+    _gqa_keys(w, spec, spec.n_rot)
+    _rope_norm_expert_keys(w, spec)
+    w.add_expert_weights_norm(spec.weights_norm)
+    _leading_dense_keys(w, spec)
+
+
+def qwen3moe_metadata(w: GGUFWriter, spec: TinySpec) -> None:
+    _gqa_keys(w, spec, spec.head_dim)
+    _rope_norm_expert_keys(w, spec)
+    w.add_expert_weights_norm(spec.weights_norm)
+
+
+def deepseek2_metadata(w: GGUFWriter, spec: TinySpec) -> None:
     """deepseek2's attention keys as llama.cpp's converter writes them: with the MLA layout
     the cache row is the latent (key_length = kv_lora + rope, value_length = kv_lora, one KV
     head) and the real head widths go to key/value_length_mla."""
@@ -332,57 +301,182 @@ def write_mla_metadata(w: GGUFWriter, spec: TinySpec) -> None:
         w.add_rope_scaling_yarn_log_mul(spec.yarn_log_mul)
         if spec.yarn_beta_fast != 32.0:
             w.add_rope_scaling_yarn_beta_fast(spec.yarn_beta_fast)
+    _rope_norm_expert_keys(w, spec)
+    w.add_expert_weights_norm(spec.weights_norm)
+    _leading_dense_keys(w, spec)
 
 
-def write_mla_block(spec: TinySpec, p: str, put, lin, norm) -> None:
-    """One block's MLA tensors in llama.cpp's layout: ``attn_k_b`` is kv_b_proj's k half per
-    head transposed to (H, kv_lora, nope), ``attn_v_b`` its v half (H, v, kv_lora)."""
-    d, h, r = spec.n_embd, spec.n_head, spec.kv_lora_rank
-    head_k = spec.qk_nope + spec.n_rot
-    if spec.q_lora_rank:
-        lin(f"{p}.attn_q_a.weight", spec.q_lora_rank, d)
-        norm(f"{p}.attn_q_a_norm.weight", spec.q_lora_rank)
-        lin(f"{p}.attn_q_b.weight", h * head_k, spec.q_lora_rank)
-    else:
-        lin(f"{p}.attn_q.weight", h * head_k, d)
-    lin(f"{p}.attn_kv_a_mqa.weight", r + spec.n_rot, d)
-    norm(f"{p}.attn_kv_a_norm.weight", r)
-    if spec.mla:
-        put(f"{p}.attn_k_b.weight", (h, r, spec.qk_nope), spec.dense_type, r ** -0.5)
-        put(f"{p}.attn_v_b.weight", (h, spec.v_head_dim, r), spec.dense_type, r ** -0.5)
-    else:
-        lin(f"{p}.attn_kv_b.weight", h * (spec.qk_nope + spec.v_head_dim), r)
-    lin(f"{p}.attn_output.weight", d, h * spec.v_head_dim)
-
-
-def write_gpt_oss_metadata(w: GGUFWriter, spec: TinySpec) -> None:
-    """gpt-oss's keys beyond the common ones: the sliding window (the even blocks use it,
-    llama.cpp's fixed pattern) and YaRN."""
+def gpt_oss_metadata(w: GGUFWriter, spec: TinySpec) -> None:
+    """No rope dimension count (the whole head) and no expert weights norm; the sliding window
+    (the even blocks use it, llama.cpp's fixed pattern) and YaRN."""
+    _gqa_keys(w, spec, None)
     w.add_sliding_window(spec.window)
     if spec.yarn_factor > 1:
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(spec.yarn_factor)
         w.add_rope_scaling_orig_ctx_len(spec.yarn_orig_ctx)
+    _rope_norm_expert_keys(w, spec)
 
 
-def write_gpt_oss_block(spec: TinySpec, p: str, put, lin, norm) -> None:
-    """One gpt-oss block in llama.cpp's layout (attn_norm written by the caller): biased
-    q/k/v/o, ``attn_sinks``, ``post_attention_norm``, a biased router and separate biased
-    gate/up/down experts. Biases and sinks are large enough to matter (std 0.5–1)."""
+def _gqa_attention(spec: TinySpec, *, bias: bool, qk_norm: bool) -> list[TinyTensor]:
+    d, hd = spec.n_embd, spec.head_dim
+    q, kv = spec.n_head * hd, spec.n_head_kv * hd
+    out = [lin("attn_q", q, d), lin("attn_k", kv, d), lin("attn_v", kv, d)]
+    if bias:
+        out += [f32("attn_q.bias", (q,), 0.1), f32("attn_k.bias", (kv,), 0.1), f32("attn_v.bias", (kv,), 0.1)]
+    if qk_norm:
+        out += [norm("attn_q_norm", hd), norm("attn_k_norm", hd)]
+    return out + [lin("attn_output", d, q)]
+
+
+def _mla_attention(spec: TinySpec) -> list[TinyTensor]:
+    """MLA in llama.cpp's layout: ``attn_k_b`` is kv_b_proj's k half per head transposed to
+    (H, kv_lora, nope), ``attn_v_b`` its v half (H, v, kv_lora); or the older ``attn_kv_b``."""
+    d, h, r = spec.n_embd, spec.n_head, spec.kv_lora_rank
+    head_k = spec.qk_nope + spec.n_rot
+    if spec.q_lora_rank:
+        out = [lin("attn_q_a", spec.q_lora_rank, d), norm("attn_q_a_norm", spec.q_lora_rank),
+               lin("attn_q_b", h * head_k, spec.q_lora_rank)]
+    else:
+        out = [lin("attn_q", h * head_k, d)]
+    out += [lin("attn_kv_a_mqa", r + spec.n_rot, d), norm("attn_kv_a_norm", r)]
+    if spec.mla:
+        out += [TinyTensor("attn_k_b.weight", (h, r, spec.qk_nope), "dense", r ** -0.5),
+                TinyTensor("attn_v_b.weight", (h, spec.v_head_dim, r), "dense", r ** -0.5)]
+    else:
+        out.append(lin("attn_kv_b", h * (spec.qk_nope + spec.v_head_dim), r))
+    return out + [lin("attn_output", d, h * spec.v_head_dim)]
+
+
+def _router(spec: TinySpec) -> TinyTensor:
+    return f32("ffn_gate_inp.weight", (spec.n_expert, spec.n_embd), spec.n_embd ** -0.5)
+
+
+def _experts(spec: TinySpec, gate_up_std: float) -> list[TinyTensor]:
+    e, f, d = spec.n_expert, spec.n_ff_exp, spec.n_embd
+    return [TinyTensor("ffn_gate_exps.weight", (e, f, d), "experts", gate_up_std),
+            TinyTensor("ffn_up_exps.weight", (e, f, d), "experts", gate_up_std),
+            TinyTensor("ffn_down_exps.weight", (e, d, f), "experts", f ** -0.5)]
+
+
+def _leading_dense_ffn(spec: TinySpec, i: int) -> list[TinyTensor]:
+    """glm4moe's and deepseek2's FFN: ``n_dense`` leading dense blocks, then the router
+    (``exp_probs_b`` with sigmoid gating), routed and shared experts; block ``n_layer`` (the
+    NextN block, where written) adds its glue (embedding and head are the trunk's)."""
+    d = spec.n_embd
+    if i < spec.n_dense:
+        return [lin("ffn_gate", spec.n_ff, d), lin("ffn_up", spec.n_ff, d), lin("ffn_down", d, spec.n_ff)]
+    out = [_router(spec)]
+    if spec.gating == "sigmoid":
+        out.append(f32("exp_probs_b.bias", (spec.n_expert,), 0.1))
+    fs = spec.n_ff_exp * spec.n_shared
+    out += [*_experts(spec, d ** -0.5), lin("ffn_gate_shexp", fs, d), lin("ffn_up_shexp", fs, d),
+            lin("ffn_down_shexp", d, fs)]
+    if i == spec.n_layer:
+        if spec.nextn_echo:     # eh_proj = [echo·I, 0]: the head passes token t+1 on
+            eh = np.concatenate((spec.nextn_echo * np.eye(d), np.zeros((d, d))), 1).astype(np.float32)
+            out.append(TinyTensor("nextn.eh_proj.weight", eh.shape, "f32", 0.0, value=eh))
+        else:
+            out.append(lin("nextn.eh_proj", d, 2 * d))
+        out += [norm("nextn.enorm", d), norm("nextn.hnorm", d), norm("nextn.shared_head_norm", d)]
+    return out
+
+
+def glm4moe_block(spec: TinySpec, i: int) -> list[TinyTensor]:
+    d = spec.n_embd
+    return [norm("attn_norm", d), *_gqa_attention(spec, bias=True, qk_norm=spec.qk_norm),
+            norm("post_attention_norm", d), *_leading_dense_ffn(spec, i)]
+
+
+def qwen3moe_block(spec: TinySpec, i: int) -> list[TinyTensor]:
+    d = spec.n_embd
+    return [norm("attn_norm", d), *_gqa_attention(spec, bias=False, qk_norm=True), norm("ffn_norm", d),
+            _router(spec), *_experts(spec, d ** -0.5)]
+
+
+def deepseek2_block(spec: TinySpec, i: int) -> list[TinyTensor]:
+    d = spec.n_embd
+    return [norm("attn_norm", d), *_mla_attention(spec), norm("ffn_norm", d), *_leading_dense_ffn(spec, i)]
+
+
+def gpt_oss_block(spec: TinySpec, i: int) -> list[TinyTensor]:
+    """Biased q/k/v/o, ``attn_sinks``, ``post_attention_norm``, a biased router and separate
+    biased gate/up/down experts. Biases and sinks are large enough to matter (std 0.5–1)."""
     d, hd, e, f = spec.n_embd, spec.head_dim, spec.n_expert, spec.n_ff_exp
+    out = [norm("attn_norm", d)]
     for name, rows in (("attn_q", spec.n_head * hd), ("attn_k", spec.n_head_kv * hd), ("attn_v", spec.n_head_kv * hd)):
-        lin(f"{p}.{name}.weight", rows, d)
-        put(f"{p}.{name}.bias", (rows,), Q.F32, 0.5)
-    lin(f"{p}.attn_output.weight", d, spec.n_head * hd)
-    put(f"{p}.attn_output.bias", (d,), Q.F32, 0.1)
-    put(f"{p}.attn_sinks.weight", (spec.n_head,), Q.F32, 1.0)
-    norm(f"{p}.post_attention_norm.weight", d)
-    put(f"{p}.ffn_gate_inp.weight", (e, d), Q.F32, d ** -0.5)
-    put(f"{p}.ffn_gate_inp.bias", (e,), Q.F32, 0.5)
-    # std 2/√d: gate and up reach the ±7 clamp now and then
-    put(f"{p}.ffn_gate_exps.weight", (e, f, d), spec.expert_type, 2 * d ** -0.5)
-    put(f"{p}.ffn_up_exps.weight", (e, f, d), spec.expert_type, 2 * d ** -0.5)
-    put(f"{p}.ffn_down_exps.weight", (e, d, f), spec.expert_type, f ** -0.5)
-    put(f"{p}.ffn_gate_exps.bias", (e, f), Q.F32, 1.0)
-    put(f"{p}.ffn_up_exps.bias", (e, f), Q.F32, 1.0)
-    put(f"{p}.ffn_down_exps.bias", (e, d), Q.F32, 0.1)
+        out += [lin(name, rows, d), f32(f"{name}.bias", (rows,), 0.5)]
+    return out + [
+        lin("attn_output", d, spec.n_head * hd), f32("attn_output.bias", (d,), 0.1),
+        f32("attn_sinks.weight", (spec.n_head,), 1.0), norm("post_attention_norm", d),
+        _router(spec), f32("ffn_gate_inp.bias", (e,), 0.5),
+        *_experts(spec, 2 * d ** -0.5),      # std 2/√d: gate and up reach the ±7 clamp now and then
+        f32("ffn_gate_exps.bias", (e, f), 1.0), f32("ffn_up_exps.bias", (e, f), 1.0),
+        f32("ffn_down_exps.bias", (e, d), 0.1)]
+
+
+ARCHS = {
+    "glm4moe": TinyArch(glm4moe_metadata, glm4moe_block, nextn=True),
+    "qwen3moe": TinyArch(qwen3moe_metadata, qwen3moe_block),
+    "deepseek2": TinyArch(deepseek2_metadata, deepseek2_block, nextn=True),
+    "gpt-oss": TinyArch(gpt_oss_metadata, gpt_oss_block),
+}
+
+
+def n_blocks(spec: TinySpec) -> int:
+    """Trunk blocks plus the NextN block where the architecture has one and ``spec.nextn``."""
+    return spec.n_layer + (1 if ARCHS[spec.arch].nextn and spec.nextn else 0)
+
+
+def tiny_tensors(spec: TinySpec) -> list[TinyTensor]:
+    """Every tensor of ``spec``'s model with its full GGUF name, in file (and draw) order."""
+    if spec.arch not in ARCHS:
+        raise ValueError(f"no tiny writer for architecture {spec.arch!r} (known: {', '.join(ARCHS)})")
+    arch, d = ARCHS[spec.arch], spec.n_embd
+    out = [TinyTensor("token_embd.weight", (spec.n_vocab, d), "embd", spec.embd_std)]
+    for i in range(n_blocks(spec)):
+        out += [replace(t, name=f"blk.{i}.{t.name}") for t in arch.block(spec, i)]
+    out.append(norm("output_norm", d))
+    if not spec.tied_output:
+        out.append(lin("output", spec.n_vocab, d))
+    return out
+
+
+def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weights: bool = True) -> TinyModel:
+    """``keep_weights=False``: skip the float copies (``weights`` stays empty) and the
+    dequantization that makes them, the slow part of writing a wide benchmark model."""
+    path = Path(path)
+    tensors = tiny_tensors(spec)
+    rng = np.random.default_rng(spec.seed)
+    w = GGUFWriter(str(path), spec.arch)
+    w.add_block_count(n_blocks(spec))
+    w.add_context_length(4096)
+    w.add_embedding_length(spec.n_embd)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    ARCHS[spec.arch].metadata(w, spec)
+    add_tiny_vocab(w, spec.extra_merges, spec.tokenizer_pre)
+
+    weights = {}
+    for t in tensors:
+        if t.value is not None:
+            w.add_tensor(t.name, t.value)
+            weights[t.name] = t.value
+            continue
+        as_f32 = spec.experts_as_f32 and t.name.endswith("_exps.weight")
+        data, raw_dtype, deq = random_tensor(rng, t.shape, t.qtype(spec), t.std,
+                                             dequantized=keep_weights or as_f32)
+        if as_f32:
+            data, raw_dtype = deq, None
+        if t.mean:
+            data = data + np.float32(t.mean)
+            deq = data
+        w.add_tensor(t.name, data, raw_dtype=raw_dtype)
+        if keep_weights:
+            weights[t.name] = deq
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return TinyModel(path, spec, weights)
