@@ -20,7 +20,7 @@ and ``offload run`` call first), and ends as one of:
 
 ``handled`` = parsed + refused. It prints the counts per source, the slowest mutant's time
 and what it was, and each crash with the seed and index that reproduce it
-(``--only SOURCE:INDEX``). ``tests/test_gguf_fuzz.py`` runs a few hundred of the same mutants.
+(``--only SOURCE:INDEX``). ``tests/archs/test_gguf_fuzz.py`` runs a few hundred of the same mutants.
 """
 from __future__ import annotations
 

@@ -27,10 +27,10 @@ import time
 import traceback
 from pathlib import Path
 
-# f32 kernel vs float64 product: K products accumulated in float32 (see tests/test_triton_kernels.py)
+# f32 kernel vs float64 product: K products accumulated in float32 (see tests/kernels/test_triton_kernels.py)
 KERNEL_TOL = 1e-5           # of Σ|x·w|
 # logits in f32: summation order only (~1e-6 of the scale). In bf16 a router near-tie can flip
-# an expert, so the fused path is held to today's per-call-dequant path (see tests/test_fused_runtime.py)
+# an expert, so the fused path is held to today's per-call-dequant path (see tests/kernels/test_fused_runtime.py)
 LOGIT_TOL_F32 = 1e-4
 BF16_SLACK = 2.0
 

@@ -82,7 +82,7 @@ def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus
     32 values for the CPU kernels, as llama.cpp's Q8 activations, with VNNI dot products
     (a CPU without VNNI runs the float path). Error bound per dot product in
     ``cpu_kernels.settings``; on the shipped model's logits it is held under 2e-2 of the
-    largest (tests/test_prefill.py). ``placement.compute`` counts the quantized activations.
+    largest (tests/kernels/test_prefill.py). ``placement.compute`` counts the quantized activations.
     ``decode_activations`` (the CLI's ``--decode-activations auto|int8|float``): the CPU routed
     experts' activations for decode/verify batches (at most ``placement.limits.DECODE_TOKENS``
     tokens): "auto" = int8 for the weight types whose int8 path measured faster

@@ -66,7 +66,7 @@ ROUTING_BYTES = 64          # moe_ffn / group_by_expert index arrays, per (token
 # float32 result; a conversion to f16/bf16 afterwards stays below it). From the code, e.g.
 # Q8_0: int8 copy → float (4) × f16 scale → product (4) + per-block scale = 8.125; Q6_K keeps
 # ql/qh unpacked, the 6-bit values, scales and the product alive. Checked against the torch
-# profiler for every type in tests/test_memory_runtime.py.
+# profiler for every type in tests/runtime/test_memory_runtime.py.
 DEQUANT_BYTES: dict[Q, float] = {
     Q.BF16: 8.0, Q.Q8_0: 8.125, Q.Q4_0: 8.125, Q.Q4_1: 8.125, Q.Q5_0: 8.125, Q.Q5_1: 8.125,
     Q.IQ4_NL: 13.125, Q.MXFP4: 13.125, Q.Q2_K: 12.8125, Q.Q3_K: 13.5, Q.Q4_K: 12.375,
@@ -81,7 +81,7 @@ DEQUANT_BYTES: dict[Q, float] = {
 # time — at most NUMPY_GROUP_SCRATCH bytes per value (the largest of gguf's dequantizers,
 # Q5_K's, is 11.5; the lattice types' grid gathers take more, with a fixed part that shows
 # for a single row: NUMPY_GROUP_SCRATCH_OF; checked for every type in
-# tests/test_memory_runtime.py).
+# tests/runtime/test_memory_runtime.py).
 NUMPY_GROUP_ROWS = 31
 NUMPY_GROUP_SCRATCH = 12
 NUMPY_GROUP_SCRATCH_OF: dict[Q, float] = {

@@ -75,7 +75,7 @@ over by the previous block stays referenced on that block's home meanwhile. A GP
 host); the CPU and such devices share one memory and peak at the same moments, so their
 joint compute is the largest step of their *sum* (``placement.compute.peak_of_group``).
 Every per-value constant is checked against the allocators (torch profiler, tracemalloc) in
-``tests/test_memory_runtime.py``.
+``tests/runtime/test_memory_runtime.py``.
 
 Kept for the whole run and added to the CPU's compute: the routed experts' int8 decode
 scratch (``placement.compute.decode_int8_scratch_bytes``: per MoE layer with RAM-resident

@@ -1,0 +1,578 @@
+"""cpu_kernels against gguf.quants.dequantize + float64 numpy.
+
+Every supported type, on random valid blocks (all bit patterns of the quant fields, sane
+scales: ``cpu_kernels.synth``) and, where gguf-py can quantize, on quantized Gaussian
+weights; raw data read back through ``gguf.GGUFReader`` memmaps; the fused expert FFN
+against a float64 reference with top-k routing over 128 experts and partial ownership.
+
+Tolerance. The kernels compute in float32 with the true dequantized weights (activations
+are not quantized), so the only error is float32 rounding of products and sums, taken in
+a different order than the reference: at most ~n * 2**-24 * sum_c |w_c x_c| for n
+accumulated terms, typically sqrt(n) times smaller. Outputs are compared per element
+against ``TOL * (|x| @ |W|^T)`` with TOL = 1e-5 (n <= 1024 here: the worst case is
+6e-5, the typical 2e-6; observed ~1e-7).
+
+First run compiles one kernel per quant type (Numba, cached on disk afterwards).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T, GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+from numba import typeof
+
+import cpu_kernels as ck
+from cpu_kernels.layout import weight_bytes
+from cpu_kernels.registry import get_kernel
+from cpu_kernels.synth import random_blocks
+
+TOL = 1e-5
+ISSUE_TYPES = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K,
+               T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, T.IQ4_NL, T.IQ4_XS}
+# The 1-3-bit lattice types (issue 13): grids + signs, 256-weight blocks.
+IQ_TYPES = {T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M}
+ISSUE_TYPES |= IQ_TYPES
+# Types gguf-py can quantize (real quantized data rather than random blocks).
+QUANTIZABLE = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
+BLOCK = {T.Q2_K: 256, T.Q3_K: 256, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256, T.IQ4_XS: 256,
+         **{t: 256 for t in IQ_TYPES}}
+
+
+def dequant(w: np.ndarray, qt: T) -> np.ndarray:
+    """float64 weights from raw GGUF data, as gguf-py decodes them."""
+    return dequantize(np.asarray(w), qt).astype(np.float64)
+
+
+def check_close(y, x, W):
+    """y (float32 [B, rows]) against x @ W^T in float64, within TOL of sum |w x|."""
+    x64 = np.asarray(x, np.float64)
+    ref = x64 @ W.T
+    bound = TOL * (np.abs(x64) @ np.abs(W).T) + 1e-30
+    err = np.abs(y.astype(np.float64) - ref)
+    assert y.dtype == np.float32 and y.shape == ref.shape
+    assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
+
+
+def seed(*parts) -> np.random.Generator:
+    return np.random.default_rng([int(p) for p in parts])
+
+
+def test_registry_has_the_issue_types():
+    assert set(ck.supported_types()) == ISSUE_TYPES
+
+
+@pytest.mark.parametrize("qt", sorted(ISSUE_TYPES, key=int), ids=lambda t: t.name)
+def test_matmul_random_blocks(qt):
+    rng = seed(1, qt)
+    cols = 2 * BLOCK.get(qt, 256)
+    w = random_blocks(qt, (13, cols), rng)          # 13 rows: not a multiple of 4 or of threads
+    W = dequant(w, qt)
+    for b in (1, 3, 16, 17):                          # 17 spans two token tiles
+        x = rng.standard_normal((b, cols)).astype(np.float32)
+        check_close(ck.matmul(x, w, qt), x, W)
+
+
+def test_ksigns_rule_is_ggmls_table():
+    """The lattice decoders compute ksigns_iq2xs (7 sign bits, bit 7 their parity) instead
+    of looking it up: the rule against the reference values gguf-py carries."""
+    from cpu_kernels.iquants import KSIGNS
+    i = np.arange(128)
+    parity = np.array([bin(v).count("1") & 1 for v in i])
+    assert np.array_equal(KSIGNS, i | parity << 7)
+
+
+@pytest.mark.parametrize("qt", QUANTIZABLE, ids=lambda t: t.name)
+def test_matmul_quantized_gaussian_weights(qt):
+    rng = seed(2, qt)
+    Wf = rng.standard_normal((21, 384)).astype(np.float32) * 0.05
+    w = quantize(Wf, qt)
+    if qt == T.BF16:                                  # gguf returns bf16 as uint8 pairs
+        assert w.dtype == np.uint8
+    W = dequant(w, qt)
+    x = rng.standard_normal((3, 384)).astype(np.float32)
+    check_close(ck.matmul(x, w, qt), x, W)
+    y1 = ck.matmul(x[0], w, qt)                        # 1-D x gives a 1-D result
+    assert y1.shape == (21,)
+    check_close(y1[None], x[:1], W)
+
+
+@pytest.mark.parametrize("qt", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
+def test_float_rows_not_a_multiple_of_32(qt):
+    rng = seed(3, qt)
+    w = random_blocks(qt, (5, 100), rng, scale=0.5)
+    x = rng.standard_normal((3, 100)).astype(np.float32)
+    check_close(ck.matmul(x, w, qt), x, dequant(w, qt))
+
+
+def test_reader_memmaps_used_in_place(tmp_path):
+    """Tensors written with GGUFWriter and mapped by GGUFReader, 2-D and one expert of a
+    3-D *_exps tensor: results match and the kernels' byte view is the mapped memory."""
+    rng = seed(4)
+    tensors = {
+        "blk.0.attn_q.weight": (T.Q4_K, (12, 512)),
+        "blk.0.ffn_down.weight": (T.F16, (6, 96)),
+        "blk.0.ffn_up.weight": (T.BF16, (7, 64)),
+        "blk.0.ffn_gate_exps.weight": (T.Q8_0, (3, 256, 256)),
+        "blk.0.ffn_up_exps.weight": (T.Q8_0, (3, 256, 256)),
+        "blk.0.ffn_down_exps.weight": (T.Q4_0, (3, 256, 256)),
+    }
+    data = {n: random_blocks(qt, shape, rng) for n, (qt, shape) in tensors.items()}
+    path = tmp_path / "t.gguf"
+    wr = GGUFWriter(str(path), "llama")
+    for n, (qt, _) in tensors.items():
+        wr.add_tensor(n, data[n], raw_dtype=None if qt in (T.F16, T.F32) else qt)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+
+    reader = GGUFReader(str(path))
+    got = {t.name: t for t in reader.tensors}
+    for n, (qt, shape) in tensors.items():
+        t = got[n]
+        assert t.tensor_type == qt
+        assert np.array_equal(np.asarray(t.data), data[n])
+        if len(shape) == 2:
+            x = rng.standard_normal((2, shape[1])).astype(np.float32)
+            check_close(ck.matmul(x, t.data, qt, name=n), x, dequant(t.data, qt))
+            view = weight_bytes(t.data, get_kernel(qt), 2, n)
+            assert np.shares_memory(view, t.data) and not view.flags.writeable
+        else:
+            e = 2
+            x = rng.standard_normal((3, shape[2])).astype(np.float32)
+            check_close(ck.matmul(x, t.data[e], qt, name=n), x, dequant(t.data[e], qt))
+    # The fused FFN straight from the mapped 3-D tensors.
+    ew = ck.ExpertWeights(got["blk.0.ffn_gate_exps.weight"].data, got["blk.0.ffn_up_exps.weight"].data,
+                          got["blk.0.ffn_down_exps.weight"].data, T.Q8_0, T.Q8_0, T.Q4_0, name="blk.0")
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    ids = np.array([[0, 2], [1, 2]])
+    wts = np.array([[0.7, 0.3], [0.4, 0.6]], np.float32)
+    G = dequant(data["blk.0.ffn_gate_exps.weight"], T.Q8_0)
+    U = dequant(data["blk.0.ffn_up_exps.weight"], T.Q8_0)
+    D = dequant(data["blk.0.ffn_down_exps.weight"], T.Q4_0)
+    y, ref, bound = ck.moe_ffn(x, ids, wts, ew), *moe_reference(x, ids, wts, G, U, D, None)
+    assert np.all(np.abs(y - ref) <= bound)
+
+
+def test_unsupported_type_names_type_and_tensor():
+    w = np.zeros((4, 54), np.uint8)
+    with pytest.raises(ck.UnsupportedQuantType, match=r"TQ1_0.*blk\.7\.ffn_down\.weight"):
+        ck.matmul(np.ones((1, 256), np.float32), w, T.TQ1_0, name="blk.7.ffn_down.weight")
+    with pytest.raises(ck.UnsupportedQuantType, match=r"TQ2_0.*blk\.1\.ffn_down_exps"):
+        ck.ExpertWeights(np.zeros((2, 8, 36), np.uint8), np.zeros((2, 8, 36), np.uint8),
+                         np.zeros((2, 8, 4), np.uint8), T.Q8_0, T.Q8_0, T.TQ2_0, name="blk.1")
+
+
+def test_shape_errors():
+    w = random_blocks(T.Q8_0, (4, 64), seed(5))
+    with pytest.raises(ValueError, match=r"\[B, 64\]"):
+        ck.matmul(np.ones((1, 32), np.float32), w, T.Q8_0)
+    with pytest.raises(ValueError, match="whole number"):
+        ck.matmul(np.ones((1, 64), np.float32), np.ascontiguousarray(w[:, :50]), T.Q8_0)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ck.matmul(np.ones((1, 32), np.float32), w[:, :34], T.Q8_0)
+
+
+def test_thread_count_does_not_change_results():
+    rng = seed(6)
+    w = random_blocks(T.Q4_K, (37, 512), rng)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    try:
+        ck.set_num_threads(1)
+        y1 = ck.matmul(x, w, T.Q4_K)
+        ck.set_num_threads(min(2, __import__("numba").config.NUMBA_NUM_THREADS))
+        y2 = ck.matmul(x, w, T.Q4_K)
+    finally:
+        ck.set_num_threads(None)
+    # Each row is computed by one thread in a fixed order: bitwise equal.
+    assert np.array_equal(y1, y2)
+    with pytest.raises(ValueError):
+        ck.set_num_threads(0)
+
+
+def test_drivers_release_the_gil_and_cache():
+    import importlib
+    for mod, names in (("cpu_kernels.matmul", ["_matmul_kernel", "_matmul_i8_kernel"]),
+                       ("cpu_kernels.moe", ["_gate_up_phase", "_down_phase", "_weighted_sum"])):
+        m = importlib.import_module(mod)
+        for n in names:
+            disp = getattr(m, n)
+            assert disp.targetoptions.get("nogil") is True, n
+            assert type(disp._cache).__name__ == "FunctionCache", n
+
+
+
+@pytest.mark.parametrize("qt", [T.Q4_0, T.Q4_K, T.MXFP4])
+def test_row_group_routines_take_no_references(qt):
+    """``rows4`` (called once per 4-row group by matmul and the compiled blocks) and what it
+    calls never touch reference counts: NRT's are atomic (lock-prefixed, a full memory
+    fence), and one per array argument per call drained the loads in flight on every row
+    group (batch-1 mat-vecs ran at 0.4-0.7x the speed without them)."""
+    from cpu_kernels.layout import bsums_of
+    from cpu_kernels.rowdot import rows4, rows4_scratch
+    rng = seed(8, qt)
+    w = weight_bytes(random_blocks(qt, (8, 256), rng), get_kernel(qt), 2, "w")
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    y = np.zeros((1, 8), np.float32)
+    rows4(get_kernel(qt).tag, w, 4, x, bsums_of(x), y, *rows4_scratch())
+    check_close(y[:, 4:], x, dequant(w[4:], qt))           # it ran, and right
+    sig = [s for s in rows4.signatures if s[0] == typeof(get_kernel(qt).tag)][0]
+    ir = rows4.inspect_llvm(sig)
+    assert "NRT_incref" not in ir and "NRT_decref" not in ir
+
+# ---------------------------------------------------------------------------- MoE
+
+def silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def moe_reference(x, ids, wts, G, U, D, owned):
+    """float64 sum over owned routed experts of w * D_e (silu(G_e x) * U_e x), plus the
+    per-element tolerance bound (TOL times the same sum of absolute values)."""
+    x = np.asarray(x, np.float64)
+    ref = np.zeros((x.shape[0], D.shape[1]))
+    mag = np.zeros_like(ref)
+    for b in range(x.shape[0]):
+        for e, wt in zip(ids[b], wts[b]):
+            if owned is not None and not owned[e]:
+                continue
+            g, u = G[e] @ x[b], U[e] @ x[b]
+            h = silu(g) * u
+            ref[b] += wt * (D[e] @ h)
+            # |h| error from gate/up rounding propagates through D: bound both stages.
+            hb = TOL * (np.abs(silu(g)) * (np.abs(U[e]) @ np.abs(x[b]))
+                        + np.abs(u) * (np.abs(G[e]) @ np.abs(x[b])))
+            mag[b] += abs(wt) * (np.abs(D[e]) @ (np.abs(h) + hb))
+    return ref, TOL * mag + 1e-30
+
+
+MOE_CASES = [  # gate/up type, down type, fused gate_up
+    (T.Q4_K, T.Q6_K, False),
+    (T.Q8_0, T.Q4_0, False),
+    (T.MXFP4, T.IQ4_XS, True),
+    # the lattice types, each at least once (DeepSeek's 1.58-bit: IQ1_S gate/up, IQ2_XXS down)
+    (T.IQ1_S, T.IQ2_XXS, False),
+    (T.IQ2_XS, T.IQ3_XXS, False),
+    (T.IQ1_M, T.IQ2_S, True),
+    (T.IQ3_S, T.IQ1_M, False),
+]
+
+
+@pytest.mark.parametrize("gt,dt,fused", MOE_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_moe_matches_reference(gt, dt, fused):
+    rng = seed(7, gt, dt)
+    E, n_embd, n_ff, k = 128, 256, 512, 8
+    scale = 0.02
+    if fused:
+        gu = random_blocks(gt, (E, 2 * n_ff, n_embd), rng, scale)
+        G, U = dequant(gu, gt)[:, :n_ff], dequant(gu, gt)[:, n_ff:]
+        gate = up = None
+    else:
+        gate, up = random_blocks(gt, (E, n_ff, n_embd), rng, scale), random_blocks(gt, (E, n_ff, n_embd), rng, scale)
+        G, U = dequant(gate, gt), dequant(up, gt)
+        gu = None
+    down = random_blocks(dt, (E, n_embd, n_ff), rng, scale)
+    D = dequant(down, dt)
+    ew = ck.ExpertWeights(gate, up, down, None if fused else gt, None if fused else gt, dt,
+                          gate_up=gu, gate_up_type=gt if fused else None, name="blk.5")
+    assert (ew.n_expert, ew.n_embd, ew.n_ff) == (E, n_embd, n_ff)
+    owned = rng.random(E) < 0.5
+    for B in (1, 3, 16):
+        x = rng.standard_normal((B, n_embd)).astype(np.float32)
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(B)]).astype(np.int32)
+        if B == 16:                                  # several tokens on one expert
+            ids[:, 0] = ids[0, 0]
+        wts = rng.random((B, k)).astype(np.float32)
+        for own in (None, owned):
+            y = ck.moe_ffn(x, ids, wts, ew, owned=own)
+            ref, bound = moe_reference(x, ids, wts, G, U, D, own)
+            assert y.dtype == np.float32 and y.shape == (B, n_embd)
+            err = np.abs(y - ref)
+            assert np.all(err <= bound), f"B={B}: max err/bound {np.max(err / bound):.3g}"
+
+
+def test_moe_owned_parts_add_up_and_batch_equals_single_tokens():
+    rng = seed(8)
+    E, n_embd, n_ff, k, B = 128, 256, 256, 8, 6
+    ws = [random_blocks(t, s, rng, 0.02) for t, s in ((T.Q8_0, (E, n_ff, n_embd)), (T.Q8_0, (E, n_ff, n_embd)),
+                                                      (T.Q4_0, (E, n_embd, n_ff)))]
+    ew = ck.ExpertWeights(*ws, T.Q8_0, T.Q8_0, T.Q4_0)
+    x = rng.standard_normal((B, n_embd)).astype(np.float32)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(B)])
+    ids[1] = ids[0]                                   # two tokens with identical routing
+    wts = rng.random((B, k)).astype(np.float32)
+    owned = rng.random(E) < 0.3
+    y_all = ck.moe_ffn(x, ids, wts, ew)
+    parts = ck.moe_ffn(x, ids, wts, ew, owned=owned) + ck.moe_ffn(x, ids, wts, ew, owned=~owned)
+    np.testing.assert_allclose(parts, y_all, rtol=1e-5, atol=1e-5 * np.abs(y_all).max())
+    single = np.concatenate([ck.moe_ffn(x[i:i + 1], ids[i:i + 1], wts[i:i + 1], ew) for i in range(B)])
+    np.testing.assert_allclose(y_all, single, rtol=1e-5, atol=1e-5 * np.abs(y_all).max())
+    assert not np.any(ck.moe_ffn(x, ids, wts, ew, owned=np.zeros(E, bool)))
+
+
+def test_moe_identity_experts_known_answer():
+    """F32 experts with gate = up = down = identity: each token's output is
+    (sum of its owned routing weights) * silu(x) * x exactly (up to float32 rounding)."""
+    E, n, k = 4, 64, 2
+    eye = np.broadcast_to(np.eye(n, dtype=np.float32), (E, n, n)).copy()
+    ew = ck.ExpertWeights(eye, eye.copy(), eye.copy(), T.F32, T.F32, T.F32)
+    x = np.linspace(-4, 4, 3 * n, dtype=np.float32).reshape(3, n)
+    ids = np.array([[0, 1], [2, 3], [1, 3]])
+    wts = np.array([[0.25, 0.75], [0.5, 0.5], [1.0, 2.0]], np.float32)
+    owned = np.array([True, True, False, True])
+    y = ck.moe_ffn(x, ids, wts, ew, owned=owned)
+    xd = x.astype(np.float64)
+    expect = np.array([[1.0], [0.5], [3.0]]) * silu(xd) * xd
+    np.testing.assert_allclose(y, expect, rtol=1e-6, atol=1e-6)
+
+
+def test_moe_input_errors():
+    rng = seed(9)
+    ws = [random_blocks(T.Q8_0, s, rng) for s in ((4, 32, 64), (4, 32, 64), (4, 64, 32))]
+    ew = ck.ExpertWeights(*ws, T.Q8_0, T.Q8_0, T.Q8_0, name="blk.2")   # fails before compiling
+    x = np.ones((2, 64), np.float32)
+    w = np.ones((2, 2), np.float32)
+    with pytest.raises(ValueError, match="blk.2: expert id outside 0..3"):
+        ck.moe_ffn(x, np.array([[0, 4], [1, 2]]), w, ew)
+    with pytest.raises(ValueError, match="owned"):
+        ck.moe_ffn(x, np.array([[0, 3], [1, 2]]), w, ew, owned=np.ones(3, bool))
+    with pytest.raises(ValueError, match="activation"):
+        ck.moe_ffn(x, np.array([[0, 3], [1, 2]]), w, ew, act="gelu")
+    with pytest.raises(ValueError, match=r"\[B=2, k\]"):
+        ck.moe_ffn(x, np.array([0, 3]), w, ew)
+    with pytest.raises(ValueError, match="does not match"):
+        ck.ExpertWeights(np.ascontiguousarray(ws[0][:, :16]), ws[1], ws[2], T.Q8_0, T.Q8_0, T.Q8_0,
+                         name="blk.2")
+
+
+# ---------------------------------------------------------------- int8 activations
+
+INT8_TYPES = [t for t in sorted(ISSUE_TYPES, key=int) if get_kernel(t).has_int8]
+
+
+@pytest.fixture
+def int8_mode():
+    from cpu_kernels.simd8 import has_vnni
+    if not has_vnni():
+        pytest.skip("int8 path needs AVX512-VNNI or AVX-VNNI; the float path runs instead")
+    ck.set_int8_activations(True)
+    yield
+    ck.set_int8_activations(False)
+
+
+def quantized(x):
+    """x as the int8 path sees it: per 32 values, dx = max |x| / 127, round(x / dx) * dx."""
+    xb = np.asarray(x, np.float64).reshape(x.shape[0], -1, 32)
+    dx = np.abs(xb).max(-1, keepdims=True).astype(np.float32).astype(np.float64) / 127
+    q = np.rint(xb / np.where(dx > 0, dx, 1))
+    return (q * dx).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qt", INT8_TYPES, ids=lambda t: t.name)
+def test_int8_matmul(qt, int8_mode):
+    """Equals the weights times the int8-dequantized activations (float rounding only),
+    and differs from the exact product by at most sum |w| |x - x_hat| (the rounding of
+    each activation, at most dx / 2)."""
+    rng = seed(10, qt)
+    cols = 2 * BLOCK.get(qt, 240)                     # 480: an odd number of 32-blocks
+    w = random_blocks(qt, (13, cols), rng)
+    W = dequant(w, qt)
+    for b in (1, 3):
+        x = rng.standard_normal((b, cols)).astype(np.float32)
+        y = ck.matmul(x, w, qt)
+        xh = quantized(x)
+        check_close(y, xh, W)
+        bound = np.abs(xh - x) @ np.abs(W).T
+        assert np.all(np.abs(y - x.astype(np.float64) @ W.T) <= bound * (1 + 1e-4) + 1e-6)
+        assert not np.array_equal(y, _float_path(x, w, qt))     # the int8 path did run
+
+
+def _float_path(x, w, qt):
+    ck.set_int8_activations(False)
+    try:
+        return ck.matmul(x, w, qt)
+    finally:
+        ck.set_int8_activations(True)
+
+
+INT8_MOE_CASES = [  # gate/up type, down type, fused gate_up, n_ff
+    (T.Q4_K, T.Q6_K, False, 512),     # 256-weight blocks: sub-block pairs (rowdot8)
+    (T.Q4_0, T.Q8_0, False, 480),     # block pairs; n_ff = 15 blocks: down's last block alone
+    (T.MXFP4, T.Q5_1, True, 480),     # value table and e8m0 scales; mins and 5th bits
+    (T.IQ1_S, T.IQ2_XXS, False, 512),  # lattice types: grid bytes + 128 as codes
+    (T.IQ3_S, T.IQ1_M, True, 512),
+]
+
+
+@pytest.mark.parametrize("gt,dt,fused,n_ff", INT8_MOE_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_int8_moe(gt, dt, fused, n_ff, int8_mode):
+    """Two quantization steps (x, then the expert hidden state): each adds at most
+    ~1/254 of max|.| per 32 values; against the exact float64 result the error stays
+    under 3% of the same magnitude bound as the float test (observed ~0.3%). B = 1 takes
+    the one-token routines, B = 4 and 16 the token-batch ones (16: one expert shared)."""
+    rng = seed(11, gt, dt)
+    E, n_embd, k = 64, 256, 8
+    if fused:
+        gu = random_blocks(gt, (E, 2 * n_ff, n_embd), rng, 0.02)
+        G, U = dequant(gu, gt)[:, :n_ff], dequant(gu, gt)[:, n_ff:]
+        g = u = None
+    else:
+        g, u = random_blocks(gt, (E, n_ff, n_embd), rng, 0.02), random_blocks(gt, (E, n_ff, n_embd), rng, 0.02)
+        G, U = dequant(g, gt), dequant(u, gt)
+        gu = None
+    d = random_blocks(dt, (E, n_embd, n_ff), rng, 0.02)
+    ew = ck.ExpertWeights(g, u, d, None if fused else gt, None if fused else gt, dt,
+                          gate_up=gu, gate_up_type=gt if fused else None)
+    for B in (1, 4, 16):
+        x = rng.standard_normal((B, n_embd)).astype(np.float32)
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(B)])
+        if B == 16:
+            ids[:, 0] = ids[0, 0]
+        wts = rng.random((B, k)).astype(np.float32)
+        y = ck.moe_ffn(x, ids, wts, ew)
+        ref, bound = moe_reference(x, ids, wts, G, U, dequant(d, dt), None)
+        assert np.all(np.abs(y - ref) <= bound * (0.03 / TOL)), f"B={B}"
+
+
+# ---------------------------------------------------------------- CPUs without AVX-512
+
+_PROBE = """
+import json, sys
+import numpy as np
+import cpu_kernels as ck
+from cpu_kernels.matmul import use_int8
+from cpu_kernels.registry import get_kernel
+from cpu_kernels.simd8 import has_vnni
+from cpu_kernels.synth import random_blocks
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+ck.set_int8_activations(True)
+rng = np.random.default_rng(12)
+for name in sys.argv[1:]:
+    qt = T[name]
+    cols = 512 if name in ("Q4_K", "IQ4_XS") else 480
+    w = random_blocks(qt, (9, cols), rng)
+    W = dequantize(w, qt).astype(np.float64)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    xb = x.astype(np.float64).reshape(3, -1, 32)
+    dx = np.abs(xb).max(-1, keepdims=True).astype(np.float32).astype(np.float64) / 127
+    xh = (np.rint(xb / dx) * dx).reshape(x.shape)
+    y = np.concatenate([ck.matmul(x[:1], w, qt), ck.matmul(x[1:], w, qt)])
+    int8 = use_int8(get_kernel(qt))
+    xr = xh if int8 else x.astype(np.float64)       # what the kernel multiplies exactly
+    err = np.abs(y - xr @ W.T) / (1e-5 * (np.abs(xr) @ np.abs(W).T) + 1e-30)
+    print(json.dumps(dict(type=name, vnni=has_vnni(), int8=bool(int8), err=float(err.max()))))
+"""
+
+
+@pytest.mark.parametrize("target", ["avx512+vnni", "avx2+avxvnni", "avx2"])
+def test_kernels_compiled_for_other_cpus(target, tmp_path):
+    """A fresh process whose Numba target is another CPU class (``cpu_kernels.targets``:
+    NUMBA_CPU_NAME and NUMBA_CPU_FEATURES; this host runs the code, it has every instruction
+    used): "avx512+vnni" (Cascade Lake class: no GFNI, no VBMI) runs the int8 path with word
+    shifts for nibbles and bit fields and ``vpshufb`` for value tables; "avx2+avxvnni"
+    (Alder Lake class) with 256-bit VNNI and byte shuffles; "avx2" (Haswell class) has no
+    VNNI, so int8 requests run the float path (and the value tables of MXFP4, IQ4_NL, IQ4_XS
+    are two 8-lane ``vpermps`` and a blend per 8 weights). Same bound as on this CPU: float
+    rounding of the exact product of the weights with the activations the path uses (1e-5
+    of the magnitudes)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cpu_kernels.targets import numba_env
+    cls, types, want_int8 = {"avx512+vnni": ("cascadelake", ["Q4_0", "MXFP4", "Q4_K", "IQ4_XS"], True),
+                             "avx2+avxvnni": ("alderlake", ["Q4_0", "MXFP4", "Q5_1", "Q4_K"], True),
+                             "avx2": ("haswell", ["Q4_0", "MXFP4", "IQ4_NL", "IQ4_XS"], False)}[target]
+    try:
+        target_env = numba_env(cls)
+    except ValueError as e:
+        pytest.skip(str(e))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), **target_env)
+    r = subprocess.run([sys.executable, "-c", _PROBE, *types], env=env, capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["type"] for row in rows] == types
+    for row in rows:
+        assert row["vnni"] is want_int8 and row["int8"] is want_int8, row
+        assert row["err"] <= 1.0, row
+
+
+def test_cpu_class_targets():
+    """``python -m cpu_kernels.targets CLASS`` prints the two exports; an unknown class is
+    one line and exit 2; the Haswell string turns off every AVX-512 and VNNI feature."""
+    import subprocess
+    import sys
+
+    from cpu_kernels.targets import numba_env
+    try:
+        env = numba_env("haswell")
+    except ValueError as e:           # not an AVX2 host
+        pytest.skip(str(e))
+    on = {f[1:] for f in env["NUMBA_CPU_FEATURES"].split(",") if f[0] == "+"}
+    assert env["NUMBA_CPU_NAME"] == "haswell" and {"avx2", "fma", "f16c"} <= on
+    assert not any(f.startswith(("avx512", "amx", "avxvnni")) for f in on)
+    r = subprocess.run([sys.executable, "-m", "cpu_kernels.targets", "pentium"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown CPU class 'pentium'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "cpu_kernels.targets", "haswell"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("export NUMBA_CPU_NAME='haswell'\n")
+
+
+# ---------------------------------------------------------------- data never raises
+
+BAD_DATA_TYPES = [T.F16, T.Q8_0, T.Q4_K]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("qt", BAD_DATA_TYPES, ids=lambda t: t.name)
+def test_zero_and_non_finite_data_give_values_not_errors(qt, int8):
+    """All-zero weights/activations give exact zeros; NaN/inf in one token's activations or
+    in one row's weights stay in that token's / row's outputs: the kernels are compiled
+    with ``error_model="numpy"``, so no data makes them raise (ZeroDivisionError etc.)."""
+    from cpu_kernels.simd8 import has_vnni
+    if int8 and not has_vnni():
+        pytest.skip("int8 path needs AVX512-VNNI or AVX-VNNI")
+    rng = seed(21, qt)
+    cols, rows = 256, 12
+    w = random_blocks(qt, (rows, cols), rng)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    ck.set_int8_activations(int8)
+    try:
+        clean = ck.matmul(x, w, qt)
+        assert not np.any(ck.matmul(np.zeros_like(x), w, qt))
+        assert not np.any(ck.matmul(x, np.zeros_like(w), qt))
+        for bad in (np.nan, np.inf, -np.inf):
+            xb = x.copy()
+            xb[1, 7] = bad
+            y = ck.matmul(xb, w, qt)
+            np.testing.assert_array_equal(y[[0, 2]], clean[[0, 2]])
+            wb = w.copy()
+            row = np.full(wb[4].nbytes // 2, bad, np.float16)      # every f16 field of row 4 bad
+            wb[4] = np.frombuffer(row.tobytes(), wb.dtype)
+            y = ck.matmul(x, wb, qt)
+            np.testing.assert_array_equal(np.delete(y, 4, axis=1), np.delete(clean, 4, axis=1))
+        # the expert FFN: a NaN routing weight, NaN activations, all-zero experts
+        E, n_ff = 4, 64
+        gu = [random_blocks(qt, (E, n_ff, cols), rng) for _ in range(2)]
+        down = random_blocks(qt, (E, cols, n_ff if qt != T.Q4_K else 256), rng)
+        if qt == T.Q4_K:
+            gu = [random_blocks(qt, (E, 256, cols), rng) for _ in range(2)]
+        ew = ck.ExpertWeights(gu[0], gu[1], down, qt, qt, qt)
+        ids = np.array([[0, 1], [2, 3], [1, 2]])
+        wts = np.full((3, 2), 0.5, np.float32)
+        ref = ck.moe_ffn(x, ids, wts, ew)
+        wn = wts.copy()
+        wn[1, 0] = np.nan
+        xn = x.copy()
+        xn[1] = np.nan
+        for xi, wi in ((x, wn), (xn, wts)):
+            y = ck.moe_ffn(xi, ids, wi, ew)
+            np.testing.assert_array_equal(y[[0, 2]], ref[[0, 2]])
+        zero = ck.ExpertWeights(*(np.zeros_like(a) for a in (gu[0], gu[1], down)), qt, qt, qt)
+        assert not np.any(ck.moe_ffn(x, ids, wts, zero))
+    finally:
+        ck.set_int8_activations(False)

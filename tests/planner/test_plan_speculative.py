@@ -1,0 +1,82 @@
+"""`offload plan` carries the cost model's n_max table for plans with a draft head."""
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from tests.cli.test_cli_plan import offload
+
+GLM_BOX = ["--devices", "CUDA0=24GiB,CPU=128GiB", "-c", "32768"]
+
+
+def test_table_and_json_carry_break_even(fixture_paths):
+    r = offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX)
+    assert r.returncode == 0, r.stderr
+    assert "break-even n_max:" in r.stdout and "predicted plain decode:" in r.stdout
+    doc = json.loads(offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX, "--json").stdout)
+    spec = doc["speculative"]
+    rows = spec["rows"]
+    assert [row["n_max"] for row in rows] == list(range(7))
+    assert rows[0]["speedup"] == 1.0
+    # break-even = largest n with S(n) >= 1; best = argmax S(n), both read off the rows
+    assert spec["break_even_n_max"] == max(row["n_max"] for row in rows if row["speedup"] >= 1.0)
+    assert spec["best_n_max"] == max(rows, key=lambda row: row["speedup"])["n_max"] == spec["n_max"]
+    assert spec["type"] == "mtp" and spec["source"] == "predicted" and "hardware" in spec["profile"]
+
+
+def test_experts_on_gpu_allow_longer_drafts_than_experts_on_cpu(fixture_paths):
+    def break_even(*placement):
+        r = offload("plan", fixture_paths["glm-4.5-air"], "-c", "4096", "--json", *placement)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["speculative"]["break_even_n_max"]
+    on_gpu = break_even("--devices", "CUDA0=80GiB,CUDA1=80GiB,CPU=128GiB")
+    on_cpu = break_even("--devices", "CUDA0=80GiB,CUDA1=80GiB,CPU=128GiB", "--cpu-moe")
+    assert on_gpu > on_cpu
+
+
+def test_section_survives_the_plan_file_and_a_hw_profile_changes_it(fixture_paths, tmp_path):
+    out = tmp_path / "plan.yaml"
+    assert offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX, "-o", str(out)).returncode == 0
+    spec = yaml.safe_load(out.read_text())["speculative"]
+    again = json.loads(offload("plan", "--placement", str(out), "--json").stdout)["speculative"]
+    assert again["rows"] == spec["rows"] and again["n_max"] == spec["n_max"]
+
+    fast_ram = tmp_path / "hw.yaml"
+    fast_ram.write_text("cpu_read_gbps: 2000\n")
+    fast = json.loads(offload("plan", "--placement", str(out), "--hw-profile", str(fast_ram), "--json").stdout)
+    assert fast["speculative"]["predicted_plain_tps"] > spec["predicted_plain_tps"]
+    assert fast["speculative"]["profile"]["hardware"]["cpu_read_gbps"] == 2000
+
+
+def test_spec_type_none_and_missing_head(fixture_paths, tmp_path):
+    doc = json.loads(offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX, "--spec-type", "none", "--json").stdout)
+    assert doc["speculative"] is None
+    r = offload("plan", fixture_paths["qwen3-30b-a3b"], "--devices", "CUDA0=24GiB,CPU=128GiB", "--spec-type", "mtp")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no NextN" in r.stderr
+    bad = tmp_path / "hw.yaml"
+    bad.write_text("cpu_read_gbps: fast\n")
+    r = offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX, "--hw-profile", str(bad), "-o", str(tmp_path / "p.yaml"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_section_reads_typed_and_writes_back_as_written(fixture_paths, tmp_path):
+    """``SpecSection``: the file form in, the same keys in the same order out (a refreshed
+    tune section has ``rows`` after ``tune``), and ``plan_profile`` is the section's profile."""
+    from placement.cost import SpecProfile
+    from placement.speculative import SpecSection
+
+    out = tmp_path / "plan.yaml"
+    assert offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX, "-o", str(out)).returncode == 0
+    d = yaml.safe_load(out.read_text())["speculative"]
+    rows, profile = d.pop("rows"), d.pop("profile")
+    d.update({"source": "tune", "measured_speedup": None, "choice": "best measured", "tune": {"repeats": 1},
+              "rows": rows, "profile": profile})
+    section = SpecSection.from_dict(d)
+    assert section.n_max == d["n_max"] and section.source == "tune" and section.measured_speedup is None
+    assert isinstance(section.profile, SpecProfile) and section.profile == SpecProfile.from_dict(profile)
+    assert list(section.to_dict()) == list(d) and section.to_dict() == d
+    assert SpecSection.from_dict(section.to_dict()) == section
+    assert SpecSection().to_dict() == {} and list(SpecSection.of({"p_min": 0.5, "type": "mtp"}).to_dict()) == \
+        ["p_min", "type"]

@@ -1,0 +1,110 @@
+"""The server app in this process (Starlette's TestClient), where a test needs to hold the
+model load: ``/health`` and every generation route answer 503 with an OpenAI-style body
+until the model has loaded, ``/v1/models`` answers meanwhile; a failed load is reported once
+and ends the server."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("httpx")
+from starlette.testclient import TestClient  # noqa: E402
+
+from offload.chat_template import ChatTemplate  # noqa: E402
+from offload.errors import OffloadError  # noqa: E402
+from offload.server.app import build_app  # noqa: E402
+from offload.server.engine import Engine  # noqa: E402
+from offload.speculative import SpecOptions  # noqa: E402
+
+
+def engine(load, on_load_error=lambda message: None) -> Engine:
+    return Engine(load, model_name="m", template=ChatTemplate("{{ messages }}", origin="test"),
+                  spec=SpecOptions(), max_queue=2, on_load_error=on_load_error)
+
+
+def test_503_while_loading_then_ok():
+    release, loaded = threading.Event(), threading.Event()
+
+    def load():
+        release.wait(30)
+        loaded.set()
+        return object()          # stands for the session: /health only asks whether there is one
+
+    with TestClient(build_app(engine(load), model_meta={"n_ctx": 64})) as client:
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "loading model"
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            r = client.post(path, json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
+        assert client.get("/v1/models").json()["data"][0]["id"] == "m"
+        release.set()
+        assert loaded.wait(30)
+        for _ in range(100):
+            if client.get("/health").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        assert client.get("/health").json() == {"status": "ok"}
+        metrics = client.get("/metrics").text
+        assert 'offload_requests_total{endpoint="/health",status="503"} 1' in metrics
+        assert "offload_requests_rejected_total 0" in metrics     # loading is not a full queue
+
+
+def test_failed_load_is_reported():
+    errors = []
+
+    def load():
+        raise OffloadError("model file not found: x.gguf")
+
+    with TestClient(build_app(engine(load, errors.append), model_meta={})) as client:
+        for _ in range(100):
+            if errors:
+                break
+            threading.Event().wait(0.05)
+        assert errors == ["model file not found: x.gguf"]
+        assert client.get("/health").status_code == 503
+
+
+def test_import_offload_and_offload_plan_load_no_server_stack():
+    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
+    code = ("import contextlib, io, sys, offload\n"
+            "from offload.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()): assert main(['plan', {str(model)!r}, "
+            "'--devices', 'CPU=16GiB']) == 0\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn', 'jinja2', 'torch'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_bad_serve_flags_are_one_line_and_status_2(tmp_path, capsys):
+    """Everything wrong with the command line is found before the port is bound."""
+    import socket
+
+    from offload.cli import main
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in %}")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    cases = [
+        (["--max-queue", "0"], "--max-queue must be >= 1"),
+        (["--port", "70000"], "--port must be in 0..65535"),
+        (["--chat-template", str(tmp_path / "missing.jinja")], "cannot read --chat-template"),
+        (["--chat-template", str(broken)], "broken.jinja) line 1"),
+        (["--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1"),
+        (["--spec-n-max", "-1"], "--spec-n-max must be an integer >= 0"),
+        ([str(tmp_path / "nope.gguf")], "model file not found"),
+    ]
+    try:
+        for flags, message in cases:
+            assert main(["serve", "--devices", "CPU=16GiB", *flags]) == 2, flags
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err[-1].startswith("offload: error: ") and message in err[-1], (flags, err)
+            assert "Traceback" not in "\n".join(err)
+    finally:
+        taken.close()
