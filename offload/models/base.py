@@ -75,7 +75,9 @@ class CausalLM:
     logits)`` states what lies between them. ``forward`` runs the trunk over ids (T,) at
     positions ``state.n_past``.. and advances the caches by T; it returns logits ((T, n_vocab)
     for "all", (1, n_vocab) for "last", None for "none") and the final hidden states
-    (T, n_embd) after ``output_norm``, which the output head and the NextN head read."""
+    (T, n_embd) after ``output_norm``, which the output head and the NextN head read. It keeps
+    one reference to the hidden state as it goes (a helper that takes x as an argument would
+    hold the embedding through every block: its caller's argument stays alive)."""
 
     def __init__(self, *, config: ModelConfig, embed, blocks: list, output_norm: RMSNorm,
                  output, nextn: NextN | None):
@@ -84,12 +86,6 @@ class CausalLM:
         self._runs_for, self._runs = None, []
         self._head = None
         self._bound_head()              # bound (and compiled) at load, not in the first pass
-
-    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, caches: list) -> torch.Tensor:
-        """x through every block in order, consecutive compiled blocks as one call each."""
-        for step, lo, hi in self.block_runs():
-            x = step(x, positions, caches[lo:hi])
-        return x
 
     def final(self, x: torch.Tensor, logits: str) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``output_norm`` then ``output`` (one compiled call where it applies) → (logits, h)."""
@@ -162,10 +158,6 @@ class NextN:
         return self.head(self.norm(h if logits == "all" else h[-1:])).float(), h
 
 
-def kv_cache(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_cells: int | None = None) -> KVCache:
-    return KVCache(cfg.n_head_kv, cfg.head_dim, device=device, dtype=dtype, max_cells=max_cells)
-
-
 @dataclass
 class BuildContext:
     """What every builder needs besides the weights: one RoPE table per device, the
@@ -173,13 +165,19 @@ class BuildContext:
     profile: Profile
     pool: ThreadPoolExecutor
     kv_dtype: torch.dtype = torch.float32
-    kv_cells: int | None = None       # the planner's cells per cache (context padded to 256)
-    ubatch: int = 512                 # the plan's micro-batch (sizes sliding-window caches)
+    # block index → its cache's cells, the planner's own per-layer cache spec
+    # (placement.memory.kv_cells: the context padded to 256, less for a sliding-window block)
+    kv_cells: Callable[[int], int] | None = None
     ropes: dict = field(default_factory=dict)
 
-    def cache(self, cfg: ModelConfig) -> Callable[[torch.device], KVCache]:
-        """A new KV cache on a device, as the plan sized it."""
-        return lambda dev: kv_cache(cfg, dev, self.kv_dtype, self.kv_cells)
+    def cells(self, layer: int) -> int | None:
+        """Cells of block ``layer``'s cache as the plan counted them (None: grow on demand)."""
+        return None if self.kv_cells is None else self.kv_cells(layer)
+
+    def cache(self, cfg: ModelConfig, layer: int) -> Callable[[torch.device], KVCache]:
+        """A new GQA KV cache for block ``layer`` on a device, as the plan sized it."""
+        cells = self.cells(layer)
+        return lambda dev: KVCache(cfg.n_head_kv, cfg.head_dim, device=dev, dtype=self.kv_dtype, max_cells=cells)
 
     def rope(self, cfg: ModelConfig, device: torch.device) -> Rope:
         key = (cfg.rope_spec, device)

@@ -110,11 +110,11 @@ def mla_attention(w, cfg: Deepseek2Config, i: int, ctx: BuildContext) -> BuiltAt
             raise OffloadError(f"{p}: an MLA-layout deepseek2 file (key_length_mla set) needs attn_k_b/attn_v_b")
         heads = dict(k_b=w.per_head(f"{p}.attn_k_b.weight"), v_b=w.per_head(f"{p}.attn_v_b.weight"))
         cache = lambda dev: KVCache(1, cfg.kv_lora_rank + cfg.n_rot, head_dim_v=0, device=dev,  # noqa: E731
-                                    dtype=ctx.kv_dtype, max_cells=ctx.kv_cells)
+                                    dtype=ctx.kv_dtype, max_cells=ctx.cells(i))
     else:
         heads = dict(kv_b=w.linear(f"{p}.attn_kv_b.weight"))
         cache = lambda dev: KVCache(cfg.n_head, cfg.head_dim, head_dim_v=cfg.v_dim, device=dev,  # noqa: E731
-                                    dtype=ctx.kv_dtype, max_cells=ctx.kv_cells)
+                                    dtype=ctx.kv_dtype, max_cells=ctx.cells(i))
     attn = LatentAttention(
         q=q, kv_a=w.linear(f"{p}.attn_kv_a_mqa.weight"), kv_a_norm=norm("attn_kv_a_norm"),
         o=w.linear(f"{p}.attn_output.weight"), n_head=cfg.n_head, nope=cfg.nope, rope_dims=cfg.n_rot,
@@ -134,8 +134,10 @@ class Deepseek2Block(DecoderBlock):
 
 class Deepseek2(CausalLM):
     def forward(self, ids, state: State, *, logits: str = "all"):
+        positions = state.positions(ids.shape[0])
         x = self.embed(ids)
-        x = self.run_blocks(x, state.positions(ids.shape[0]), state.caches)
+        for step, lo, hi in self.block_runs():    # consecutive compiled blocks: one call each
+            x = step(x, positions, state.caches[lo:hi])
         return self.final(x, logits)
 
 

@@ -36,8 +36,10 @@ class Glm4MoeBlock(DecoderBlock):
 
 class Glm4Moe(CausalLM):
     def forward(self, ids, state: State, *, logits: str = "all"):
+        positions = state.positions(ids.shape[0])
         x = self.embed(ids)
-        x = self.run_blocks(x, state.positions(ids.shape[0]), state.caches)
+        for step, lo, hi in self.block_runs():    # consecutive compiled blocks: one call each
+            x = step(x, positions, state.caches[lo:hi])
         return self.final(x, logits)
 
 

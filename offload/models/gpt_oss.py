@@ -30,7 +30,6 @@ from offload.models.base import BuildContext, CausalLM, DecoderBlock, State
 from offload.models.config import ModelConfig, config_fields, yarn_scaling
 from offload.models.parts import BuiltAttention
 from offload.moe import MoE
-from placement.limits import CACHE_PAD, pad
 from placement.tensors import ModelSpec
 
 ACTIVATION = "swiglu_oai"
@@ -65,12 +64,6 @@ def config_from_gguf(spec: ModelSpec, meta) -> GptOssConfig:
                         window=spec.sliding_window, swa_layers=spec.swa_layers)
 
 
-def window_cells(window: int, ctx: BuildContext) -> int:
-    """The planner's cells for a windowed block (placement.memory.kv_cells)."""
-    cells = pad(window + ctx.ubatch, CACHE_PAD)
-    return cells if ctx.kv_cells is None else min(ctx.kv_cells, cells)
-
-
 def attention(w, cfg: GptOssConfig, i: int, ctx: BuildContext) -> BuiltAttention:
     """Block i's attention with sinks (and its window), where the planner put it."""
     p = f"blk.{i}"
@@ -83,8 +76,8 @@ def attention(w, cfg: GptOssConfig, i: int, ctx: BuildContext) -> BuiltAttention
                      rope=ctx.rope(cfg, home), scale=cfg.kq_scale,
                      sinks=w.vector(f"{p}.attn_sinks.weight").to(home), window=window)
     if not window:
-        return BuiltAttention(home_name, home, attn, ctx.cache(cfg))
-    cells = window_cells(window, ctx)
+        return BuiltAttention(home_name, home, attn, ctx.cache(cfg, i))
+    cells = ctx.cells(i)
     return BuiltAttention(home_name, home, attn, lambda dev: WindowKVCache(
         cfg.n_head_kv, cfg.head_dim, window=window, max_cells=cells, device=dev, dtype=ctx.kv_dtype))
 
@@ -100,8 +93,10 @@ class GptOssBlock(DecoderBlock):
 
 class GptOss(CausalLM):
     def forward(self, ids, state: State, *, logits: str = "all"):
+        positions = state.positions(ids.shape[0])
         x = self.embed(ids)
-        x = self.run_blocks(x, state.positions(ids.shape[0]), state.caches)
+        for step, lo, hi in self.block_runs():    # consecutive compiled blocks: one call each
+            x = step(x, positions, state.caches[lo:hi])
         return self.final(x, logits)
 
 

@@ -49,7 +49,7 @@ def gqa_attention(w, cfg: ModelConfig, i: int, ctx: BuildContext) -> BuiltAttent
         n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim,
         rope=ctx.rope(cfg, home),
         q_norm=norm(f"{p}.attn_q_norm.weight"), k_norm=norm(f"{p}.attn_k_norm.weight"))
-    return BuiltAttention(home_name, home, attn, ctx.cache(cfg))
+    return BuiltAttention(home_name, home, attn, ctx.cache(cfg, i))
 
 
 def swiglu(w, p: str, suffix: str = "") -> SwiGLU:
