@@ -7,7 +7,7 @@ from gpu.experts import StagingBuffers
 from offload.cpu_ops import CpuExperts
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile
-from offload.models.base import CausalLM
+from offload.models.shared.base import CausalLM
 from offload.moe import MoE
 from offload.weights import WeightStore
 from placement.footprint import FootprintError

@@ -16,7 +16,7 @@ from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, check_shapes, open_model
 from offload.models import architecture
-from offload.models.base import BuildContext
+from offload.models.shared.base import BuildContext
 from offload.op_offload import enable_op_offload
 from offload.plans import open_draft, plan_from_file
 from offload.profile import Profile

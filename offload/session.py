@@ -15,7 +15,7 @@ import torch
 from gpu.kv_cache import KVCache
 from offload.devices import DeviceMap
 from offload.errors import OffloadError
-from offload.models.base import CausalLM
+from offload.models.shared.base import CausalLM
 from offload.profile import Profile
 from offload.sampling import Sampler
 from offload.speculative import SpecOptions, generate_step

@@ -66,7 +66,7 @@ class SpecOptions:
 
 
 class DraftHead(Protocol):
-    """What the loop needs of a draft head (``offload.models.base.NextN`` is one)."""
+    """What the loop needs of a draft head (``offload.models.shared.base.NextN`` is one)."""
 
     def new_cache(self): ...          # an object with ``length`` and ``truncate(n)``
 

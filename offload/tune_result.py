@@ -12,7 +12,7 @@ from placement.cost import SpecTable
 from placement.cost_fit import FitResult
 from placement.hardware import HardwareProfile
 from placement.routing import RoutingCounts, RoutingProfile
-from placement.speculative import SpecSection
+from placement.spec_section import SpecSection
 
 if TYPE_CHECKING:                   # offload.tune imports torch
     from offload.tune import Decode, PrefillRates

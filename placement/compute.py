@@ -528,7 +528,7 @@ class ForwardModel:
         return moments
 
     def nextn_glue(self, b: BlockTensors, h: str, device_of) -> list[Moment]:
-        """offload.models.base.NextN before its block: enorm(embed(t)), hnorm(h), their
+        """offload.models.shared.base.NextN before its block: enorm(embed(t)), hnorm(h), their
         (T, 2E) concatenation and eh_proj (the trunk's hidden state is held by the caller)."""
         te = self.T * self.spec.n_embd * F32
         base = {h: 3 * te}                             # e, enorm(e), hnorm(h)

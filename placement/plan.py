@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from placement.devices import CPU, Device, format_bytes
 from placement.errors import PlacementError
@@ -22,10 +22,9 @@ from placement.compute import peak_of_group
 from placement.memory import (DeviceTotals, Footprint, MemorySettings, add_footprints, device_totals,
                               footprint, forward_steps)
 from placement.rules import Rule, assign, check_devices, first_match
+from placement.spec_section import SpecSection
 from placement.tensors import ModelSpec, TensorInfo
 
-if TYPE_CHECKING:                   # placement.speculative imports this module
-    from placement.speculative import SpecSection
 
 
 class PlannedModel(Protocol):

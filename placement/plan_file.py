@@ -32,7 +32,7 @@ from placement.memory import MemorySettings
 from placement.plan import Placement, Plan
 from placement.routing import RoutingCounts
 from placement.rules import Rule
-from placement.speculative import SECTION_KEYS, SpecSection
+from placement.spec_section import SECTION_KEYS, SpecSection
 
 VERSION = 1
 HEADER = """\

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     from offload.server.engine import Engine
     from offload.speculative import SpecOptions
     from offload.tokenizer import Tokenizer
-    from placement.speculative import SpecSection
+    from placement.spec_section import SpecSection
 
     torch.set_num_threads(args.torch_threads)
     model = open_cli_model(args)

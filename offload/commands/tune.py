@@ -266,7 +266,8 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     from placement.cost import SpecProfile, best_over_p_min, speculation_table
     from placement.cost_fit import fit_profile
     from placement.routing import distinct_experts_uniform
-    from placement.speculative import SpecSection, plan_footprint, plan_profile, predict
+    from placement.spec_section import SpecSection
+    from placement.speculative import plan_footprint, plan_profile, predict
 
     max_n, n_tok = args.max_n, args.n_predict
     budget = clock.budget

@@ -13,7 +13,7 @@ from types import ModuleType
 
 from offload.errors import OffloadError
 
-_NOT_ARCHITECTURES = {"base", "config", "parts"}   # what the architecture files share
+_NOT_ARCHITECTURES = {"shared"}   # what the architecture files share
 
 
 def supported() -> list[str]:

@@ -29,10 +29,10 @@ from gpu.rope import RopeSpec, YaRN
 from gpu.router import SigmoidRouter, SoftmaxRouter
 from offload.compiled_block import HANDOFF_ONLY, compile_block
 from offload.errors import OffloadError
-from offload.models import parts
-from offload.models.base import BuildContext, CausalLM, DecoderBlock, State
-from offload.models.config import ModelConfig, config_fields, meta_value, yarn_scaling
-from offload.models.parts import BuiltAttention
+from offload.models.shared import parts
+from offload.models.shared.base import BuildContext, CausalLM, DecoderBlock, State
+from offload.models.shared.config import ModelConfig, config_fields, meta_value, yarn_scaling
+from offload.models.shared.parts import BuiltAttention
 from placement.tensors import ModelSpec
 
 # the compiled CPU parts its blocks take: the MoE hand-off of RAM-resident experts only

@@ -25,10 +25,10 @@ from gpu.rope import RopeSpec, YaRN
 from gpu.router import TopKSoftmaxRouter
 from offload.compiled_block import REFERENCE, compile_block
 from offload.errors import OffloadError
-from offload.models import parts
-from offload.models.base import BuildContext, CausalLM, DecoderBlock, State
-from offload.models.config import ModelConfig, config_fields, yarn_scaling
-from offload.models.parts import BuiltAttention
+from offload.models.shared import parts
+from offload.models.shared.base import BuildContext, CausalLM, DecoderBlock, State
+from offload.models.shared.config import ModelConfig, config_fields, yarn_scaling
+from offload.models.shared.parts import BuiltAttention
 from offload.moe import MoE
 from placement.tensors import ModelSpec
 

@@ -9,9 +9,9 @@ from gguf import ExpertGatingFuncType, Keys
 from gpu.router import SoftmaxRouter
 from offload.compiled_block import GQA_BLOCK, compile_block
 from offload.errors import OffloadError
-from offload.models import parts
-from offload.models.base import BuildContext, CausalLM, DecoderBlock, State
-from offload.models.config import ModelConfig, common_config, meta_value
+from offload.models.shared import parts
+from offload.models.shared.base import BuildContext, CausalLM, DecoderBlock, State
+from offload.models.shared.config import ModelConfig, common_config, meta_value
 from placement.tensors import ModelSpec
 
 

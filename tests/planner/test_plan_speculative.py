@@ -65,7 +65,7 @@ def test_section_reads_typed_and_writes_back_as_written(fixture_paths, tmp_path)
     """``SpecSection``: the file form in, the same keys in the same order out (a refreshed
     tune section has ``rows`` after ``tune``), and ``plan_profile`` is the section's profile."""
     from placement.cost import SpecProfile
-    from placement.speculative import SpecSection
+    from placement.spec_section import SpecSection
 
     out = tmp_path / "plan.yaml"
     assert offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX, "-o", str(out)).returncode == 0

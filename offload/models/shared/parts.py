@@ -12,8 +12,8 @@ from gpu.attention import Attention
 from gpu.ffn import SwiGLU
 from gpu.norm import RMSNorm
 from offload.errors import OffloadError
-from offload.models.base import BuildContext, NextN
-from offload.models.config import ModelConfig
+from offload.models.shared.base import BuildContext, NextN
+from offload.models.shared.config import ModelConfig
 from offload.moe import MoE
 
 

@@ -17,7 +17,7 @@ from gpu.norm import RMSNorm
 from gpu.rope import Rope, rope_for
 from offload.compiled_block import block_runs
 from offload.compiled_head import CompiledHead
-from offload.models.config import ModelConfig
+from offload.models.shared.config import ModelConfig
 from offload.profile import Profile
 
 
