@@ -63,11 +63,61 @@ ROLE_OF: dict[MODEL_TENSOR, Role] = {
     **dict.fromkeys([MT.NEXTN_EH_PROJ, MT.NEXTN_EMBED_TOKENS, MT.NEXTN_ENORM, MT.NEXTN_HNORM,
                      MT.NEXTN_SHARED_HEAD_HEAD, MT.NEXTN_SHARED_HEAD_NORM], Role.NEXTN),
 }
+# Tensor kinds of architectures newer than the gguf package on PyPI (0.19 has no deepseek4),
+# named as llama.cpp's gguf-py constants.py spells them (MODEL_TENSOR name → GGUF name). The
+# kind is this string until gguf ships the MODEL_TENSOR; then the row moves into ROLE_OF.
+NEWER_KINDS: dict[str, tuple[str, Role]] = {
+    "ATTN_KV": ("blk.{bid}.attn_kv", Role.ATTENTION),
+    "ATTN_OUT_A": ("blk.{bid}.attn_output_a", Role.ATTENTION),
+    "ATTN_OUT_B": ("blk.{bid}.attn_output_b", Role.ATTENTION),
+    # hyper-connection mixing around each sublayer: computed on the block's home
+    **{f"HC_{part}_{w}": (f"blk.{{bid}}.hc_{part.lower()}_{w.lower()}", Role.ATTENTION)
+       for part in ("ATTN", "FFN") for w in ("FN", "BASE", "SCALE")},
+    # the hc head collapses the streams right before output_norm: it goes where the output goes
+    **{f"HC_HEAD_{w}": (f"output_hc_{w.lower()}", Role.OUTPUT) for w in ("FN", "BASE", "SCALE")},
+    # bundled trunk+MTP files (forks): the MTP head's own hc head
+    **{f"NEXTN_HC_HEAD_{w}": (f"blk.{{bid}}.nextn.hc_head_{w.lower()}", Role.NEXTN)
+       for w in ("FN", "BASE", "SCALE")},
+    **{f"{who}_COMPRESSOR_{w}": (f"blk.{{bid}}.{who.lower()}_compressor_{n}", Role.ATTENTION)
+       for who in ("ATTN", "INDEXER") for w, n in (("WKV", "kv"), ("WGATE", "gate"), ("APE", "ape"),
+                                                   ("NORM", "norm"))},
+    "FFN_GATE_TID2EID": ("blk.{bid}.ffn_gate_tid2eid", Role.ROUTER),
+}
 _BLOCK_PREFIX = "blk.{bid}."
+_KIND_NAMES: dict[MODEL_TENSOR | str, str] = {
+    **{t: n for t, n in TENSOR_NAMES.items() if t in ROLE_OF},
+    **{k: n for k, (n, _) in NEWER_KINDS.items()},
+}
 # "attn_q" → ATTN_Q for block tensors, "output_norm" → OUTPUT_NORM for global ones
-_BLOCK_KINDS = {n[len(_BLOCK_PREFIX):]: t for t, n in TENSOR_NAMES.items()
-                if n.startswith(_BLOCK_PREFIX) and t in ROLE_OF}
-_GLOBAL_KINDS = {n: t for t, n in TENSOR_NAMES.items() if "{" not in n and t in ROLE_OF}
+_BLOCK_KINDS = {n[len(_BLOCK_PREFIX):]: t for t, n in _KIND_NAMES.items() if n.startswith(_BLOCK_PREFIX)}
+_GLOBAL_KINDS = {n: t for t, n in _KIND_NAMES.items() if "{" not in n}
+
+
+def role_of(kind: MODEL_TENSOR | str | None) -> Role:
+    """The planner role of a tensor kind (``tensor_kind``'s second value); OTHER when unknown."""
+    if kind is None:
+        return Role.OTHER
+    return NEWER_KINDS[kind][1] if isinstance(kind, str) else ROLE_OF[kind]
+
+
+class NewerKeys:
+    """Metadata keys gguf 0.19 (the newest on PyPI) does not define yet, spelled as llama.cpp's
+    gguf-py constants.py does (deepseek4; the dflash drafter)."""
+    COMPRESS_RATIOS = "{arch}.attention.compress_ratios"
+    COMPRESS_ROPE_FREQ_BASE = "{arch}.attention.compress_rope_freq_base"
+    OUTPUT_GROUP_COUNT = "{arch}.attention.output_group_count"
+    OUTPUT_LORA_RANK = "{arch}.attention.output_lora_rank"
+    HASH_LAYER_COUNT = "{arch}.hash_layer_count"
+    HC_COUNT = "{arch}.hyper_connection.count"
+    HC_SINKHORN_ITERATIONS = "{arch}.hyper_connection.sinkhorn_iterations"
+    HC_EPSILON = "{arch}.hyper_connection.epsilon"
+    TARGET_LAYERS = "{arch}.target_layers"        # dflash: the target's tapped block inputs
+    BLOCK_SIZE = "{arch}.block_size"              # dflash: tokens drafted per block
+    MASK_ID = "tokenizer.ggml.mask_token_id"      # dflash: the noise token of a draft block
+
+
+# deepseek4's attention kinds by compress ratio (llama.cpp's loader refuses any other ratio)
+COMPRESS_RATIOS = {0: "window", 4: "CSA", 128: "HCA"}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 LLM, ATTN, ROPE = Keys.LLM, Keys.Attention, Keys.Rope
@@ -79,7 +129,9 @@ PLANNER_KEYS = (
     LLM.EXPERT_SHARED_COUNT, LLM.LEADING_DENSE_BLOCK_COUNT, ATTN.HEAD_COUNT, ATTN.HEAD_COUNT_KV,
     ATTN.KEY_LENGTH, ATTN.VALUE_LENGTH, ATTN.KEY_LENGTH_MLA, ATTN.VALUE_LENGTH_MLA,
     ATTN.Q_LORA_RANK, ATTN.KV_LORA_RANK, ATTN.SLIDING_WINDOW, ATTN.SLIDING_WINDOW_PATTERN,
-    ROPE.DIMENSION_COUNT,
+    ROPE.DIMENSION_COUNT, NewerKeys.COMPRESS_RATIOS, NewerKeys.HC_COUNT, NewerKeys.HASH_LAYER_COUNT,
+    ATTN.Indexer.HEAD_COUNT, ATTN.Indexer.KEY_LENGTH, ATTN.Indexer.TOP_K, NewerKeys.OUTPUT_GROUP_COUNT,
+    NewerKeys.OUTPUT_LORA_RANK,
 )
 # Metadata the runtime's model math reads (norm eps, rope, routing); understood, not planned.
 RUNTIME_KEYS = (
@@ -88,7 +140,8 @@ RUNTIME_KEYS = (
     ROPE.SCALING_YARN_LOG_MUL, ROPE.SCALING_YARN_BETA_FAST, ROPE.SCALING_YARN_BETA_SLOW,
     ROPE.SCALING_ATTN_FACTOR, LLM.EXPERT_WEIGHTS_SCALE,
     LLM.EXPERT_WEIGHTS_NORM, LLM.EXPERT_GATING_FUNC, LLM.EXPERT_GROUP_COUNT,
-    LLM.EXPERT_GROUP_USED_COUNT,
+    LLM.EXPERT_GROUP_USED_COUNT, LLM.EMBEDDING_LENGTH_OUT, LLM.SWIGLU_CLAMP_EXP, LLM.SWIGLU_CLAMP_SHEXP,
+    NewerKeys.COMPRESS_ROPE_FREQ_BASE, NewerKeys.HC_SINKHORN_ITERATIONS, NewerKeys.HC_EPSILON,
 )
 # Whole namespaces: provenance, the tokenizer (offload's tokenizer reads it), split bookkeeping,
 # quantizer provenance (imatrix file/dataset).
@@ -284,6 +337,7 @@ def spec_from_metadata(path: str, metadata: Mapping[str, Any], tensors_by_name: 
         raise OffloadError(f"{path}: {m.key(LLM.NEXTN_PREDICT_LAYERS)} is {n_nextn} for {n_layer} blocks")
     n_ff_exp = m.int(LLM.EXPERT_FEED_FORWARD_LENGTH, 0)
     window = m.int(ATTN.SLIDING_WINDOW, 0)
+    ratios = _compress_ratios(m, n_layer)
     return ModelSpec(
         arch=arch, n_layer=n_layer, n_embd=n_embd, n_vocab=int(n_vocab),
         n_ctx_train=m.int(LLM.CONTEXT_LENGTH), n_head=n_head,
@@ -297,11 +351,35 @@ def spec_from_metadata(path: str, metadata: Mapping[str, Any], tensors_by_name: 
         q_lora_rank=m.int(ATTN.Q_LORA_RANK, 0), kv_lora_rank=m.int(ATTN.KV_LORA_RANK, 0),
         head_dim_k_mla=m.int(ATTN.KEY_LENGTH_MLA, 0), head_dim_v_mla=m.int(ATTN.VALUE_LENGTH_MLA, 0),
         sliding_window=window, swa_layers=_swa_layers(m, n_layer, window),
+        compress_ratios=ratios, hc_mult=m.int(NewerKeys.HC_COUNT, 0),
+        n_hash_layers=m.int(NewerKeys.HASH_LAYER_COUNT, 0),
+        indexer_n_head=m.int(ATTN.Indexer.HEAD_COUNT, 0), indexer_head_dim=m.int(ATTN.Indexer.KEY_LENGTH, 0),
+        indexer_top_k=m.int(ATTN.Indexer.TOP_K, 0), o_groups=m.int(NewerKeys.OUTPUT_GROUP_COUNT, 0),
+        o_lora_rank=m.int(NewerKeys.OUTPUT_LORA_RANK, 0),
     )
 
 
-def tensor_kind(name: str) -> tuple[int | None, MODEL_TENSOR | None, str]:
-    """``blk.12.ffn_down_exps.weight`` → (12, FFN_DOWN_EXP, "ffn_down_exps")."""
+def _compress_ratios(m: _Meta, n_layer: int) -> tuple[int, ...]:
+    """deepseek4's per-block compress ratios: at least ``block_count`` of them (checkpoints list
+    the MTP/DSpark stages after the trunk; llama.cpp reads the first block_count), each 0, 4
+    or 128. () when the key is absent."""
+    value = m.get(NewerKeys.COMPRESS_RATIOS)
+    if value is None:
+        return ()
+    key = m.key(NewerKeys.COMPRESS_RATIOS)
+    if not isinstance(value, list) or len(value) < n_layer:
+        have = len(value) if isinstance(value, list) else "one"
+        raise OffloadError(f"{m.path}: {key} has {have} value(s) for {n_layer} blocks")
+    bad = sorted({v for v in value[:n_layer] if v not in COMPRESS_RATIOS}, key=str)
+    if bad:
+        raise OffloadError(f"{m.path}: {key} holds {bad[0]!r}; each ratio must be one of "
+                           f"{', '.join(f'{r} ({k})' for r, k in COMPRESS_RATIOS.items())}")
+    return tuple(int(v) for v in value[:n_layer])
+
+
+def tensor_kind(name: str) -> tuple[int | None, MODEL_TENSOR | str | None, str]:
+    """``blk.12.ffn_down_exps.weight`` → (12, FFN_DOWN_EXP, "ffn_down_exps"); a kind of
+    ``NEWER_KINDS`` is its string (``blk.3.hc_attn_fn.weight`` → (3, "HC_ATTN_FN", "hc_attn_fn"))."""
     m = _BLOCK_NAME.match(name)
     rest, table = (m.group(2), _BLOCK_KINDS) if m else (name, _GLOBAL_KINDS)
     layer = int(m.group(1)) if m else None
@@ -324,7 +402,7 @@ def _tensor_infos(path: str, spec: ModelSpec, headers: list[GGUFHeader]) -> list
                 unknown.add(base)
                 _warn(f"{path}: tensor kind {base!r} (e.g. {th.name}) is not understood by offload; "
                       f"planned as a dense tensor")
-            role = ROLE_OF[kind] if kind is not None else Role.OTHER
+            role = role_of(kind)
             infos.append(TensorInfo(th.name, th.shape, th.ggml_type, th.n_bytes, layer, role,
                                     nextn=layer is not None and spec.is_nextn_layer(layer)))
     return infos

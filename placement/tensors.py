@@ -94,6 +94,16 @@ class ModelSpec:
     head_dim_v_mla: int = 0
     sliding_window: int = 0
     swa_layers: tuple[bool, ...] = ()  # per block; empty: no sliding-window layers
+    # DeepSeek-V4 (deepseek4): the attention kind of each block, hyper-connection streams,
+    # the lightning indexer and the grouped output projection. 0 / () elsewhere.
+    compress_ratios: tuple[int, ...] = ()   # per block: 0 window only, 4 CSA, 128 HCA
+    hc_mult: int = 0                  # residual streams carried between blocks (hyper_connection.count)
+    n_hash_layers: int = 0            # leading blocks routed by token id (ffn_gate_tid2eid)
+    indexer_n_head: int = 0
+    indexer_head_dim: int = 0
+    indexer_top_k: int = 0
+    o_groups: int = 0                 # attention.output_group_count
+    o_lora_rank: int = 0              # attention.output_lora_rank
 
     @property
     def is_mla(self) -> bool:
@@ -112,3 +122,7 @@ class ModelSpec:
 
     def is_swa_layer(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]
+
+    def compress_ratio(self, layer: int) -> int:
+        """deepseek4: block ``layer``'s compression (0 window only, 4 CSA, 128 HCA); 0 elsewhere."""
+        return self.compress_ratios[layer] if layer < len(self.compress_ratios) else 0
