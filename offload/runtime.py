@@ -26,7 +26,7 @@ from offload.tokenizer import Tokenizer
 from offload.weights import WeightStore
 from placement.devices import resolve_devices
 from placement.limits import INT8_FROM
-from placement.memory import kv_cells
+from placement.memory import dsv4_cache, kv_cells
 from placement.plan import Plan
 from placement.planner import PlanOptions, make_plan
 
@@ -139,7 +139,8 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
                                  progress=bar, int8_batch=int8_batch, decode_activations=decode_activations)
                      if draft is not None else None)
     ctx = BuildContext(profile=profile, pool=pool, kv_dtype=TORCH_DTYPES[plan.settings.cache_type],
-                       kv_cells=lambda layer: kv_cells(model.spec, layer, plan.settings))
+                       kv_cells=lambda layer: kv_cells(model.spec, layer, plan.settings),
+                       dsv4_cache=lambda layer: dsv4_cache(model.spec, layer, plan.settings))
     with torch.inference_mode():
         net = arch.build(cfg, weights, ctx, draft=draft_weights)
     if bar is not None:

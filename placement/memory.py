@@ -110,7 +110,7 @@ from placement.compute import (Devices, ForwardModel, decode_int8_scratch_bytes,
 from placement.devices import CPU, Device
 from placement.errors import PlacementError
 from placement.layers import output_slot_member
-from placement.limits import CACHE_PAD, pad
+from placement.limits import CACHE_PAD, DECODE_TOKENS, pad
 from placement.tensors import ModelSpec, Role, TensorInfo
 
 # The KV cache types llama.cpp's -ctk/-ctv accept.
@@ -163,9 +163,55 @@ def kv_cells(spec: ModelSpec, layer: int, s: MemorySettings) -> int:
     return cells
 
 
+@dataclass(frozen=True)
+class Dsv4Cache:
+    """What one deepseek4 block keeps per sequence, in rows; the runtime allocates exactly
+    these (``offload/models/deepseek4.py``) and ``kv_bytes`` counts them. K = V throughout
+    (one shared head), so no V rows.
+
+    * ``window_cells``: the raw K ring of ``head_dim_k`` (every block, the sliding window
+      plus a ubatch, as any sliding-window block's ``kv_cells``), cache type;
+    * ``compressed_rows``: compressed K entries of ``head_dim_k``, ``ceil(ctx / ratio)``
+      (CSA ratio 4, HCA ratio 128; none for ratio 0), cache type;
+    * ``indexer_rows``: the lightning indexer's compressed keys of ``indexer_head_dim``,
+      ``ceil(ctx / 4)`` on CSA blocks, cache type;
+    * ``state_rows`` / ``indexer_state_rows``: the compressors' per-token inputs (kv and gate,
+      float32) still needed: the window being filled plus, for CSA's overlapping windows, the
+      one before it, plus ``DECODE_TOKENS`` more so that rolling back a verify batch restores
+      a window exactly. ``state_width`` / ``indexer_state_width`` values a row.
+    """
+    window_cells: int
+    compressed_rows: int = 0
+    indexer_rows: int = 0
+    state_rows: int = 0
+    state_width: int = 0
+    indexer_state_rows: int = 0
+    indexer_state_width: int = 0
+
+
+def dsv4_cache(spec: ModelSpec, layer: int, s: MemorySettings) -> Dsv4Cache:
+    """Block ``layer``'s deepseek4 cache at ``s.ctx`` (see ``Dsv4Cache``)."""
+    window = kv_cells(spec, layer, s)
+    r = spec.compress_ratio(layer)
+    if not r:
+        return Dsv4Cache(window)
+    coff = 2 if r == 4 else 1                     # CSA's windows overlap: two projections per token
+    rows = coff * r + DECODE_TOKENS
+    entries = -(-s.ctx // r)
+    if r != 4:
+        return Dsv4Cache(window, entries, 0, rows, 2 * coff * spec.head_dim_k)
+    return Dsv4Cache(window, entries, entries, rows, 2 * coff * spec.head_dim_k,
+                     rows, 2 * coff * spec.indexer_head_dim)
+
+
 def kv_bytes(spec: ModelSpec, layer: int, s: MemorySettings) -> int:
     """KV cache bytes of one block at ``s.ctx`` (see the module docstring)."""
     t = cache_type(s.cache_type)
+    if spec.compress_ratios:
+        c = dsv4_cache(spec, layer, s)
+        return ((c.window_cells + c.compressed_rows) * row_bytes(t, spec.head_dim_k)
+                + c.indexer_rows * row_bytes(t, spec.indexer_head_dim)
+                + 4 * (c.state_rows * c.state_width + c.indexer_state_rows * c.indexer_state_width))
     n_kv = spec.n_head_kv[layer]
     per_cell = row_bytes(t, n_kv * spec.head_dim_k)
     if not spec.is_mla:  # MLA: V is a view of the latent K row

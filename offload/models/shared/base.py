@@ -168,6 +168,9 @@ class BuildContext:
     # block index → its cache's cells, the planner's own per-layer cache spec
     # (placement.memory.kv_cells: the context padded to 256, less for a sliding-window block)
     kv_cells: Callable[[int], int] | None = None
+    # deepseek4: block index → the rows of its window, compressed and indexer caches and
+    # compressor state as the plan counted them (placement.memory.dsv4_cache)
+    dsv4_cache: Callable[[int], object] | None = None
     ropes: dict = field(default_factory=dict)
 
     def cells(self, layer: int) -> int | None:
