@@ -21,10 +21,12 @@ Q = GGMLQuantizationType
 
 @pytest.mark.parametrize("name,count,gib", [
     # tensor counts from llama.cpp loader logs of the published GGUFs; sizes from their
-    # "file size" lines where the recipe matches (gpt-oss-120b mxfp4: 59.02 GiB)
+    # "file size" lines where the recipe matches (gpt-oss-120b mxfp4: 59.02 GiB); deepseek4
+    # sizes from the shapes and the mainline types of ../shared/deepseek4.md §5
     ("qwen3-30b-a3b", 579, None), ("glm-4.5-air", 803, None), ("deepseek-v3", 1086, None),
     ("gpt-oss-120b", 687, 59.02), ("deepseek-v3-mtp", 22, None),
-    ("deepseek-r1-ud-iq1_s", 1025, 130.60)])
+    ("deepseek-r1-ud-iq1_s", 1025, 130.60), ("deepseek-v4-flash", 1328, 145.17),
+    ("deepseek-v4-flash-mtp", 34, 4.87)])
 def test_inventory_counts(models, name, count, gib):
     m = models[name]
     assert len(m.tensors) == count

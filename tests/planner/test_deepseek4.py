@@ -1,0 +1,121 @@
+"""DeepSeek-V4-Flash (deepseek4) planned from real-shaped headers: inventory, bytes, keys,
+caches, the hc head, the routing tables (../shared/deepseek4.md §1, §5)."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+from gguf import GGMLQuantizationType
+
+from offload.gguf_model import open_model
+from placement.memory import MemorySettings, dsv4_cache, kv_bytes
+from placement.tensors import Role
+from tests.fixtures.real_models import ALL, write_fixture
+
+Q = GGMLQuantizationType
+MIB, GIB = 1 << 20, 1 << 30
+
+
+def _v4_bytes() -> tuple[int, int]:
+    """The trunk's and the MTP sidecar's bytes from §1.3's shapes and §5's mainline types,
+    counted apart from the fixture: MXFP4 17 B / 32 values, Q8_0 34 / 32, BF16 2, F32 and I32 4."""
+    E, V, H, D, ql, n_exp, ff, hc = 4096, 129280, 64, 512, 1024, 256, 2048, 4
+    mx, q8 = lambda n: n * 17 // 32, lambda n: n * 34 // 32          # noqa: E731
+    root = 2 * V * E + q8(V * E) + 4 * (E + hc * hc * E + hc + 1)      # embd BF16, output Q8_0, norm + hc head
+    block = (4 * (E + H + ql + D + E)                                  # attn_norm, sinks, q_a/kv norms, ffn_norm
+             + q8(E * ql + ql * H * D + E * D + 8 * 1024 * E + 8 * 1024 * E)   # q_a, q_b, kv, out_a, out_b
+             + 4 * 2 * ((2 + hc) * hc * hc * E + (2 + hc) * hc + 3)   # hc_attn_* / hc_ffn_* (F32)
+             + 2 * n_exp * E                                          # router BF16
+             + mx(3 * n_exp * ff * E) + q8(3 * ff * E))               # experts MXFP4, shared Q8_0
+    hca = 2 * 2 * D * E + 4 * (128 * D + D)                           # compressor kv/gate BF16, ape/norm F32
+    csa = (2 * 2 * 2 * D * E + 4 * (4 * 2 * D + D)                   # the overlapping compressor (2·512 wide)
+           + 2 * 64 * E + q8(ql * 64 * 128)                          # indexer.proj BF16, indexer.attn_q_b Q8_0
+           + 2 * 2 * 2 * 128 * E + 4 * (4 * 2 * 128 + 128))           # indexer_compressor_*
+    tid2eid, bias = 4 * V * 6, 4 * n_exp                               # I32 routing table / exp_probs_b
+    trunk = root + 43 * block + 20 * hca + 21 * csa + 3 * tid2eid + 40 * bias
+    mtp = root + block + bias + q8(2 * E * E) + 4 * 3 * E                # blk.43 + eh_proj and its 3 norms
+    return trunk, mtp
+
+
+@pytest.fixture(scope="module")
+def v4(models):
+    return models["deepseek-v4-flash"], models["deepseek-v4-flash-mtp"]
+
+
+def test_inventory_and_bytes(v4):
+    trunk, mtp = v4
+    want_trunk, want_mtp = _v4_bytes()
+    assert len(trunk.tensors) == 1328 and len(mtp.tensors) == 34
+    got_trunk, got_mtp = (sum(t.n_bytes for t in m.tensors) for m in v4)
+    assert (got_trunk, got_mtp) == (want_trunk, want_mtp) == (155_876_573_532, 5_225_881_068)
+    # §5: ≈145 GiB (experts 137.06 GiB) and ≈4.9 GiB; 284.3 B and 7.67 B parameters
+    assert abs(got_trunk / GIB - 145) < 0.5 and abs(got_mtp / GIB - 4.9) < 0.1
+    experts = sum(t.n_bytes for t in trunk.tensors if t.role is Role.ROUTED_EXPERTS)
+    assert round(experts / GIB, 2) == 137.06
+    assert round(sum(t.n_elements for t in trunk.tensors) / 1e9, 2) == 284.33
+    assert round(sum(t.n_elements for t in mtp.tensors) / 1e9, 2) == 7.67
+
+
+@pytest.mark.parametrize("name", ["deepseek-v4-flash", "deepseek-v4-flash-mtp"])
+def test_every_key_and_kind_understood(tmp_path, name):
+    path = write_fixture(ALL[name](), tmp_path, tokenizer="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = open_model(path)
+    assert not [t.name for t in m.tensors if t.role is Role.OTHER]
+
+
+def test_spec(v4):
+    trunk, mtp = v4
+    s = trunk.spec
+    assert (s.arch, s.n_layer, s.n_nextn, s.n_embd, s.n_head, s.n_head_kv[0], s.head_dim_k) == \
+        ("deepseek4", 43, 0, 4096, 64, 1, 512)
+    assert (s.hc_mult, s.n_hash_layers, s.o_groups, s.o_lora_rank, s.q_lora_rank) == (4, 3, 8, 1024, 1024)
+    assert (s.indexer_n_head, s.indexer_head_dim, s.indexer_top_k, s.sliding_window) == (64, 128, 512, 128)
+    assert [s.compress_ratio(i) for i in (0, 1, 2, 3, 41, 42)] == [0, 0, 4, 128, 128, 4]
+    assert (mtp.spec.n_layer, mtp.spec.n_nextn, mtp.spec.compress_ratio(43)) == (44, 1, 0)
+
+
+def test_roles(v4):
+    trunk, mtp = v4
+    role = {t.name: t.role for t in trunk.tensors}
+    assert {n: role[n] for n in ("output.weight", "output_hc_fn.weight", "output_hc_base.weight",
+                                 "output_hc_scale.weight")} == dict.fromkeys(
+        ("output.weight", "output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight"), Role.OUTPUT)
+    assert role["blk.0.ffn_gate_tid2eid.weight"] is Role.ROUTER and role["blk.5.hc_ffn_fn.weight"] is Role.ATTENTION
+    assert role["blk.2.indexer_compressor_kv.weight"] is Role.ATTENTION
+    nextn = {t.name for t in mtp.tensors if t.role is Role.NEXTN}
+    assert nextn == {f"blk.43.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")}
+
+
+def test_routing_tables_are_counted_exactly(v4):
+    """ffn_gate_tid2eid: I32, (n_vocab, n_expert_used), 4 bytes a value, on blocks 0-2 only."""
+    trunk, _ = v4
+    tables = [t for t in trunk.tensors if "tid2eid" in t.name]
+    assert [t.layer for t in tables] == [0, 1, 2]
+    assert all(t.ggml_type is Q.I32 and t.shape == (129280, 6) and t.n_bytes == 129280 * 6 * 4 for t in tables)
+
+
+def _kv(spec, ctx, blocks):
+    return sum(kv_bytes(spec, i, MemorySettings(ctx)) for i in blocks)
+
+
+def test_kv_at_32k_and_128k(v4):
+    """§5: compressed caches 6880 B/token at f16 (21·512/4 + 21·128/4 + 20·512/128 values), a
+    window ring per block of sliding_window + ubatch (768 cells after padding), and the f32
+    compressor state: ≈0.21 GiB at 32k and ≈0.84 GiB at 128k plus the ring and state."""
+    trunk, mtp = v4
+    s = trunk.spec
+    for ctx, mib in ((32768, 263.4), (131072, 908.4)):
+        got = _kv(s, ctx, range(43))
+        ring = 43 * 768 * 512 * 2
+        state = sum(4 * (c.state_rows * c.state_width + c.indexer_state_rows * c.indexer_state_width)
+                    for c in (dsv4_cache(s, i, MemorySettings(ctx)) for i in range(43)))
+        assert got == 6880 * ctx + ring + state
+        assert round(got / MIB, 1) == mib
+    assert round(_kv(s, 32768, range(43)) / MIB) in range(240, 280)        # "about 250 MiB"
+    assert round(_kv(s, 131072, range(43)) / MIB) in range(860, 940)       # "about 900 MiB"
+    # the MTP block keeps only its window ring
+    assert kv_bytes(mtp.spec, 43, MemorySettings(32768)) == 768 * 512 * 2
+    assert math.ceil(32768 / 128) == dsv4_cache(s, 3, MemorySettings(32768)).compressed_rows
