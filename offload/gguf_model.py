@@ -118,6 +118,8 @@ class NewerKeys:
 
 # deepseek4's attention kinds by compress ratio (llama.cpp's loader refuses any other ratio)
 COMPRESS_RATIOS = {0: "window", 4: "CSA", 128: "HCA"}
+DSV4 = "deepseek4"
+DSV4_GATING = 4          # expert_gating_func: sqrt(softplus), the only scoring llama.cpp's loader takes
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 LLM, ATTN, ROPE = Keys.LLM, Keys.Attention, Keys.Rope
@@ -142,6 +144,8 @@ RUNTIME_KEYS = (
     LLM.EXPERT_WEIGHTS_NORM, LLM.EXPERT_GATING_FUNC, LLM.EXPERT_GROUP_COUNT,
     LLM.EXPERT_GROUP_USED_COUNT, LLM.EMBEDDING_LENGTH_OUT, LLM.SWIGLU_CLAMP_EXP, LLM.SWIGLU_CLAMP_SHEXP,
     NewerKeys.COMPRESS_ROPE_FREQ_BASE, NewerKeys.HC_SINKHORN_ITERATIONS, NewerKeys.HC_EPSILON,
+    ROPE.FREQ_BASE_SWA,                    # early deepseek4 GGUFs: the compressed layers' rope base
+    NewerKeys.TARGET_LAYERS, NewerKeys.BLOCK_SIZE,   # a dflash (DSpark) drafter's taps and block
 )
 # Whole namespaces: provenance, the tokenizer (offload's tokenizer reads it), split bookkeeping,
 # quantizer provenance (imatrix file/dataset).
@@ -155,6 +159,10 @@ _SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gg
 
 class UnknownMetadataWarning(UserWarning):
     """A GGUF metadata key or tensor kind offload does not understand (reported, not fatal)."""
+
+
+class HeaderNotice(UserWarning):
+    """Something in the header offload acts on in a way the user should know (one line)."""
 
 
 @dataclass(frozen=True)
@@ -335,6 +343,12 @@ def spec_from_metadata(path: str, metadata: Mapping[str, Any], tensors_by_name: 
     n_nextn = m.int(LLM.NEXTN_PREDICT_LAYERS, 0)
     if not 0 <= n_nextn < n_layer:
         raise OffloadError(f"{path}: {m.key(LLM.NEXTN_PREDICT_LAYERS)} is {n_nextn} for {n_layer} blocks")
+    if arch == DSV4:
+        n_nextn = _dsv4_nextn(m, n_layer, n_nextn, tensors_by_name)
+        gating = m.get(LLM.EXPERT_GATING_FUNC)
+        if gating is not None and gating != DSV4_GATING:
+            raise OffloadError(f"{path}: deepseek4: expert_gating_func is {gating}; "
+                               f"only {DSV4_GATING} (sqrt-softplus) is supported")
     n_ff_exp = m.int(LLM.EXPERT_FEED_FORWARD_LENGTH, 0)
     window = m.int(ATTN.SLIDING_WINDOW, 0)
     ratios = _compress_ratios(m, n_layer)
@@ -351,12 +365,28 @@ def spec_from_metadata(path: str, metadata: Mapping[str, Any], tensors_by_name: 
         q_lora_rank=m.int(ATTN.Q_LORA_RANK, 0), kv_lora_rank=m.int(ATTN.KV_LORA_RANK, 0),
         head_dim_k_mla=m.int(ATTN.KEY_LENGTH_MLA, 0), head_dim_v_mla=m.int(ATTN.VALUE_LENGTH_MLA, 0),
         sliding_window=window, swa_layers=_swa_layers(m, n_layer, window),
-        compress_ratios=ratios, hc_mult=m.int(NewerKeys.HC_COUNT, 0),
+        compress_ratios=ratios, hc_mult=m.int(NewerKeys.HC_COUNT, None if arch == DSV4 else 0),
         n_hash_layers=m.int(NewerKeys.HASH_LAYER_COUNT, 0),
         indexer_n_head=m.int(ATTN.Indexer.HEAD_COUNT, 0), indexer_head_dim=m.int(ATTN.Indexer.KEY_LENGTH, 0),
         indexer_top_k=m.int(ATTN.Indexer.TOP_K, 0), o_groups=m.int(NewerKeys.OUTPUT_GROUP_COUNT, 0),
         o_lora_rank=m.int(NewerKeys.OUTPUT_LORA_RANK, 0),
     )
+
+
+def _dsv4_nextn(m: _Meta, n_layer: int, n_nextn: int, tensors_by_name: Mapping[str, Any]) -> int:
+    """deepseek4's NextN count as llama.cpp's loader settles it: some trunks (0731 conversions)
+    say ``nextn_predict_layers = 1`` but carry no MTP block; llama.cpp probes
+    ``blk.{n_layer - n_nextn}.nextn.eh_proj.weight`` and plans without a draft head when it is
+    absent, and so does offload (saying so in one line)."""
+    if not n_nextn:
+        return 0
+    probe = f"blk.{n_layer - n_nextn}.nextn.eh_proj.weight"
+    if probe in tensors_by_name:
+        return n_nextn
+    warnings.warn(f"{m.path}: {m.key(LLM.NEXTN_PREDICT_LAYERS)} is {n_nextn} but there is no {probe}: "
+                  f"no MTP head in this file; planned without a draft head (give --draft MTP.gguf to draft)",
+                  HeaderNotice, stacklevel=4)
+    return 0
 
 
 def _compress_ratios(m: _Meta, n_layer: int) -> tuple[int, ...]:
@@ -437,11 +467,84 @@ _BIAS_OF = {MT.ATTN_Q: lambda s, hk, hv: (s.n_head * s.head_dim_k,), MT.ATTN_K: 
             MT.ATTN_V: lambda s, hk, hv: (hv,)}
 
 
+
+
+def _hc_fn(s: ModelSpec, layer) -> tuple[int, int]:
+    """hc_{attn,ffn}_fn: pre (hc), post (hc) and the hc × hc mixing, from the hc·n_embd streams."""
+    return ((2 + s.hc_mult) * s.hc_mult, s.hc_mult * s.n_embd)
+
+
+def _coff(s: ModelSpec, layer: int) -> int:
+    """A compressor's projections per token: CSA's windows overlap (two), HCA's do not (one)."""
+    return 2 if s.compress_ratio(layer) == 4 else 1
+
+
+# deepseek4's shapes (numpy order) per kind, as llama.cpp's loader creates them (create_tensor in
+# llama-model.cpp's LLM_ARCH_DEEPSEEK4 case; ../shared/deepseek4.md §1.3), with the keys that fix
+# them (named in the refusal). ``layer`` is the block (None for global tensors).
+_E, _HC, _DK = LLM.EMBEDDING_LENGTH, NewerKeys.HC_COUNT, ATTN.KEY_LENGTH
+_RATIOS, _IH, _ID = NewerKeys.COMPRESS_RATIOS, ATTN.Indexer.HEAD_COUNT, ATTN.Indexer.KEY_LENGTH
+_DSV4_SHAPE_OF: dict[MODEL_TENSOR | str, tuple[Any, tuple[str, ...]]] = {
+    MT.ATTN_Q_A: (lambda s, i: (s.q_lora_rank, s.n_embd), (ATTN.Q_LORA_RANK, _E)),
+    MT.ATTN_Q_A_NORM: (lambda s, i: (s.q_lora_rank,), (ATTN.Q_LORA_RANK,)),
+    MT.ATTN_Q_B: (lambda s, i: (s.n_head * s.head_dim_k, s.q_lora_rank), (ATTN.HEAD_COUNT, _DK, ATTN.Q_LORA_RANK)),
+    "ATTN_KV": (lambda s, i: (s.n_head_kv[i] * s.head_dim_k, s.n_embd), (ATTN.HEAD_COUNT_KV, _DK, _E)),
+    MT.ATTN_KV_A_NORM: (lambda s, i: (s.head_dim_k,), (_DK,)),
+    MT.ATTN_SINKS: (lambda s, i: (s.n_head,), (ATTN.HEAD_COUNT,)),
+    "ATTN_OUT_A": (lambda s, i: (s.o_groups * s.o_lora_rank, s.n_head * s.head_dim_k // max(1, s.o_groups)),
+                   (NewerKeys.OUTPUT_GROUP_COUNT, NewerKeys.OUTPUT_LORA_RANK, ATTN.HEAD_COUNT, _DK)),
+    "ATTN_OUT_B": (lambda s, i: (s.n_embd, s.o_groups * s.o_lora_rank),
+                   (_E, NewerKeys.OUTPUT_GROUP_COUNT, NewerKeys.OUTPUT_LORA_RANK)),
+    **{f"HC_{p}_FN": (_hc_fn, (_HC, _E)) for p in ("ATTN", "FFN")},
+    **{f"HC_{p}_BASE": (lambda s, i: ((2 + s.hc_mult) * s.hc_mult,), (_HC,)) for p in ("ATTN", "FFN")},
+    **{f"HC_{p}_SCALE": (lambda s, i: (3,), ()) for p in ("ATTN", "FFN")},
+    **{f"{who}HC_HEAD_FN": (lambda s, i: (s.hc_mult, s.hc_mult * s.n_embd), (_HC, _E)) for who in ("", "NEXTN_")},
+    **{f"{who}HC_HEAD_BASE": (lambda s, i: (s.hc_mult,), (_HC,)) for who in ("", "NEXTN_")},
+    **{f"{who}HC_HEAD_SCALE": (lambda s, i: (1,), ()) for who in ("", "NEXTN_")},
+    **{f"ATTN_COMPRESSOR_{w}": (lambda s, i: (_coff(s, i) * s.head_dim_k, s.n_embd), (_RATIOS, _DK, _E))
+       for w in ("WKV", "WGATE")},
+    "ATTN_COMPRESSOR_APE": (lambda s, i: (s.compress_ratio(i), _coff(s, i) * s.head_dim_k), (_RATIOS, _DK)),
+    "ATTN_COMPRESSOR_NORM": (lambda s, i: (s.head_dim_k,), (_DK,)),
+    **{f"INDEXER_COMPRESSOR_{w}": (lambda s, i: (2 * s.indexer_head_dim, s.n_embd), (_ID, _E))
+       for w in ("WKV", "WGATE")},
+    "INDEXER_COMPRESSOR_APE": (lambda s, i: (4, 2 * s.indexer_head_dim), (_ID,)),
+    "INDEXER_COMPRESSOR_NORM": (lambda s, i: (s.indexer_head_dim,), (_ID,)),
+    MT.INDEXER_PROJ: (lambda s, i: (s.indexer_n_head, s.n_embd), (_IH, _E)),
+    MT.INDEXER_ATTN_Q_B: (lambda s, i: (s.indexer_n_head * s.indexer_head_dim, s.q_lora_rank),
+                          (_IH, _ID, ATTN.Q_LORA_RANK)),
+    "FFN_GATE_TID2EID": (lambda s, i: (s.n_vocab, s.n_expert_used), (LLM.VOCAB_SIZE, LLM.EXPERT_USED_COUNT)),
+}
+# Kinds whose type their meaning fixes: the routing table holds expert ids (llama-quant.cpp
+# never quantizes integer tensors; a quantized one would be a corrupt file).
+_TYPE_OF: dict[MODEL_TENSOR | str, tuple[GGMLQuantizationType, str]] = {
+    "FFN_GATE_TID2EID": (GGMLQuantizationType.I32, "expert ids per token: I32, never a quantized type"),
+}
+# The tensors of a deepseek4 block that only a compressed (CSA, HCA) or only a CSA block has.
+_DSV4_COMPRESSED = {f"ATTN_COMPRESSOR_{w}" for w in ("WKV", "WGATE", "APE", "NORM")}
+_DSV4_CSA = {f"INDEXER_COMPRESSOR_{w}" for w in ("WKV", "WGATE", "APE", "NORM")} | {MT.INDEXER_PROJ,
+                                                                                  MT.INDEXER_ATTN_Q_B}
+
+
+def _dsv4_rule(spec: ModelSpec, name: str):
+    """(shape, keys) of a deepseek4 tensor whose kind ``_DSV4_SHAPE_OF`` lists, else None."""
+    if spec.arch != DSV4 or not name.endswith(".weight"):
+        return None
+    layer, kind, _ = tensor_kind(name)
+    entry = _DSV4_SHAPE_OF.get(kind)
+    if entry is None:
+        return None
+    rule, keys = entry
+    return rule(spec, layer if layer is not None else 0), keys
+
+
 def expected_shape(spec: ModelSpec, name: str) -> tuple[int | None, ...] | None:
     """The shape the metadata gives tensor ``name`` (None where it does not say)."""
     layer, kind, base = tensor_kind(name)
     if kind is None or (spec.is_mla and kind in _MLA_FREE):
         return None
+    dsv4 = _dsv4_rule(spec, name)
+    if dsv4 is not None:
+        return dsv4[0]
     table = _BIAS_OF if name.endswith(".bias") else _SHAPE_OF if name.endswith(".weight") else {}
     rule = table.get(kind)
     if rule is None:
@@ -450,19 +553,48 @@ def expected_shape(spec: ModelSpec, name: str) -> tuple[int | None, ...] | None:
     return rule(spec, n_kv * spec.head_dim_k, n_kv * spec.head_dim_v)
 
 
+def _key_values(model: "ModelFile", keys: tuple[str, ...], layer: int | None) -> str:
+    """``deepseek4.hyper_connection.count = 4, …`` for a refusal (a per-block array: its value
+    for the tensor's block)."""
+    out = []
+    for template in keys:
+        key = template.format(arch=model.spec.arch)
+        value = model.metadata.get(key)
+        value = value.values() if isinstance(value, LazyArray) else value
+        if isinstance(value, list) and layer is not None and layer < len(value):
+            key, value = f"{key}[{layer}]", value[layer]
+        out.append(f"{key} = {'(missing)' if value is None else value}")
+    return ", ".join(out)
+
+
 def check_shapes(model: "ModelFile", names=None) -> None:
     """Refuse, in one line, a tensor (of ``names``, default all) whose shape disagrees with
-    the metadata — at load, before a mismatched matrix fails deep inside a forward pass."""
+    the metadata, or whose type its meaning fixes (``_TYPE_OF``) is another — before a
+    mismatched matrix fails deep inside a forward pass (``offload plan`` checks at planning,
+    the runtime at load)."""
+    spec = model.spec
     for t in model.tensors:
         if names is not None and t.name not in names:
             continue
-        want = expected_shape(model.spec, t.name)
+        layer, kind, base = tensor_kind(t.name)
+        fixed = _TYPE_OF.get(kind)
+        if fixed is not None and t.ggml_type != fixed[0]:
+            raise OffloadError(f"{model.path}: tensor {t.name} is {t.ggml_type.name}, but {base} holds "
+                               f"{fixed[1]}")
+        if spec.arch == DSV4 and layer is not None and not spec.is_nextn_layer(layer) and (
+                (kind in _DSV4_COMPRESSED and not spec.compress_ratio(layer))
+                or (kind in _DSV4_CSA and spec.compress_ratio(layer) != 4)):
+            raise OffloadError(f"{model.path}: tensor {t.name} belongs to a compressed block but "
+                               f"{_key_values(model, (NewerKeys.COMPRESS_RATIOS,), layer)}")
+        want = expected_shape(spec, t.name)
         if want is None:
             continue
         if len(want) != len(t.shape) or any(w is not None and w != d for w, d in zip(want, t.shape)):
             shown = "(" + ", ".join("*" if w is None else str(w) for w in want) + ")"
-            raise OffloadError(f"{model.path}: tensor {t.name} has shape {t.shape} but the metadata "
-                               f"({model.spec.arch}.*) gives {shown}")
+            dsv4 = _dsv4_rule(spec, t.name)
+            by = (_key_values(model, dsv4[1], layer) if dsv4 is not None and dsv4[1]
+                  else f"the metadata ({spec.arch}.*)")
+            raise OffloadError(f"{model.path}: tensor {t.name} has shape {t.shape} but {by} gives {shown}")
 
 
 def open_model(path: str | Path) -> ModelFile:

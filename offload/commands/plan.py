@@ -20,7 +20,7 @@ import json
 import sys
 
 from offload.errors import ArgumentParser, OffloadError, write_atomic
-from offload.gguf_model import ModelFile, open_model
+from offload.gguf_model import ModelFile, check_shapes, open_model
 from offload.plans import open_draft, plan_from_file, read_plan_file
 from placement.devices import resolve_devices
 from placement.draft import NoDraftHead, check_n_max
@@ -96,6 +96,9 @@ def plan_from_args(args: argparse.Namespace, model: ModelFile | None) -> tuple[P
     if model is None:
         raise OffloadError("give a model (or --placement PLAN.yaml)")
     draft = open_draft(args.draft, model) if args.draft else None
+    for m in (model, draft):        # a header whose shapes the metadata contradicts is refused here
+        if m is not None:
+            check_shapes(m)
     options = PlanOptions.from_flags(**{name: getattr(args, name) for name in FLAG_NAMES})
     return make_plan(model, resolve_devices(args.devices or "auto"), options, draft=draft), model, draft
 

@@ -1,0 +1,94 @@
+"""`offload plan` on DeepSeek-V4-Flash headers: bad input refused in one line (status 2), a
+trunk that claims an MTP block it lacks, and the three boxes of issue 31 with the MTP sidecar."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from gguf.constants import Keys
+
+from offload.gguf_model import open_model
+from placement.memory import MemorySettings, kv_bytes
+from tests.cli.test_cli_plan import offload
+from tests.fixtures.real_models import ALL, U32, Q, write_fixture
+
+BOX = ["--devices", "CUDA0=24GiB,CPU=192GiB", "-c", "32768"]
+ARCH = "deepseek4"
+
+
+def _v4(tmp_path, name, edit):
+    m = ALL["deepseek-v4-flash"]()
+    m.name = f"v4-{name}"
+    edit(m)
+    return str(write_fixture(m, tmp_path, tokenizer="none"))
+
+
+def _key(template, value):
+    def edit(m):
+        key = template.format(arch=ARCH)
+        m.metadata[key] = (m.metadata[key][0] if key in m.metadata else U32, value)
+    return edit
+
+
+def _tid2eid(qtype, shape):
+    def edit(m):
+        m.tensors = [(n, shape, qtype) if n == "blk.0.ffn_gate_tid2eid.weight" else (n, s, t)
+                     for n, s, t in m.tensors]
+    return edit
+
+
+RATIOS = "{arch}.attention.compress_ratios"
+BAD = {
+    "ratios short": (_key(RATIOS, [0] * 40),
+                     "deepseek4.attention.compress_ratios has 40 value(s) for 43 blocks"),
+    "bad ratio": (_key(RATIOS, [0, 0, 4, 8] + [4] * 40),
+                  "deepseek4.attention.compress_ratios holds 8; each ratio must be one of 0 (window), 4 (CSA), "
+                  "128 (HCA)"),
+    "hc count": (_key("{arch}.hyper_connection.count", 3),
+                 "tensor output_hc_fn.weight has shape (4, 16384) but deepseek4.hyper_connection.count = 3, "
+                 "deepseek4.embedding_length = 4096 gives (3, 12288)"),
+    "gating": (_key(Keys.LLM.EXPERT_GATING_FUNC, 1),
+               "deepseek4: expert_gating_func is 1; only 4 (sqrt-softplus) is supported"),
+    "quantized tid2eid": (_tid2eid(Q.Q8_0, (129280, 32)),
+                          "tensor blk.0.ffn_gate_tid2eid.weight is Q8_0, but ffn_gate_tid2eid holds expert ids "
+                          "per token: I32, never a quantized type"),
+    "f16 tid2eid": (_tid2eid(Q.F16, (129280, 6)), "tensor blk.0.ffn_gate_tid2eid.weight is F16"),
+    "tid2eid width": (_tid2eid(Q.I32, (129280, 8)),
+                      "tensor blk.0.ffn_gate_tid2eid.weight has shape (129280, 8) but deepseek4.vocab_size = "
+                      "129280, deepseek4.expert_used_count = 6 gives (129280, 6)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_header_one_line_status_2(tmp_path, case):
+    edit, expected = BAD[case]
+    r = offload("plan", _v4(tmp_path, case.replace(" ", "-"), edit), *BOX)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("offload: error: "), r.stderr
+    assert expected in r.stderr and r.stdout == ""
+
+
+def test_hc_count_the_tensors_do_not_match_names_the_block_tensor(tmp_path):
+    """A header whose hc head agrees but whose blocks were written for 3 streams."""
+    def edit(m):
+        m.tensors = [(n, (15, 3 * 4096) if n == "blk.0.hc_attn_fn.weight" else s, t) for n, s, t in m.tensors]
+    r = offload("plan", _v4(tmp_path, "hc-block", edit), *BOX)
+    assert r.returncode == 2 and r.stderr == (
+        f"offload: error: {tmp_path}/v4-hc-block.gguf: tensor blk.0.hc_attn_fn.weight has shape (15, 12288) but "
+        "deepseek4.hyper_connection.count = 4, deepseek4.embedding_length = 4096 gives (24, 16384)\n")
+
+
+def test_trunk_claiming_an_mtp_block_it_lacks_plans_without_a_draft_head(tmp_path):
+    """Some 0731 trunks say nextn_predict_layers = 1 but hold no MTP tensors: like llama.cpp
+    (which probes blk.{n}.nextn.eh_proj), plan all 43 blocks as the trunk, no draft head."""
+    path = _v4(tmp_path, "nextn", _key(Keys.LLM.NEXTN_PREDICT_LAYERS, 1))
+    r = offload("plan", path, *BOX, "--json")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == (f"offload: warning: {path}: deepseek4.nextn_predict_layers is 1 but there is no "
+                        "blk.42.nextn.eh_proj.weight: no MTP head in this file; planned without a draft head "
+                        "(give --draft MTP.gguf to draft)\n")
+    doc = json.loads(r.stdout)
+    assert doc["drafting"] == "none" and doc["speculative"] is None
+    spec = open_model(_v4(tmp_path, "plain", lambda m: None)).spec
+    assert sum(d["kv_bytes"] for d in doc["devices"]) == sum(kv_bytes(spec, i, MemorySettings(32768))
+                                                           for i in range(43))   # every block a trunk block
