@@ -34,6 +34,34 @@ partial sums ``cpu_kernels.matmul.quantized_activations`` makes) instead of the 
 VNNI, or ``--prefill-activations float``) holds less. These sizes, type sets and the request
 rule (``int8_request``, ``wants_int8``) are ``placement.limits``', which the runtime imports too.
 
+DeepSeek-V4 (``deepseek4``; ../shared/deepseek4.md §2) is walked from its math, since its
+runtime model is being written beside this count (``ForwardModel.dsv4_block``): an
+approximation, stated term by term, not yet held to measured allocations. What it counts:
+
+* the hidden state between blocks is (T, hc_mult, n_embd) float32 — hc_mult (4) times the
+  rows of other models — held as each block's residual and on the previous block's home;
+* around each sublayer a hyper-connection: X's square beside the (T, (2+hc)·hc) mixing
+  projection (float32), the broadcast pre·X into y (T, E); after it X' = post ⊗ f(y) + comb·X
+  (two X-sized products and their sum beside the old X);
+* attention: q LoRA (qr kept), q (T, H·D) with its per-head RMS and RoPE temporaries, the
+  shared K=V row appended to the window ring; on compressed blocks the compressor's kv and
+  gate projections and five (T, coff·D) temporaries of its softmax pooling; on CSA blocks the
+  indexer (its own compressor at 2·128, qI (T, 64·128), head weights, the scores over every
+  ``ceil(ctx/4)`` key ``c`` queries at a time as the sink attention chunks them, two
+  (c, heads, keys) products, the (T, keys) scores and the top-k); attention with sinks
+  (``sink_attention_bytes``) over L = window cells + compressed entries (HCA: every
+  ``ceil(ctx/128)`` entry; CSA: every ``ceil(ctx/4)`` entry masked to the top-k, with the
+  (T, entries) bool mask and float bias — a runtime that gathers the top-k rows per query
+  instead would hold T·top_k·D values: 512 MiB at T = 512, not counted); the window and the
+  entries concatenated in the cache type; the inverse RoPE, attn_output_a over the groups
+  (its (T, groups·o_lora) result), attn_output_b;
+* the MoE as for other models (the hash blocks' ``ffn_gate_tid2eid`` is a lookup, not a
+  matrix; the SwiGLU clamp's temporaries are not counted);
+* the hc head where the output is: the state moved there, its square and the (T, hc)
+  mixing, then output_norm and the last row's logits; an MTP block's glue per stream:
+  enorm(embed) broadcast, hnorm of each stream, the (T, hc, 2E) concatenation, eh_proj over
+  T·hc rows.
+
 Decode/verify batches (at most ``DECODE_TOKENS``) on the CPU routed experts: by default
 (``--decode-activations auto``) the kernels take int8 activations where the experts' types
 are in ``DECODE_INT8_TYPES`` (per phase, as ``cpu_kernels.moe.moe_ffn``: gate·up when gate
@@ -46,6 +74,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gguf import GGMLQuantizationType as Q
 
@@ -236,7 +265,8 @@ class BlockTensors:
     def of(cls, tensors: Iterable[TensorInfo]) -> "BlockTensors":
         b = cls({}, {}, set(), False, False, False, None, [], {}, {}, {})
         for t in tensors:
-            kind = t.name.split(".")[2] if t.name.count(".") >= 3 else ""
+            # "blk.3.attn_q.weight" → "attn_q"; "blk.2.indexer.attn_q_b.weight" → "indexer.attn_q_b"
+            kind = t.name.split(".", 2)[2].rsplit(".", 1)[0] if t.name.count(".") >= 3 else ""
             if t.role is Role.ATTENTION and len(t.shape) == 2:
                 b.attn[kind] = t
             elif t.role is Role.ATTENTION and len(t.shape) == 3:
@@ -249,8 +279,8 @@ class BlockTensors:
                 b.sinks = True
             elif t.role is Role.ROUTED_EXPERTS and t.name.endswith(".bias"):
                 b.expert_bias = True
-            elif t.role is Role.ROUTER and len(t.shape) == 2:
-                b.router = t
+            elif t.role is Role.ROUTER and len(t.shape) == 2 and kind == "ffn_gate_inp":
+                b.router = t              # (deepseek4's ffn_gate_tid2eid is a lookup table, not a matrix)
             elif t.role is Role.ROUTED_EXPERTS and len(t.shape) == 3:
                 b.experts.append(t)
             elif t.role is Role.SHARED_EXPERTS and len(t.shape) == 2:
@@ -268,11 +298,16 @@ class ForwardModel:
 
     def __init__(self, spec: ModelSpec, tensors: Sequence[TensorInfo], T: int, L: int,
                  cache_bytes: float, kinds: Devices, kv_block_bytes: Callable[[int], int],
-                 kv_cells: Callable[[int], int] | None = None):
+                 kv_cells: Callable[[int], int] | None = None, dsv4_cache: Callable[[int], Any] | None = None):
         self.spec, self.kinds = spec, kinds
         self.T, self.L, self.kvb = T, L, cache_bytes
         self.kv_block_bytes = kv_block_bytes
         self.kv_cells = kv_cells
+        self.dsv4_cache = dsv4_cache      # deepseek4: placement.memory.dsv4_cache at these settings
+        # the hidden state between blocks: (T, hc_mult, n_embd) float32 with hyper-connections
+        # (deepseek4's residual streams), else (T, n_embd)
+        self.streams = max(1, spec.hc_mult)
+        self.state = T * self.streams * spec.n_embd * F32
         by_block: dict[int, list[TensorInfo]] = defaultdict(list)
         self.globals: dict[str, TensorInfo] = {}
         for t in tensors:
@@ -518,19 +553,130 @@ class ForwardModel:
         moments.append(_plus(base, {h: 3 * te}))                # y, routed, y + routed
         return moments
 
-    def output(self, out_t: TensorInfo | None, norm_dev: str, last_home: str, device_of) -> list[Moment]:
-        """output_norm over all T rows, then logits of the last row (logits="last")."""
+    # -- deepseek4 --------------------------------------------------------------------------
+    def hc_pre(self, fn: TensorInfo | None, h: str, device_of) -> list[Moment]:
+        """A hyper-connection collapsing the streams before a sublayer (§2.2), the state X
+        held by the caller: X's square for the RMS factor beside the mixing projection ``fn``
+        (over T rows of hc·E values, float32), then the broadcast product pre·X (X-sized) and
+        its sum y (T, E). Leaves y and the (T, 2+hc, hc) mixing weights."""
+        te, X = self.T * self.spec.n_embd * F32, self.state
+        mix = self.T * (2 + self.streams) * self.streams * F32
+        return [_plus({h: X + mix}, self._proj(fn, h, self.T, device_of, f32=True)),
+                {h: 4 * mix + X + te}]                  # Sinkhorn's temporaries; pre·X and y
+
+    def hc_post(self, h: str) -> Moment:
+        """X' = post ⊗ f(y) + comb·X beside the sublayer's output and the old X (held by the
+        caller): the two X-sized products and their sum."""
+        return {h: self.T * self.spec.n_embd * F32 + 3 * self.state}
+
+    def dsv4_attention(self, i: int, b: BlockTensors, h: str, device_of) -> list[Moment]:
+        """deepseek4's attention (§2.5-2.7) on home ``h`` after attn_norm (y and its norm
+        live throughout): q LoRA with per-head RMS and RoPE on the last n_rot dims, the one
+        shared K=V row appended to the window ring; on compressed blocks the compressor's two
+        projections and its softmax pooling; on CSA blocks the indexer (its own compressor,
+        q from the q LoRA, head weights, scores over every compressed key ``c`` queries at a
+        time, top-k); attention with sinks over the window plus the compressed entries (CSA:
+        all entries, masked to the top-k: the (T, entries) mask and its float bias); the
+        inverse RoPE, the grouped output projection and attn_output_b."""
+        s, T, f = self.spec, self.T, F32
+        H, Dk, R = s.n_head, s.head_dim_k, s.n_rot
+        Qw, te = H * Dk, T * s.n_embd * F32
+        c = self.dsv4_cache(i) if self.dsv4_cache is not None else None
+        proj = lambda name, n=T: self._proj(b.attn.get(name), h, n, device_of)  # noqa: E731
+        base = {h: 2 * te}                                      # y, attn_norm(y)
+        ql = T * s.q_lora_rank * f
+        moments = [{h: 3 * te}, _plus(base, proj("attn_q_a")), _plus(base, {h: 3 * ql})]
+        live = _plus(base, {h: ql})                             # qr (the indexer reads it too)
+        moments.append(_plus(live, proj("attn_q_b")))
+        live = _plus(live, {h: T * Qw * f})                     # q
+        moments += [_plus(live, {h: 2 * T * Qw * f}),          # per-head RMS: float copy, result
+                    _plus(live, {h: 3 * T * H * R * f}),        # RoPE of the last R dims
+                    _plus(live, proj("attn_kv"))]
+        kvw = T * Dk * f
+        moments.append(_plus(live, {h: 3 * kvw}))               # kv, kv_norm's copy and result
+        live = _plus(live, {h: kvw})
+        moments.append(_plus(live, {h: int(kvw / f * self.kvb)}))   # appended to the window ring
+        r = s.compress_ratio(i)
+        for who, width in (("attn", (2 if r == 4 else 1) * Dk), ("indexer", 2 * s.indexer_head_dim)):
+            if not r or (who == "indexer" and r != 4):
+                continue
+            cw = T * width * f                                  # kv and gate: (T, coff·d) each
+            moments += [_plus(live, proj(f"{who}_compressor_kv")),
+                        _plus(live, {h: cw}, proj(f"{who}_compressor_gate")),
+                        _plus(live, {h: 5 * cw})]               # + ape, softmax's exp and weights, product
+        entries = c.compressed_rows if c is not None else 0
+        mask = 0
+        if r == 4:
+            Hi, Di = s.indexer_n_head, s.indexer_head_dim
+            N, K = (c.indexer_rows if c is not None else 0), s.indexer_top_k
+            moments.append(_plus(live, proj("indexer.attn_q_b")))
+            idx = _plus(live, {h: T * Hi * Di * f})            # qI
+            moments += [_plus(idx, {h: 3 * T * Hi * R * f}), _plus(idx, proj("indexer.proj"))]
+            idx = _plus(idx, {h: T * Hi * f})                   # head weights
+            cq = max(1, min(T, SCORE_VALUES // max(1, Hi * N)))
+            up = 0 if self.kvb == F32 else N * Di * f           # the indexer keys upcast
+            moments += [_plus(idx, {h: up + 2 * cq * Hi * N * f + T * N * f}),   # products, ReLU, scores
+                        _plus(idx, {h: T * N * f + T * min(K, N) * (INT64 + f)})]  # top-k
+            mask = T * min(K, N) * INT64 + T * entries * (1 + f)     # picks, bool mask, float bias
+        W = min(c.window_cells, self.L) if c is not None else self.L
+        La = W + entries
+        keys = int(La * Dk * self.kvb)                          # window ++ compressed, one K=V tensor
+        sdpa = keys + mask + sink_attention_bytes(T, La, H, Qw, Dk, self.kvb)
+        moments.append(_plus(live, {h: sdpa}))
+        live = _plus(base, {h: ql + 2 * T * Qw * f})            # the output and its (T, H·D) copy
+        g = T * s.o_groups * s.o_lora_rank * f
+        moments += [_plus(live, {h: 3 * T * H * R * f}),        # inverse RoPE
+                    _plus(live, proj("attn_output_a")),         # per group: (T, D·H/G) → o_lora
+                    _plus(base, {h: g}, proj("attn_output_b")),
+                    {h: 3 * te}]
+        return moments
+
+    def dsv4_block(self, i: int, b: BlockTensors, h: str, device_of) -> list[Moment]:
+        """A deepseek4 block (§2.3): each sublayer between a hyper-connection's collapse and
+        expansion, the block's input state X held as the residual throughout."""
+        X = {h: self.state}
+        mix = {h: 2 * self.T * (2 + self.streams) * self.streams * F32}   # post and comb kept
+        moments = []
+        for fn, sub in (("hc_attn_fn", self.dsv4_attention(i, b, h, device_of)),
+                        ("hc_ffn_fn", self.ffn(i, b, h, device_of))):
+            moments += [_plus(X, m) for m in self.hc_pre(b.attn.get(fn), h, device_of)]
+            moments += [_plus(X, mix, m) for m in sub]
+            moments.append(_plus(X, mix, self.hc_post(h)))
+        return moments
+
+    def output(self, out_t: TensorInfo | None, norm_dev: str, last_home: str, device_of,
+               hc_fn: TensorInfo | None = None) -> list[Moment]:
+        """output_norm over all T rows, then logits of the last row (logits="last"). With
+        hyper-connections (deepseek4) the hc head first collapses the streams, where the output
+        is: the state moved there, its square for the RMS factor beside the (T, hc) mixing
+        projection ``hc_fn`` (``output_hc_fn``, float32), and the collapsed (T, E) rows."""
         te = self.T * self.spec.n_embd * F32
-        base = {last_home: te}
-        moments = [_plus(base, {norm_dev: 2 * te})]
+        base = {last_home: self.state}
+        moments = []
+        if self.streams > 1:
+            moved = self.state if norm_dev != last_home else 0
+            moments.append(_plus(base, {norm_dev: moved + self.state + te},
+                                 self._proj(hc_fn, norm_dev, self.T, device_of, f32=True)))
+            base = _plus(base, {norm_dev: te})
+        moments.append(_plus(base, {norm_dev: 2 * te}))
         if out_t is not None:
             moments.append(_plus(base, {norm_dev: te}, self._proj(out_t, norm_dev, 1, device_of)))
         return moments
 
     def nextn_glue(self, b: BlockTensors, h: str, device_of) -> list[Moment]:
         """offload.models.shared.base.NextN before its block: enorm(embed(t)), hnorm(h), their
-        (T, 2E) concatenation and eh_proj (the trunk's hidden state is held by the caller)."""
+        (T, 2E) concatenation and eh_proj (the trunk's hidden state is held by the caller).
+        deepseek4 (§2.10): per stream — enorm(embed(t)) broadcast to the hc streams, hnorm of
+        each stream of the trunk's state, their (T, hc, 2E) concatenation and eh_proj over its
+        T·hc rows."""
         te = self.T * self.spec.n_embd * F32
+        if self.streams > 1:
+            X = self.state
+            base = {h: 2 * te + 2 * X}                           # e, enorm(e), its broadcast, hnorm(h)
+            return [_plus(base, {h: X}),                         # hnorm's float copy
+                    _plus(base, {h: 2 * X}),                     # cat
+                    _plus(base, {h: 2 * X}, self._proj(b.nextn.get("eh_proj"), h, self.T * self.streams,
+                                                       device_of))]
         base = {h: 3 * te}                             # e, enorm(e), hnorm(h)
         return [_plus(base, {h: 2 * te}),                        # cat
                 _plus(base, {h: 2 * te}, self._proj(b.nextn.get("eh_proj"), h, self.T, device_of))]
@@ -550,17 +696,20 @@ class ForwardModel:
         b, h = self.blocks[i], self.home(i, device_of)
         if h is None:
             return []
-        te = self.T * self.spec.n_embd * F32
-        carry = {prev: te} if prev != h else {}
+        carry = {prev: self.state} if prev != h else {}
         moments = []
         if self.spec.is_nextn_layer(i):
-            carry = _plus(carry, {trunk_home: te})
+            carry = _plus(carry, {trunk_home: self.state})
             moments += self.nextn_glue(b, h, device_of)
-        moments += self.attention(i, b, h, device_of) + self.ffn(i, b, h, device_of)
+        if self.streams > 1:
+            moments += self.dsv4_block(i, b, h, device_of)
+        else:
+            moments += self.attention(i, b, h, device_of) + self.ffn(i, b, h, device_of)
         out = [_plus(carry, m) for m in moments]
         if self.spec.is_nextn_layer(i):
             head = b.nextn.get("shared_head_head") or self.globals.get("output.weight")
-            out += self.output(head, h, h, device_of)
+            hc_fn = b.nextn.get("hc_head_fn") or self.globals.get("output_hc_fn.weight")
+            out += self.output(head, h, h, device_of, hc_fn=hc_fn)
         return out
 
     def global_steps(self, device_of, trunk_home: str) -> list[Moment]:
@@ -570,14 +719,17 @@ class ForwardModel:
         embd = self.globals.get("token_embd.weight")
         if embd is not None:
             out += self.embedding(embd, device_of(embd))
+            if self.streams > 1:      # the rows repeated into the hc streams
+                out.append({device_of(embd): self.T * self.spec.n_embd * F32 + self.state})
         norm = self.globals.get("output_norm.weight")
+        hc_fn = self.globals.get("output_hc_fn.weight")
         if norm is not None:
             out_t = self.globals.get("output.weight")
             if out_t is not None:     # the norm runs where the output matrix is (models/parts.output_ends)
-                out += self.output(out_t, device_of(out_t), trunk_home, device_of)
+                out += self.output(out_t, device_of(out_t), trunk_home, device_of, hc_fn=hc_fn)
             else:
                 dev = device_of(norm)
-                out += self.output(embd, dev, trunk_home, lambda _t: dev)
+                out += self.output(embd, dev, trunk_home, lambda _t: dev, hc_fn=hc_fn)
         return out
 
     def homes(self, device_of, order: Sequence[int]) -> tuple[dict[int, str], str]:

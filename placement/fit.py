@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 from placement.compute import block_anchors, streamable_expert_blocks, tensor_staging_bytes
 from placement.devices import CPU, Device, format_bytes
 from placement.errors import PlacementError
-from placement.layers import LayerLayout, output_slot_member
+from placement.layers import LayerLayout, input_layer
 from placement.memory import MemorySettings, forward_model, kv_bytes, tied_output
 from placement.plan import Placement, Plan, PlannedModel, build_plan, kv_blocks
 from placement.rules import EXPERTS_REGEX, Rule, check_devices, first_match, layers_regex
@@ -219,12 +219,12 @@ def _slots(model: PlannedModel, draft: PlannedModel | None, s: MemorySettings, p
     for m, is_draft in sources:
         extra = [tied] if tied is not None and not is_draft else []   # logits from token_embd: a copy
         for t in list(m.tensors) + extra:                               # on the output layer's GPU
-            if is_draft or (t.layer is None and output_slot_member(t)):
-                slot = n
-            elif t.layer is not None:
-                slot = t.layer
+            if input_layer(t):
+                slot = None     # input layer (token_embd, a draft's too): on the CPU, as in llama.cpp
+            elif is_draft or t.layer is None:
+                slot = n        # the output layer, which also carries a --draft head
             else:
-                slot = None     # input layer (token_embd): the layout keeps it on the CPU
+                slot = t.layer
             rule = first_match(pins.rules, t.name)
             if rule is not None:
                 pin_of[is_draft, t.name] = (rule.device, f"rule '{rule.text}' ({rule.origin})")

@@ -107,7 +107,9 @@ def footprint_from_tensors(tensors: Sequence[TensorInfo], tensor_map: Mapping[st
                           if any(t.nextn or t.role is Role.NEXTN for t in ts))
 
     embd = next((t for t in globals_ if t.role is Role.EMBEDDING), None)
-    out = next((t for t in globals_ if t.role is Role.OUTPUT), None) or embd  # tied output
+    out_prefix = TENSOR_NAMES[MODEL_TENSOR.OUTPUT] + "."
+    out = (next((t for t in globals_ if t.name.startswith(out_prefix)), None)   # not deepseek4's output_hc_*
+           or next((t for t in globals_ if t.role is Role.OUTPUT), None) or embd)  # tied output
     norm_prefix = TENSOR_NAMES[MODEL_TENSOR.OUTPUT_NORM] + "."
     out_norm = next((t for t in globals_ if t.name.startswith(norm_prefix)), None)
     if out is None:

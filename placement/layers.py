@@ -34,6 +34,12 @@ def output_slot_member(t: TensorInfo) -> bool:
     return t.layer is None and (t.role is Role.OUTPUT or t.name.startswith("output_norm."))
 
 
+def input_layer(t: TensorInfo) -> bool:
+    """llama.cpp's input layer (``token_embd`` and any other tensor outside the blocks and
+    the output layer): always on the CPU."""
+    return t.layer is None and not output_slot_member(t)
+
+
 @dataclass(frozen=True)
 class LayerLayout:
     n_layer: int                    # GGUF block_count (the output layer is slot n_layer)

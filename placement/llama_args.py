@@ -16,14 +16,18 @@ from placement.memory import cache_type
 from placement.plan import Plan
 
 DEFAULT_UBATCH = 512
+# The --spec-type llama.cpp needs to draft with a separate GGUF of these architectures' MTP
+# block (deepseek4's sidecar: ``-md mtp.gguf --spec-type draft-mtp``, llama.cpp PR #25784).
+DRAFT_SPEC_TYPE = {"deepseek4": "draft-mtp"}
 
 
 def _number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
-def llama_cpp_args(plan: Plan) -> list[str]:
-    """argv (without the program name) for llama-server / llama-cli."""
+def llama_cpp_args(plan: Plan, draft_arch: str | None = None) -> list[str]:
+    """argv (without the program name) for llama-server / llama-cli; ``draft_arch``: the
+    ``--draft`` GGUF's architecture (``DRAFT_SPEC_TYPE``)."""
     s, layout = plan.settings, plan.placement.layout
     args = ["-m", plan.model_path, "-c", str(s.ctx)]
     if s.ubatch != DEFAULT_UBATCH:
@@ -41,6 +45,8 @@ def llama_cpp_args(plan: Plan) -> list[str]:
         args += ["-ot", rule.text]
     if plan.draft_path is not None:
         args += ["-md", plan.draft_path]
+        if draft_arch in DRAFT_SPEC_TYPE:
+            args += ["--spec-type", DRAFT_SPEC_TYPE[draft_arch]]
         if plan.placement.draft_device == CPU:
             args += ["-ngld", "0"]
         else:

@@ -17,6 +17,13 @@ attention tensor)::
   ``head_count_kv`` = 1) and no V, as llama.cpp's V-less MLA cache.
 * NextN blocks: counted only when drafting with them (the draft head keeps its own cache
   over the whole context). A ``--draft`` GGUF's blocks likewise.
+* DeepSeek-V4 (``compress_ratios`` present): K = V, one shared row, per block as
+  ``Dsv4Cache`` says — the window ring (``kv_cells`` of a sliding-window block), compressed
+  entries ``ceil(ctx/ratio)`` (CSA 4, HCA 128), the indexer's ``ceil(ctx/4)`` keys on CSA
+  blocks, and the compressors' float32 state with ``DECODE_TOKENS`` rows for rollback. V4-Flash
+  at f16: 263.4 MiB at 32k, 908.4 MiB at 128k, 6.77 GiB at 1M for its 43 blocks (6880 B a
+  token of compressed caches, 32.25 MiB of rings, 16 MiB of state); an MTP block keeps only
+  its ring (768 cells, 0.75 MiB).
 * ``row_bytes(t, n) = n / block_size(t) × type_size(t)`` (ggml_row_size).
 
 **Compute buffer** — what *offload's runtime* allocates beyond weights and KV during one
@@ -228,7 +235,8 @@ def cache_value_bytes(s: MemorySettings) -> float:
 def forward_model(spec: ModelSpec, tensors: Sequence[TensorInfo], s: MemorySettings) -> ForwardModel:
     return ForwardModel(spec, tensors, s.ubatch, s.ctx, cache_value_bytes(s),
                         Devices(s.gpu_dtype, s.host_backed), lambda layer: kv_bytes(spec, layer, s),
-                        kv_cells=lambda layer: kv_cells(spec, layer, s))
+                        kv_cells=lambda layer: kv_cells(spec, layer, s),
+                        dsv4_cache=(lambda layer: dsv4_cache(spec, layer, s)) if spec.compress_ratios else None)
 
 
 def forward_steps(spec: ModelSpec, tensors: Sequence[TensorInfo], placement: Mapping[str, str],

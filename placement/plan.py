@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from placement.devices import CPU, Device, format_bytes
 from placement.errors import PlacementError
 from placement.hot_experts import HotExperts, check_hot, hot_footprint, to_json
-from placement.layers import LayerLayout
+from placement.layers import LayerLayout, input_layer
 from placement.compute import peak_of_group
 from placement.memory import (DeviceTotals, Footprint, MemorySettings, add_footprints, device_totals,
                               footprint, forward_steps)
@@ -47,7 +47,10 @@ class Placement:
         return assign(tensors, self.rules, self.layout.device_of)
 
     def resolve_draft(self, tensors: Sequence[TensorInfo]) -> dict[str, str]:
-        return assign(tensors, self.draft_rules, lambda _t: self.draft_device)
+        """A draft's tensors no rule matches go to the draft device, but for its input layer
+        (``token_embd``, which a sidecar such as deepseek4's MTP GGUF carries): on the CPU, as
+        llama.cpp keeps every model's input layer (with ``-devd``/``-ngld`` too)."""
+        return assign(tensors, self.draft_rules, lambda t: CPU if input_layer(t) else self.draft_device)
 
     def placed_by(self, names: Iterable[str], draft: bool = False) -> dict[str, str]:
         """Tensor name → who decided its device: the first matching rule's origin (``-ot``,

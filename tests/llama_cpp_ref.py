@@ -4,7 +4,8 @@
 match wins. Otherwise the layer's device: ``-ngl``/``-ts`` with float32 split points
 (llama_model::load_tensors); ``token_embd`` (input layer) on the CPU; ``output``/``output_norm``
 in the output layer (slot n_layer). A draft model (``-md``) uses ``-otd``, then ``-devd`` when
-``-ngld`` > 0, else the CPU.
+``-ngld`` > 0, else the CPU; its input layer (a sidecar's ``token_embd``) on the CPU like any
+model's (llama-model.cpp: ``dev_input = { cpu_dev, … }``, "always keep it on the CPU").
 """
 from __future__ import annotations
 
@@ -62,5 +63,7 @@ def apply_flags(argv, tensor_names, n_layer, draft_names=()):
         out[name] = hit
     draft_rules = _overrides(opts.get("-otd", []))
     draft_default = opts["-devd"][0] if "-devd" in opts and int(opts.get("-ngld", ["0"])[0]) > 0 else "CPU"
-    draft = {n: next((dev for rx, dev in draft_rules if rx.search(n)), draft_default) for n in draft_names}
+    draft = {n: next((dev for rx, dev in draft_rules if rx.search(n)),
+                     draft_default if n.startswith(("blk.", "output")) else "CPU")   # input layer: CPU
+             for n in draft_names}
     return out, draft

@@ -184,6 +184,7 @@ def main(argv: list[str]) -> int:
         except FootprintError as exc:      # the plan stands; only the forecast is left out
             print(f"offload: note: no hot-expert forecast: {exc}", file=sys.stderr)
     op = op_offload_forecast(plan, model, hits)
+    draft_arch = draft.spec.arch if draft is not None else None
     hot_note = LLAMA_CPP_HOT_NOTE.format(what=describe(plan.hot_experts, model.tensors)) if plan.hot_experts else ""
     if args.output:
         write_atomic(args.output, plan_to_yaml(plan, routing=hits))
@@ -194,11 +195,11 @@ def main(argv: list[str]) -> int:
             extra["hot_experts_forecast"] = gain.to_dict()
         if op is not None:
             extra["op_offload"] = op
-        print(json.dumps({**plan.to_dict(), "llama_cpp_args": llama_cpp_args(plan), **extra}, indent=1))
+        print(json.dumps({**plan.to_dict(), "llama_cpp_args": llama_cpp_args(plan, draft_arch), **extra}, indent=1))
     elif args.emit:
         if hot_note:
             print(f"offload: note: {hot_note}", file=sys.stderr)
-        print(format_args(llama_cpp_args(plan)))
+        print(format_args(llama_cpp_args(plan, draft_arch)))
     else:
         sys.stdout.write(format_plan(plan, model, draft))
         if table is not None:
@@ -209,7 +210,7 @@ def main(argv: list[str]) -> int:
             print(gain.format())
         if op is not None:
             print(format_op_offload(op))
-        print(f"\nllama.cpp: {format_args(llama_cpp_args(plan))}")
+        print(f"\nllama.cpp: {format_args(llama_cpp_args(plan, draft_arch))}")
         if hot_note:
             print(f"note: {hot_note}")
     return 0

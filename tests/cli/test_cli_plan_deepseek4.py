@@ -92,3 +92,39 @@ def test_trunk_claiming_an_mtp_block_it_lacks_plans_without_a_draft_head(tmp_pat
     spec = open_model(_v4(tmp_path, "plain", lambda m: None)).spec
     assert sum(d["kv_bytes"] for d in doc["devices"]) == sum(kv_bytes(spec, i, MemorySettings(32768))
                                                            for i in range(43))   # every block a trunk block
+
+
+BOXES = {
+    "1x24GB+192GB": "CUDA0=24GiB,CPU=192GiB",
+    "1x96GB+768GB": "CUDA0=96GiB,CPU=768GiB",
+    "4x32GB+512GB": "CUDA0=32GiB,CUDA1=32GiB,CUDA2=32GiB,CUDA3=32GiB,CPU=512GiB",
+}
+
+
+@pytest.mark.parametrize("box", BOXES)
+def test_the_three_boxes_with_the_mtp_sidecar(fixture_paths, models, box):
+    """Issue 31's boxes, V4-Flash with its MTP sidecar, --fit on: the plan fits at the model's
+    full context, the draft head (all of blk.43, its hc head, output) is on a GPU, and the
+    emitted llama.cpp flags put every tensor where the plan does."""
+    trunk, mtp = fixture_paths["deepseek-v4-flash"], fixture_paths["deepseek-v4-flash-mtp"]
+    r = offload("plan", trunk, "--draft", mtp, "--devices", BOXES[box], "--fit", "on", "--json")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["context"] == 1048576 and doc["drafting"] == "--draft"
+    for d in doc["devices"]:
+        assert d["free_after_bytes"] >= 0 and d["free_after_bytes"] >= d["target_bytes"], d
+    head = doc["draft_placement"]["device"]
+    assert head.startswith("CUDA")
+    assert {dev for name, dev in doc["draft_tensors"].items() if name != "token_embd.weight"} == {head}
+    assert doc["draft_tensors"]["token_embd.weight"] == "CPU"
+    assert {doc["tensors"][n] for n in ("output.weight", "output_hc_fn.weight", "output_hc_base.weight",
+                                       "output_hc_scale.weight")} == {doc["tensors"]["output.weight"]}
+    # KV: the trunk's 43 blocks at 1M context (6.77 GiB) and the MTP block's window ring
+    spec = models["deepseek-v4-flash"].spec
+    want = sum(kv_bytes(spec, i, MemorySettings(1048576)) for i in range(43)) + 768 * 512 * 2
+    assert sum(d["kv_bytes"] for d in doc["devices"]) == want
+    args = doc["llama_cpp_args"]
+    assert args[args.index("-md"):args.index("-md") + 6] == ["-md", mtp, "--spec-type", "draft-mtp", "-devd", head]
+    from tests.llama_cpp_ref import apply_flags
+    tensors, draft = apply_flags(args, list(doc["tensors"]), spec.n_layer, list(doc["draft_tensors"]))
+    assert tensors == doc["tensors"] and draft == doc["draft_tensors"]

@@ -119,3 +119,79 @@ def test_kv_at_32k_and_128k(v4):
     # the MTP block keeps only its window ring
     assert kv_bytes(mtp.spec, 43, MemorySettings(32768)) == 768 * 512 * 2
     assert math.ceil(32768 / 128) == dsv4_cache(s, 3, MemorySettings(32768)).compressed_rows
+
+
+# -- placement and compute --------------------------------------------------------------
+
+HC_HEAD = ("output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight")
+
+
+def _fit(model, box, ctx=32768, draft=None):
+    from placement.devices import parse_devices
+    from placement.fit import fit
+    devices = parse_devices(box)
+    return fit(model, devices, {d.name: GIB for d in devices if d.is_gpu}, MemorySettings(ctx), draft=draft)
+
+
+def test_hc_head_goes_where_the_output_goes(v4):
+    """The hc head (output_hc_*) collapses the streams right before output_norm/output: on
+    the output's GPU, for the trunk and for the MTP sidecar's own head; a sidecar's
+    token_embd is its input layer: on the CPU, as llama.cpp keeps it."""
+    trunk, mtp = v4
+    for box in ("CUDA0=24GiB,CPU=192GiB", "CUDA0=32GiB,CUDA1=32GiB,CUDA2=32GiB,CUDA3=32GiB,CPU=512GiB"):
+        plan = _fit(trunk, box, draft=mtp)
+        out = plan.tensors["output.weight"]
+        assert out.startswith("CUDA") and {plan.tensors[n] for n in HC_HEAD} == {out}
+        assert {plan.draft_tensors[n] for n in HC_HEAD + ("output.weight", "blk.43.nextn.eh_proj.weight")} == \
+            {plan.placement.draft_device} and plan.placement.draft_device.startswith("CUDA")
+        assert plan.draft_tensors["token_embd.weight"] == "CPU"
+
+
+def test_forward_carries_the_hc_wide_state(v4):
+    """deepseek4's hidden state between blocks is (T, hc_mult, n_embd): a block computing on
+    another device than the one before it holds hc_mult× the rows of other models there."""
+    from placement.memory import forward_model
+    trunk, _ = v4
+    fm = forward_model(trunk.spec, trunk.tensors, MemorySettings(32768))
+    assert fm.state == 512 * 4 * 4096 * 4
+    dev = lambda t: "CUDA0" if t.layer == 5 else "CPU"        # noqa: E731
+    steps = fm.block_steps(5, dev, "CPU", "CPU")
+    assert min(m.get("CPU", 0) for m in steps) == fm.state    # the previous block's state, held on its home
+    assert max(m["CUDA0"] for m in steps) > 3 * fm.state      # residual X, its hc_pre square, X' at hc_post
+
+
+def test_compute_grows_with_the_compressed_entries(v4):
+    """Window-only blocks attend to their ring; CSA blocks score every ctx/4 indexer key and
+    attend to the entries masked to the top-k."""
+    from placement.memory import forward_model
+    trunk, _ = v4
+    gpu = lambda t: "CUDA0"                                    # noqa: E731
+
+    def peak(ctx, i):
+        fm = forward_model(trunk.spec, trunk.tensors, MemorySettings(ctx))
+        return max(m["CUDA0"] for m in fm.block_steps(i, gpu, "CUDA0", "CUDA0"))
+
+    assert peak(32768, 0) == peak(131072, 0)                   # window only
+    # (HCA's few entries, 256 at 32k, 1024 at 128k, change the chunking of the sink attention's
+    # queries more than the keys: its peak need not grow)
+    assert peak(131072, 2) - peak(32768, 2) > 512 * (32768 - 8192) * 4   # CSA: the (T, ctx/4) scores alone
+
+
+def test_routing_table_is_not_the_router(v4):
+    from placement.compute import BlockTensors
+    trunk, _ = v4
+    b = BlockTensors.of([t for t in trunk.tensors if t.layer == 0])
+    assert b.router.name == "blk.0.ffn_gate_inp.weight"
+    assert {"indexer.proj", "indexer.attn_q_b"} <= set(BlockTensors.of([t for t in trunk.tensors if t.layer == 2]).attn)
+
+
+def test_bundled_mtp_plans_in_model(models):
+    """A bundled trunk + MTP file: blk.43 drafts in-model with its window cache; its own hc
+    head (blk.43.nextn.hc_head_*) stays with the block."""
+    m = models["deepseek-v4-flash-bundled"]
+    assert len(m.tensors) == 1359 and (m.spec.n_layer_trunk, m.spec.n_nextn) == (43, 1)
+    plan = _fit(m, "CUDA0=24GiB,CPU=192GiB")
+    assert plan.drafting == "in-model NextN"
+    assert plan.tensors["blk.43.nextn.hc_head_fn.weight"] == plan.tensors["blk.43.attn_kv.weight"] == "CUDA0"
+    kv = sum(t.kv_bytes for t in plan.totals)
+    assert kv == _kv(m.spec, 32768, range(43)) + 768 * 512 * 2
