@@ -128,3 +128,14 @@ def test_the_three_boxes_with_the_mtp_sidecar(fixture_paths, models, box):
     from tests.llama_cpp_ref import apply_flags
     tensors, draft = apply_flags(args, list(doc["tensors"]), spec.n_layer, list(doc["draft_tensors"]))
     assert tensors == doc["tensors"] and draft == doc["draft_tensors"]
+
+
+def test_plan_file_round_trip_with_the_sidecar(tmp_path, fixture_paths):
+    trunk, mtp = fixture_paths["deepseek-v4-flash"], fixture_paths["deepseek-v4-flash-mtp"]
+    out = tmp_path / "v4.yaml"
+    first = offload("plan", trunk, "--draft", mtp, "--devices", BOXES["4x32GB+512GB"], "--fit", "on", "-c", "131072",
+                    "--json", "-o", str(out))
+    again = offload("plan", "--placement", str(out), "--json")
+    assert first.returncode == 0 and again.returncode == 0, again.stderr
+    a, b = json.loads(first.stdout), json.loads(again.stdout)
+    assert (a["tensors"], a["draft_tensors"], a["devices"]) == (b["tensors"], b["draft_tensors"], b["devices"])

@@ -195,3 +195,13 @@ def test_bundled_mtp_plans_in_model(models):
     assert plan.tensors["blk.43.nextn.hc_head_fn.weight"] == plan.tensors["blk.43.attn_kv.weight"] == "CUDA0"
     kv = sum(t.kv_bytes for t in plan.totals)
     assert kv == _kv(m.spec, 32768, range(43)) + 768 * 512 * 2
+
+
+def test_0731_ratios_of_length_46(tmp_path):
+    """0731 checkpoints list the three DSpark stages after the trunk (46 ratios): llama.cpp reads
+    the first block_count."""
+    m = ALL["deepseek-v4-flash"]()
+    key = "deepseek4.attention.compress_ratios"
+    m.metadata[key] = (m.metadata[key][0], m.metadata[key][1][:43] + [0, 0, 0])
+    spec = open_model(write_fixture(m, tmp_path, tokenizer="none")).spec
+    assert len(spec.compress_ratios) == 43 and spec.compress_ratios[-1] == 4
