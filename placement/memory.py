@@ -258,8 +258,8 @@ def tied_output(tensors: Sequence[TensorInfo]) -> TensorInfo | None:
     """A model without ``output.weight`` computes its logits with ``token_embd`` (tied
     embeddings); llama.cpp loads a second copy on the output layer's device. Returned as a
     stand-in OUTPUT tensor of the same size, or None for an untied model."""
-    if any(t.role is Role.OUTPUT for t in tensors):
-        return None
+    if any(t.role is Role.OUTPUT and t.name.startswith("output.") for t in tensors):
+        return None                  # (deepseek4's hc head, output_hc_*, is OUTPUT too but no matrix)
     embd = next((t for t in tensors if t.role is Role.EMBEDDING and t.name == "token_embd.weight"), None)
     return None if embd is None else replace(embd, name="output.weight (tied to token_embd)", role=Role.OUTPUT)
 

@@ -205,3 +205,14 @@ def test_0731_ratios_of_length_46(tmp_path):
     m.metadata[key] = (m.metadata[key][0], m.metadata[key][1][:43] + [0, 0, 0])
     spec = open_model(write_fixture(m, tmp_path, tokenizer="none")).spec
     assert len(spec.compress_ratios) == 43 and spec.compress_ratios[-1] == 4
+
+
+def test_tied_output_is_found_beside_the_hc_head(v4):
+    """Without output.weight the logits come from token_embd (a copy on the output's device),
+    even though the hc head's tensors are output-layer tensors too."""
+    from placement.memory import tied_output
+    trunk, _ = v4
+    untied = [t for t in trunk.tensors if t.name != "output.weight"]
+    tied = tied_output(untied)
+    assert tied is not None and tied.n_bytes == trunk.tensor("token_embd.weight").n_bytes
+    assert tied_output(trunk.tensors) is None
