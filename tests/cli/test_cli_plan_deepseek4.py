@@ -53,6 +53,16 @@ BAD = {
                           "tensor blk.0.ffn_gate_tid2eid.weight is Q8_0, but ffn_gate_tid2eid holds expert ids "
                           "per token: I32, never a quantized type"),
     "f16 tid2eid": (_tid2eid(Q.F16, (129280, 6)), "tensor blk.0.ffn_gate_tid2eid.weight is F16"),
+    "compressor on a window block": (
+        lambda m: m.add("blk.0.attn_compressor_kv.weight", (1024, 4096), Q.BF16),
+        "tensor blk.0.attn_compressor_kv.weight belongs to a compressed block but "
+        "deepseek4.attention.compress_ratios[0] = 0"),
+    "HCA compressor on a CSA block": (
+        lambda m: m.tensors.__setitem__(
+            next(i for i, t in enumerate(m.tensors) if t[0] == "blk.2.attn_compressor_kv.weight"),
+            ("blk.2.attn_compressor_kv.weight", (512, 4096), Q.BF16)),
+        "tensor blk.2.attn_compressor_kv.weight has shape (512, 4096) but deepseek4.attention.compress_ratios[2] "
+        "= 4, deepseek4.attention.key_length = 512, deepseek4.embedding_length = 4096 gives (1024, 4096)"),
     "tid2eid width": (_tid2eid(Q.I32, (129280, 8)),
                       "tensor blk.0.ffn_gate_tid2eid.weight has shape (129280, 8) but deepseek4.vocab_size = "
                       "129280, deepseek4.expert_used_count = 6 gives (129280, 6)"),
