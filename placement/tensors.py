@@ -24,7 +24,7 @@ class Role(str, enum.Enum):
     DENSE_FFN = "dense_ffn"            # ffn_gate/ffn_up/ffn_down of dense layers
     NORM = "norm"
     EMBEDDING = "embedding"
-    OUTPUT = "output"                  # output.weight (and output_norm is NORM)
+    OUTPUT = "output"                  # output.weight, deepseek4's hc head output_hc_* (output_norm is NORM)
     NEXTN = "nextn"
     OTHER = "other"
 

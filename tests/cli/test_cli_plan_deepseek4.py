@@ -47,6 +47,8 @@ BAD = {
     "hc count": (_key("{arch}.hyper_connection.count", 3),
                  "tensor output_hc_fn.weight has shape (4, 16384) but deepseek4.hyper_connection.count = 3, "
                  "deepseek4.embedding_length = 4096 gives (3, 12288)"),
+    "hc count missing": (lambda m: m.metadata.pop("deepseek4.hyper_connection.count"),
+                         "missing metadata key deepseek4.hyper_connection.count"),
     "gating": (_key(Keys.LLM.EXPERT_GATING_FUNC, 1),
                "deepseek4: expert_gating_func is 1; only 4 (sqrt-softplus) is supported"),
     "quantized tid2eid": (_tid2eid(Q.Q8_0, (129280, 32)),
