@@ -186,6 +186,8 @@ class TinySpec:
     o_lora_rank: int = 32
     compress_rope_base: float = 160000.0
     swiglu_limit: float = 10.0
+    # deepseek4 bad-input files: (key template, value) written instead of the spec's (None: omitted)
+    meta_overrides: tuple[tuple[str, object], ...] = ()
 
     @property
     def n_vocab(self) -> int:
@@ -340,22 +342,30 @@ def deepseek4_metadata(w: GGUFWriter, spec: TinySpec) -> None:
     """deepseek4's keys as llama.cpp's converter writes them: one shared K=V head, q LoRA,
     the grouped output projection, per-block compress ratios (i32) and SwiGLU clamps (f32),
     the indexer, hyper-connections, hash routing, and YaRN for the compressed blocks' rope."""
-    from offload.gguf_model import NewerKeys
     from gguf import Keys
+
+    from offload.gguf_model import NewerKeys
     arch, n = spec.arch, spec.n_layer
+    overrides = dict(spec.meta_overrides)
+
+    def put(template: str, value, add) -> None:
+        value = overrides.get(template, value)
+        if value is not None:
+            add(template.format(arch=arch), value)
+
     w.add_head_count_kv(1)
     w.add_key_length(spec.head_dim)
     w.add_value_length(spec.head_dim)
     w.add_rope_dimension_count(spec.n_rot)
     w.add_q_lora_rank(spec.q_lora_rank)
     w.add_sliding_window(spec.window)
-    w.add_uint32(NewerKeys.OUTPUT_GROUP_COUNT.format(arch=arch), spec.o_groups)
-    w.add_uint32(NewerKeys.OUTPUT_LORA_RANK.format(arch=arch), spec.o_lora_rank)
-    w.add_array(NewerKeys.COMPRESS_RATIOS.format(arch=arch), [int(r) for r in spec.compress_ratios])
-    w.add_float32(NewerKeys.COMPRESS_ROPE_FREQ_BASE.format(arch=arch), spec.compress_rope_base)
-    w.add_uint32(Keys.Attention.Indexer.HEAD_COUNT.format(arch=arch), spec.indexer_n_head)
-    w.add_uint32(Keys.Attention.Indexer.KEY_LENGTH.format(arch=arch), spec.indexer_head_dim)
-    w.add_uint32(Keys.Attention.Indexer.TOP_K.format(arch=arch), spec.indexer_top_k)
+    put(NewerKeys.OUTPUT_GROUP_COUNT, spec.o_groups, w.add_uint32)
+    put(NewerKeys.OUTPUT_LORA_RANK, spec.o_lora_rank, w.add_uint32)
+    put(NewerKeys.COMPRESS_RATIOS, [int(r) for r in spec.compress_ratios], w.add_array)
+    put(NewerKeys.COMPRESS_ROPE_FREQ_BASE, spec.compress_rope_base, w.add_float32)
+    put(Keys.Attention.Indexer.HEAD_COUNT, spec.indexer_n_head, w.add_uint32)
+    put(Keys.Attention.Indexer.KEY_LENGTH, spec.indexer_head_dim, w.add_uint32)
+    put(Keys.Attention.Indexer.TOP_K, spec.indexer_top_k, w.add_uint32)
     if spec.yarn_factor > 1:
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(spec.yarn_factor)
@@ -366,13 +376,13 @@ def deepseek4_metadata(w: GGUFWriter, spec: TinySpec) -> None:
     w.add_expert_shared_count(spec.n_shared)
     w.add_expert_weights_scale(spec.weights_scale)
     w.add_expert_weights_norm(True)
-    w.add_uint32(Keys.LLM.EXPERT_GATING_FUNC.format(arch=arch), SQRT_SOFTPLUS)
-    w.add_array(Keys.LLM.SWIGLU_CLAMP_EXP.format(arch=arch), [float(spec.swiglu_limit)] * n)
-    w.add_array(Keys.LLM.SWIGLU_CLAMP_SHEXP.format(arch=arch), [float(spec.swiglu_limit)] * n)
-    w.add_uint32(NewerKeys.HC_COUNT.format(arch=arch), spec.hc_mult)
-    w.add_uint32(NewerKeys.HC_SINKHORN_ITERATIONS.format(arch=arch), spec.hc_iters)
-    w.add_float32(NewerKeys.HC_EPSILON.format(arch=arch), 1e-6)
-    w.add_uint32(NewerKeys.HASH_LAYER_COUNT.format(arch=arch), spec.n_hash)
+    put(Keys.LLM.EXPERT_GATING_FUNC, SQRT_SOFTPLUS, w.add_uint32)
+    put(Keys.LLM.SWIGLU_CLAMP_EXP, [float(spec.swiglu_limit)] * n, w.add_array)
+    put(Keys.LLM.SWIGLU_CLAMP_SHEXP, [float(spec.swiglu_limit)] * n, w.add_array)
+    put(NewerKeys.HC_COUNT, spec.hc_mult, w.add_uint32)
+    put(NewerKeys.HC_SINKHORN_ITERATIONS, spec.hc_iters, w.add_uint32)
+    put(NewerKeys.HC_EPSILON, 1e-6, w.add_float32)
+    put(NewerKeys.HASH_LAYER_COUNT, spec.n_hash, w.add_uint32)
 
 
 def _gqa_attention(spec: TinySpec, *, bias: bool, qk_norm: bool) -> list[TinyTensor]:

@@ -1,0 +1,233 @@
+"""deepseek4 (DeepSeek-V4) on the torch path, layer 3: logits against transformers'
+``DeepseekV4ForCausalLM`` on the same random weights (all three attention kinds, hash and
+√softplus routing, YaRN on the compressed blocks, the SwiGLU clamps engaged), a prompt in one
+batch against one token at a time, exact rollback of every cache after a verify batch (the
+speculative loop's contract), and the bad-input errors."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import Keys
+
+import offload.runtime as rt
+from offload.errors import OffloadError
+from offload.gguf_model import NewerKeys
+from tests.hf_reference import hf_deepseek4
+from tests.tiny_models import TinySpec, write_tiny_model
+
+# Same weights, both sides float32: the differences are summation order and where the RMS
+# scaling is applied (~1e-6 of the logit scale, measured 1.7e-6). A wrong rope slice, mixing
+# direction, slot order or clamp shows up at 1e-2..1.
+REL_TOL = 1e-4
+# 6 blocks: window-only (hash-routed), CSA, HCA; a 16-token window; YaRN with a 64-token
+# original context so its ramp covers the rope dims; SwiGLU limit 2 so the clamps bite
+SPEC = TinySpec(arch="deepseek4", expert_type=Q.F32, head_dim=64, n_rot=16, n_layer=6, rms_eps=1e-6,
+                compress_ratios=(0, 0, 4, 128, 4, 128), n_hash=2, window=16, yarn_factor=4.0, yarn_orig_ctx=64,
+                n_expert=8, n_expert_used=2, n_ff_exp=64, swiglu_limit=2.0, indexer_top_k=128, seed=40)
+# 300 tokens: 2 entries per HCA block, 75 per CSA block (≤ top_k 128: the indexer keeps every
+# visible entry, so its ReLU-zero ties cannot pick differently)
+IDS = [int(t) for t in np.random.default_rng(7).integers(0, 290, 300)]
+
+
+def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+def load(path, **kw):
+    """All on the CPU, float activations everywhere (a 300-token prompt would otherwise quantize
+    the activations of quantized experts to int8, whose rounding the routers and the indexer
+    amplify into other picks), an f32 cache."""
+    return rt.load(path, devices="CPU=16GiB", cache_type="f32", quiet=True, decode_activations="float",
+                   int8_prefill=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("ds4") / "ds4.gguf", SPEC)
+
+
+def reference(tiny, ids, **override) -> np.ndarray:
+    with torch.no_grad():
+        return hf_deepseek4(tiny, **override)(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_logits_match_transformers(tiny):
+    ref = reference(tiny, IDS)
+    with load(tiny.path) as s:
+        ours = s.logits(IDS)
+    err = rel_err(ours, ref)
+    print(f"\n  deepseek4 F32 experts, top_k >= entries: rel err {err:.2e}")
+    assert err < REL_TOL
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.99
+
+
+def _indexer_scores(model, ids) -> list[torch.Tensor]:
+    """transformers' index scores of every CSA block (hooked, not replaced)."""
+    got = []
+    for layer in model.model.layers:
+        comp = layer.self_attn.compressor
+        if comp is not None and hasattr(comp, "indexer"):
+            comp.indexer.scorer.register_forward_hook(lambda m, args, out: got.append(out[0].detach()))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    return got
+
+
+def test_small_top_k_matches_transformers_where_no_tie_decides(tmp_path):
+    """top_k 8 of up to 75 entries: the indexer has to choose. First the reference's scores
+    are checked to leave a clear gap between the k-th and the (k+1)-th visible entry of every
+    query: a tie (with 4 indexer heads the seeds tried had exact ReLU-zero ties) or a gap
+    within float32 noise (~1e-6 of the scale here) would let either implementation pick. With
+    16 heads and this seed the smallest gap is 7.6e-5 of the scale; the check asks 2e-5."""
+    from dataclasses import replace
+    tiny = write_tiny_model(tmp_path / "k8.gguf", replace(SPEC, indexer_top_k=8, indexer_n_head=16, seed=43))
+    from tests.hf_reference import hf_deepseek4 as build
+    hf = build(tiny)
+    k = 8
+    for scores in _indexer_scores(hf, IDS):                       # (T, S)
+        t, s = scores.shape
+        visible = torch.arange(s)[None] < ((torch.arange(t) + 1) // 4)[:, None]
+        ranked = scores.masked_fill(~visible, float("-inf")).sort(-1, descending=True).values
+        rows = visible.sum(-1) > k
+        gap = ranked[rows, k - 1] - ranked[rows, k]
+        assert rows.any() and gap.min() > 2e-5 * scores.abs().max()
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0].numpy()
+    with load(tiny.path) as sess:
+        ours = sess.logits(IDS)
+    err = rel_err(ours, ref)
+    print(f"\n  deepseek4 F32 experts, top_k 8: rel err {err:.2e}")
+    assert err < REL_TOL
+
+
+def test_quantized_experts_match_the_dequantized_reference(tmp_path):
+    """Q8_0 routed experts through the CPU kernels (float activations) against transformers on
+    the dequantized weights: the same bound, float summation order only."""
+    from dataclasses import replace
+    tiny = write_tiny_model(tmp_path / "q8.gguf", replace(SPEC, expert_type=Q.Q8_0, seed=42))
+    ref = reference(tiny, IDS)
+    with load(tiny.path) as s:
+        ours = s.logits(IDS)
+    err = rel_err(ours, ref)
+    print(f"\n  deepseek4 Q8_0 experts: rel err {err:.2e}")
+    assert err < REL_TOL
+
+
+def test_prompt_in_one_batch_equals_one_token_at_a_time(tiny):
+    """The caches (window ring, compressed entries, indexer keys, compressor state) give the
+    same logits whether the prompt comes in one batch, one token at a time, or in chunks that
+    end mid-window: float32 rounding only."""
+    ids = IDS[:140]
+    with load(tiny.path) as s, torch.inference_mode():
+        batched = s.logits(ids)
+        state = s.model.new_state()
+        steps = np.stack([s.model.forward(torch.tensor([t]), state)[0][0].numpy() for t in ids])
+        assert state.n_past == len(ids)
+        state = s.model.new_state()
+        chunks = np.concatenate([s.model.forward(torch.tensor(ids[i:i + 13]), state)[0].numpy()
+                                 for i in range(0, len(ids), 13)])
+    assert rel_err(steps, batched) < REL_TOL
+    assert rel_err(chunks, batched) < REL_TOL
+
+
+@pytest.mark.parametrize("n_draft", [1, 2, 3, 4])
+def test_truncate_after_a_verify_batch_continues_bit_for_bit(tiny, n_draft):
+    """At every length L from 120 to 136 (across HCA's 128-token window boundary and CSA's
+    4-token ones): a copy of the state decodes token x; the state itself first takes a verify
+    batch of 1 + n_draft tokens, is truncated back to L, then decodes x. The logits are equal
+    bit for bit, so rollback restored every cache exactly."""
+    with load(tiny.path) as s, torch.inference_mode():
+        model = s.model
+        state = model.new_state()
+        model.forward(torch.tensor(IDS[:120]), state, logits="none")
+        for length in range(120, 137):
+            assert state.n_past == length
+            twin = copy.deepcopy(state)
+            want = model.forward(torch.tensor([IDS[length]]), twin)[0]
+            model.forward(torch.tensor(IDS[length:length + 1 + n_draft][::-1]), state, logits="none")
+            state.truncate(length)
+            got = model.forward(torch.tensor([IDS[length]]), state)[0]
+            assert torch.equal(got, want), length
+
+
+def _greedy(model, prompt, n):
+    state = model.new_state()
+    tok = int(model.forward(torch.tensor(prompt), state)[0][-1].argmax())
+    out = [tok]
+    while len(out) < n:
+        tok = int(model.forward(torch.tensor([tok]), state)[0][0].argmax())
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("n_draft", [1, 2, 3, 4])
+def test_exact_verify_equals_plain_greedy(tiny, n_draft):
+    """Drafts of n_draft tokens (some right, some wrong), verified in one batch, the accepted
+    prefix kept and the state truncated behind it: the tokens are plain greedy decoding's,
+    through positions 124..140 (HCA and CSA windows close inside verify batches)."""
+    prompt, n = IDS[:124], 16
+    with load(tiny.path) as s, torch.inference_mode():
+        model = s.model
+        plain = _greedy(model, prompt, n + n_draft + 1)
+        rng = np.random.default_rng(n_draft)
+        state = model.new_state()
+        tok = int(model.forward(torch.tensor(prompt), state)[0][-1].argmax())
+        out, rejected = [tok], 0
+        while len(out) < n:
+            at = len(out)
+            draft = [plain[at + j] if rng.random() < 0.7 else (plain[at + j] + 1) % 290 for j in range(n_draft)]
+            base = state.n_past
+            pred = model.forward(torch.tensor([tok] + draft), state)[0].argmax(-1).tolist()
+            j = 0
+            while j < n_draft and draft[j] == pred[j]:
+                j += 1
+            rejected += n_draft - j
+            state.truncate(base + 1 + j)
+            out += draft[:j] + [pred[j]]
+            tok = pred[j]
+        assert out[:n] == plain[:n]
+        assert rejected > 0
+        with pytest.raises(ValueError, match="cannot roll back"):
+            state.truncate(state.n_past - 40)
+
+
+def _bad(tmp_path, name, **overrides):
+    from dataclasses import replace
+    spec = replace(SPEC, n_layer=4, compress_ratios=(0, 4, 128, 0), seed=43,
+                   meta_overrides=tuple(overrides.items()))
+    return write_tiny_model(tmp_path / f"{name}.gguf", spec, keep_weights=False).path
+
+
+BAD = {
+    "gating": ({Keys.LLM.EXPERT_GATING_FUNC: 2}, r"^deepseek4: deepseek4\.expert_gating_func is 2; .*sqrt-softplus"),
+    "missing-sinkhorn": ({NewerKeys.HC_SINKHORN_ITERATIONS: None},
+                         r"^deepseek4: missing metadata key deepseek4\.hyper_connection\.sinkhorn_iterations$"),
+    "hc-count": ({NewerKeys.HC_COUNT: 2}, r"hc_attn_fn\.weight.*hyper_connection\.count"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line(tmp_path, case):
+    overrides, message = BAD[case]
+    path = _bad(tmp_path, case, **overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(OffloadError, match=message) as err:
+            rt.load(path, devices="CPU=16GiB", quiet=True)
+    assert "\n" not in str(err.value)
+
+
+def test_offload_run_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from offload.cli import main
+    for overrides in ({Keys.LLM.EXPERT_GATING_FUNC: 1}, {NewerKeys.COMPRESS_RATIOS: [0, 4, 64, 0]}):
+        path = _bad(tmp_path, "run", **overrides)
+        rc = main(["run", str(path), "-p", "def", "-n", "2"])
+        out = capsys.readouterr()
+        lines = out.err.strip().splitlines()
+        assert rc == 2 and out.out == "" and "Traceback" not in out.err
+        assert lines[-1].startswith("offload: error:") and "deepseek4" in lines[-1], out.err
