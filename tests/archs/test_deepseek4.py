@@ -231,3 +231,51 @@ def test_offload_run_refuses_bad_input_in_one_line(tmp_path, capsys):
         lines = out.err.strip().splitlines()
         assert rc == 2 and out.out == "" and "Traceback" not in out.err
         assert lines[-1].startswith("offload: error:") and "deepseek4" in lines[-1], out.err
+
+
+def reference_clamped_moe(x, ids, wts, gate, up, down, limit):
+    """float64: Σ_k w · down_e · (silu(min(g, limit)) · clamp(u, ±limit))."""
+    y = np.zeros((x.shape[0], down.shape[1]))
+    for t in range(x.shape[0]):
+        for e, wt in zip(ids[t], wts[t]):
+            g = np.minimum(gate[e] @ x[t], limit)
+            u = np.clip(up[e] @ x[t], -limit, limit)
+            y[t] += wt * (down[e] @ (g / (1 + np.exp(-g)) * u))
+    return y
+
+
+# float activations: only summation order differs from float64 (1e-5 of the output scale)
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.MXFP4])
+def test_cpu_and_torch_experts_clamp_like_float64(qtype):
+    """The ``swiglu_clamp`` activation of the CPU kernels (``moe_ffn``) and of torch experts
+    (``gpu.ffn.glu``) against float64, with gate and up past the limit on both sides."""
+    from cpu_kernels import ExpertWeights
+    from cpu_kernels.moe import moe_ffn
+    from gpu.ffn import glu
+    from tests.tiny_models import random_tensor
+    rng = np.random.default_rng(0)
+    n_exp, d, f, b, k, limit = 6, 64, 96, 5, 2, 1.5
+    raws, deq = {}, {}
+    for name, shape, std in (("gate", (n_exp, f, d), 0.6), ("up", (n_exp, f, d), 0.6), ("down", (n_exp, d, f), 0.2)):
+        raws[name], _, deq[name] = random_tensor(rng, shape, qtype, std)
+    x = (rng.standard_normal((b, d)) * 2).astype(np.float32)
+    ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(b)])
+    wts = rng.uniform(0.1, 1, (b, k)).astype(np.float32)
+    g = np.einsum("tkfd,td->tkf", deq["gate"][ids], x)
+    u = np.einsum("tkfd,td->tkf", deq["up"][ids], x)
+    assert (g > limit).any() and (u > limit).any() and (u < -limit).any()
+    ref = reference_clamped_moe(x.astype(np.float64), ids, wts, *(deq[n].astype(np.float64) for n in
+                                ("gate", "up", "down")), limit)
+    raw = lambda a: a if qtype == Q.F32 else a.view(np.uint8)  # noqa: E731
+    w = ExpertWeights(gate=raw(raws["gate"]), up=raw(raws["up"]), down=raw(raws["down"]),
+                      gate_type=qtype, up_type=qtype, down_type=qtype, name="blk.0")
+    got = moe_ffn(x, ids, wts, w, act="swiglu_clamp", limit=limit, int8=False)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5
+    act = glu("swiglu_clamp", limit)
+    torch_y = sum(wts[:, j, None] * np.stack([
+        deq["down"][ids[t, j]] @ act(torch.from_numpy(deq["gate"][ids[t, j]] @ x[t]),
+                                     torch.from_numpy(deq["up"][ids[t, j]] @ x[t])).numpy()
+        for t in range(b)]) for j in range(k))
+    assert np.abs(torch_y - ref).max() / np.abs(ref).max() < 1e-5
+    with pytest.raises(ValueError, match="limit"):
+        moe_ffn(x, ids, wts, w, act="swiglu_clamp")
