@@ -99,8 +99,8 @@ class Indexer:
         for c0 in range(0, t, step):
             dots = torch.relu(q[c0:c0 + step] @ keys.T)                                    # (c, H, S)
             out[c0:c0 + step] = (dots * wts[c0:c0 + step, :, None]).sum(1)
-        visible = torch.arange(s, device=x.device)[None] < ((positions.to(x.device) + 1) // self.compressor.ratio)[:, None]
-        return out.masked_fill_(~visible, float("-inf"))
+        bound = (positions.to(x.device) + 1) // self.compressor.ratio                      # entries query t sees
+        return out.masked_fill_(torch.arange(s, device=x.device)[None] >= bound[:, None], float("-inf"))
 
     def __call__(self, x, qr, positions, state: CompressorState, rows: CompressedRows) -> torch.Tensor:
         keys = self.compressor(x, state, rows).float()

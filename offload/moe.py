@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from gpu.experts import group_by_expert
 from gpu.ffn import silu_glu

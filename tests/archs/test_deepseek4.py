@@ -279,3 +279,21 @@ def test_cpu_and_torch_experts_clamp_like_float64(qtype):
     assert np.abs(torch_y - ref).max() / np.abs(ref).max() < 1e-5
     with pytest.raises(ValueError, match="limit"):
         moe_ffn(x, ids, wts, w, act="swiglu_clamp")
+
+
+def test_caches_hold_the_planned_rows_through_micro_batches(tiny):
+    """300 tokens in 16-token micro-batches (the window ring drops rows past the window,
+    compressed entries fill to ceil(ctx / r)): each block's cache holds exactly the bytes
+    ``placement.memory.kv_bytes`` counts, and the logits are the one-batch ones."""
+    from offload.gguf_model import open_model
+    from placement.memory import kv_bytes
+    with load(tiny.path, ctx=300, ubatch=16) as s, torch.inference_mode():
+        whole = s.logits(IDS)
+        state = s.model.new_state()
+        chunks = np.concatenate([s.model.forward(torch.tensor(IDS[i:i + 16]), state)[0].numpy()
+                                 for i in range(0, len(IDS), 16)])
+        spec, settings = open_model(tiny.path).spec, s.plan.settings
+        for i, cache in enumerate(state.caches):
+            assert cache.nbytes == kv_bytes(spec, i, settings), i
+            assert cache.window.start > 0 and cache.length == len(IDS)
+    assert rel_err(chunks, whole) < REL_TOL
