@@ -105,16 +105,18 @@ def test_small_top_k_matches_transformers_where_no_tie_decides(tmp_path):
     assert err < REL_TOL
 
 
-def test_quantized_experts_match_the_dequantized_reference(tmp_path):
-    """Q8_0 routed experts through the CPU kernels (float activations) against transformers on
-    the dequantized weights: the same bound, float summation order only."""
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.MXFP4])
+def test_quantized_experts_match_the_dequantized_reference(tmp_path, qtype):
+    """Quantized routed experts (Q8_0; MXFP4 as V4-Flash ships them) through the CPU kernels,
+    float activations, against transformers on the dequantized weights: the same bound, float
+    summation order only."""
     from dataclasses import replace
-    tiny = write_tiny_model(tmp_path / "q8.gguf", replace(SPEC, expert_type=Q.Q8_0, seed=42))
+    tiny = write_tiny_model(tmp_path / "q.gguf", replace(SPEC, expert_type=qtype, seed=42))
     ref = reference(tiny, IDS)
     with load(tiny.path) as s:
         ours = s.logits(IDS)
     err = rel_err(ours, ref)
-    print(f"\n  deepseek4 Q8_0 experts: rel err {err:.2e}")
+    print(f"\n  deepseek4 {qtype.name} experts: rel err {err:.2e}")
     assert err < REL_TOL
 
 
