@@ -151,9 +151,11 @@ class CompressedAttention:
         kv = rope_tail(self.rope, self.kv_norm(self.kv(x)).float().view(t, 1, d), positions)
         win = cache.window
         keys = win.append(kv.transpose(0, 1).to(win.k.dtype))[0][0].float()               # (L, d)
+        # the window by cache index (the sequence order; an MTP head's entry t sits at position t + 1)
+        qi = torch.arange(win.length - t, win.length, device=x.device)[:, None]
+        kj = torch.arange(win.start, win.length, device=x.device)[None]
+        seen = (kj <= qi) & (qi - kj < self.window)                                        # (T, L)
         pos = positions.to(x.device)[:, None]
-        kpos = torch.arange(win.start, win.length, device=x.device)[None]
-        seen = (kpos <= pos) & (pos - kpos < self.window)                                  # (T, L)
         if self.compressor is not None:
             entries = self.compressor(x, cache.state, cache.compressed).float()           # (S, d)
             if self.indexer is not None:

@@ -302,3 +302,44 @@ def hf_deepseek4(tiny: TinyModel, **override):
             (w[f"blk.{i}.ffn_gate_exps.weight"], w[f"blk.{i}.ffn_up_exps.weight"]), axis=1))
     _load_exactly(model, state)
     return model.float()
+
+
+def hf_deepseek4_mtp(tiny: TinyModel):
+    """V4's MTP head (deepseek4.md §2.10; transformers ships none) from transformers' parts:
+    ``DeepseekV4DecoderLayer`` as a window-only, non-hash block, ``DeepseekV4HyperHead`` (the
+    head's own ``nextn.hc_head_*``), RMSNorms and ``eh_proj``, float32. Returns
+    ``mtp(tokens (T,), streams (T, n, d), positions (T,)) → (logits (T, V), streams)``."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+    s, w = tiny.spec, tiny.weights
+    i, d = s.n_layer, s.n_embd
+    cfg = hf_deepseek4_config(tiny, num_hidden_layers=1, compress_ratios=[0], num_hash_layers=0)
+    torch.manual_seed(0)
+    layer = m.DeepseekV4DecoderLayer(cfg, 0).eval()
+    state = {dst: torch.from_numpy(w[f"blk.{i}.{src}"]) for src, dst in _DEEPSEEK4_BLOCK.items()
+             if f"blk.{i}.{src}" in w}
+    state["mlp.experts.gate_up_proj"] = torch.from_numpy(np.concatenate(
+        (w[f"blk.{i}.ffn_gate_exps.weight"], w[f"blk.{i}.ffn_up_exps.weight"]), axis=1))
+    _load_exactly(layer, state)
+    head = m.DeepseekV4HyperHead(cfg).eval()
+    _load_exactly(head, {f"hc_{n}": torch.from_numpy(w[f"blk.{i}.nextn.hc_head_{n}.weight"])
+                         for n in ("fn", "base", "scale")})
+    norm = lambda n: m.DeepseekV4RMSNorm(d, s.rms_eps)  # noqa: E731
+    enorm, hnorm, out_norm = norm("enorm"), norm("hnorm"), norm("shared_head_norm")
+    for mod, n in ((enorm, "enorm"), (hnorm, "hnorm"), (out_norm, "shared_head_norm")):
+        mod.weight.data = torch.from_numpy(w[f"blk.{i}.nextn.{n}.weight"])
+    eh_proj = torch.from_numpy(w[f"blk.{i}.nextn.eh_proj.weight"])
+    embed, output = torch.from_numpy(w["token_embd.weight"]), torch.from_numpy(w["output.weight"])
+    rotary = m.DeepseekV4RotaryEmbedding(cfg)
+
+    def mtp(tokens: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor):
+        t, n = streams.shape[0], streams.shape[1]
+        e = enorm(embed[tokens])[:, None].expand(t, n, d)
+        x = torch.cat((e, hnorm(streams)), dim=-1) @ eh_proj.T                   # (T, n, d)
+        pos = positions[None]
+        q, k = positions[:, None], positions[None, :]
+        mask = torch.where((k <= q) & (q - k < s.window), 0.0, float("-inf"))[None, None]
+        emb = {kind: rotary(x, position_ids=pos, layer_type=kind) for kind in ("main", "compress")}
+        y = layer(x[None], position_embeddings=emb, position_ids=pos, attention_mask=mask,
+                  input_ids=tokens[None], cache=None)[0]
+        return out_norm(head(y[None])[0]) @ output.T, y
+    return mtp

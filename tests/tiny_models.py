@@ -345,7 +345,7 @@ def deepseek4_metadata(w: GGUFWriter, spec: TinySpec) -> None:
     from gguf import Keys
 
     from offload.gguf_model import NewerKeys
-    arch, n = spec.arch, spec.n_layer
+    arch, n = spec.arch, n_blocks(spec)       # the MTP block (spec.nextn) is one more, window-only
     overrides = dict(spec.meta_overrides)
 
     def put(template: str, value, add) -> None:
@@ -361,7 +361,8 @@ def deepseek4_metadata(w: GGUFWriter, spec: TinySpec) -> None:
     w.add_sliding_window(spec.window)
     put(NewerKeys.OUTPUT_GROUP_COUNT, spec.o_groups, w.add_uint32)
     put(NewerKeys.OUTPUT_LORA_RANK, spec.o_lora_rank, w.add_uint32)
-    put(NewerKeys.COMPRESS_RATIOS, [int(r) for r in spec.compress_ratios], w.add_array)
+    ratios = [int(r) for r in spec.compress_ratios]
+    put(NewerKeys.COMPRESS_RATIOS, ratios + [0] * (n - len(ratios)), w.add_array)
     put(NewerKeys.COMPRESS_ROPE_FREQ_BASE, spec.compress_rope_base, w.add_float32)
     put(Keys.Attention.Indexer.HEAD_COUNT, spec.indexer_n_head, w.add_uint32)
     put(Keys.Attention.Indexer.KEY_LENGTH, spec.indexer_head_dim, w.add_uint32)
@@ -383,6 +384,7 @@ def deepseek4_metadata(w: GGUFWriter, spec: TinySpec) -> None:
     put(NewerKeys.HC_SINKHORN_ITERATIONS, spec.hc_iters, w.add_uint32)
     put(NewerKeys.HC_EPSILON, 1e-6, w.add_float32)
     put(NewerKeys.HASH_LAYER_COUNT, spec.n_hash, w.add_uint32)
+    w.add_nextn_predict_layers(1 if spec.nextn else 0)
 
 
 def _gqa_attention(spec: TinySpec, *, bias: bool, qk_norm: bool) -> list[TinyTensor]:
@@ -488,7 +490,7 @@ def deepseek4_block(spec: TinySpec, i: int) -> list[TinyTensor]:
     the compressors of CSA/HCA blocks and CSA's indexer, then the router (``ffn_gate_tid2eid``
     I32 on hash blocks, ``exp_probs_b`` on the others), routed and shared experts."""
     d, h, hd, ql = spec.n_embd, spec.n_head, spec.head_dim, spec.q_lora_rank
-    nhc, r = spec.hc_mult, spec.compress_ratios[i]
+    nhc, r = spec.hc_mult, spec.compress_ratios[i] if i < spec.n_layer else 0
     mix = (2 + nhc) * nhc
     hc = []
     for part in ("attn", "ffn"):       # fn small enough that the sigmoids and softmax stay soft
@@ -516,8 +518,14 @@ def deepseek4_block(spec: TinySpec, i: int) -> list[TinyTensor]:
     else:
         out.append(f32("exp_probs_b.bias", (spec.n_expert,), 0.1))
     fs = spec.n_ff_exp * spec.n_shared
-    return out + [*_experts(spec, 2 * d ** -0.5),       # std 2/√d: gate and up reach the clamp now and then
-                  lin("ffn_gate_shexp", fs, d), lin("ffn_up_shexp", fs, d), lin("ffn_down_shexp", d, fs)]
+    out += [*_experts(spec, 2 * d ** -0.5),       # std 2/√d: gate and up reach the clamp now and then
+            lin("ffn_gate_shexp", fs, d), lin("ffn_up_shexp", fs, d), lin("ffn_down_shexp", d, fs)]
+    if i == spec.n_layer:      # the MTP head's glue, with its own hc head (the bundled layout)
+        out += [lin("nextn.eh_proj", d, 2 * d), norm("nextn.enorm", d), norm("nextn.hnorm", d),
+                norm("nextn.shared_head_norm", d),
+                *(replace(t, name=f"nextn.hc_head_{t.name.removeprefix('output_hc_')}")
+                  for t in deepseek4_head(spec))]
+    return out
 
 
 def deepseek4_head(spec: TinySpec) -> list[TinyTensor]:
@@ -532,7 +540,7 @@ ARCHS = {
     "qwen3moe": TinyArch(qwen3moe_metadata, qwen3moe_block),
     "deepseek2": TinyArch(deepseek2_metadata, deepseek2_block, nextn=True),
     "gpt-oss": TinyArch(gpt_oss_metadata, gpt_oss_block),
-    "deepseek4": TinyArch(deepseek4_metadata, deepseek4_block, head=deepseek4_head),
+    "deepseek4": TinyArch(deepseek4_metadata, deepseek4_block, nextn=True, head=deepseek4_head),
 }
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import torch
 from gguf import Keys
 
 from gpu.compressed_attention import CompressedAttention, Compressor, Indexer
@@ -63,8 +64,16 @@ class Deepseek4Config(ModelConfig):
     indexer_top_k: int
     o_groups: int
     o_lora_rank: int
-    clamp_exp: tuple[float, ...]           # per block
+    clamp_exp: tuple[float, ...]           # per block (the MTP block's too, where the file lists it)
     clamp_shexp: tuple[float, ...]
+
+    def ratio(self, i: int) -> int:
+        """Block i's compress ratio (0 past the list: the MTP block of a sidecar)."""
+        return self.compress_ratios[i] if i < len(self.compress_ratios) else 0
+
+    def clamps(self, i: int) -> tuple[float, float]:
+        """(routed, shared) SwiGLU limits of block i (a sidecar's MTP block: the last listed)."""
+        return self.clamp_exp[min(i, len(self.clamp_exp) - 1)], self.clamp_shexp[min(i, len(self.clamp_shexp) - 1)]
 
     @property
     def rope_spec(self) -> RopeSpec:
@@ -111,12 +120,12 @@ def config_from_gguf(spec: ModelSpec, meta) -> Deepseek4Config:
         v = list(v) if isinstance(v, (list, tuple)) else [v] * spec.n_layer
         if len(v) < n:
             raise OffloadError(f"deepseek4: {template.format(arch=spec.arch)} has {len(v)} values for {n} blocks")
-        return tuple(float(x) for x in v[:n])
+        return tuple(float(x) for x in v[:spec.n_layer])
 
     clamp_exp = per_block(Keys.LLM.SWIGLU_CLAMP_EXP)
     fields = config_fields(spec, meta, expert_weights_norm_default=True)
     return Deepseek4Config(
-        **fields, q_lora_rank=spec.q_lora_rank, window=spec.sliding_window, compress_ratios=spec.compress_ratios[:n],
+        **fields, q_lora_rank=spec.q_lora_rank, window=spec.sliding_window, compress_ratios=spec.compress_ratios[:spec.n_layer],
         compress_rope_base=float(need(NewerKeys.COMPRESS_ROPE_FREQ_BASE)), yarn=yarn_scaling(spec, meta),
         hc_mult=spec.hc_mult, hc_iters=int(need(NewerKeys.HC_SINKHORN_ITERATIONS)),
         hc_eps=float(need(NewerKeys.HC_EPSILON)), n_hash_layers=spec.n_hash_layers,
@@ -137,23 +146,50 @@ class Deepseek4Block(DecoderBlock):
 
 
 class Deepseek4(CausalLM):
+    """``forward`` returns, as its hidden states, what V4's MTP head reads: the (T, n·d)
+    streams before the hc head (llama.cpp's ``t_h_nextn``, ``embedding_length_out`` wide)."""
+
     def __init__(self, *, hc_head: HyperHead, **parts):
         super().__init__(**parts)
         self.hc_head = hc_head
 
-    def streams(self, ids, state: State):
-        """The trunk over ids (T,): the (T, n, d) streams before the hc head (what V4's MTP
-        head reads); advances the caches by T."""
+    def forward(self, ids, state: State, *, logits: str = "all"):
         positions = state.positions(ids.shape[0])
         x = self.embed(ids).float()
-        x = x[:, None].expand(-1, self.config.hc_mult, -1).contiguous()
+        x = x[:, None].expand(-1, self.config.hc_mult, -1).contiguous()      # (T, n, d): n equal streams
         for block, cache in zip(self.blocks, state.caches):
             x = block(x, positions, cache, tokens=ids)
-        return x
+        x = x.to(self.hc_head.fn.device)
+        out, _ = self.final(self.hc_head(x), logits)
+        return out, x.flatten(1)
 
-    def forward(self, ids, state: State, *, logits: str = "all"):
-        x = self.streams(ids, state)
-        return self.final(self.hc_head(x.to(self.hc_head.fn.device)), logits)
+
+class Deepseek4NextN:
+    """V4's MTP head: per stream ``eh_proj([enorm(embed(t+1)); hnorm(h_t)])`` over the trunk's
+    streams at t, one window-only V4 block with its own cache, its own hc head, then
+    ``shared_head_norm`` and the shared ``output``. Its hidden states are its own streams
+    (T, n·d), which the next chained draft step reads (llama.cpp ``graph_mtp``)."""
+
+    def __init__(self, *, embed, enorm: RMSNorm, hnorm: RMSNorm, eh_proj, block: Deepseek4Block,
+                 hc_head: HyperHead, norm: RMSNorm, head, hc_mult: int):
+        self.embed, self.enorm, self.hnorm, self.eh_proj = embed, enorm, hnorm, eh_proj
+        self.block, self.hc_head, self.norm, self.head, self.hc_mult = block, hc_head, norm, head, hc_mult
+
+    def new_cache(self):
+        return self.block.new_cache()
+
+    def __call__(self, tokens, hidden, positions, cache, *, logits: str = "all"):
+        """tokens (T,) ids of t+1, hidden (T, n·d) streams at t, positions (T,) those of t+1."""
+        dev, t, n = self.block.device, tokens.shape[0], self.hc_mult
+        e = self.enorm(self.embed(tokens).to(dev).float())                                  # (T, d)
+        h = self.hnorm(hidden.to(dev).float().view(t, n, -1))                                # per stream
+        x = torch.cat((e[:, None].expand(-1, n, -1), h), dim=-1)                             # (T, n, 2d)
+        x = self.eh_proj(x.reshape(t * n, -1)).float().view(t, n, -1)
+        x = self.block(x, positions, cache, tokens=tokens)
+        if logits == "none":
+            return None, x.flatten(1)
+        y = self.hc_head((x if logits == "all" else x[-1:]).to(self.hc_head.fn.device))
+        return self.head(self.norm(y.to(self.norm.weight.device))).float(), x.flatten(1)
 
 
 def _rope(ctx: BuildContext, spec: RopeSpec, device):
@@ -166,8 +202,10 @@ def _rope(ctx: BuildContext, spec: RopeSpec, device):
 def _cache(cfg: Deepseek4Config, i: int, ctx: BuildContext):
     """Block i's cache factory: the rows the plan counted (``ctx.dsv4_cache``), or grown on
     demand without a plan."""
-    plan = ctx.dsv4_cache(i) if ctx.dsv4_cache is not None else None
-    r, d = cfg.compress_ratios[i], cfg.head_dim
+    # the plan covers the file's blocks (a bundled MTP block too); a --draft sidecar's block grows
+    planned = ctx.dsv4_cache is not None and i < cfg.n_layer + cfg.n_nextn
+    plan = ctx.dsv4_cache(i) if planned else None
+    r, d = cfg.ratio(i), cfg.head_dim
     get = lambda field: getattr(plan, field) if plan is not None else None  # noqa: E731
 
     def new(dev) -> Dsv4Cache:
@@ -205,7 +243,7 @@ def _compressor(w, p: str, who: str, *, r: int, dim: int, rope, norm) -> Compres
 
 
 def attention(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home) -> CompressedAttention:
-    p, r = f"blk.{i}", cfg.compress_ratios[i]
+    p, r = f"blk.{i}", cfg.ratio(i)
     norm = lambda n: RMSNorm(w.vector(f"{p}.{n}.weight").to(home), cfg.rms_eps)  # noqa: E731
     rope = _rope(ctx, cfg.compress_rope_spec if r else cfg.rope_spec, home)
     compressor = indexer = None
@@ -233,8 +271,8 @@ def moe(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home) -> MoE:
         router = SqrtSoftplusRouter(gate, w.vector(f"{p}.exp_probs_b.bias").to(home), k=cfg.n_expert_used,
                                     scale=cfg.expert_weights_scale)
     shared = ClampedSwiGLU(w.linear(f"{p}.ffn_gate_shexp.weight"), w.linear(f"{p}.ffn_up_shexp.weight"),
-                           w.linear(f"{p}.ffn_down_shexp.weight"), limit=cfg.clamp_shexp[i])
-    experts = w.experts(p, act=ACTIVATION, limit=cfg.clamp_exp[i])
+                           w.linear(f"{p}.ffn_down_shexp.weight"), limit=cfg.clamps(i)[1])
+    experts = w.experts(p, act=ACTIVATION, limit=cfg.clamps(i)[0])
     hot, owned = w.hot_experts(p)        # after the CPU experts were made resident
     return MoE(router=router, experts=experts, shared=shared, pool=ctx.pool, profile=ctx.profile, hot=hot, owned=owned)
 
@@ -250,22 +288,47 @@ def block(w, cfg: Deepseek4Config, i: int, ctx: BuildContext) -> Deepseek4Block:
         device_name=home_name, device=home, profile=ctx.profile, cache=_cache(cfg, i, ctx)), COMPILED)
 
 
-def build(cfg: Deepseek4Config, w, ctx: BuildContext, draft=None) -> Deepseek4:
-    if draft is not None:
-        raise OffloadError("deepseek4: the MTP draft head is not supported yet; run without --draft")
-    if cfg.n_nextn:
-        print("offload: note: deepseek4's MTP head is not supported yet: the trunk runs without a draft head",
-              file=sys.stderr)
-    embed = w.embedding("token_embd.weight")
-    blocks = [block(w, cfg, i, ctx) for i in range(cfg.n_layer)]
-    out_dev = w.device("output_hc_fn.weight")
-    fn = "output_hc_fn.weight"
+def hc_head(w, cfg: Deepseek4Config, prefix: str) -> HyperHead:
+    """``{prefix}_{fn,base,scale}.weight`` (the trunk's ``output_hc``, an MTP head's own)."""
+    fn = f"{prefix}_fn.weight"
     if w.shape(fn) != (cfg.hc_mult, cfg.hc_mult * cfg.n_embd):
         raise OffloadError(f"{fn} has shape {w.shape(fn)}; {NewerKeys.HC_COUNT.format(arch=cfg.arch)} = "
                            f"{cfg.hc_mult} needs {(cfg.hc_mult, cfg.hc_mult * cfg.n_embd)}")
-    vec = lambda n: w.vector(f"output_hc_{n}.weight").to(out_dev)  # noqa: E731
-    hc_head = HyperHead(vec("fn"), vec("base"), vec("scale"), hc_eps=cfg.hc_eps, norm_eps=cfg.rms_eps)
+    dev = w.device(fn)
+    vec = lambda n: w.vector(f"{prefix}_{n}.weight").to(dev)  # noqa: E731
+    return HyperHead(vec("fn"), vec("base"), vec("scale"), hc_eps=cfg.hc_eps, norm_eps=cfg.rms_eps)
+
+
+def mtp_head(w, cfg: Deepseek4Config, ctx: BuildContext, *, sidecar: bool, embed, output) -> Deepseek4NextN | None:
+    """The MTP head of ``w``: a bundled file's ``blk.{n}.nextn.*`` with its own
+    ``nextn.hc_head_*``, or a sidecar (``--draft``) whose root ``output_hc_*`` is the head's.
+    None (with one line) for a file that says it has one but lacks its tensors."""
+    layers = sorted({t.layer for t in w.tensors.values() if t.nextn and t.layer is not None})
+    if not layers or not w.has(f"blk.{layers[0]}.nextn.eh_proj.weight"):
+        print("offload: note: the file says it has an MTP head (nextn_predict_layers) but holds no "
+              "nextn tensors: running without a draft head", file=sys.stderr)
+        return None
+    i = layers[0]
+    p = f"blk.{i}"
+    b = block(w, cfg, i, ctx)
+    norm = lambda n: RMSNorm(w.vector(f"{p}.nextn.{n}.weight").to(b.device), cfg.rms_eps)  # noqa: E731
+    head = hc_head(w, cfg, "output_hc" if sidecar else f"{p}.nextn.hc_head")
+    return Deepseek4NextN(embed=embed, enorm=norm("enorm"), hnorm=norm("hnorm"),
+                          eh_proj=w.linear(f"{p}.nextn.eh_proj.weight"), block=b, hc_head=head,
+                          norm=norm("shared_head_norm"), head=output, hc_mult=cfg.hc_mult)
+
+
+def build(cfg: Deepseek4Config, w, ctx: BuildContext, draft=None) -> Deepseek4:
+    """The trunk from ``w``; the MTP head from ``draft`` (a sidecar) when given, else the
+    model's own bundled one where it has one."""
+    embed = w.embedding("token_embd.weight")
+    blocks = [block(w, cfg, i, ctx) for i in range(cfg.n_layer)]
     output = w.linear("output.weight")
     output_norm = RMSNorm(w.vector("output_norm.weight").to(output.device), cfg.rms_eps)
-    return Deepseek4(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=None,
-                     hc_head=hc_head)
+    nextn = None
+    if draft is not None:
+        nextn = mtp_head(draft, cfg, ctx, sidecar=True, embed=embed, output=output)
+    elif cfg.n_nextn:
+        nextn = mtp_head(w, cfg, ctx, sidecar=False, embed=embed, output=output)
+    return Deepseek4(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=nextn,
+                     hc_head=hc_head(w, cfg, "output_hc"))

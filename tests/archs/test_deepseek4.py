@@ -28,7 +28,7 @@ REL_TOL = 1e-4
 # original context so its ramp covers the rope dims; SwiGLU limit 2 so the clamps bite
 SPEC = TinySpec(arch="deepseek4", expert_type=Q.F32, head_dim=64, n_rot=16, n_layer=6, rms_eps=1e-6,
                 compress_ratios=(0, 0, 4, 128, 4, 128), n_hash=2, window=16, yarn_factor=4.0, yarn_orig_ctx=64,
-                n_expert=8, n_expert_used=2, n_ff_exp=64, swiglu_limit=2.0, indexer_top_k=128, seed=40)
+                n_expert=8, n_expert_used=2, n_ff_exp=64, swiglu_limit=2.0, indexer_top_k=128, nextn=False, seed=40)
 # 300 tokens: 2 entries per HCA block, 75 per CSA block (≤ top_k 128: the indexer keeps every
 # visible entry, so its ReLU-zero ties cannot pick differently)
 IDS = [int(t) for t in np.random.default_rng(7).integers(0, 290, 300)]
@@ -299,3 +299,55 @@ def test_caches_hold_the_planned_rows_through_micro_batches(tiny):
             assert cache.nbytes == kv_bytes(spec, i, settings), i
             assert cache.window.start > 0 and cache.length == len(IDS)
     assert rel_err(chunks, whole) < REL_TOL
+
+
+MTP_SPEC = TinySpec(arch="deepseek4", expert_type=Q.F32, head_dim=64, n_rot=16, n_layer=4, rms_eps=1e-6,
+                    compress_ratios=(0, 4, 128, 4), n_hash=1, window=16, yarn_factor=4.0, yarn_orig_ctx=64,
+                    n_expert=8, n_expert_used=2, n_ff_exp=64, swiglu_limit=2.0, nextn=True, seed=45)
+
+
+@pytest.fixture(scope="module")
+def mtp_tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("ds4mtp") / "mtp.gguf", MTP_SPEC)
+
+
+def test_mtp_head_matches_a_transformers_built_reference(mtp_tiny):
+    """The bundled MTP head (``blk.4.nextn.*`` with its own ``nextn.hc_head_*``) fed the
+    trunk's streams at t and the token at t+1 (position t+1), against the same head built
+    from transformers' V4 layer, hyper head and norms on transformers' own trunk streams; and
+    a chained step from the head's own streams."""
+    from tests.hf_reference import hf_deepseek4_mtp
+    ids = IDS[:150]
+    hf = hf_deepseek4(mtp_tiny)
+    seen = []
+    hf.model.hc_head.register_forward_pre_hook(lambda mod, args: seen.append(args[0][0].detach()))
+    mtp = hf_deepseek4_mtp(mtp_tiny)
+    t = len(ids)
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+        ref, ref_streams = mtp(torch.tensor(ids[1:]), seen[0][:-1], torch.arange(1, t))
+        ref_chain, _ = mtp(torch.tensor(ids[2:]), ref_streams[:-1], torch.arange(2, t))
+    with load(mtp_tiny.path) as s, torch.inference_mode():
+        model = s.model
+        state = model.new_state()
+        _, hidden = model.forward(torch.tensor(ids), state, logits="none")
+        assert hidden.shape == (t, MTP_SPEC.hc_mult * MTP_SPEC.n_embd)
+        assert rel_err(hidden.view(t, MTP_SPEC.hc_mult, -1).numpy(), seen[0].numpy()) < REL_TOL
+        logits, h_mtp = model.nextn(torch.tensor(ids[1:]), hidden[:-1], torch.arange(1, t), state.nextn_cache)
+        chained, _ = model.nextn(torch.tensor(ids[2:]), h_mtp[:-1], torch.arange(2, t), model.nextn.new_cache())
+    err, chain_err = rel_err(logits.numpy(), ref.numpy()), rel_err(chained.numpy(), ref_chain.numpy())
+    print(f"\n  deepseek4 MTP head: rel err {err:.2e}, chained {chain_err:.2e}")
+    assert err < REL_TOL and chain_err < REL_TOL
+    assert len(state.nextn_cache) == t - 1
+
+
+@pytest.mark.parametrize("verify", ["batched", "exact"])
+def test_mtp_drafting_gives_plain_greedy_tokens(mtp_tiny, verify):
+    """Speculative decoding with the MTP head (chained drafts up to 3, greedy): the same
+    tokens as plain decoding, across the HCA window boundary at 128."""
+    prompt = IDS[:120]
+    with load(mtp_tiny.path) as s:
+        plain = list(s.generate(prompt, max_tokens=24, stop_at_eos=False))
+        spec = list(s.generate(prompt, max_tokens=24, stop_at_eos=False, n_max=3, verify=verify))
+        assert s.stats.drafted > 0
+    assert spec == plain
