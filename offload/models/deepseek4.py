@@ -125,7 +125,8 @@ def config_from_gguf(spec: ModelSpec, meta) -> Deepseek4Config:
     clamp_exp = per_block(Keys.LLM.SWIGLU_CLAMP_EXP)
     fields = config_fields(spec, meta, expert_weights_norm_default=True)
     return Deepseek4Config(
-        **fields, q_lora_rank=spec.q_lora_rank, window=spec.sliding_window, compress_ratios=spec.compress_ratios[:spec.n_layer],
+        **fields, q_lora_rank=spec.q_lora_rank, window=spec.sliding_window,
+        compress_ratios=spec.compress_ratios[:spec.n_layer],
         compress_rope_base=float(need(NewerKeys.COMPRESS_ROPE_FREQ_BASE)), yarn=yarn_scaling(spec, meta),
         hc_mult=spec.hc_mult, hc_iters=int(need(NewerKeys.HC_SINKHORN_ITERATIONS)),
         hc_eps=float(need(NewerKeys.HC_EPSILON)), n_hash_layers=spec.n_hash_layers,

@@ -351,3 +351,23 @@ def test_mtp_drafting_gives_plain_greedy_tokens(mtp_tiny, verify):
         spec = list(s.generate(prompt, max_tokens=24, stop_at_eos=False, n_max=3, verify=verify))
         assert s.stats.drafted > 0
     assert spec == plain
+
+
+def test_mtp_sidecar_drafts_as_the_bundled_head(mtp_tiny, tmp_path):
+    """The bundled file split into a trunk and a mainline-layout MTP sidecar (``--draft``,
+    the head's hc head as the sidecar's root ``output_hc_*``): the same trunk logits and the
+    same draft logits as the bundled file, and speculative greedy == plain greedy."""
+    from tests.nextn_split import split_deepseek4_mtp
+    trunk, draft = tmp_path / "trunk.gguf", tmp_path / "mtp.gguf"
+    assert split_deepseek4_mtp(mtp_tiny.path, trunk, draft) == MTP_SPEC.n_layer
+    ids, t = IDS[:60], 60
+
+    def run(path, **kw):
+        with load(path, **kw) as s, torch.inference_mode():
+            state = s.model.new_state()
+            logits, hidden = s.model.forward(torch.tensor(ids), state)
+            drafted, _ = s.model.nextn(torch.tensor(ids[1:]), hidden[:-1], torch.arange(1, t), state.nextn_cache)
+            return logits, drafted, list(s.generate(IDS[:120], max_tokens=12, stop_at_eos=False, n_max=2))
+    bundled, split = run(mtp_tiny.path), run(trunk, draft=str(draft))
+    assert torch.equal(bundled[0], split[0]) and torch.equal(bundled[1], split[1])
+    assert bundled[2] == split[2]
