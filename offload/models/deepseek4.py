@@ -161,6 +161,8 @@ class Deepseek4(CausalLM):
         for block, cache in zip(self.blocks, state.caches):
             x = block(x, positions, cache, tokens=ids)
         x = x.to(self.hc_head.fn.device)
+        if logits == "none":
+            return None, x.flatten(1)
         out, _ = self.final(self.hc_head(x), logits)
         return out, x.flatten(1)
 
@@ -190,7 +192,8 @@ class Deepseek4NextN:
         if logits == "none":
             return None, x.flatten(1)
         y = self.hc_head((x if logits == "all" else x[-1:]).to(self.hc_head.fn.device))
-        return self.head(self.norm(y.to(self.norm.weight.device))).float(), x.flatten(1)
+        y = self.norm(y.to(self.norm.weight.device)).to(self.head.device)
+        return self.head(y).float(), x.flatten(1)
 
 
 def _rope(ctx: BuildContext, spec: RopeSpec, device):
