@@ -371,3 +371,30 @@ def test_mtp_sidecar_drafts_as_the_bundled_head(mtp_tiny, tmp_path):
     bundled, split = run(mtp_tiny.path), run(trunk, draft=str(draft))
     assert torch.equal(bundled[0], split[0]) and torch.equal(bundled[1], split[1])
     assert bundled[2] == split[2]
+
+
+def test_a_routing_table_that_is_not_i32_is_refused(tmp_path):
+    """``ffn_gate_tid2eid`` must stay I32 (llama-quantize skips integer tensors); a file whose
+    table has another type (here F32) is refused at load, in one line naming the tensor."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    src = _bad(tmp_path, "src")
+    r = GGUFReader(str(src))
+    bad = tmp_path / "f32-table.gguf"
+    w = GGUFWriter(str(bad), "deepseek4")
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == Keys.General.ARCHITECTURE:
+            continue
+        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        data = t.data.astype(np.float32) if t.name.endswith("tid2eid.weight") else t.data
+        w.add_tensor(t.name, data, raw_dtype=None if t.tensor_type in (Q.F32, Q.F16, Q.I32) else t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(OffloadError, match=r"blk\.0\.ffn_gate_tid2eid\.weight is F32") as err:
+            rt.load(bad, devices="CPU=16GiB", quiet=True)
+    assert "\n" not in str(err.value)
