@@ -29,7 +29,8 @@ from .rowdot8 import dot4_i8, quantize_rows
 
 f32 = np.float32
 TOKEN_TILE = 16
-ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}     # 1: computed beside the kernels (see _biased_glu)
+# 1, 2: computed beside the kernels (see _biased_glu); 2 takes a limit (swiglu_clamp_exp)
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1, "swiglu_clamp": 2}
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = f32(1.702), f32(7.0)    # gpt-oss (llama.cpp's constants)
 
 
@@ -412,6 +413,20 @@ def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.multiply(g, u, out=g)
 
 
+def swiglu_clamp(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
+    """DeepSeek-V4's clamped SwiGLU (llama.cpp's order for deepseek4): silu(min(g, limit)) ·
+    clamp(u, ±limit). float32, in place: the result is ``g``, ``u`` is overwritten."""
+    lim = f32(limit)
+    g = np.minimum(g, lim, out=g)
+    u = np.clip(u, -lim, lim, out=u)
+    s = np.negative(g, dtype=f32)
+    with np.errstate(over="ignore"):           # exp(+large) = inf: silu → 0, as it should
+        np.exp(s, out=s)
+    s += f32(1)
+    np.divide(g, s, out=g)
+    return np.multiply(g, u, out=g)
+
+
 def _project(kern, raw, row0: int, n_rows: int, A_in, slot_expert, slot_start, n_threads, int8=None):
     """(A, n_rows): rows row0.. of each assignment's expert matrix times its row of A_in —
     the grouped down-projection kernel applied to another matrix."""
@@ -425,7 +440,8 @@ def _project(kern, raw, row0: int, n_rows: int, A_in, slot_expert, slot_start, n
     return out
 
 
-def _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias, int8=None):
+def _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias, int8=None,
+                limit=None):
     """H for an activation or biases the fused gate/up phase does not do: gate and up
     projected separately, biased per expert, then the activation in numpy."""
     (gk, gb, g0, _), (uk, ub, u0, _) = w._parts
@@ -438,6 +454,8 @@ def _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_b
         u += up_bias[flat]
     if act == "swiglu_oai":
         return swiglu_oai(g, u)
+    if act == "swiglu_clamp":
+        return swiglu_clamp(g, u, limit)
     with np.errstate(over="ignore"):
         return (g / (f32(1) + np.exp(-g)) * u).astype(f32)
 
@@ -452,9 +470,11 @@ def _bias(b, rows: int, w: ExpertWeights, what: str):
 
 
 def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act: str = "silu",
-            gate_bias=None, up_bias=None, down_bias=None, int8: bool | str | None = None):
+            gate_bias=None, up_bias=None, down_bias=None, int8: bool | str | None = None,
+            limit: float | None = None):
     """Sum over the k routed experts of each token of ``weight * down(act(gate(x)) * up(x))``.
-    ``act``: "silu" (silu(g)·u) or "swiglu_oai" (gpt-oss's clamped GLU); ``gate_bias`` /
+    ``act``: "silu" (silu(g)·u), "swiglu_oai" (gpt-oss's clamped GLU) or "swiglu_clamp"
+    (DeepSeek-V4's, clamped at ``limit``); ``gate_bias`` /
     ``up_bias`` [E, n_ff] and ``down_bias`` [E, n_embd]: per-expert biases added to each
     projection (gpt-oss), or None.
 
@@ -467,6 +487,8 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     """
     if act not in ACTIVATIONS:
         raise ValueError(f"{w.name}: unknown expert activation {act!r}; supported: {sorted(ACTIVATIONS)}")
+    if (act == "swiglu_clamp") != (limit is not None):
+        raise ValueError(f"{w.name}: a clamp limit goes with swiglu_clamp only (act {act!r}, limit {limit})")
     X = activations(x, w.n_embd, f"{w.name} moe_ffn x")
     B = X.shape[0]
     ids = np.asarray(expert_ids)
@@ -505,7 +527,8 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     n_threads = settings.apply_threads()
     int8_x, int8_h = int8_phases(w, int8)
     if act != "silu" or gate_bias is not None or up_bias is not None:
-        H = _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias, int8)
+        H = _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias, int8,
+                        limit)
     else:
         H = np.empty((flat.size, w.n_ff), f32)
         if int8_x:

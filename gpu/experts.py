@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu.ffn import GLU
+from gpu.ffn import glu
 from gpu.quant import QuantTensor
 from placement.limits import staging_buffer_bytes
 
@@ -41,14 +41,14 @@ class TorchExperts:
     def __init__(self, *, down: QuantTensor, gate: QuantTensor | None = None,
                  up: QuantTensor | None = None, gate_up: QuantTensor | None = None,
                  compute_dtype: torch.dtype = torch.float32, act: str = "silu",
-                 biases: dict[str, torch.Tensor] | None = None):
+                 biases: dict[str, torch.Tensor] | None = None, limit: float | None = None):
         """``act``: a ``gpu.ffn.GLU`` name; ``biases``: "gate"/"up" (E, n_ff), "down" (E, n_embd)
         float32 per-expert biases on the experts' device (gpt-oss), or None."""
         if gate_up is None and (gate is None or up is None):
             raise ValueError("experts need gate and up, or a fused gate_up")
         self.gate, self.up, self.gate_up, self.down = gate, up, gate_up, down
         self.device, self.dtype = down.device, compute_dtype
-        self.glu, self.biases = GLU[act], biases or {}
+        self.glu, self.biases = glu(act, limit), biases or {}
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,11 +165,12 @@ class StreamedExperts:
     them for every layer streamed there); None: this layer's own."""
 
     def __init__(self, stages: dict, *, device: torch.device, compute_dtype: torch.dtype,
-                 owned=None, staging: StagingBuffers | None = None, act: str = "silu"):
+                 owned=None, staging: StagingBuffers | None = None, act: str = "silu",
+                 limit: float | None = None):
         self.stages, self.device, self.dtype, self.owned = stages, device, compute_dtype, owned
         self.n_expert = next(iter(stages.values()))[2][0]
         self.order = ("gate_up", "down") if "gate_up" in stages else ("gate", "up", "down")
-        self.glu = GLU[act]
+        self.glu = glu(act, limit)
         self.staging = staging
 
     @property

@@ -33,4 +33,33 @@ def swiglu_oai(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (u + 1) * g * torch.sigmoid(SWIGLU_OAI_ALPHA * g)
 
 
-GLU = {"silu": silu_glu, "swiglu_oai": swiglu_oai}   # by cpu_kernels' activation names
+def swiglu_clamp(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's clamped SwiGLU (``swiglu_clamp_exp`` / ``_shexp``): silu(min(g, limit)) ·
+    clamp(u, ±limit) — the gate clamped from above only, before the SiLU."""
+    return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+
+
+GLU = {"silu": silu_glu, "swiglu_oai": swiglu_oai, "swiglu_clamp": swiglu_clamp}   # cpu_kernels' names
+LIMITED = {"swiglu_clamp"}        # the activations that take a ``limit``
+
+
+def glu(act: str, limit: float | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The gated activation ``act`` as ``(g, u) → h``, bound to its ``limit`` where it has one."""
+    if act not in GLU:
+        raise ValueError(f"unknown expert activation {act!r}; supported: {sorted(GLU)}")
+    if act in LIMITED:
+        if limit is None:
+            raise ValueError(f"{act} needs a clamp limit")
+        return lambda g, u: GLU[act](g, u, limit)
+    return GLU[act]
+
+
+class ClampedSwiGLU(SwiGLU):
+    """The shared expert of DeepSeek-V4: ``down(swiglu_clamp(gate(x), up(x)))``."""
+
+    def __init__(self, gate: Projection, up: Projection, down: Projection, *, limit: float):
+        super().__init__(gate, up, down)
+        self.limit = limit
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(swiglu_clamp(self.gate(x), self.up(x), self.limit))

@@ -93,19 +93,21 @@ class WindowKVCache(KVCache):
     the rows kept allow — always within the batch just appended, which is what speculative
     verify needs; further back raises."""
 
-    def __init__(self, n_head_kv: int, head_dim: int, *, window: int, max_cells: int,
-                 device: torch.device, dtype: torch.dtype = torch.float32):
-        super().__init__(n_head_kv, head_dim, device=device, dtype=dtype, max_cells=max_cells)
+    def __init__(self, n_head_kv: int, head_dim: int, *, window: int, max_cells: int | None,
+                 device: torch.device, dtype: torch.dtype = torch.float32, head_dim_v: int | None = None):
+        super().__init__(n_head_kv, head_dim, device=device, dtype=dtype, max_cells=max_cells,
+                         head_dim_v=head_dim_v)
         self.window, self.start = window, 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor | None = None):
         stored = self.length - self.start
         t = k.shape[1]
-        if stored + t > self.max_cells and stored > self.window - 1:
+        if self.max_cells is not None and stored + t > self.max_cells and stored > self.window - 1:
             keep = self.window - 1
             drop = stored - keep
             for buf in (self.k, self.v):
-                buf[:, :keep] = buf[:, drop:stored].clone()
+                if buf is not None:          # K-only (head_dim_v=0): no V rows
+                    buf[:, :keep] = buf[:, drop:stored].clone()
             self.start += drop
         # the parent appends at ``length``: shift the view so it indexes the stored rows
         self.length -= self.start

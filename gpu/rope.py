@@ -121,11 +121,13 @@ class Rope:
             self._perm[dim] = torch.cat((swap, torch.arange(self.n_rot, dim))).to(self.device)
         return self._perm[dim]
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
         """x: (T, H, D) float32, positions: (T,) int64 on the host (so sizing the table never
-        waits for the device) → rotated copy of x."""
+        waits for the device) → rotated copy of x (``inverse``: rotated back, by −angle)."""
         dim = x.shape[-1]
         c, s = self._factors(positions, dim)
+        if inverse:
+            return x * c - x[..., self._swap(dim)] * s
         return x * c + x[..., self._swap(dim)] * s
 
 

@@ -70,3 +70,33 @@ class TopKSoftmaxRouter:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         top, ids = torch.topk(self.proj(x).float(), self.k, dim=-1)    # proj carries the bias
         return ids, torch.softmax(top, dim=-1)
+
+
+class SqrtSoftplusRouter:
+    """DeepSeek-V4: scores √softplus(logits); select the top k of score + ``exp_probs_b``
+    (the bias steers selection only), weight by the scores normalised over the k, then
+    ``scale`` (``expert_weights_scale``)."""
+
+    def __init__(self, proj: Projection, bias: torch.Tensor, *, k: int, scale: float):
+        self.proj, self.bias, self.k, self.scale = proj, bias.float(), k, scale
+
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sqrt(torch.nn.functional.softplus(self.proj(x).float()))     # (T, E)
+        ids = torch.topk(scores + self.bias, self.k, dim=-1).indices
+        w = scores.gather(1, ids)
+        return ids, w / w.sum(-1, keepdim=True) * self.scale
+
+
+class HashRouter:
+    """DeepSeek-V4's first ``hash_layer_count`` blocks: the experts come from a fixed table by
+    token id (``ffn_gate_tid2eid``, (n_vocab, k) int), the weights from the √softplus scores of
+    those experts, normalised over the k, then ``scale``."""
+
+    def __init__(self, proj: Projection, table: torch.Tensor, *, scale: float):
+        self.proj, self.table, self.scale = proj, table.long(), scale
+
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sqrt(torch.nn.functional.softplus(self.proj(x).float()))
+        ids = self.table[tokens.to(self.table.device)].to(scores.device)
+        w = scores.gather(1, ids)
+        return ids, w / w.sum(-1, keepdim=True) * self.scale

@@ -102,7 +102,7 @@ class CpuExperts:
 
     def __init__(self, weights: ExpertWeights, profile: Profile, *, act: str = "silu",
                  biases: dict[str, np.ndarray] | None = None, int8_batch: int | None = None,
-                 decode: str | None = None):
+                 decode: str | None = None, limit: float | None = None):
         """``act`` / ``biases`` ("gate", "up", "down" float32 arrays): as ``moe_ffn`` takes them;
         ``int8_batch``: batches of at least this many tokens use int8 activations; ``decode``:
         the activations of decode/verify batches ("auto", "int8", "float"; see
@@ -111,13 +111,14 @@ class CpuExperts:
             raise ValueError(f"decode activations {decode!r}: expected one of {', '.join(DECODE_ACTIVATIONS)}")
         self.weights, self.profile, self.int8_batch, self.decode = weights, profile, int8_batch, decode
         self.act, self.biases = act, {f"{k}_bias": v for k, v in (biases or {}).items()}
+        self.limit = limit          # swiglu_clamp's
         self.device = torch.device("cpu")
 
     def __call__(self, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
                  owned: np.ndarray | None = None) -> np.ndarray:
         """Host arrays in, host array out — called from the worker thread."""
         with self.profile.time("cpu_experts"):
-            return moe_ffn(x, ids, w, self.weights, owned=owned, act=self.act,
+            return moe_ffn(x, ids, w, self.weights, owned=owned, act=self.act, limit=self.limit,
                            int8=self.int8(x.shape[0]), **self.biases)
 
     def int8(self, batch: int) -> bool | str | None:

@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from gpu.experts import group_by_expert
+from gpu.ffn import silu_glu
 from offload.cpu_ops import CpuExperts, RoutedHandoff, to_host
 from offload.profile import Profile
 from placement.limits import DECODE_TOKENS
@@ -41,8 +41,9 @@ class StagedExperts:
     projection (a view of the stacked tensor, raw on the CPU or on a torch device)."""
 
     def __init__(self, *, down: Stage, gate: Stage | None = None, up: Stage | None = None,
-                 gate_up: Stage | None = None):
+                 gate_up: Stage | None = None, glu: Callable = silu_glu):
         self.gate, self.up, self.gate_up, self.down = gate, up, gate_up, down
+        self.glu = glu              # (g, u) → h: the experts' gated activation (gpu.ffn.glu)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         tok, w, runs = group_by_expert(ids, weights)
@@ -54,7 +55,7 @@ class StagedExperts:
                 g, u = self.gate_up(e)(xe).chunk(2, dim=-1)
             else:
                 g, u = self.gate(e)(xe), self.up(e)(xe)
-            ys[s:s + n] = self.down(e)(F.silu(g) * u)
+            ys[s:s + n] = self.down(e)(self.glu(g, u))
         out = torch.zeros_like(x)
         out.index_add_(0, tok, ys * w[:, None])
         return out
@@ -103,9 +104,10 @@ class MoE:
             y = y + h(x, ids, w)
         return y
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, n_embd) normalised input on the layer's device → (T, n_embd)."""
-        ids, w = self.router(x)                                   # (T, k) each
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, n_embd) normalised input on the layer's device → (T, n_embd). ``tokens``
+        (T,): the token ids, for a router that routes by them (DeepSeek-V4's hash blocks)."""
+        ids, w = self.router(x) if tokens is None else self.router(x, tokens)     # (T, k) each
         if self.stream is not None and x.shape[0] >= self.stream_min:
             with self.profile.time("op_offload"):                # the CPU experts, streamed to a GPU
                 return self._gpu_side(x, ids, w) + self.stream(x, ids, w).to(x.device)

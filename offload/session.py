@@ -12,7 +12,6 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from gpu.kv_cache import KVCache
 from offload.devices import DeviceMap
 from offload.errors import OffloadError
 from offload.models.shared.base import CausalLM
@@ -164,7 +163,7 @@ class Session:
             for block, cache in zip(self.model.blocks, state.caches):
                 kv[block.device_name] += cache.nbytes
             nextn = self.model.nextn
-            if nextn is not None and isinstance(state.nextn_cache, KVCache):
+            if nextn is not None and hasattr(state.nextn_cache, "nbytes"):   # KVCache, Dsv4Cache
                 kv[nextn.block.device_name] += state.nextn_cache.nbytes
         return {"peak_rss": peak_rss_bytes(), "weights": dict(self.allocated), "kv": dict(kv)}
 

@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as Q
 from cpu_kernels import ExpertWeights, supported_types
 from gpu.dequant import dequantize_numpy, to_torch
 from gpu.experts import ExpertSubset, StreamedExperts, TorchExperts
+from gpu.ffn import glu
 from gpu.linear import Embedding, HeadLinear, Linear
 from gpu.quant import QuantTensor, supported
 from offload.cpu_ops import CpuExperts, RawEmbedding, RawLinear, prefault, release
@@ -58,6 +59,7 @@ class WeightStore:
         self._uploaded: dict[tuple[str, str], QuantTensor] = {}   # (name, device): upload once
         self._counted: set[tuple[str, str]] = set()
         self._hot: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)   # block → device → experts
+        self._act: dict[str, dict] = {}        # experts prefix → their activation (act, limit)
         for dev, layers in (hot_experts or {}).items():
             for layer, ids in layers.items():
                 self._hot[layer][dev] = tuple(ids)
@@ -159,6 +161,18 @@ class WeightStore:
             self.allocated[self.device_of[name]] += out.numel() * 4
         return out
 
+    def table(self, name: str) -> torch.Tensor:
+        """An integer lookup table (deepseek4's ``ffn_gate_tid2eid``) as stored, int32, on its
+        plan device; any type but I32 (a quantized table) is refused in one line."""
+        t = self._take(name)
+        if t.ggml_type != Q.I32:
+            raise OffloadError(f"{name} is {t.ggml_type.name}: a routing table must be I32 (never quantized)")
+        out = torch.from_numpy(np.array(self.model.tensor_data(name), dtype=np.int32).reshape(t.shape))
+        if self.device_of[name] != CPU:
+            out = out.to(self.device(name))
+            self.allocated[self.device_of[name]] += out.numel() * 4
+        return out
+
     def linear(self, name: str, bias: str | None = None, *, float32: bool = False, on: str | None = None):
         """A projection callable for the 2-D tensor ``name`` (+ optional bias tensor), on
         its plan device or on ``on``. ``float32``: compute in float32 (routers)."""
@@ -177,12 +191,14 @@ class WeightStore:
             return RawEmbedding(data, qtype, self.shape(name)[1])
         return Embedding(self._upload(name))
 
-    def experts(self, prefix: str, *, act: str = "silu"):
+    def experts(self, prefix: str, *, act: str = "silu", limit: float | None = None):
         """Routed experts ``{prefix}.ffn_{gate,up,gate_up,down}_exps.weight`` (+ their
         ``.bias`` per expert where the file has them, gpt-oss) → a callable ``(x, ids, w) →
         (T, n_embd)`` (or CpuExperts, which the MoE layer runs in a thread). ``act``: the
-        gated activation (``gpu.ffn.GLU`` / ``cpu_kernels.moe_ffn`` names)."""
+        gated activation (``gpu.ffn.GLU`` / ``cpu_kernels.moe_ffn`` names), ``limit`` its clamp
+        (swiglu_clamp)."""
         names, stages = self._expert_stages(prefix)
+        self._act[prefix] = dict(act=act, limit=limit)      # the hot and streamed copies compute the same
         homes = {self.device_of[names[s]] for s in stages}
         biases = self._expert_biases(prefix, stages)
         if biases and len(homes) > 1:
@@ -197,12 +213,12 @@ class WeightStore:
                                gate_up=raw.get("gate_up", none)[0],
                                gate_up_type=raw.get("gate_up", none)[1], name=prefix)
             return CpuExperts(ew, self.profile, act=act, biases={k: b.cpu().numpy() for k, b in biases.items()},
-                              int8_batch=self.int8_batch, decode=self.decode_activations)
+                              int8_batch=self.int8_batch, decode=self.decode_activations, limit=limit)
         if len(homes) == 1:
             return TorchExperts(**{s: self._upload(names[s]) for s in stages},
-                                compute_dtype=self._dtype(self.device_of[names["down"]]), act=act,
+                                compute_dtype=self._dtype(self.device_of[names["down"]]), act=act, limit=limit,
                                 biases={k: b.to(self.device(names["down"])) for k, b in biases.items()})
-        return StagedExperts(**{s: self._per_expert(names[s]) for s in stages})
+        return StagedExperts(**{s: self._per_expert(names[s]) for s in stages}, glu=glu(act, limit))
 
     def _expert_stages(self, prefix: str) -> tuple[dict[str, str], tuple[str, ...]]:
         """Block ``prefix``'s expert tensor names by stage, and the stages it has (a fused
@@ -263,7 +279,8 @@ class WeightStore:
                     self.allocated[CPU] -= data[e].nbytes
                     release(data[e])
             owned[list(ids)] = False
-            out.append(ExpertSubset(TorchExperts(**parts, compute_dtype=self._dtype(dev_name)), ids, n_expert))
+            out.append(ExpertSubset(TorchExperts(**parts, compute_dtype=self._dtype(dev_name),
+                                                 **self._act.get(prefix, {})), ids, n_expert))
         return tuple(out), owned
 
     def streamed_experts(self, prefix: str, on: str, owned=None):
@@ -272,7 +289,8 @@ class WeightStore:
         names, stages = self._expert_stages(prefix)
         parts = {s: (self.model.tensor_data(names[s]), self.tensors[names[s]].ggml_type,
                      self.tensors[names[s]].shape) for s in stages}
-        return StreamedExperts(parts, device=self.devices[on], compute_dtype=self._dtype(on), owned=owned)
+        return StreamedExperts(parts, device=self.devices[on], compute_dtype=self._dtype(on), owned=owned,
+                               **self._act.get(prefix, {}))
 
     def _per_expert(self, name: str):
         """Expert e → a projection over ``name[e]`` where the plan put ``name``."""

@@ -224,3 +224,122 @@ def _load_exactly(module, state) -> None:
     for k, v in state.items():
         assert own[k].shape == v.shape, f"{k}: {tuple(own[k].shape)} vs {tuple(v.shape)}"
     module.load_state_dict(state, strict=True)
+
+
+# deepseek4 → transformers' DeepseekV4ForCausalLM (the names of deepseek4.md §1.3)
+_DEEPSEEK4_GLOBAL = _GLOBAL | {
+    "output_hc_fn.weight": "model.hc_head.hc_fn",
+    "output_hc_base.weight": "model.hc_head.hc_base",
+    "output_hc_scale.weight": "model.hc_head.hc_scale",
+}
+_DEEPSEEK4_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_norm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv.weight": "self_attn.kv_proj.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_norm.weight",
+    "attn_output_a.weight": "self_attn.o_a_proj.weight",
+    "attn_output_b.weight": "self_attn.o_b_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_tid2eid.weight": "mlp.gate.tid2eid",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    **{f"hc_{p}_{w}.weight": f"{p}_hc.{w}" for p in ("attn", "ffn") for w in ("fn", "base", "scale")},
+    **{f"attn_compressor_{a}.weight": f"self_attn.compressor.{b}" for a, b in (
+        ("kv", "kv_proj.weight"), ("gate", "gate_proj.weight"), ("ape", "position_bias"), ("norm", "kv_norm.weight"))},
+    **{f"indexer_compressor_{a}.weight": f"self_attn.compressor.indexer.{b}" for a, b in (
+        ("kv", "kv_proj.weight"), ("gate", "gate_proj.weight"), ("ape", "position_bias"), ("norm", "kv_norm.weight"))},
+    "indexer.proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
+    "indexer.attn_q_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
+}
+
+
+def hf_deepseek4_config(tiny: TinyModel, **override):
+    """``DeepseekV4Config`` of a tiny deepseek4: the compressed blocks' rope with YaRN (HF forces
+    its attention factor to 1, as llama.cpp cancels ggml's), window-only blocks without."""
+    from transformers import DeepseekV4Config
+    s = tiny.spec
+    rope = {"rope_type": "default"}
+    if s.yarn_factor > 1:
+        rope = {"rope_type": "yarn", "factor": s.yarn_factor, "original_max_position_embeddings": s.yarn_orig_ctx,
+                "beta_fast": s.yarn_beta_fast, "beta_slow": 1.0}
+    cfg = dict(vocab_size=s.n_vocab, hidden_size=s.n_embd, moe_intermediate_size=s.n_ff_exp,
+               num_hidden_layers=s.n_layer, num_attention_heads=s.n_head, num_key_value_heads=1,
+               head_dim=s.head_dim, q_lora_rank=s.q_lora_rank, num_experts_per_tok=s.n_expert_used,
+               n_routed_experts=s.n_expert, n_shared_experts=s.n_shared, routed_scaling_factor=s.weights_scale,
+               rope_theta=s.rope_base, compress_rope_theta=s.compress_rope_base,
+               compress_ratios=list(s.compress_ratios[:s.n_layer]), num_hash_layers=s.n_hash,
+               qk_rope_head_dim=s.n_rot, hc_mult=s.hc_mult, hc_sinkhorn_iters=s.hc_iters, hc_eps=1e-6,
+               swiglu_limit=s.swiglu_limit, sliding_window=s.window, o_groups=s.o_groups,
+               o_lora_rank=s.o_lora_rank, index_n_heads=s.indexer_n_head, index_head_dim=s.indexer_head_dim,
+               index_topk=s.indexer_top_k, rms_norm_eps=s.rms_eps, rope_parameters=rope,
+               max_position_embeddings=int(s.yarn_orig_ctx * s.yarn_factor) if s.yarn_factor > 1 else 4096,
+               tie_word_embeddings=False, attn_implementation="eager", experts_implementation="eager")
+    return DeepseekV4Config(**(cfg | override))
+
+
+def hf_deepseek4(tiny: TinyModel, **override):
+    """The trunk as ``DeepseekV4ForCausalLM`` in float32 (its hyper-connections, indexer
+    scores and softmaxes are written for float32), from the same dequantized weights."""
+    from transformers import DeepseekV4ForCausalLM
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(hf_deepseek4_config(tiny, **override)).eval()
+    w = tiny.weights
+    state = {dst: torch.from_numpy(w[src]) for src, dst in _DEEPSEEK4_GLOBAL.items() if src in w}
+    for i in range(tiny.spec.n_layer):
+        p = f"model.layers.{i}."
+        for src, dst in _DEEPSEEK4_BLOCK.items():
+            if f"blk.{i}.{src}" in w:
+                v = w[f"blk.{i}.{src}"]
+                state[p + dst] = torch.from_numpy(v.astype(np.int64) if v.dtype == np.int32 else v)
+        state[p + "mlp.experts.gate_up_proj"] = torch.from_numpy(np.concatenate(
+            (w[f"blk.{i}.ffn_gate_exps.weight"], w[f"blk.{i}.ffn_up_exps.weight"]), axis=1))
+    _load_exactly(model, state)
+    return model.float()
+
+
+def hf_deepseek4_mtp(tiny: TinyModel):
+    """V4's MTP head (deepseek4.md §2.10; transformers ships none) from transformers' parts:
+    ``DeepseekV4DecoderLayer`` as a window-only, non-hash block, ``DeepseekV4HyperHead`` (the
+    head's own ``nextn.hc_head_*``), RMSNorms and ``eh_proj``, float32. Returns
+    ``mtp(tokens (T,), streams (T, n, d), positions (T,)) → (logits (T, V), streams)``."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+    s, w = tiny.spec, tiny.weights
+    i, d = s.n_layer, s.n_embd
+    cfg = hf_deepseek4_config(tiny, num_hidden_layers=1, compress_ratios=[0], num_hash_layers=0)
+    torch.manual_seed(0)
+    layer = m.DeepseekV4DecoderLayer(cfg, 0).eval()
+    state = {dst: torch.from_numpy(w[f"blk.{i}.{src}"]) for src, dst in _DEEPSEEK4_BLOCK.items()
+             if f"blk.{i}.{src}" in w}
+    state["mlp.experts.gate_up_proj"] = torch.from_numpy(np.concatenate(
+        (w[f"blk.{i}.ffn_gate_exps.weight"], w[f"blk.{i}.ffn_up_exps.weight"]), axis=1))
+    _load_exactly(layer, state)
+    head = m.DeepseekV4HyperHead(cfg).eval()
+    _load_exactly(head, {f"hc_{n}": torch.from_numpy(w[f"blk.{i}.nextn.hc_head_{n}.weight"])
+                         for n in ("fn", "base", "scale")})
+    norm = lambda n: m.DeepseekV4RMSNorm(d, s.rms_eps)  # noqa: E731
+    enorm, hnorm, out_norm = norm("enorm"), norm("hnorm"), norm("shared_head_norm")
+    for mod, n in ((enorm, "enorm"), (hnorm, "hnorm"), (out_norm, "shared_head_norm")):
+        mod.weight.data = torch.from_numpy(w[f"blk.{i}.nextn.{n}.weight"])
+    eh_proj = torch.from_numpy(w[f"blk.{i}.nextn.eh_proj.weight"])
+    embed, output = torch.from_numpy(w["token_embd.weight"]), torch.from_numpy(w["output.weight"])
+    rotary = m.DeepseekV4RotaryEmbedding(cfg)
+
+    def mtp(tokens: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor):
+        t, n = streams.shape[0], streams.shape[1]
+        e = enorm(embed[tokens])[:, None].expand(t, n, d)
+        x = torch.cat((e, hnorm(streams)), dim=-1) @ eh_proj.T                   # (T, n, d)
+        pos = positions[None]
+        q, k = positions[:, None], positions[None, :]
+        mask = torch.where((k <= q) & (q - k < s.window), 0.0, float("-inf"))[None, None]
+        emb = {kind: rotary(x, position_ids=pos, layer_type=kind) for kind in ("main", "compress")}
+        y = layer(x[None], position_embeddings=emb, position_ids=pos, attention_mask=mask,
+                  input_ids=tokens[None], cache=None)[0]
+        return out_norm(head(y[None])[0]) @ output.T, y
+    return mtp

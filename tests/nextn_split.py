@@ -17,7 +17,8 @@ from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWrite
 _PLAIN = (Q.F32, Q.F16, Q.BF16)
 
 
-def _copy(reader: GGUFReader, out: Path, arch: str, overrides: dict, keep_tensor, keep_key) -> None:
+def _copy(reader: GGUFReader, out: Path, arch: str, overrides: dict, keep_tensor, keep_key,
+          rename=lambda name: name) -> None:
     w = GGUFWriter(str(out), arch)
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key == Keys.General.ARCHITECTURE or not keep_key(key):
@@ -28,7 +29,7 @@ def _copy(reader: GGUFReader, out: Path, arch: str, overrides: dict, keep_tensor
     for t in reader.tensors:
         if keep_tensor(t.name):
             raw = None if t.tensor_type in _PLAIN else t.tensor_type
-            w.add_tensor(t.name, t.data, raw_dtype=raw)
+            w.add_tensor(rename(t.name), t.data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -48,4 +49,20 @@ def split_nextn(src: str | Path, trunk: str | Path, draft: str | Path) -> int:
           lambda name: not name.startswith(prefix), lambda key: True)
     _copy(r, Path(draft), arch, {}, lambda name: name.startswith(prefix),
           lambda key: not key.startswith("tokenizer."))
+    return first
+
+
+def split_deepseek4_mtp(src: str | Path, trunk: str | Path, draft: str | Path) -> int:
+    """``split_nextn`` for a bundled deepseek4 file, the draft in mainline's sidecar layout
+    (``convert_hf_to_gguf.py --mtp``): the MTP head's own hc head ``blk.N.nextn.hc_head_*``
+    becomes the sidecar's root ``output_hc_*``."""
+    r = GGUFReader(str(src))
+    arch = r.fields[Keys.General.ARCHITECTURE].contents()
+    first = r.fields[Keys.LLM.BLOCK_COUNT.format(arch=arch)].contents() - 1
+    prefix, head = f"blk.{first}.", f"blk.{first}.nextn.hc_head_"
+    _copy(r, Path(trunk), arch, {Keys.LLM.BLOCK_COUNT.format(arch=arch): first,
+                                 Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch): 0},
+          lambda name: not name.startswith(prefix), lambda key: True)
+    _copy(r, Path(draft), arch, {}, lambda name: name.startswith(prefix), lambda key: not key.startswith("tokenizer."),
+          rename=lambda name: "output_hc_" + name.removeprefix(head) if name.startswith(head) else name)
     return first

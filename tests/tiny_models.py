@@ -1,4 +1,5 @@
-"""Tiny random GGUFs of every architecture in ``ARCHS`` (glm4moe, qwen3moe, deepseek2, gpt-oss)
+"""Tiny random GGUFs of every architecture in ``ARCHS`` (glm4moe, qwen3moe, deepseek2, gpt-oss,
+deepseek4)
 written with ``gguf.GGUFWriter``, exactly as llama.cpp names and lays them out, with routed
 experts in a chosen quant type. An architecture is one ``TinyArch`` entry: its metadata keys
 and its per-block tensor list (name, shape from the spec, quant role, std).
@@ -173,6 +174,20 @@ class TinySpec:
     window: int = 4
     tokenizer_pre: str = "gpt-2"
     extra_merges: tuple[str, ...] = ()
+    # deepseek4 (also: head_dim, n_rot, q_lora_rank, window, yarn_factor / yarn_orig_ctx)
+    compress_ratios: tuple[int, ...] = (0, 0, 4, 128, 4, 128)   # per block: window, CSA, HCA
+    n_hash: int = 2              # leading blocks routed by token id (ffn_gate_tid2eid)
+    hc_mult: int = 4             # hyper-connection streams
+    hc_iters: int = 20           # Sinkhorn iterations
+    indexer_n_head: int = 4
+    indexer_head_dim: int = 64
+    indexer_top_k: int = 128
+    o_groups: int = 2
+    o_lora_rank: int = 32
+    compress_rope_base: float = 160000.0
+    swiglu_limit: float = 10.0
+    # deepseek4 bad-input files: (key template, value) written instead of the spec's (None: omitted)
+    meta_overrides: tuple[tuple[str, object], ...] = ()
 
     @property
     def n_vocab(self) -> int:
@@ -227,10 +242,12 @@ class TinyArch:
     """What one architecture writes beyond the common keys and tensors (``token_embd``, the
     blocks, ``output_norm``, ``output`` unless tied): ``metadata(w, spec)`` writes its keys after
     ``head_count`` and before the vocabulary; ``block(spec, i)`` lists block i's tensors;
-    ``nextn``: ``spec.nextn`` adds block ``n_layer``, the NextN (MTP) head."""
+    ``nextn``: ``spec.nextn`` adds block ``n_layer``, the NextN (MTP) head; ``head(spec)``: root
+    tensors written after the blocks, before ``output_norm`` (deepseek4's ``output_hc_*``)."""
     metadata: Callable[[GGUFWriter, TinySpec], None]
     block: Callable[[TinySpec, int], list[TinyTensor]]
     nextn: bool = False
+    head: Callable[[TinySpec], list[TinyTensor]] | None = None   # root tensors before output_norm
 
 
 def _gqa_keys(w: GGUFWriter, spec: TinySpec, n_rot: int | None) -> None:
@@ -316,6 +333,58 @@ def gpt_oss_metadata(w: GGUFWriter, spec: TinySpec) -> None:
         w.add_rope_scaling_factor(spec.yarn_factor)
         w.add_rope_scaling_orig_ctx_len(spec.yarn_orig_ctx)
     _rope_norm_expert_keys(w, spec)
+
+
+SQRT_SOFTPLUS = 4      # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS (gguf 0.19 lacks it)
+
+
+def deepseek4_metadata(w: GGUFWriter, spec: TinySpec) -> None:
+    """deepseek4's keys as llama.cpp's converter writes them: one shared K=V head, q LoRA,
+    the grouped output projection, per-block compress ratios (i32) and SwiGLU clamps (f32),
+    the indexer, hyper-connections, hash routing, and YaRN for the compressed blocks' rope."""
+    from gguf import Keys
+
+    from offload.gguf_model import NewerKeys
+    arch, n = spec.arch, n_blocks(spec)       # the MTP block (spec.nextn) is one more, window-only
+    overrides = dict(spec.meta_overrides)
+
+    def put(template: str, value, add) -> None:
+        value = overrides.get(template, value)
+        if value is not None:
+            add(template.format(arch=arch), value)
+
+    w.add_head_count_kv(1)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_rope_dimension_count(spec.n_rot)
+    w.add_q_lora_rank(spec.q_lora_rank)
+    w.add_sliding_window(spec.window)
+    put(NewerKeys.OUTPUT_GROUP_COUNT, spec.o_groups, w.add_uint32)
+    put(NewerKeys.OUTPUT_LORA_RANK, spec.o_lora_rank, w.add_uint32)
+    ratios = [int(r) for r in spec.compress_ratios]
+    put(NewerKeys.COMPRESS_RATIOS, ratios + [0] * (n - len(ratios)), w.add_array)
+    put(NewerKeys.COMPRESS_ROPE_FREQ_BASE, spec.compress_rope_base, w.add_float32)
+    put(Keys.Attention.Indexer.HEAD_COUNT, spec.indexer_n_head, w.add_uint32)
+    put(Keys.Attention.Indexer.KEY_LENGTH, spec.indexer_head_dim, w.add_uint32)
+    put(Keys.Attention.Indexer.TOP_K, spec.indexer_top_k, w.add_uint32)
+    if spec.yarn_factor > 1:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(spec.yarn_orig_ctx)
+        w.add_rope_scaling_yarn_beta_fast(spec.yarn_beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
+    _rope_norm_expert_keys(w, spec)
+    w.add_expert_shared_count(spec.n_shared)
+    w.add_expert_weights_scale(spec.weights_scale)
+    w.add_expert_weights_norm(True)
+    put(Keys.LLM.EXPERT_GATING_FUNC, SQRT_SOFTPLUS, w.add_uint32)
+    put(Keys.LLM.SWIGLU_CLAMP_EXP, [float(spec.swiglu_limit)] * n, w.add_array)
+    put(Keys.LLM.SWIGLU_CLAMP_SHEXP, [float(spec.swiglu_limit)] * n, w.add_array)
+    put(NewerKeys.HC_COUNT, spec.hc_mult, w.add_uint32)
+    put(NewerKeys.HC_SINKHORN_ITERATIONS, spec.hc_iters, w.add_uint32)
+    put(NewerKeys.HC_EPSILON, 1e-6, w.add_float32)
+    put(NewerKeys.HASH_LAYER_COUNT, spec.n_hash, w.add_uint32)
+    w.add_nextn_predict_layers(1 if spec.nextn else 0)
 
 
 def _gqa_attention(spec: TinySpec, *, bias: bool, qk_norm: bool) -> list[TinyTensor]:
@@ -415,11 +484,63 @@ def gpt_oss_block(spec: TinySpec, i: int) -> list[TinyTensor]:
         f32("ffn_down_exps.bias", (e, d), 0.1)]
 
 
+def deepseek4_block(spec: TinySpec, i: int) -> list[TinyTensor]:
+    """llama.cpp's deepseek4 block: mHC mixing around each sublayer (``hc_{attn,ffn}_*``),
+    q LoRA, one K=V head, sinks, the grouped output projection (``attn_output_a`` stays 2-D),
+    the compressors of CSA/HCA blocks and CSA's indexer, then the router (``ffn_gate_tid2eid``
+    I32 on hash blocks, ``exp_probs_b`` on the others), routed and shared experts."""
+    d, h, hd, ql = spec.n_embd, spec.n_head, spec.head_dim, spec.q_lora_rank
+    nhc, r = spec.hc_mult, spec.compress_ratios[i] if i < spec.n_layer else 0
+    mix = (2 + nhc) * nhc
+    hc = []
+    for part in ("attn", "ffn"):       # fn small enough that the sigmoids and softmax stay soft
+        hc += [f32(f"hc_{part}_fn.weight", (mix, nhc * d), (nhc * d) ** -0.5),
+               f32(f"hc_{part}_base.weight", (mix,), 0.5), f32(f"hc_{part}_scale.weight", (3,), 0.5)]
+    out = [norm("attn_norm", d), f32("attn_sinks.weight", (h,), 1.0), lin("attn_q_a", ql, d),
+           norm("attn_q_a_norm", ql), lin("attn_q_b", h * hd, ql), lin("attn_kv", hd, d),
+           norm("attn_kv_a_norm", hd),
+           lin("attn_output_a", spec.o_groups * spec.o_lora_rank, h * hd // spec.o_groups),
+           lin("attn_output_b", d, spec.o_groups * spec.o_lora_rank), *hc[:3]]
+    if r:
+        coff = 2 if r == 4 else 1
+        out += [lin("attn_compressor_kv", coff * hd, d), lin("attn_compressor_gate", coff * hd, d),
+                f32("attn_compressor_ape.weight", (r, coff * hd), 1.0), norm("attn_compressor_norm", hd)]
+    if r == 4:
+        ih, ihd = spec.indexer_n_head, spec.indexer_head_dim
+        out += [lin("indexer.proj", ih, d), lin("indexer.attn_q_b", ih * ihd, ql),
+                lin("indexer_compressor_kv", 2 * ihd, d), lin("indexer_compressor_gate", 2 * ihd, d),
+                f32("indexer_compressor_ape.weight", (4, 2 * ihd), 1.0), norm("indexer_compressor_norm", ihd)]
+    out += [*hc[3:], norm("ffn_norm", d), _router(spec)]
+    if i < spec.n_hash:
+        draw = np.random.default_rng(spec.seed + 1000 + i).random((spec.n_vocab, spec.n_expert))
+        table = np.argsort(draw, axis=1)[:, :spec.n_expert_used].astype(np.int32)   # k distinct experts
+        out.append(TinyTensor("ffn_gate_tid2eid.weight", table.shape, "f32", 0.0, value=table))
+    else:
+        out.append(f32("exp_probs_b.bias", (spec.n_expert,), 0.1))
+    fs = spec.n_ff_exp * spec.n_shared
+    out += [*_experts(spec, 2 * d ** -0.5),       # std 2/√d: gate and up reach the clamp now and then
+            lin("ffn_gate_shexp", fs, d), lin("ffn_up_shexp", fs, d), lin("ffn_down_shexp", d, fs)]
+    if i == spec.n_layer:      # the MTP head's glue, with its own hc head (the bundled layout)
+        out += [lin("nextn.eh_proj", d, 2 * d), norm("nextn.enorm", d), norm("nextn.hnorm", d),
+                norm("nextn.shared_head_norm", d),
+                *(replace(t, name=f"nextn.hc_head_{t.name.removeprefix('output_hc_')}")
+                  for t in deepseek4_head(spec))]
+    return out
+
+
+def deepseek4_head(spec: TinySpec) -> list[TinyTensor]:
+    """The hc head that collapses the streams before ``output_norm``."""
+    nhc = spec.hc_mult
+    return [f32("output_hc_fn.weight", (nhc, nhc * spec.n_embd), (nhc * spec.n_embd) ** -0.5),
+            f32("output_hc_base.weight", (nhc,), 0.5), f32("output_hc_scale.weight", (1,), 0.5)]
+
+
 ARCHS = {
     "glm4moe": TinyArch(glm4moe_metadata, glm4moe_block, nextn=True),
     "qwen3moe": TinyArch(qwen3moe_metadata, qwen3moe_block),
     "deepseek2": TinyArch(deepseek2_metadata, deepseek2_block, nextn=True),
     "gpt-oss": TinyArch(gpt_oss_metadata, gpt_oss_block),
+    "deepseek4": TinyArch(deepseek4_metadata, deepseek4_block, nextn=True, head=deepseek4_head),
 }
 
 
@@ -436,6 +557,8 @@ def tiny_tensors(spec: TinySpec) -> list[TinyTensor]:
     out = [TinyTensor("token_embd.weight", (spec.n_vocab, d), "embd", spec.embd_std)]
     for i in range(n_blocks(spec)):
         out += [replace(t, name=f"blk.{i}.{t.name}") for t in arch.block(spec, i)]
+    if arch.head is not None:
+        out += arch.head(spec)
     out.append(norm("output_norm", d))
     if not spec.tied_output:
         out.append(lin("output", spec.n_vocab, d))

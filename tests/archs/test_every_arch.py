@@ -70,6 +70,10 @@ SPECS = {
     "gpt-oss": ArchCase(TinySpec(arch="gpt-oss", n_layer=6, window=8, seed=35), n_gpu_layers=4,
                         ctx=600, ubatch=16, cells=(256, 768),
                         refused=(("split-expert-tensors", "experts with biases split across devices"),)),
+    # window-only, CSA and HCA blocks, hash and √softplus routing; 300 tokens close 2 HCA windows
+    "deepseek4": ArchCase(TinySpec(arch="deepseek4", head_dim=64, n_layer=4, compress_ratios=(0, 4, 128, 4),
+                                   n_hash=1, window=16, rms_eps=1e-6, yarn_factor=4.0, yarn_orig_ctx=64,
+                                   swiglu_limit=2.0, seed=44), n_gpu_layers=4),
 }
 
 

@@ -89,7 +89,7 @@ def test_bad_inputs_are_one_line_and_status_2(tiny, tmp_path, capsys):
         ((tmp_path / "missing.gguf",), "missing.gguf"),
         ((junk,), "junk.gguf"),
         ((truncated,), "truncated.gguf"),
-        ((llama,), "unsupported architecture 'llama' (supported: deepseek2, glm4moe, gpt-oss, qwen3moe"),
+        ((llama,), "unsupported architecture 'llama' (supported: deepseek2, deepseek4, glm4moe, gpt-oss, qwen3moe"),
         ((tiny.path, "--devices", "CUDA0=8GiB,CPU=8GiB", "--stats-json", stats), "--virtual-gpus"),
         ((tiny.path, "-n", "0"), "-n"),
         ((tiny.path, "--prompt-file", tmp_path / "nope.txt"), "nope.txt"),

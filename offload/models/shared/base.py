@@ -75,7 +75,8 @@ class CausalLM:
     logits)`` states what lies between them. ``forward`` runs the trunk over ids (T,) at
     positions ``state.n_past``.. and advances the caches by T; it returns logits ((T, n_vocab)
     for "all", (1, n_vocab) for "last", None for "none") and the final hidden states
-    (T, n_embd) after ``output_norm``, which the output head and the NextN head read. It keeps
+    (T, n_embd) after ``output_norm``, which the output head and the NextN head read
+    (deepseek4: its (T, n·n_embd) streams before the hc head, which its MTP head reads). It keeps
     one reference to the hidden state as it goes (a helper that takes x as an argument would
     hold the embedding through every block: its caller's argument stays alive)."""
 

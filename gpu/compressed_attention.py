@@ -1,0 +1,177 @@
+"""DeepSeek-V4 attention (``deepseek4``): one shared K = V head, a raw sliding window, and on
+compressed blocks entries that each summarise r positions — all of them (HCA, r = 128) or the
+top k a lightning indexer picks per query (CSA, r = 4).
+
+For queries at positions p (llama.cpp ``deepseek4.cpp``, transformers ``DeepseekV4Attention``)::
+
+    qr = q_a_norm(q_a(x));  q = rms(q_b(qr) per head)            unweighted per-head RMS
+    kv = kv_norm(kv(x))                                            one head, K = V
+    rope on the LAST n_rot dims of q, kv and every compressed entry (interleaved pairs)
+    keys = window rows (p − W, p] ++ compressed entries w < (p + 1) // r  (CSA: ∩ top-k)
+    o  = softmax-with-sink(q·keysᵀ/√d) @ keys;  o = rope⁻¹(o at p)  (V carried rope)
+    out = o_b(concat_g o_a[g](o_g))                                 grouped low-rank output
+
+A compressor turns each window of r positions into one entry: per channel, a softmax over the
+window's gates (``gate(x) + ape[p mod r]``) weighs its ``kv(x)`` rows; then ``norm`` and rope
+at position w·r. CSA's windows overlap: each token projects twice (Ca | Cb) and entry w pools
+window w−1's Ca with window w's Cb (2r slots; none before window 0). The indexer's keys are a
+second such compressor (``indexer_compressor_*``, 128 wide on V4-Flash); its score of entry s
+for query t is Σ_h w_h(x_t)·relu(q_h(t)·k_s) with per-head weights ``indexer.proj``.
+
+Everything is float32; caches are ``gpu.dsv4_cache``. Scores live a chunk of queries at a time
+(at most ``placement.limits.SCORE_VALUES`` at once), as ``gpu.attention`` does.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from gpu.dsv4_cache import CompressedRows, CompressorState, Dsv4Cache
+from gpu.norm import RMSNorm
+from gpu.rope import Rope
+from placement.limits import SCORE_VALUES
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def rope_tail(rope: Rope, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last ``rope.n_rot`` dims of x (T, H, D) at ``positions`` (T,); the rest pass."""
+    d, n = x.shape[-1], rope.n_rot
+    return torch.cat((x[..., :d - n], rope(x[..., d - n:], positions, inverse=inverse)), dim=-1)
+
+
+class Compressor:
+    """``{attn,indexer}_compressor_{kv,gate,ape,norm}``: one entry per ``ratio`` positions,
+    ``dim`` wide (``overlap``: CSA's two projections per token, 2·dim)."""
+
+    def __init__(self, *, kv: Projection, gate: Projection, ape: torch.Tensor, norm: RMSNorm, ratio: int,
+                 dim: int, overlap: bool, rope: Rope):
+        coff = 2 if overlap else 1
+        if ape.shape != (ratio, coff * dim):
+            raise ValueError(f"compressor ape of shape {tuple(ape.shape)}, expected {(ratio, coff * dim)}")
+        self.kv, self.gate, self.ape, self.norm = kv, gate, ape.float(), norm
+        self.ratio, self.dim, self.overlap, self.rope = ratio, dim, overlap, rope
+
+    def __call__(self, x: torch.Tensor, state: CompressorState, rows: CompressedRows) -> torch.Tensor:
+        """x: (T, n_embd) of the next T positions → every entry so far (count, dim)."""
+        r, d, width = self.ratio, self.dim, self.ape.shape[1]
+        pos0 = state.length
+        seen, first = state.extend(torch.cat((self.kv(x).float(), self.gate(x).float()), dim=-1))
+        done, now = pos0 // r, state.length // r
+        if now > done:
+            w = torch.arange(done, now)
+            at = (w[:, None] * r + torch.arange(r)[None, :] - first).to(seen.device)      # (nw, r) rows
+            kv, z = seen[at, :width], seen[at, width:] + self.ape                          # (nw, r, width)
+            if self.overlap:    # slots: window w−1's Ca, then window w's Cb
+                prev = (at - r).clamp(min=0)
+                z_prev = seen[prev, width:width + d] + self.ape[:, :d]
+                z_prev[(w == 0).to(z_prev.device)] = float("-inf")      # nothing before window 0
+                kv = torch.cat((seen[prev, :d], kv[..., d:]), dim=1)                         # (nw, 2r, d)
+                z = torch.cat((z_prev, z[..., d:]), dim=1)
+            e = self.norm((kv * torch.softmax(z, dim=1)).sum(1))                             # (nw, d)
+            e = rope_tail(self.rope, e[:, None], w * r)[:, 0]
+            rows.append(e.to(rows.rows.dtype))
+        return rows.rows[:rows.count]
+
+
+def _chunk(heads: int, t: int, n_keys: int) -> int:
+    return max(1, min(t, SCORE_VALUES // max(1, heads * n_keys)))
+
+
+class Indexer:
+    """The lightning indexer of a CSA block: ``indexer.{attn_q_b,proj}`` and its compressor.
+    ``__call__`` → (T, n_entries) bool, the entries each query attends to (at most ``top_k``
+    of those it may see; ties broken as ``torch.topk`` does)."""
+
+    def __init__(self, *, q_b: Projection, proj: Projection, compressor: Compressor, n_head: int,
+                 head_dim: int, top_k: int, rope: Rope):
+        self.q_b, self.proj, self.compressor = q_b, proj, compressor
+        self.n_head, self.head_dim, self.top_k, self.rope = n_head, head_dim, top_k, rope
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """(T, n_entries) float32 index scores, −inf where an entry is not yet visible."""
+        t, s = x.shape[0], keys.shape[0]
+        q = rope_tail(self.rope, self.q_b(qr).float().view(t, self.n_head, self.head_dim), positions)
+        wts = self.proj(x).float() * (self.head_dim ** -0.5 * self.n_head ** -0.5)         # (T, H)
+        out = torch.empty(t, s, device=x.device)
+        step = _chunk(self.n_head, t, s)
+        for c0 in range(0, t, step):
+            dots = torch.relu(q[c0:c0 + step] @ keys.T)                                    # (c, H, S)
+            out[c0:c0 + step] = (dots * wts[c0:c0 + step, :, None]).sum(1)
+        bound = (positions.to(x.device) + 1) // self.compressor.ratio                      # entries query t sees
+        return out.masked_fill_(torch.arange(s, device=x.device)[None] >= bound[:, None], float("-inf"))
+
+    def __call__(self, x, qr, positions, state: CompressorState, rows: CompressedRows) -> torch.Tensor:
+        keys = self.compressor(x, state, rows).float()
+        score = self.scores(x, qr, positions, keys)
+        chosen = torch.zeros_like(score, dtype=torch.bool)
+        if keys.shape[0]:
+            chosen.scatter_(1, score.topk(min(self.top_k, keys.shape[0]), dim=-1).indices, True)
+        return chosen & torch.isfinite(score)
+
+
+def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, sinks: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q (T, H, D), keys = values (L, D), seen (T, L) bool, sinks (H,) → (T, H, D): a softmax
+    per query and head over the keys it sees plus one sink logit that has no value."""
+    t, h, d = q.shape
+    out = torch.empty(t, h, d, device=q.device)
+    sink = sinks.float()[:, None, None]                                                    # (H, 1, 1)
+    step = _chunk(h, t, keys.shape[0])
+    for c0 in range(0, t, step):
+        s = (q[c0:c0 + step].transpose(0, 1) @ keys.T) * scale                             # (H, c, L)
+        s.masked_fill_(~seen[None, c0:c0 + step], float("-inf"))
+        m = torch.maximum(s.amax(-1, keepdim=True), sink)
+        p = torch.exp(s - m)
+        p = p / (p.sum(-1, keepdim=True) + torch.exp(sink - m))
+        out[c0:c0 + step] = (p @ keys).transpose(0, 1)
+    return out
+
+
+class CompressedAttention:
+    """One deepseek4 block's attention (any kind: ``compressor`` None for window-only blocks,
+    ``indexer`` only on CSA blocks)."""
+
+    def __init__(self, *, q_a: Projection, q_a_norm: RMSNorm, q_b: Projection, kv: Projection, kv_norm: RMSNorm,
+                 o_a: Projection, o_b: Projection, sinks: torch.Tensor, n_head: int, head_dim: int,
+                 o_groups: int, window: int, rope: Rope, eps: float, compressor: Compressor | None = None,
+                 indexer: Indexer | None = None):
+        self.q_a, self.q_a_norm, self.q_b, self.kv, self.kv_norm = q_a, q_a_norm, q_b, kv, kv_norm
+        self.o_a, self.o_b, self.sinks = o_a, o_b, sinks
+        self.n_head, self.head_dim, self.o_groups, self.window = n_head, head_dim, o_groups, window
+        self.rope, self.eps, self.compressor, self.indexer = rope, eps, compressor, indexer
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: Dsv4Cache) -> torch.Tensor:
+        """x: (T, n_embd) normalised input at ``positions`` (T,) → (T, n_embd); advances ``cache``."""
+        t, h, d = x.shape[0], self.n_head, self.head_dim
+        qr = self.q_a_norm(self.q_a(x))                                                    # (T, q_lora)
+        q = self.q_b(qr).float().view(t, h, d)
+        q = rope_tail(self.rope, q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps), positions)
+        kv = rope_tail(self.rope, self.kv_norm(self.kv(x)).float().view(t, 1, d), positions)
+        win = cache.window
+        keys = win.append(kv.transpose(0, 1).to(win.k.dtype))[0][0].float()               # (L, d)
+        # the window by cache index (the sequence order; an MTP head's entry t sits at position t + 1)
+        qi = torch.arange(win.length - t, win.length, device=x.device)[:, None]
+        kj = torch.arange(win.start, win.length, device=x.device)[None]
+        seen = (kj <= qi) & (qi - kj < self.window)                                        # (T, L)
+        pos = positions.to(x.device)[:, None]
+        if self.compressor is not None:
+            entries = self.compressor(x, cache.state, cache.compressed).float()           # (S, d)
+            if self.indexer is not None:
+                chosen = self.indexer(x, qr, positions, cache.index_state, cache.index)
+            else:
+                chosen = torch.arange(entries.shape[0], device=x.device)[None] < (pos + 1) // self.compressor.ratio
+            keys, seen = torch.cat((keys, entries)), torch.cat((seen, chosen), dim=1)
+        o = attend_with_sink(q, keys, seen, self.sinks, d ** -0.5)
+        o = rope_tail(self.rope, o, positions, inverse=True)
+        return self.o_b(self.grouped_o_a(o.reshape(t, h * d)))
+
+    def grouped_o_a(self, o: torch.Tensor) -> torch.Tensor:
+        """(T, H·d) → (T, groups·rank): group g of the heads through rows g·rank … of
+        ``attn_output_a`` (the 2-D file tensor; llama.cpp views it as groups at load). One
+        matmul of every group by the whole matrix, keeping the diagonal blocks: the same sums,
+        at groups × the flops of a per-group product."""
+        t, g = o.shape[0], self.o_groups
+        y = self.o_a(o.view(t * g, -1)).float().view(t, g, g, -1)                        # (T, g_in, g_out, rank)
+        return y.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(t, -1)
