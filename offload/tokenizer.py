@@ -57,6 +57,16 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizers`` JSON (``tokenizer.json``, which transformers'
+        ``PreTrainedTokenizerFast`` loads: clients that count tokens, such as lm-eval)."""
+        return self._tok.to_str()
+
+    def piece(self, token_id: int) -> str:
+        """One token decoded alone, special tokens kept (logprobs name tokens by it; a byte
+        token cut from its character decodes as U+FFFD)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def token_text(self, token_id: int | None) -> str:
         """A token's own text as written in prompts (``<|endoftext|>``), "" for None."""
         return "" if token_id is None else self._tok.id_to_token(token_id) or ""

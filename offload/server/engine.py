@@ -21,14 +21,18 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from offload.chat_template import ChatTemplate, ChatTemplateError, TemplateRaised
 from offload.errors import OffloadError
+from offload.server.logprobs import Pieces, TokenLogprob, score
 from offload.server.metrics import Metrics
-from offload.server.protocol import APIError, Request, Result, server_busy
+from offload.server.protocol import APIError, Piece, Request, Result, server_busy
 from offload.server.stops import StopText
 from offload.speculative import SpecOptions
+from offload.stats import RunStats
 from offload.tokenizer import TextStream
 
 
@@ -39,7 +43,9 @@ class Job:
     max_tokens: int
     n_max: int
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)   # ("text", str) | ("done", Result) | ("error", APIError)
+    prompt_text: str = ""                     # what echo repeats
+    # ("piece", Piece) | ("end", (index, finish_reason)) | ("done", Result) | ("error", APIError)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
 
@@ -57,6 +63,7 @@ class Engine:
         self._load, self.model_name, self.template, self.spec = load, model_name, template, spec
         self.max_queue, self._on_load_error = max_queue, on_load_error
         self.session = None
+        self._pieces: Pieces | None = None
         self.metrics = Metrics()
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -69,6 +76,13 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self.session is not None
+
+    @property
+    def pieces(self) -> Pieces:
+        """Token → text for logprobs (the loaded model's tokenizer; built at first use)."""
+        if self._pieces is None:
+            self._pieces = Pieces(self.session.tokenizer)
+        return self._pieces
 
     def start(self) -> None:
         self._thread.start()
@@ -92,6 +106,7 @@ class Engine:
             raise APIError(404, f"model {request.model!r} does not exist; this server has {self.model_name!r}",
                            param="model", code="model_not_found")
         session = self.session
+        prompt_text = ""
         if request.messages is not None:
             try:
                 ids = self.template.encode(request.messages, session.tokenizer)
@@ -101,12 +116,14 @@ class Engine:
                 raise APIError(500, str(exc), type="server_error") from None
         elif isinstance(request.prompt, str):
             ids = session.tokenize(request.prompt)
+            prompt_text = request.prompt
         else:
             ids = list(request.prompt)
             n_vocab = session.tokenizer.n_vocab
             if max(ids) >= n_vocab:
                 raise APIError(400, f"prompt token id {max(ids)} is not below the vocabulary size {n_vocab}",
                                param="prompt")
+            prompt_text = session.detokenize(ids) if request.echo else ""
         ctx = session.plan.settings.ctx
         if len(ids) >= ctx or (request.max_tokens is not None and len(ids) + request.max_tokens > ctx):
             wanted = f"{len(ids)} prompt tokens" + (f" + {request.max_tokens} max_tokens"
@@ -118,7 +135,7 @@ class Engine:
         if n_max and session.model.nextn is None:
             raise APIError(400, f"n_max {n_max}: the model has no NextN (MTP) draft head", param="n_max")
         return Job(request=request, ids=ids, max_tokens=request.max_tokens or ctx - len(ids), n_max=n_max,
-                   loop=loop)
+                   loop=loop, prompt_text=prompt_text)
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -176,45 +193,104 @@ class Engine:
         if job.cancelled.is_set():          # left between leaving the queue and starting
             self.metrics.cancelled += 1
             return
+        runs: list[RunStats] = []
+        prompt_lp: list[TokenLogprob] | None = None
+        n_gen = 0
+        for index in range(r.n):
+            try:
+                finish, n, prompt_lp = self._choice(job, index, prompt_lp)
+            except OffloadError as exc:
+                job.emit("error", APIError(400, str(exc)))
+                return
+            except Exception as exc:
+                traceback.print_exc(file=sys.stderr)
+                job.emit("error", APIError(500, f"generation failed: {type(exc).__name__}: {exc}",
+                                           type="server_error"))
+                return
+            runs.append(session.stats)
+            self.metrics.record(session.stats)
+            n_gen += n
+            if job.cancelled.is_set():
+                self.metrics.cancelled += 1
+                return
+            job.emit("end", (index, finish))
+        job.emit("done", Result(prompt_tokens=len(job.ids), completion_tokens=n_gen,
+                                timings=timings(merged(runs), job.n_max)))
+
+    def _choice(self, job: Job, index: int, prompt_lp):
+        """Generate choice ``index``, emitting its pieces; → (finish_reason, tokens generated,
+        the prompt's logprobs when echo asked for them)."""
+        session, r = self.session, job.request
         stream, stops = TextStream(session.detokenize), StopText(r.stop)
         eos = session.tokenizer.eos_ids
+        k = r.logprobs
+        pending: list[TokenLogprob] = []         # logprobs of tokens whose text is not out yet
+        on_token = on_prompt = None
+        if k is not None:
+            def on_token(tok, row):
+                pending.append(score(row, tok, k))
+        if r.echo:
+            if k is not None and prompt_lp is None:
+                prompt_lp = [TokenLogprob(job.ids[0], None, None)]
+
+                def on_prompt(start, rows):
+                    for i, row in enumerate(rows[:len(job.ids) - 1 - start]):
+                        prompt_lp.append(score(row, job.ids[start + i + 1], k))
         finish, n_gen = "length", 0
         gen = session.generate(job.ids, max_tokens=job.max_tokens, temperature=r.temperature, top_k=r.top_k,
-                               top_p=r.top_p, seed=r.seed, stop_at_eos=not r.ignore_eos, n_max=job.n_max,
-                               p_min=self.spec.p_min, verify=self.spec.verify, cache_prompt=r.cache_prompt)
+                               top_p=r.top_p, seed=choice_seed(r.seed, index), stop_at_eos=not r.ignore_eos,
+                               n_max=job.n_max, p_min=self.spec.p_min, verify=self.spec.verify,
+                               cache_prompt=r.cache_prompt, on_token=on_token, on_prompt_logits=on_prompt)
         try:
             for tok in gen:
+                if r.echo and n_gen == 0:        # the prompt ran: echo it first
+                    job.emit("piece", Piece(index, job.prompt_text, list(prompt_lp or [])))
                 if job.cancelled.is_set():
                     break
                 n_gen += 1
                 piece = stops.push(stream.push(tok))
-                if piece:
-                    job.emit("text", piece)
                 if stops.stopped:
+                    if piece:
+                        job.emit("piece", Piece(index, piece, []))
                     finish = "stop"
                     break
+                if piece:
+                    job.emit("piece", Piece(index, piece, pending[:]))
+                    pending.clear()
                 if tok in eos and not r.ignore_eos:
                     finish = "stop"
             else:
                 piece = stops.push(stream.close()) + stops.close()
-                if piece:
-                    job.emit("text", piece)
-        except OffloadError as exc:
-            job.emit("error", APIError(400, str(exc)))
-            return
-        except Exception as exc:
-            traceback.print_exc(file=sys.stderr)
-            job.emit("error", APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error"))
-            return
+                if piece or pending:
+                    job.emit("piece", Piece(index, piece, pending[:]))
         finally:
             gen.close()
-        st = session.stats
-        self.metrics.record(st)
-        if job.cancelled.is_set():
-            self.metrics.cancelled += 1
-            return
-        job.emit("done", Result(finish_reason=finish, prompt_tokens=len(job.ids), completion_tokens=n_gen,
-                                timings=timings(st, job.n_max)))
+        return finish, n_gen, prompt_lp
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice 0 samples with the request's seed (as with n = 1); choice i with a seed drawn
+    from (seed, i), so the choices are independent and each is reproducible."""
+    if seed is None or index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0])
+
+
+def merged(runs: list[RunStats]) -> RunStats:
+    """One RunStats for a request's choices: the first's prompt, every choice's generation."""
+    out = replace(runs[0], drafted_per_position=list(runs[0].drafted_per_position),
+                  accepted_per_position=list(runs[0].accepted_per_position))
+    for st in runs[1:]:
+        out.n_gen += st.n_gen
+        out.eval_s += st.eval_s
+        out.drafted += st.drafted
+        out.accepted += st.accepted
+        for mine, theirs in ((out.drafted_per_position, st.drafted_per_position),
+                             (out.accepted_per_position, st.accepted_per_position)):
+            mine += [0] * (len(theirs) - len(mine))
+            for j, n in enumerate(theirs):
+                mine[j] += n
+    return out
 
 
 def timings(st, n_max: int) -> dict:

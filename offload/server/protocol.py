@@ -3,7 +3,7 @@ as ``{"error": {"message", "type", "param", "code"}}``, and the response / strea
 objects (with llama-server's ``timings``).
 
 Fields this server does not know are ignored (clients send many); fields it knows but
-cannot honour (``n`` > 1, ``logprobs``, ``tools``) are refused, never silently dropped.
+cannot honour (``tools``, ``best_of``, ``suffix``) are refused, never silently dropped.
 """
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from offload.server.logprobs import (MAX_TOP_LOGPROBS, Pieces, TokenLogprob, chat_content,
+                                     completion_logprobs)
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # fields that ask for what this server does not do → the values that ask for nothing
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
-               "best_of": (None, 1), "echo": (None, False), "suffix": (None, "")}
+UNSUPPORTED = {"tools": (None, []), "functions": (None, []), "best_of": (None, 1), "suffix": (None, "")}
+MAX_N = 16                     # choices per request (generated one after another)
 
 
 class APIError(Exception):
@@ -51,6 +54,9 @@ class Request:
     n_max: int | None = None                   # offload: draft length for this request
     cache_prompt: bool = True                  # llama-server's: reuse the previous prompt's KV
     ignore_eos: bool = False                   # llama-server's: generate past end-of-sequence
+    n: int = 1                                 # independent choices
+    logprobs: int | None = None                # None: none; k: each token's logprob and the top k
+    echo: bool = False                         # completions: the prompt (and its logprobs) first
 
 
 def _is_int(v) -> bool:
@@ -104,9 +110,29 @@ def _stop(body: _Body) -> list[str]:
     return list(stops)
 
 
+def _logprobs(body: _Body, endpoint: str) -> int | None:
+    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0..20); completions: ``logprobs`` (0..20)."""
+    if endpoint == "chat":
+        on = body.bool("logprobs", False)
+        k = body.int("top_logprobs", minimum=0)
+        name = "top_logprobs"
+        if k is not None and not on:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        k = (k or 0) if on else None
+    else:
+        name = "logprobs"
+        k = body.int("logprobs", minimum=0)
+    if k is not None and k > MAX_TOP_LOGPROBS:
+        raise APIError(400, f"'{name}' must be <= {MAX_TOP_LOGPROBS}, got {k}", param=name)
+    return k
+
+
 def _common(body: _Body, endpoint: str) -> Request:
-    if body.int("n", default=1) != 1:
-        raise APIError(400, "'n' must be 1: one choice per request", param="n")
+    n = body.int("n", minimum=1, default=1)
+    if n > MAX_N:
+        raise APIError(400, f"'n' must be <= {MAX_N}, got {n}", param="n")
+    if endpoint == "chat" and body.body.get("echo") not in (None, False):
+        raise APIError(400, "'echo' is for /v1/completions", param="echo")
     for name, harmless in UNSUPPORTED.items():
         if body.body.get(name) not in harmless:
             raise APIError(400, f"'{name}' is not supported by offload serve", param=name)
@@ -131,6 +157,9 @@ def _common(body: _Body, endpoint: str) -> Request:
         n_max=body.int("n_max", minimum=0),
         cache_prompt=body.bool("cache_prompt", True),
         ignore_eos=body.bool("ignore_eos", False),
+        n=n,
+        logprobs=_logprobs(body, endpoint),
+        echo=body.bool("echo", False),
     )
 
 
@@ -205,9 +234,29 @@ def new_id(endpoint: str) -> str:
 
 
 @dataclass
+class Piece:
+    """Text of choice ``index`` as it comes out, with the logprobs of the tokens it completes."""
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+
+
+@dataclass
+class Choice:
+    """One whole choice, collected from its pieces."""
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, piece: Piece) -> None:
+        self.text += piece.text
+        self.logprobs += piece.logprobs
+
+
+@dataclass
 class Result:
-    """What a finished generation reports."""
-    finish_reason: str                         # "stop" | "length"
+    """What a finished request reports (its choices' finish reasons came before)."""
     prompt_tokens: int
     completion_tokens: int
     timings: dict
@@ -221,31 +270,56 @@ class Result:
 class Responder:
     """Builds the objects one request answers with (ids and timestamps shared by its chunks)."""
 
-    def __init__(self, request: Request, model: str):
-        self.request, self.model = request, model
+    def __init__(self, request: Request, model: str, pieces: Pieces):
+        self.request, self.model, self.pieces = request, model, pieces
         self.id, self.created = new_id(request.endpoint), int(time.time())
         self.chat = request.endpoint == "chat"
+        self.offsets: dict[int, int] = {}         # completions: text so far per choice (text_offset)
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, text: str, result: Result) -> dict:
+    def _logprobs(self, index: int, text: str, entries: list[TokenLogprob]) -> dict | None:
+        if self.request.logprobs is None:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": result.finish_reason, "logprobs": None}
-            out = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
-            out = self._envelope("text_completion", [choice])
-        return out | {"usage": result.usage(), "timings": result.timings}
+            return {"content": chat_content(entries, self.pieces), "refusal": None}
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(text)
+        return completion_logprobs(entries, self.pieces, offset)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict:
+    def response(self, choices: list[Choice], result: Result) -> dict:
+        out = []
+        for c in choices:
+            logprobs = self._logprobs(c.index, c.text, c.logprobs)
+            if self.chat:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "finish_reason": c.finish_reason, "logprobs": logprobs})
+            else:
+                out.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                            "logprobs": logprobs})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(obj, out) | {"usage": result.usage(), "timings": result.timings}
+
+    def role_chunk(self, index: int) -> dict:
+        return self._envelope("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                         "finish_reason": None, "logprobs": None}])
+
+    def chunk(self, piece: Piece) -> dict:
+        logprobs = self._logprobs(piece.index, piece.text, piece.logprobs)
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return self._envelope("chat.completion.chunk",
-                                  [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}])
-        return self._envelope("text_completion",
-                              [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}])
+            delta = {"content": piece.text} if piece.text else {}
+            return self._envelope("chat.completion.chunk", [{"index": piece.index, "delta": delta,
+                                                             "finish_reason": None, "logprobs": logprobs}])
+        return self._envelope("text_completion", [{"index": piece.index, "text": piece.text,
+                                                   "finish_reason": None, "logprobs": logprobs}])
+
+    def finish_chunk(self, index: int, finish_reason: str) -> dict:
+        if self.chat:
+            choice = {"index": index, "delta": {}, "finish_reason": finish_reason, "logprobs": None}
+            return self._envelope("chat.completion.chunk", [choice])
+        return self._envelope("text_completion", [{"index": index, "text": "", "finish_reason": finish_reason,
+                                                   "logprobs": None}])
 
     def usage_chunk(self, result: Result) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", []) | {
