@@ -26,7 +26,7 @@ Cache bookkeeping, with Q the trunk cache length at a step's start and x_Q the p
 A ``guide`` (structured output: ``offload.server.constrain``) masks the logits every token is
 chosen from — the target's rows before sampling or judging, and the drafter's before drafting,
 so no draft that breaks the constraint reaches verification — and is advanced by each token
-chosen (drafts are rolled back out of it once drafted). ``on_token(token, row)`` sees each
+chosen (drafts advance a fork of it, dropped once drafted). ``on_token(token, row)`` sees each
 yielded token with the target's unmasked logits row it was chosen at (logprobs);
 ``on_prompt_logits(start, rows)`` sees the prompt's rows (row i predicts token start + i + 1).
 
@@ -74,14 +74,13 @@ class SpecOptions:
 
 class Guide(Protocol):
     """A constraint on the next token, stateful: ``mask`` the logits at the current state,
-    ``accept`` a token (False, state unchanged, when it breaks the constraint), ``rollback``
-    the last n accepted."""
+    ``accept`` a token (False when it breaks the constraint), ``fork`` a copy to draft on."""
 
     def mask(self, logits: np.ndarray) -> np.ndarray: ...
 
     def accept(self, token: int) -> bool: ...
 
-    def rollback(self, n: int) -> None: ...
+    def fork(self) -> "Guide": ...
 
 
 class DraftHead(Protocol):
@@ -172,29 +171,25 @@ class _Drafter:
         self.valid, self.ran = q_len, True
         drafts: list[int] = []
         qs: list[np.ndarray | None] = []
-        guide = self.guide
-        try:
-            for j in range(n_cap):
-                z = _rows(logits)
-                if guide is not None:
-                    z = guide.mask(z)
-                q = None if self.sampler.greedy else self.sampler.probs(z)
-                if not self._confident(z, q):
-                    break
-                d = int(np.argmax(z)) if q is None else self.sampler.draw(q)
-                if guide is not None and not guide.accept(d):
-                    break
-                drafts.append(d)
-                qs.append(q)
-                if j + 1 == n_cap:
-                    break
-                # chained step: pair Q+j = (h_mtp of the last draft step, that draft) at position Q+j+1
-                out, h = self.head(torch.as_tensor([d]), h, torch.tensor([q_len + j + 1]), self.cache,
-                                   logits="last")
-                logits = out[-1]
-        finally:
-            if guide is not None and drafts:
-                guide.rollback(len(drafts))      # drafts are judged against the state before them
+        guide = self.guide.fork() if self.guide is not None else None   # drafts advance a copy
+        for j in range(n_cap):
+            z = _rows(logits)
+            if guide is not None:
+                z = guide.mask(z)
+            q = None if self.sampler.greedy else self.sampler.probs(z)
+            if not self._confident(z, q):
+                break
+            d = int(np.argmax(z)) if q is None else self.sampler.draw(q)
+            if guide is not None and not guide.accept(d):
+                break
+            drafts.append(d)
+            qs.append(q)
+            if j + 1 == n_cap:
+                break
+            # chained step: pair Q+j = (h_mtp of the last draft step, that draft) at position Q+j+1
+            out, h = self.head(torch.as_tensor([d]), h, torch.tensor([q_len + j + 1]), self.cache,
+                               logits="last")
+            logits = out[-1]
         return drafts, qs
 
     def accept(self, q_len: int, x_q: int, hidden: torch.Tensor, accepted: list[int]) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from offload.chat_template import ChatTemplate, ChatTemplateError, TemplateRaised
 from offload.errors import OffloadError
+from offload.server.constrain import GrammarError, TokenGuide, Vocabulary, json_grammar
 from offload.server.logprobs import Pieces, TokenLogprob, score
 from offload.server.metrics import Metrics
 from offload.server.protocol import APIError, Piece, Request, Result, server_busy
@@ -44,6 +45,7 @@ class Job:
     n_max: int
     loop: asyncio.AbstractEventLoop
     prompt_text: str = ""                     # what echo repeats
+    grammar: str | None = None                # the constraint each choice is decoded under
     # ("piece", Piece) | ("end", (index, finish_reason)) | ("done", Result) | ("error", APIError)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -64,6 +66,7 @@ class Engine:
         self.max_queue, self._on_load_error = max_queue, on_load_error
         self.session = None
         self._pieces: Pieces | None = None
+        self._vocabulary: Vocabulary | None = None
         self.metrics = Metrics()
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -76,6 +79,13 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self.session is not None
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """The tokenizer as the constrained decoder sees it (built at first use)."""
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(self.session.tokenizer)
+        return self._vocabulary
 
     @property
     def pieces(self) -> Pieces:
@@ -134,8 +144,16 @@ class Engine:
         n_max = self.spec.n_max if request.n_max is None else request.n_max
         if n_max and session.model.nextn is None:
             raise APIError(400, f"n_max {n_max}: the model has no NextN (MTP) draft head", param="n_max")
+        grammar = None
+        if request.response_format is not None:
+            try:
+                grammar = json_grammar(request.response_format.schema)
+                self.vocabulary.check(grammar)
+            except GrammarError as exc:
+                raise APIError(400, f"'response_format': the schema cannot be compiled: {exc}",
+                               param="response_format") from None
         return Job(request=request, ids=ids, max_tokens=request.max_tokens or ctx - len(ids), n_max=n_max,
-                   loop=loop, prompt_text=prompt_text)
+                   loop=loop, prompt_text=prompt_text, grammar=grammar)
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -194,11 +212,15 @@ class Engine:
             self.metrics.cancelled += 1
             return
         runs: list[RunStats] = []
+        guides: list[TokenGuide] = []
         prompt_lp: list[TokenLogprob] | None = None
         n_gen = 0
         for index in range(r.n):
             try:
-                finish, n, prompt_lp = self._choice(job, index, prompt_lp)
+                guide = self.vocabulary.guide(job.grammar) if job.grammar is not None else None
+                if guide is not None:
+                    guides.append(guide)
+                finish, n, prompt_lp = self._choice(job, index, prompt_lp, guide)
             except OffloadError as exc:
                 job.emit("error", APIError(400, str(exc)))
                 return
@@ -214,10 +236,13 @@ class Engine:
                 self.metrics.cancelled += 1
                 return
             job.emit("end", (index, finish))
-        job.emit("done", Result(prompt_tokens=len(job.ids), completion_tokens=n_gen,
-                                timings=timings(merged(runs), job.n_max)))
+        t = timings(merged(runs), job.n_max)
+        if guides:           # what constrained decoding cost: masking and advancing, drafts included
+            t["constrain_ms"] = sum(g.cost.seconds for g in guides) * 1000.0
+            t["constrain_per_token_ms"] = t["constrain_ms"] / n_gen if n_gen else 0.0
+        job.emit("done", Result(prompt_tokens=len(job.ids), completion_tokens=n_gen, timings=t))
 
-    def _choice(self, job: Job, index: int, prompt_lp):
+    def _choice(self, job: Job, index: int, prompt_lp, guide: TokenGuide | None):
         """Generate choice ``index``, emitting its pieces; → (finish_reason, tokens generated,
         the prompt's logprobs when echo asked for them)."""
         session, r = self.session, job.request
@@ -240,7 +265,8 @@ class Engine:
         gen = session.generate(job.ids, max_tokens=job.max_tokens, temperature=r.temperature, top_k=r.top_k,
                                top_p=r.top_p, seed=choice_seed(r.seed, index), stop_at_eos=not r.ignore_eos,
                                n_max=job.n_max, p_min=self.spec.p_min, verify=self.spec.verify,
-                               cache_prompt=r.cache_prompt, on_token=on_token, on_prompt_logits=on_prompt)
+                               cache_prompt=r.cache_prompt, guide=guide, on_token=on_token,
+                               on_prompt_logits=on_prompt)
         try:
             for tok in gen:
                 if r.echo and n_gen == 0:        # the prompt ran: echo it first

@@ -36,6 +36,13 @@ def server_busy(message: str) -> APIError:
     return APIError(503, message, type="server_error", code="server_busy")
 
 
+@dataclass(frozen=True)
+class ResponseFormat:
+    """``response_format`` asking for JSON: ``schema`` None = any JSON object (json_object)."""
+    kind: str                                  # "json_object" | "json_schema"
+    schema: dict | None = None
+
+
 @dataclass
 class Request:
     """One generation request, checked. ``messages`` (chat) or ``prompt`` (text or token ids)."""
@@ -57,6 +64,7 @@ class Request:
     n: int = 1                                 # independent choices
     logprobs: int | None = None                # None: none; k: each token's logprob and the top k
     echo: bool = False                         # completions: the prompt (and its logprobs) first
+    response_format: ResponseFormat | None = None   # JSON output by constrained decoding
 
 
 def _is_int(v) -> bool:
@@ -127,6 +135,30 @@ def _logprobs(body: _Body, endpoint: str) -> int | None:
     return k
 
 
+def _response_format(body: _Body) -> ResponseFormat | None:
+    """``{"type": "text"}``, ``{"type": "json_object"}`` (llama-server's optional ``schema``
+    beside it) or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``."""
+    rf = body.get("response_format", "an object", lambda v: isinstance(v, dict))
+    if rf is None or rf.get("type") == "text":
+        return None
+    kind = rf.get("type")
+    if kind == "json_object":
+        schema = rf.get("schema")
+    elif kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError(400, "'response_format.json_schema' must be an object with a 'schema'",
+                           param="response_format")
+        schema = spec.get("schema", {})
+    else:
+        raise APIError(400, f"'response_format.type' must be text, json_object or json_schema, got {kind!r:.40}",
+                       param="response_format")
+    if schema is not None and not isinstance(schema, dict):
+        raise APIError(400, f"'response_format' schema must be a JSON object, got {schema!r:.40}",
+                       param="response_format")
+    return ResponseFormat(kind, schema)
+
+
 def _common(body: _Body, endpoint: str) -> Request:
     n = body.int("n", minimum=1, default=1)
     if n > MAX_N:
@@ -160,6 +192,7 @@ def _common(body: _Body, endpoint: str) -> Request:
         n=n,
         logprobs=_logprobs(body, endpoint),
         echo=body.bool("echo", False),
+        response_format=_response_format(body),
     )
 
 
