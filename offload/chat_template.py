@@ -94,9 +94,10 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template ({self.origin}) failed: "
                                     f"{type(exc).__name__}: {exc}") from None
 
-    def encode(self, messages: list[dict], tokenizer) -> list[int]:
-        """Rendered (with the generation prompt) and tokenized. A template that writes the BOS
-        itself gets no second one (transformers tokenizes its output without special tokens);
-        otherwise the tokenizer adds BOS as the model asks."""
-        text = self.render(messages)
+    def encode(self, messages: list[dict], tokenizer, **extra) -> list[int]:
+        """Rendered (with the generation prompt; ``extra`` as ``render`` takes it, e.g. ``tools``)
+        and tokenized. A template that writes the BOS itself gets no second one (transformers
+        tokenizes its output without special tokens); otherwise the tokenizer adds BOS as the
+        model asks."""
+        text = self.render(messages, **extra)
         return tokenizer.encode(text, add_bos=not (self.bos_token and text.startswith(self.bos_token)))

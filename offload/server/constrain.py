@@ -36,7 +36,11 @@ def json_grammar(schema: dict | None) -> str:
 
 
 def lark_grammar(source: str) -> str:
-    return llguidance.LLMatcher.grammar_from_lark(source)
+    """llguidance's grammar for a Lark grammar (llguidance's dialect: ``%json {schema}`` rules)."""
+    try:
+        return llguidance.LLMatcher.grammar_from_lark(source)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(str(exc)) from None
 
 
 class Vocabulary:

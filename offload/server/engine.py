@@ -27,7 +27,8 @@ import numpy as np
 
 from offload.chat_template import ChatTemplate, ChatTemplateError, TemplateRaised
 from offload.errors import OffloadError
-from offload.server.constrain import GrammarError, TokenGuide, Vocabulary, json_grammar
+from offload.server.constrain import GrammarError, TokenGuide, Vocabulary, json_grammar, lark_grammar
+from offload.server.tools import MALFORMED, ToolFormat, ToolStream
 from offload.server.logprobs import Pieces, TokenLogprob, score
 from offload.server.metrics import Metrics
 from offload.server.protocol import APIError, Piece, Request, Result, server_busy
@@ -46,6 +47,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     prompt_text: str = ""                     # what echo repeats
     grammar: str | None = None                # the constraint each choice is decoded under
+    tools: bool = False                       # parse tool calls out of the output
     # ("piece", Piece) | ("end", (index, finish_reason)) | ("done", Result) | ("error", APIError)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -61,8 +63,10 @@ class Job:
 
 class Engine:
     def __init__(self, load: Callable[[], object], *, model_name: str, template: ChatTemplate,
-                 spec: SpecOptions, max_queue: int, on_load_error: Callable[[str], None]):
+                 spec: SpecOptions, max_queue: int, on_load_error: Callable[[str], None],
+                 tool_format: ToolFormat | None = None):
         self._load, self.model_name, self.template, self.spec = load, model_name, template, spec
+        self.tool_format = tool_format         # how this model writes tool calls (None: unknown)
         self.max_queue, self._on_load_error = max_queue, on_load_error
         self.session = None
         self._pieces: Pieces | None = None
@@ -117,9 +121,14 @@ class Engine:
                            param="model", code="model_not_found")
         session = self.session
         prompt_text = ""
+        tools = request.tools if request.tool_choice != "none" else []
+        if tools and self.tool_format is None:
+            raise APIError(400, "'tools': this model's chat template writes no tool-call format offload knows "
+                                "(Hermes/Qwen3, GLM-4.5, DeepSeek, harmony)", param="tools")
         if request.messages is not None:
             try:
-                ids = self.template.encode(request.messages, session.tokenizer)
+                ids = self.template.encode(request.messages, session.tokenizer,
+                                           tools=[t.as_openai() for t in request.tools] or None)
             except TemplateRaised as exc:
                 raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
             except ChatTemplateError as exc:
@@ -145,15 +154,27 @@ class Engine:
         if n_max and session.model.nextn is None:
             raise APIError(400, f"n_max {n_max}: the model has no NextN (MTP) draft head", param="n_max")
         grammar = None
+        forced = request.tool_choice not in ("none", "auto")
         if request.response_format is not None:
+            if forced:
+                raise APIError(400, "'response_format' and a forced 'tool_choice' cannot both constrain the output",
+                               param="response_format")
             try:
                 grammar = json_grammar(request.response_format.schema)
                 self.vocabulary.check(grammar)
             except GrammarError as exc:
                 raise APIError(400, f"'response_format': the schema cannot be compiled: {exc}",
                                param="response_format") from None
+        elif forced:                             # required / a named tool: the call's syntax is forced
+            try:
+                grammar = lark_grammar(self.tool_format.grammar(
+                    tools, None if request.tool_choice == "required" else request.tool_choice))
+                self.vocabulary.check(grammar)
+            except GrammarError as exc:
+                raise APIError(400, f"'tools': the tools' parameters cannot be compiled: {exc}",
+                               param="tools") from None
         return Job(request=request, ids=ids, max_tokens=request.max_tokens or ctx - len(ids), n_max=n_max,
-                   loop=loop, prompt_text=prompt_text, grammar=grammar)
+                   loop=loop, prompt_text=prompt_text, grammar=grammar, tools=bool(tools))
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -246,8 +267,13 @@ class Engine:
         """Generate choice ``index``, emitting its pieces; → (finish_reason, tokens generated,
         the prompt's logprobs when echo asked for them)."""
         session, r = self.session, job.request
-        stream, stops = TextStream(session.detokenize), StopText(r.stop)
         eos = session.tokenizer.eos_ids
+        stops = StopText(r.stop)
+        if job.tools:       # call markers may be special tokens: keep them, drop end-of-sequence
+            stream = TextStream(lambda ids: session.tokenizer.decode([t for t in ids if t not in eos], special=True))
+            calls = ToolStream(self.tool_format, {t.name for t in r.tools})
+        else:
+            stream, calls = TextStream(session.detokenize), None
         k = r.logprobs
         pending: list[TokenLogprob] = []         # logprobs of tokens whose text is not out yet
         on_token = on_prompt = None
@@ -275,6 +301,8 @@ class Engine:
                     break
                 n_gen += 1
                 piece = stops.push(stream.push(tok))
+                if calls is not None:
+                    piece = calls.push(piece)
                 if stops.stopped:
                     if piece:
                         job.emit("piece", Piece(index, piece, []))
@@ -287,10 +315,17 @@ class Engine:
                     finish = "stop"
             else:
                 piece = stops.push(stream.close()) + stops.close()
+                if calls is not None:
+                    piece = calls.push(piece)
                 if piece or pending:
                     job.emit("piece", Piece(index, piece, pending[:]))
         finally:
             gen.close()
+        if calls is not None:
+            parsed = calls.close()
+            if parsed.content or parsed.calls:
+                job.emit("piece", Piece(index, parsed.content, [], parsed.calls))
+            finish = "tool_calls" if parsed.calls else MALFORMED if parsed.malformed else finish
         return finish, n_gen, prompt_lp
 
 

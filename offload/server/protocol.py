@@ -3,7 +3,7 @@ as ``{"error": {"message", "type", "param", "code"}}``, and the response / strea
 objects (with llama-server's ``timings``).
 
 Fields this server does not know are ignored (clients send many); fields it knows but
-cannot honour (``tools``, ``best_of``, ``suffix``) are refused, never silently dropped.
+cannot honour (``functions``, ``best_of``, ``suffix``) are refused, never silently dropped.
 """
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from offload.server.tools import Tool, ToolCall, check_tool_choice, check_tools, object_or_none
 from offload.server.logprobs import (MAX_TOP_LOGPROBS, Pieces, TokenLogprob, chat_content,
                                      completion_logprobs)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # fields that ask for what this server does not do → the values that ask for nothing
-UNSUPPORTED = {"tools": (None, []), "functions": (None, []), "best_of": (None, 1), "suffix": (None, "")}
+UNSUPPORTED = {"functions": (None, []), "best_of": (None, 1), "suffix": (None, "")}
 MAX_N = 16                     # choices per request (generated one after another)
 
 
@@ -65,6 +66,8 @@ class Request:
     logprobs: int | None = None                # None: none; k: each token's logprob and the top k
     echo: bool = False                         # completions: the prompt (and its logprobs) first
     response_format: ResponseFormat | None = None   # JSON output by constrained decoding
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str = "none"                  # "none" | "auto" | "required" | the name of a tool to call
 
 
 def _is_int(v) -> bool:
@@ -219,6 +222,25 @@ def _content(message: dict, i: int) -> str:
                    param=f"messages[{i}].content")
 
 
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant turn's ``tool_calls`` as templates read them: ``function.arguments`` an
+    object where the JSON text is one (GLM-4.5's template iterates its items; Qwen3's takes
+    either), as llama-server hands them to templates."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise APIError(400, f"{param} must be a list", param=param)
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(400, f"{param}: each call needs function.name", param=param)
+        args = fn.get("arguments", "{}")
+        parsed = object_or_none(args) if isinstance(args, str) else args
+        out.append({"id": c.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": parsed if parsed is not None else args}})
+    return out
+
+
 def parse_chat(raw) -> Request:
     body = _Body(raw)
     messages = body.body.get("messages")
@@ -237,9 +259,15 @@ def parse_chat(raw) -> Request:
         out = {"role": role, "content": _content(m, i)}
         if isinstance(m.get("name"), str):
             out["name"] = m["name"]
+        if role == "assistant" and m.get("tool_calls"):
+            out["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            out["tool_call_id"] = m["tool_call_id"]
         checked.append(out)
     request = _common(body, "chat")
     request.messages = checked
+    request.tools = check_tools(body.body["tools"]) if body.body.get("tools") else []
+    request.tool_choice = check_tool_choice(body.body.get("tool_choice"), request.tools)
     return request
 
 
@@ -256,6 +284,8 @@ def parse_completion(raw) -> Request:
     if prompt == "":
         raise APIError(400, "'prompt' must not be empty", param="prompt")
     request = _common(body, "completion")
+    if body.body.get("tools"):
+        raise APIError(400, "'tools' is for /v1/chat/completions", param="tools")
     request.prompt = prompt
     return request
 
@@ -272,6 +302,7 @@ class Piece:
     index: int
     text: str
     logprobs: list[TokenLogprob]
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -281,10 +312,12 @@ class Choice:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     def add(self, piece: Piece) -> None:
         self.text += piece.text
         self.logprobs += piece.logprobs
+        self.tool_calls += piece.tool_calls
 
 
 @dataclass
@@ -326,8 +359,12 @@ class Responder:
         for c in choices:
             logprobs = self._logprobs(c.index, c.text, c.logprobs)
             if self.chat:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "finish_reason": c.finish_reason, "logprobs": logprobs})
+                message = {"role": "assistant", "content": c.text}
+                if c.tool_calls:
+                    message = {"role": "assistant", "content": c.text or None,
+                               "tool_calls": [t.as_dict() for t in c.tool_calls]}
+                out.append({"index": c.index, "message": message, "finish_reason": c.finish_reason,
+                            "logprobs": logprobs})
             else:
                 out.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                             "logprobs": logprobs})
@@ -342,6 +379,8 @@ class Responder:
         logprobs = self._logprobs(piece.index, piece.text, piece.logprobs)
         if self.chat:
             delta = {"content": piece.text} if piece.text else {}
+            if piece.tool_calls:
+                delta["tool_calls"] = [{"index": k} | t.as_dict() for k, t in enumerate(piece.tool_calls)]
             return self._envelope("chat.completion.chunk", [{"index": piece.index, "delta": delta,
                                                              "finish_reason": None, "logprobs": logprobs}])
         return self._envelope("text_completion", [{"index": piece.index, "text": piece.text,
