@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from offload.server.tools import Tool, ToolCall, check_tool_choice, check_tools, object_or_none
+from offload.server.tools import Tool, ToolCall, object_or_none
 from offload.server.logprobs import (MAX_TOP_LOGPROBS, Pieces, TokenLogprob, chat_content,
                                      completion_logprobs)
 
@@ -220,6 +220,44 @@ def _content(message: dict, i: int) -> str:
         return "".join(texts)
     raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
                    param=f"messages[{i}].content")
+
+
+def check_tools(raw) -> list[Tool]:
+    """``tools``: a list of ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+    if not isinstance(raw, list):
+        raise APIError(400, "'tools' must be a list of tools", param="tools")
+    tools = []
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                           param=f"tools[{i}]")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                           param=f"tools[{i}].function.parameters")
+        tools.append(Tool(fn["name"], params, fn.get("description") or ""))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "'tools' names the same function twice", param="tools")
+    return tools
+
+
+def check_tool_choice(raw, tools: list[Tool]) -> str | None:
+    """``tool_choice`` → "none" | "auto" | "required" | a tool's name (that call is forced)."""
+    if raw is None:
+        return "auto" if tools else "none"
+    if raw in ("none", "auto", "required"):
+        if raw == "required" and not tools:
+            raise APIError(400, "'tool_choice' is required but no 'tools' are given", param="tool_choice")
+        return raw
+    name = raw.get("function", {}).get("name") if isinstance(raw, dict) and raw.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise APIError(400, "'tool_choice' must be none, auto, required or {\"type\": \"function\", "
+                            "\"function\": {\"name\": ...}}", param="tool_choice")
+    if name not in {t.name for t in tools}:
+        raise APIError(400, f"'tool_choice' names {name!r}, which is not in 'tools'", param="tool_choice")
+    return name
 
 
 def _tool_calls(calls, i: int) -> list[dict]:

@@ -1,6 +1,7 @@
-"""Tool calls: the request's ``tools`` / ``tool_choice`` checked, the model's tool-call syntax
-(one module per format in ``offload.server.tool_formats``, chosen by the chat template, else
-by the architecture) parsed back into OpenAI ``tool_calls``, also while streaming.
+"""Tool calls: the model's tool-call syntax (one module per format in
+``offload.server.tool_formats``, chosen by the chat template, else by the architecture) parsed
+back into OpenAI ``tool_calls``, also while streaming (``offload.server.protocol`` checks the
+request's ``tools`` and ``tool_choice``).
 
 While streaming, text is released as content until a format's call marker begins; from there
 it is held, and parsed when the choice ends: the calls go out as ``tool_calls`` deltas with
@@ -117,43 +118,3 @@ class ToolStream:
         if parsed.malformed or any(c.name not in self.known for c in parsed.calls):
             return Parsed(self.held, [], malformed=True)
         return parsed
-
-
-def check_tools(raw) -> list[Tool]:
-    """``tools``: a list of ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
-    from offload.server.protocol import APIError
-    if not isinstance(raw, list):
-        raise APIError(400, "'tools' must be a list of tools", param="tools")
-    tools = []
-    for i, t in enumerate(raw):
-        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                           param=f"tools[{i}]")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
-                           param=f"tools[{i}].function.parameters")
-        tools.append(Tool(fn["name"], params, fn.get("description") or ""))
-    names = [t.name for t in tools]
-    if len(set(names)) != len(names):
-        raise APIError(400, "'tools' names the same function twice", param="tools")
-    return tools
-
-
-def check_tool_choice(raw, tools: list[Tool]) -> str | None:
-    """``tool_choice`` → "none" | "auto" | "required" | a tool's name (that call is forced)."""
-    from offload.server.protocol import APIError
-    if raw is None:
-        return "auto" if tools else "none"
-    if raw in ("none", "auto", "required"):
-        if raw == "required" and not tools:
-            raise APIError(400, "'tool_choice' is required but no 'tools' are given", param="tool_choice")
-        return raw
-    name = raw.get("function", {}).get("name") if isinstance(raw, dict) and raw.get("type") == "function" else None
-    if not isinstance(name, str):
-        raise APIError(400, "'tool_choice' must be none, auto, required or {\"type\": \"function\", "
-                            "\"function\": {\"name\": ...}}", param="tool_choice")
-    if name not in {t.name for t in tools}:
-        raise APIError(400, f"'tool_choice' names {name!r}, which is not in 'tools'", param="tool_choice")
-    return name
