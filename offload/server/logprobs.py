@@ -52,13 +52,20 @@ class Pieces:
     """Token ids → the strings logprobs name them by (cached: one decode per distinct id)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self._cache = tokenizer, {}
+        self.tokenizer, self._cache, self._width = tokenizer, {}, {}
 
     def __call__(self, token: int) -> str:
         s = self._cache.get(token)
         if s is None:
             s = self._cache[token] = self.tokenizer.piece(token)
         return s
+
+    def width(self, token: int) -> int:
+        """The characters ``token`` adds to a response's text (0 for a control token such as BOS)."""
+        w = self._width.get(token)
+        if w is None:
+            w = self._width[token] = len(self.tokenizer.decode([token]))
+        return w
 
 
 def chat_content(entries: list[TokenLogprob], piece: Pieces) -> list[dict]:
@@ -75,9 +82,9 @@ def completion_logprobs(entries: list[TokenLogprob], piece: Pieces, offset: int 
     first token); the prompt's first token under ``echo`` has null logprobs."""
     texts = [piece(e.token) for e in entries]
     offsets, at = [], offset
-    for t in texts:
+    for e in entries:
         offsets.append(at)
-        at += len(t)
+        at += piece.width(e.token)
     return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [None if e.top is None else {piece(t): lp for t, lp in e.top} for e in entries],
             "text_offset": offsets}

@@ -127,6 +127,8 @@ def test_echo_logprobs_score_the_prompt(client, session):
         (tok, top), = lp.top_logprobs[i].items()
         assert abs(top - rows[i - 1].max()) < TOL
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    text = r.choices[0].text                  # each token's text sits at its offset (BOS adds none)
+    assert all(text[o:].startswith(t) for o, t in zip(lp.text_offset[1:], lp.tokens[1:]))
     # the same through a stream: the echoed prompt and its logprobs come first
     chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True,
                                             logprobs=1, stream=True))
