@@ -127,7 +127,7 @@ def _logprobs(body: _Body, endpoint: str) -> int | None:
         on = body.bool("logprobs", False)
         k = body.int("top_logprobs", minimum=0)
         name = "top_logprobs"
-        if k is not None and not on:
+        if k and not on:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         k = (k or 0) if on else None
     else:

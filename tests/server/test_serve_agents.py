@@ -1,7 +1,9 @@
 """``offload serve`` as agents and evaluation harnesses call it: logprobs (chat and
-completions, ``echo`` for the prompt's), ``n`` choices and ``seed``, through the official
-``openai`` client against a real server process (the shipped model, MTP drafting with
-n_max 2 and batched verify, so every reported logprob comes from a verify pass).
+completions, ``echo`` for the prompt's), ``n`` choices and ``seed``, structured output
+(``response_format``), and lm-eval's ``local-completions`` model, through the official
+``openai`` client against a real server process (the shipped model, MTP drafting with n_max 2
+and batched verify, so every reported logprob comes from a verify pass and every constrained
+token was drafted under the constraint too). Tool calls: ``test_serve_tools.py``.
 
 Logprobs are held to a direct forward in this process (``Session.logits``: one fresh batch
 over prompt + generated tokens) within 1e-5. Server and reference both run with an f32 KV
@@ -205,6 +207,7 @@ BAD = [
      "json_schema"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "<= 20"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "'logprobs': true"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs", ">= 0"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs", "boolean"),
     ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo", "/v1/completions"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 17}, "n", "<= 16"),
