@@ -28,7 +28,7 @@ import numpy as np
 from offload.chat_template import ChatTemplate, ChatTemplateError, TemplateRaised
 from offload.errors import OffloadError
 from offload.server.constrain import GrammarError, TokenGuide, Vocabulary, json_grammar, lark_grammar
-from offload.server.tools import MALFORMED, ToolFormat, ToolStream
+from offload.server.tools import MALFORMED, ToolFormat, ToolStream, object_or_none
 from offload.server.logprobs import Pieces, TokenLogprob, score
 from offload.server.metrics import Metrics
 from offload.server.protocol import APIError, Piece, Request, Result, server_busy
@@ -127,7 +127,7 @@ class Engine:
                                 "(Hermes/Qwen3, GLM-4.5, DeepSeek, harmony)", param="tools")
         if request.messages is not None:
             try:
-                ids = self.template.encode(request.messages, session.tokenizer,
+                ids = self.template.encode(template_messages(request.messages, self.template), session.tokenizer,
                                            tools=[t.as_openai() for t in request.tools] or None)
             except TemplateRaised as exc:
                 raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
@@ -327,6 +327,24 @@ class Engine:
                 job.emit("piece", Piece(index, parsed.content, [], parsed.calls))
             finish = "tool_calls" if parsed.calls else MALFORMED if parsed.malformed else finish
         return finish, n_gen, prompt_lp
+
+
+def template_messages(messages: list[dict], template: ChatTemplate) -> list[dict]:
+    """Messages as ``template`` reads them: tool calls' arguments as objects where it takes
+    objects (``ChatTemplate.object_arguments``), else the JSON text as sent."""
+    if not any("tool_calls" in m for m in messages) or not template.object_arguments:
+        return messages
+    out = []
+    for m in messages:
+        if "tool_calls" in m:
+            calls = []
+            for c in m["tool_calls"]:
+                args = object_or_none(c["function"]["arguments"])
+                fn = c["function"] | ({"arguments": args} if args is not None else {})
+                calls.append(c | {"function": fn})
+            m = m | {"tool_calls": calls}
+        out.append(m)
+    return out
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

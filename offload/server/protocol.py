@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from offload.server.tools import Tool, ToolCall, object_or_none
+from offload.server.tools import Tool, ToolCall, arguments_json
 from offload.server.logprobs import (MAX_TOP_LOGPROBS, Pieces, TokenLogprob, chat_content,
                                      completion_logprobs)
 
@@ -261,9 +261,7 @@ def check_tool_choice(raw, tools: list[Tool]) -> str | None:
 
 
 def _tool_calls(calls, i: int) -> list[dict]:
-    """An assistant turn's ``tool_calls`` as templates read them: ``function.arguments`` an
-    object where the JSON text is one (GLM-4.5's template iterates its items; Qwen3's takes
-    either), as llama-server hands them to templates."""
+    """An assistant turn's ``tool_calls``, checked (``function.arguments`` as sent: JSON text)."""
     param = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
         raise APIError(400, f"{param} must be a list", param=param)
@@ -273,9 +271,8 @@ def _tool_calls(calls, i: int) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise APIError(400, f"{param}: each call needs function.name", param=param)
         args = fn.get("arguments", "{}")
-        parsed = object_or_none(args) if isinstance(args, str) else args
         out.append({"id": c.get("id"), "type": "function",
-                    "function": {"name": fn["name"], "arguments": parsed if parsed is not None else args}})
+                    "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else arguments_json(args)}})
     return out
 
 

@@ -88,3 +88,38 @@ def test_tools_render_as_transformers_renders_them():
     ours = ChatTemplate(GLM45_TEMPLATE, origin="test").render(chat, tools=TOOLS)
     assert ours == want[0]
     assert "<arg_key>city</arg_key>" in ours and '"name": "get_weather"' in ours and "<tool_response>" in ours
+
+
+# a DeepSeek-V3.1-style template: the call's arguments are concatenated as text
+DEEPSEEK_STYLE = """{{ bos_token }}{% for m in messages %}
+{%- if m.role == 'user' %}{{ '<｜User｜>' + m.content }}
+{%- elif m.role == 'assistant' and m.tool_calls %}{{ '<｜Assistant｜><｜tool▁calls▁begin｜>' }}
+{%- for tc in m.tool_calls %}{{ '<｜tool▁call▁begin｜>' + tc.function.name + '<｜tool▁sep｜>' + tc.function.arguments
+    + '<｜tool▁call▁end｜>' }}{% endfor %}{{ '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}
+{%- elif m.role == 'tool' %}{{ '<｜tool▁output▁begin｜>' + m.content + '<｜tool▁output▁end｜>' }}
+{%- endif %}{% endfor %}{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"""
+
+
+def test_arguments_reach_each_template_as_it_reads_them():
+    """GLM-4.5's template iterates the arguments (an object), DeepSeek-V3.1's concatenates them
+    (the JSON text): a probe decides which the template gets; either way the call it renders
+    parses back into the same call."""
+    from offload.chat_template import ChatTemplate
+    from offload.server.engine import template_messages
+    from offload.server.protocol import parse_chat
+    from tests.server.test_serve_tools import GLM45_TEMPLATE
+    body = {"messages": [{"role": "user", "content": "Weather?"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c1", "type": "function",
+                              "function": {"name": "get_weather", "arguments": json.dumps(WEATHER)}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "21"}]}
+    messages = parse_chat(body).messages
+    for source, module, objects in ((GLM45_TEMPLATE, glm45, True), (DEEPSEEK_STYLE, deepseek, False)):
+        template = ChatTemplate(source, origin="test")
+        assert template.object_arguments is objects
+        text = template.render(template_messages(messages, template))
+        start = text.index(module.FORMAT.starts[0])
+        end = text.index("</tool_call>") + len("</tool_call>") if module is glm45 else \
+            text.index("<｜tool▁calls▁end｜>") + len("<｜tool▁calls▁end｜>")
+        parsed = module.FORMAT.parse(text[start:end])
+        assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("get_weather", WEATHER)], text
