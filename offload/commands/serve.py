@@ -9,7 +9,9 @@
 served one at a time in arrival order; ``--max-queue`` more may wait, the next gets a 503.
 Consecutive requests reuse the KV of their longest common prompt prefix (the prompt cache).
 Speculative decoding as in ``offload run``: the plan's ``n_max`` or ``--spec-n-max``; a
-request's ``n_max`` field overrides it.
+request's ``n_max`` field overrides it. Logprobs (with ``echo`` on completions), ``n``
+choices, tool calls in the chat template's format, and ``response_format`` JSON by
+constrained decoding: docs/serving.md.
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     prompt_text: str = ""                     # what echo repeats
     grammar: str | None = None                # the constraint each choice is decoded under
-    tools: bool = False                       # parse tool calls out of the output
+    parse_calls: bool = False                 # parse tool calls out of the output
     # ("piece", Piece) | ("end", (index, finish_reason)) | ("done", Result) | ("error", APIError)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -174,7 +174,7 @@ class Engine:
                 raise APIError(400, f"'tools': the tools' parameters cannot be compiled: {exc}",
                                param="tools") from None
         return Job(request=request, ids=ids, max_tokens=request.max_tokens or ctx - len(ids), n_max=n_max,
-                   loop=loop, prompt_text=prompt_text, grammar=grammar, tools=bool(tools))
+                   loop=loop, prompt_text=prompt_text, grammar=grammar, parse_calls=bool(tools))
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -269,7 +269,7 @@ class Engine:
         session, r = self.session, job.request
         eos = session.tokenizer.eos_ids
         stops = StopText(r.stop)
-        if job.tools:       # call markers may be special tokens: keep them, drop end-of-sequence
+        if job.parse_calls:  # call markers may be special tokens: keep them, drop end-of-sequence
             stream = TextStream(lambda ids: session.tokenizer.decode([t for t in ids if t not in eos], special=True))
             calls = ToolStream(self.tool_format, {t.name for t in r.tools})
         else:

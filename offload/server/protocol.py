@@ -272,7 +272,7 @@ def _tool_calls(calls, i: int) -> list[dict]:
             raise APIError(400, f"{param}: each call needs function.name", param=param)
         args = fn.get("arguments", "{}")
         out.append({"id": c.get("id"), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else arguments_json(args)}})
+                    "function": {"name": fn["name"], "arguments": arguments_json(args)}})
     return out
 
 

@@ -23,9 +23,10 @@ class Hermes:
             if text[end:m.start()].strip():
                 return Parsed(text, [], malformed=True)
             obj = object_or_none(m.group(1))
-            if obj is None or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments", {}), (dict, str)):
+            args = obj.get("arguments", {}) if obj is not None else None
+            if obj is None or not isinstance(obj.get("name"), str) or not isinstance(args, (dict, str)):
                 return Parsed(text, [], malformed=True)
-            calls.append(ToolCall(obj["name"], arguments_json(obj.get("arguments", {}))))
+            calls.append(ToolCall(obj["name"], arguments_json(args)))
             end = m.end()
         if not calls or text[end:].strip():
             return Parsed(text, [], malformed=True)
