@@ -343,8 +343,9 @@ class NoRepeat:
     """A guide (``offload.speculative.Guide``): no token may repeat the one before it. Its
     state is that last token; the drafter drafts on a fork."""
 
-    def __init__(self, last: int, log: list | None = None):
+    def __init__(self, last: int, log: list | None = None, refused: list | None = None):
         self.last, self.log = last, log if log is not None else []
+        self.refused = refused if refused is not None else []     # shared with its forks
 
     def mask(self, logits):
         out = np.array(logits, dtype=np.float32)
@@ -354,12 +355,13 @@ class NoRepeat:
     def accept(self, token: int) -> bool:
         self.log.append(token)
         if token == self.last:
+            self.refused.append(token)
             return False
         self.last = token
         return True
 
     def fork(self):
-        return NoRepeat(self.last, [])
+        return NoRepeat(self.last, [], self.refused)
 
 
 @pytest.mark.parametrize("verify", ["batched", "exact"])
@@ -380,7 +382,7 @@ def test_a_guide_constrains_drafts_and_target_alike(verify):
                             options=SpecOptions(n_max=2, verify=verify), ubatch=4, max_tokens=3, stats=stats,
                             guide=guide)
         out = list(gen)
-        assert guide.log == out and all(a != b for a, b in zip([3] + out, out))
+        assert guide.log == out and all(a != b for a, b in zip([3] + out, out)) and not guide.refused
         counts[out[1], out[2]] += 1
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
     want = np.einsum("a,ab,bc->bc", p[3], p, p)
