@@ -10,6 +10,7 @@ That means: a sandboxed environment (templates are untrusted code), ``trim_block
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from importlib import resources
@@ -94,9 +95,24 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template ({self.origin}) failed: "
                                     f"{type(exc).__name__}: {exc}") from None
 
-    def encode(self, messages: list[dict], tokenizer) -> list[int]:
-        """Rendered (with the generation prompt) and tokenized. A template that writes the BOS
-        itself gets no second one (transformers tokenizes its output without special tokens);
-        otherwise the tokenizer adds BOS as the model asks."""
-        text = self.render(messages)
+    @functools.cached_property
+    def object_arguments(self) -> bool:
+        """Whether the template reads a tool call's ``function.arguments`` as an object
+        (GLM-4.5's iterates its items) rather than the JSON text OpenAI sends (DeepSeek-V3.1's
+        concatenates it): a probe conversation rendered with an object must render without
+        error and show the argument's value (llama.cpp's templates probe the same way)."""
+        call = {"id": "call_probe", "type": "function",
+                "function": {"name": "probe_tool", "arguments": {"probe_key": "probe_value_1729"}}}
+        probe = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        try:
+            return "probe_value_1729" in self.render(probe, add_generation_prompt=False)
+        except (TemplateRaised, ChatTemplateError):
+            return False
+
+    def encode(self, messages: list[dict], tokenizer, **extra) -> list[int]:
+        """Rendered (with the generation prompt; ``extra`` as ``render`` takes it, e.g. ``tools``)
+        and tokenized. A template that writes the BOS itself gets no second one (transformers
+        tokenizes its output without special tokens); otherwise the tokenizer adds BOS as the
+        model asks."""
+        text = self.render(messages, **extra)
         return tokenizer.encode(text, add_bos=not (self.bos_token and text.startswith(self.bos_token)))

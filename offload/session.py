@@ -109,14 +109,17 @@ class Session:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, ubatch: int | None = None,
                  stop_at_eos: bool = True, n_max: int = 0, p_min: float = 0.0, verify: str = "batched",
-                 head=None, cache_prompt: bool = False) -> Iterator[int]:
+                 head=None, cache_prompt: bool = False, guide=None, on_token=None,
+                 on_prompt_logits=None) -> Iterator[int]:
         """Yield generated token ids for a fresh sequence. The prompt is processed in
         batches of ``ubatch`` tokens (default: the plan's), then one step at a time: plain
         decoding with ``n_max = 0``, else speculative decoding with the draft head (``head``,
         default the model's NextN / ``--draft`` head) drafting up to ``n_max`` tokens per step
         (see ``offload.speculative``). ``self.stats`` (RunStats) is filled as it goes.
         ``cache_prompt``: keep the KV of the longest prefix shared with the previous
-        ``cache_prompt`` sequence (``self.prompt_cache``) and evaluate only the rest."""
+        ``cache_prompt`` sequence (``self.prompt_cache``) and evaluate only the rest.
+        ``guide``, ``on_token``, ``on_prompt_logits``: as ``offload.speculative.generate_step``
+        takes them (the prompt's logits need every prompt token evaluated: no prompt cache)."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         ubatch = self.plan.settings.ubatch if ubatch is None else ubatch
         ctx = self.plan.settings.ctx
@@ -136,6 +139,7 @@ class Session:
         except ValueError as exc:
             raise OffloadError(f"sampling: {exc}") from None
         stats = self.stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
+        cache_prompt = cache_prompt and on_prompt_logits is None
         if cache_prompt:
             state, n_cached = self.prompt_cache.take(self.model, head, ids, drafting=n_max > 0)
         else:
@@ -145,7 +149,8 @@ class Session:
             for tok in generate_step(self.model, ids, state=state, sampler=sampler,
                                      head=head if n_max else None, options=options, ubatch=ubatch,
                                      max_tokens=max_tokens, eos=eos, stats=stats, profile=self.profile,
-                                     n_cached=n_cached):
+                                     n_cached=n_cached, guide=guide, on_token=on_token,
+                                     on_prompt_logits=on_prompt_logits):
                 if cache_prompt:
                     self.prompt_cache.tokens.append(tok)
                 yield tok

@@ -23,6 +23,13 @@ Cache bookkeeping, with Q the trunk cache length at a step's start and x_Q the p
   positions become the next step's pending pairs;
 - verification appends x_Q and the drafts to the trunk; rejected ones are rolled back.
 
+A ``guide`` (structured output: ``offload.server.constrain``) masks the logits every token is
+chosen from — the target's rows before sampling or judging, and the drafter's before drafting,
+so no draft that breaks the constraint reaches verification — and is advanced by each token
+chosen (drafts advance a fork of it, dropped once drafted). ``on_token(token, row)`` sees each
+yielded token with the target's unmasked logits row it was chosen at (logprobs);
+``on_prompt_logits(start, rows)`` sees the prompt's rows (row i predicts token start + i + 1).
+
 A ``finally`` leaves both caches holding exactly the yielded tokens (all but the last,
 which is pending, as in plain decoding) whenever the generator stops. Generation stops at a
 token in ``eos`` (yielded, then the loop ends, wherever it sits in an accepted draft), and
@@ -32,7 +39,7 @@ with one line naming the first non-finite block when a pass's logits are not fin
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +70,17 @@ class SpecOptions:
 
     def as_dict(self) -> dict:
         return {"type": "mtp", "n_max": self.n_max, "p_min": self.p_min, "verify": self.verify}
+
+
+class Guide(Protocol):
+    """A constraint on the next token, stateful: ``mask`` the logits at the current state,
+    ``accept`` a token (False when it breaks the constraint), ``fork`` a copy to draft on."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray: ...
+
+    def accept(self, token: int) -> bool: ...
+
+    def fork(self) -> "Guide": ...
 
 
 class DraftHead(Protocol):
@@ -100,8 +118,10 @@ def _rows(logits: torch.Tensor) -> np.ndarray:
 class _Drafter:
     """The head's side of the loop: pending pairs, chaining, p_min, head-cache rollback."""
 
-    def __init__(self, head: DraftHead, cache, sampler: Sampler, options: SpecOptions, ubatch: int):
+    def __init__(self, head: DraftHead, cache, sampler: Sampler, options: SpecOptions, ubatch: int,
+                 guide: Guide | None = None):
         self.head, self.cache, self.sampler, self.options, self.ubatch = head, cache, sampler, options, ubatch
+        self.guide = guide
         self.pend_h: torch.Tensor | None = None    # (k, n_embd) trunk states h_{Q-k..Q-1}
         self.pend_tok: list[int] = []              # x_{Q-k+1..Q-1}; the pending token x_Q comes last
         self.valid = 0                             # head entries computed from trunk states
@@ -151,12 +171,17 @@ class _Drafter:
         self.valid, self.ran = q_len, True
         drafts: list[int] = []
         qs: list[np.ndarray | None] = []
+        guide = self.guide.fork() if self.guide is not None else None   # drafts advance a copy
         for j in range(n_cap):
             z = _rows(logits)
+            if guide is not None:
+                z = guide.mask(z)
             q = None if self.sampler.greedy else self.sampler.probs(z)
             if not self._confident(z, q):
                 break
             d = int(np.argmax(z)) if q is None else self.sampler.draw(q)
+            if guide is not None and not guide.accept(d):
+                break
             drafts.append(d)
             qs.append(q)
             if j + 1 == n_cap:
@@ -186,7 +211,9 @@ class _Drafter:
 def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head: DraftHead | None = None,
                   options: SpecOptions = SpecOptions(), ubatch: int = 512, max_tokens: int = 128,
                   eos: Collection[int] = (), stats: RunStats | None = None,
-                  profile: Profile | None = None, n_cached: int = 0) -> Iterator[int]:
+                  profile: Profile | None = None, n_cached: int = 0, guide: Guide | None = None,
+                  on_token: Callable[[int, np.ndarray], None] | None = None,
+                  on_prompt_logits: Callable[[int, np.ndarray], None] | None = None) -> Iterator[int]:
     """Yield up to ``max_tokens`` token ids continuing ``prompt`` (token ids) on ``state``
     (``state.nextn_cache`` is the head's). ``model``: ``forward(ids, state,
     logits="all"|"last"|"none") -> (logits, final hidden states)``. ``head`` drafts when
@@ -194,7 +221,9 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
 
     ``n_cached``: the caches already hold the first ``n_cached`` prompt tokens (trunk, and
     with drafting the head's pairs 0..n_cached-1) — a reused prompt prefix; only the rest of
-    the prompt is evaluated. 0 = fresh caches."""
+    the prompt is evaluated. 0 = fresh caches.
+
+    ``guide``, ``on_token``, ``on_prompt_logits``: see the module's docstring."""
     ids = [int(i) for i in prompt]
     stats = stats if stats is not None else RunStats(n_prompt=len(ids))
     if not 0 <= n_cached < len(ids) or state.n_past != n_cached:
@@ -207,7 +236,7 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
         raise NoDraftHead("the model", f"n_max {options.n_max}")
     if drafting:
         stats.spec = options.as_dict()
-    drafter = _Drafter(head, state.nextn_cache, sampler, options, ubatch) if drafting else None
+    drafter = _Drafter(head, state.nextn_cache, sampler, options, ubatch, guide) if drafting else None
     n_prompt = len(ids)
 
     profile.reset()
@@ -217,34 +246,39 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
         for s in range(n_cached, n_prompt, ubatch):
             last = s + ubatch >= n_prompt
             logits, h = model.forward(torch.as_tensor(ids[s:s + ubatch]), state,
-                                      logits="last" if last else "none")
+                                      logits="all" if on_prompt_logits else "last" if last else "none")
             if drafting:
                 hidden.append(h)
+            if on_prompt_logits is not None:
+                on_prompt_logits(s, _rows(logits))
         if not finite(logits):
             raise nonfinite_error(model, ids, "the prompt")
+        row = _rows(logits[-1])
         with profile.time("sampling"):
-            tok = sampler(_rows(logits[-1]))
+            tok = _choose(sampler, guide, row)
         if drafting:
             drafter.prime(torch.cat(hidden), ids, n_cached)
     stats.prompt_s, stats.prompt_profile = time.perf_counter() - t0, profile.snapshot()
     profile.reset()
 
-    emitted = [tok]
+    emitted, rows = [tok], [row]
     seq = list(ids)                  # prompt + yielded tokens: what a non-finite search reruns
     try:
         while True:
-            for t in emitted:
+            for t, row in zip(emitted, rows):
                 stats.n_gen += 1
                 seq.append(t)
+                if on_token is not None:
+                    on_token(t, row)
                 yield t
                 if t in eos or stats.n_gen >= max_tokens:
                     return
             t1 = time.perf_counter()
             with torch.inference_mode():
                 try:
-                    emitted = _step(model, state, drafter, sampler, options, emitted[-1],
-                                    n_cap=min(options.n_max, max_tokens - stats.n_gen - 1),
-                                    stats=stats, profile=profile)
+                    emitted, rows = _step(model, state, drafter, sampler, options, emitted[-1],
+                                          n_cap=min(options.n_max, max_tokens - stats.n_gen - 1),
+                                          stats=stats, profile=profile, guide=guide)
                 except _NonFinite as bad:
                     raise nonfinite_error(model, seq[:-1] + bad.tokens,
                                           f"generated token {stats.n_gen + 1}") from None
@@ -267,10 +301,30 @@ class _NonFinite(Exception):
         self.tokens = tokens
 
 
+def _choose(sampler: Sampler, guide: Guide | None, row: np.ndarray) -> int:
+    """The next token from the target's logits ``row``, within the guide's constraint."""
+    if guide is None:
+        return sampler(row)
+    tok = sampler(guide.mask(row))
+    guide.accept(tok)
+    return tok
+
+
+def _judge(row: np.ndarray, draft: int, q: np.ndarray | None, sampler: Sampler, guide: Guide | None) -> int | None:
+    """``judge`` within the guide's constraint; the guide advances by the token kept."""
+    if guide is None:
+        return judge(row, draft, q, sampler)
+    fix = judge(guide.mask(row), draft, q, sampler)
+    guide.accept(draft if fix is None else fix)
+    return fix
+
+
 def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: SpecOptions, x_q: int,
-          *, n_cap: int, stats: RunStats, profile: Profile) -> list[int]:
+          *, n_cap: int, stats: RunStats, profile: Profile,
+          guide: Guide | None = None) -> tuple[list[int], list[np.ndarray]]:
     """One draft → verify → accept step from pending token ``x_q``; returns the tokens it
-    produced (accepted drafts, then the target's correction or bonus token)."""
+    produced (accepted drafts, then the target's correction or bonus token) and the target's
+    logits row each was chosen at."""
     q_len = state.n_past
     drafts, qs = [], []
     if drafter is not None and n_cap > 0:
@@ -279,6 +333,7 @@ def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: Spe
         stats.draft_s += time.perf_counter() - t
     t = time.perf_counter()
     out: list[int] = []
+    out_rows: list[np.ndarray] = []
     rows: list[torch.Tensor] = []            # trunk states of x_q and the accepted drafts
     if options.verify == "batched" or not drafts:
         seq = [x_q] + drafts
@@ -289,13 +344,15 @@ def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: Spe
         z = _rows(logits)
         with profile.time("sampling"):
             for i, d in enumerate(drafts):
-                fix = judge(z[i], d, qs[i], sampler)
+                fix = _judge(z[i], d, qs[i], sampler, guide)
+                out_rows.append(z[i])
                 if fix is not None:
                     out.append(fix)
                     break
                 out.append(d)
             else:
-                out.append(sampler(z[len(drafts)]))
+                out.append(_choose(sampler, guide, z[len(drafts)]))
+                out_rows.append(z[len(drafts)])
         if state.n_past != q_len + len(out):     # rejected drafts (plain decoding: nothing to drop)
             state.truncate(q_len + len(out))
         if drafter is not None:
@@ -309,7 +366,8 @@ def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: Spe
             rows.append(h)
             z = _rows(logits[-1])
             with profile.time("sampling"):
-                fix = judge(z, drafts[i], qs[i], sampler) if i < len(drafts) else sampler(z)
+                fix = _judge(z, drafts[i], qs[i], sampler, guide) if i < len(drafts) else _choose(sampler, guide, z)
+            out_rows.append(z)
             if i == len(drafts) or fix is not None:
                 out.append(fix)
                 break
@@ -319,4 +377,4 @@ def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: Spe
     if drafter is not None:
         drafter.accept(q_len, x_q, torch.cat(rows), out[:n_acc])
     stats.record_step(len(drafts), n_acc, n_cap if drafter is not None else 0)
-    return out
+    return out, out_rows

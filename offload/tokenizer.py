@@ -54,8 +54,20 @@ class Tokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if add_bos and self.add_bos and self.bos_id is not None else []) + ids
 
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids, *, special: bool = False) -> str:
+        """Text of ``ids``; control tokens dropped unless ``special`` (tool-call markers can be
+        special tokens)."""
+        return self._tok.decode(list(ids), skip_special_tokens=not special)
+
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizers`` JSON (``tokenizer.json``, which transformers'
+        ``PreTrainedTokenizerFast`` loads: clients that count tokens, such as lm-eval)."""
+        return self._tok.to_str()
+
+    def piece(self, token_id: int) -> str:
+        """One token decoded alone, special tokens kept (logprobs name tokens by it; a byte
+        token cut from its character decodes as U+FFFD)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
     def token_text(self, token_id: int | None) -> str:
         """A token's own text as written in prompts (``<|endoftext|>``), "" for None."""

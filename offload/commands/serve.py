@@ -9,7 +9,9 @@
 served one at a time in arrival order; ``--max-queue`` more may wait, the next gets a 503.
 Consecutive requests reuse the KV of their longest common prompt prefix (the prompt cache).
 Speculative decoding as in ``offload run``: the plan's ``n_max`` or ``--spec-n-max``; a
-request's ``n_max`` field overrides it.
+request's ``n_max`` field overrides it. Logprobs (with ``echo`` on completions), ``n``
+choices, tool calls in the chat template's format, and ``response_format`` JSON by
+constrained decoding: docs/serving.md.
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ def main(argv=None) -> int:
     from offload import runtime
     from offload.chat_template import ChatTemplate
     from offload.server.app import build_app
+    from offload.server import tool_formats
     from offload.server.engine import Engine
     from offload.speculative import SpecOptions
     from offload.tokenizer import Tokenizer
@@ -107,12 +110,15 @@ def main(argv=None) -> int:
         failed.append(message)
         server.should_exit = True
 
+    tool_format = tool_formats.for_model(template.source, model.spec.arch)
     engine = Engine(load, model_name=name, template=template, spec=options, max_queue=args.max_queue,
-                    on_load_error=load_failed)
+                    on_load_error=load_failed, tool_format=tool_format)
     meta = {"arch": model.spec.arch, "n_ctx": plan.settings.ctx, "n_max": options.n_max,
-            "drafting": plan.drafting, "chat_template": template.origin}
+            "drafting": plan.drafting, "chat_template": template.origin,
+            "tool_format": tool_format.name if tool_format is not None else None}
     print(f"offload: {account}", file=sys.stderr)
-    print(f"offload: chat template: {template.origin}", file=sys.stderr)
+    print(f"offload: chat template: {template.origin}; tool calls: "
+          f"{tool_format.name if tool_format is not None else 'none'}", file=sys.stderr)
     print(f"offload: listening on {url} (GET /health is 503 until the model has loaded)",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(build_app(engine, model_meta=meta), host=args.host, port=args.port,

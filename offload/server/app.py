@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from offload.server.engine import Engine, Job
-from offload.server.protocol import APIError, Responder, parse_chat, parse_completion
+from offload.server.protocol import APIError, Choice, Responder, parse_chat, parse_completion
 
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
 CLIENT_CLOSED = 499               # nginx's status for "the client closed the connection"
@@ -104,7 +104,7 @@ async def _generate(request: HTTPRequest, parse) -> Response:
     r = parse(body)
     job = engine.prepare(r, asyncio.get_running_loop())
     engine.submit(job)
-    responder = Responder(r, engine.model_name)
+    responder = Responder(r, engine.model_name, engine.pieces)
     if r.stream:
         return StreamingResponse(_events(engine, job, responder), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -116,24 +116,36 @@ def _sse(obj: dict) -> str:
 
 
 async def _events(engine: Engine, job: Job, responder: Responder):
-    """The stream: a role chunk (chat), text chunks, a last chunk with finish_reason and
-    timings, a usage chunk if asked, ``[DONE]``. Starlette cancels this generator when the
-    client disconnects; ``finally`` then cancels the generation."""
+    """The stream: per choice (one after another) a role chunk (chat), text chunks and a chunk
+    with its finish_reason; the last one carries the timings; a usage chunk if asked,
+    ``[DONE]``. Starlette cancels this generator when the client disconnects; ``finally``
+    then cancels the generation."""
     ended = False
+    finish = None                 # a choice's finish chunk, held until the next event
     try:
         if responder.chat:
-            yield _sse(responder.chunk(None, first=True))
+            yield _sse(responder.role_chunk(0))
         while True:
             kind, value = await job.events.get()
-            if kind == "text":
+            if finish is not None and kind != "done":
+                yield _sse(finish)
+                finish = None
+            if kind == "piece":
                 yield _sse(responder.chunk(value))
+            elif kind == "end":
+                index, reason = value
+                finish = responder.finish_chunk(index, reason)
+                if responder.chat and index + 1 < job.request.n:
+                    yield _sse(finish)
+                    finish = None
+                    yield _sse(responder.role_chunk(index + 1))
             elif kind == "error":
                 ended = True
                 yield _sse(value.body())
                 return
             else:
                 ended = True
-                yield _sse(responder.chunk(None, value.finish_reason) | {"timings": value.timings})
+                yield _sse(finish | {"timings": value.timings})
                 if job.request.include_usage:
                     yield _sse(responder.usage_chunk(value))
                 yield "data: [DONE]\n\n"
@@ -150,7 +162,7 @@ async def _disconnected(request: HTTPRequest) -> None:
 
 async def _whole(engine: Engine, job: Job, responder: Responder, request: HTTPRequest) -> Response:
     """Collect a whole answer, watching for the client to leave meanwhile."""
-    parts: list[str] = []
+    choices = [Choice(i) for i in range(job.request.n)]
     left = asyncio.ensure_future(_disconnected(request))
     ended = False
     try:
@@ -161,13 +173,16 @@ async def _whole(engine: Engine, job: Job, responder: Responder, request: HTTPRe
                 event.cancel()
                 return Response(status_code=CLIENT_CLOSED)
             kind, value = event.result()
-            if kind == "text":
-                parts.append(value)
+            if kind == "piece":
+                choices[value.index].add(value)
+                continue
+            if kind == "end":
+                choices[value[0]].finish_reason = value[1]
                 continue
             ended = True
             if kind == "error":
                 return error_response(value)
-            return JSONResponse(responder.response("".join(parts), value))
+            return JSONResponse(responder.response(choices, value))
     finally:
         left.cancel()
         if not ended:

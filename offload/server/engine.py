@@ -21,14 +21,20 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from offload.chat_template import ChatTemplate, ChatTemplateError, TemplateRaised
 from offload.errors import OffloadError
+from offload.server.constrain import GrammarError, TokenGuide, Vocabulary, json_grammar, lark_grammar
+from offload.server.tools import MALFORMED, ToolFormat, ToolStream, object_or_none
+from offload.server.logprobs import Pieces, TokenLogprob, score
 from offload.server.metrics import Metrics
-from offload.server.protocol import APIError, Request, Result, server_busy
+from offload.server.protocol import APIError, Piece, Request, Result, server_busy
 from offload.server.stops import StopText
 from offload.speculative import SpecOptions
+from offload.stats import RunStats
 from offload.tokenizer import TextStream
 
 
@@ -39,7 +45,11 @@ class Job:
     max_tokens: int
     n_max: int
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)   # ("text", str) | ("done", Result) | ("error", APIError)
+    prompt_text: str = ""                     # what echo repeats
+    grammar: str | None = None                # the constraint each choice is decoded under
+    parse_calls: bool = False                 # parse tool calls out of the output
+    # ("piece", Piece) | ("end", (index, finish_reason)) | ("done", Result) | ("error", APIError)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
 
@@ -53,10 +63,14 @@ class Job:
 
 class Engine:
     def __init__(self, load: Callable[[], object], *, model_name: str, template: ChatTemplate,
-                 spec: SpecOptions, max_queue: int, on_load_error: Callable[[str], None]):
+                 spec: SpecOptions, max_queue: int, on_load_error: Callable[[str], None],
+                 tool_format: ToolFormat | None = None):
         self._load, self.model_name, self.template, self.spec = load, model_name, template, spec
+        self.tool_format = tool_format         # how this model writes tool calls (None: unknown)
         self.max_queue, self._on_load_error = max_queue, on_load_error
         self.session = None
+        self._pieces: Pieces | None = None
+        self._vocabulary: Vocabulary | None = None
         self.metrics = Metrics()
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -69,6 +83,20 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self.session is not None
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """The tokenizer as the constrained decoder sees it (built at first use)."""
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(self.session.tokenizer)
+        return self._vocabulary
+
+    @property
+    def pieces(self) -> Pieces:
+        """Token → text for logprobs (the loaded model's tokenizer; built at first use)."""
+        if self._pieces is None:
+            self._pieces = Pieces(self.session.tokenizer)
+        return self._pieces
 
     def start(self) -> None:
         self._thread.start()
@@ -92,21 +120,29 @@ class Engine:
             raise APIError(404, f"model {request.model!r} does not exist; this server has {self.model_name!r}",
                            param="model", code="model_not_found")
         session = self.session
+        prompt_text = ""
+        tools = request.tools if request.tool_choice != "none" else []
+        if tools and self.tool_format is None:
+            raise APIError(400, "'tools': this model's chat template writes no tool-call format offload knows "
+                                "(Hermes/Qwen3, GLM-4.5, DeepSeek, harmony)", param="tools")
         if request.messages is not None:
             try:
-                ids = self.template.encode(request.messages, session.tokenizer)
+                ids = self.template.encode(template_messages(request.messages, self.template), session.tokenizer,
+                                           tools=[t.as_openai() for t in request.tools] or None)
             except TemplateRaised as exc:
                 raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
             except ChatTemplateError as exc:
                 raise APIError(500, str(exc), type="server_error") from None
         elif isinstance(request.prompt, str):
             ids = session.tokenize(request.prompt)
+            prompt_text = request.prompt
         else:
             ids = list(request.prompt)
             n_vocab = session.tokenizer.n_vocab
             if max(ids) >= n_vocab:
                 raise APIError(400, f"prompt token id {max(ids)} is not below the vocabulary size {n_vocab}",
                                param="prompt")
+            prompt_text = session.detokenize(ids) if request.echo else ""
         ctx = session.plan.settings.ctx
         if len(ids) >= ctx or (request.max_tokens is not None and len(ids) + request.max_tokens > ctx):
             wanted = f"{len(ids)} prompt tokens" + (f" + {request.max_tokens} max_tokens"
@@ -117,8 +153,28 @@ class Engine:
         n_max = self.spec.n_max if request.n_max is None else request.n_max
         if n_max and session.model.nextn is None:
             raise APIError(400, f"n_max {n_max}: the model has no NextN (MTP) draft head", param="n_max")
+        grammar = None
+        forced = request.tool_choice not in ("none", "auto")
+        if request.response_format is not None:
+            if forced:
+                raise APIError(400, "'response_format' and a forced 'tool_choice' cannot both constrain the output",
+                               param="response_format")
+            try:
+                grammar = json_grammar(request.response_format.schema)
+                self.vocabulary.check(grammar)
+            except GrammarError as exc:
+                raise APIError(400, f"'response_format': the schema cannot be compiled: {exc}",
+                               param="response_format") from None
+        elif forced:                             # required / a named tool: the call's syntax is forced
+            try:
+                grammar = lark_grammar(self.tool_format.grammar(
+                    tools, None if request.tool_choice == "required" else request.tool_choice))
+                self.vocabulary.check(grammar)
+            except GrammarError as exc:
+                raise APIError(400, f"'tools': the tools' parameters cannot be compiled: {exc}",
+                               param="tools") from None
         return Job(request=request, ids=ids, max_tokens=request.max_tokens or ctx - len(ids), n_max=n_max,
-                   loop=loop)
+                   loop=loop, prompt_text=prompt_text, grammar=grammar, parse_calls=bool(tools))
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -176,45 +232,144 @@ class Engine:
         if job.cancelled.is_set():          # left between leaving the queue and starting
             self.metrics.cancelled += 1
             return
-        stream, stops = TextStream(session.detokenize), StopText(r.stop)
+        runs: list[RunStats] = []
+        guides: list[TokenGuide] = []
+        prompt_lp: list[TokenLogprob] | None = None
+        n_gen = 0
+        for index in range(r.n):
+            try:
+                guide = self.vocabulary.guide(job.grammar) if job.grammar is not None else None
+                if guide is not None:
+                    guides.append(guide)
+                finish, n, prompt_lp = self._choice(job, index, prompt_lp, guide)
+            except OffloadError as exc:
+                job.emit("error", APIError(400, str(exc)))
+                return
+            except Exception as exc:
+                traceback.print_exc(file=sys.stderr)
+                job.emit("error", APIError(500, f"generation failed: {type(exc).__name__}: {exc}",
+                                           type="server_error"))
+                return
+            runs.append(session.stats)
+            self.metrics.record(session.stats)
+            n_gen += n
+            if job.cancelled.is_set():
+                self.metrics.cancelled += 1
+                return
+            job.emit("end", (index, finish))
+        t = timings(merged(runs), job.n_max)
+        if guides:           # what constrained decoding cost: masking and advancing, drafts included
+            t["constrain_ms"] = sum(g.cost.seconds for g in guides) * 1000.0
+            t["constrain_per_token_ms"] = t["constrain_ms"] / n_gen if n_gen else 0.0
+        job.emit("done", Result(prompt_tokens=len(job.ids), completion_tokens=n_gen, timings=t))
+
+    def _choice(self, job: Job, index: int, prompt_lp, guide: TokenGuide | None):
+        """Generate choice ``index``, emitting its pieces; → (finish_reason, tokens generated,
+        the prompt's logprobs when echo asked for them)."""
+        session, r = self.session, job.request
         eos = session.tokenizer.eos_ids
+        stops = StopText(r.stop)
+        if job.parse_calls:  # call markers may be special tokens: keep them, drop end-of-sequence
+            stream = TextStream(lambda ids: session.tokenizer.decode([t for t in ids if t not in eos], special=True))
+            calls = ToolStream(self.tool_format, {t.name for t in r.tools})
+        else:
+            stream, calls = TextStream(session.detokenize), None
+        k = r.logprobs
+        pending: list[TokenLogprob] = []         # logprobs of tokens whose text is not out yet
+        on_token = on_prompt = None
+        if k is not None:
+            def on_token(tok, row):
+                pending.append(score(row, tok, k))
+        if r.echo:
+            if k is not None and prompt_lp is None:
+                prompt_lp = [TokenLogprob(job.ids[0], None, None)]
+
+                def on_prompt(start, rows):
+                    for i, row in enumerate(rows[:len(job.ids) - 1 - start]):
+                        prompt_lp.append(score(row, job.ids[start + i + 1], k))
         finish, n_gen = "length", 0
         gen = session.generate(job.ids, max_tokens=job.max_tokens, temperature=r.temperature, top_k=r.top_k,
-                               top_p=r.top_p, seed=r.seed, stop_at_eos=not r.ignore_eos, n_max=job.n_max,
-                               p_min=self.spec.p_min, verify=self.spec.verify, cache_prompt=r.cache_prompt)
+                               top_p=r.top_p, seed=choice_seed(r.seed, index), stop_at_eos=not r.ignore_eos,
+                               n_max=job.n_max, p_min=self.spec.p_min, verify=self.spec.verify,
+                               cache_prompt=r.cache_prompt, guide=guide, on_token=on_token,
+                               on_prompt_logits=on_prompt)
         try:
             for tok in gen:
+                if r.echo and n_gen == 0:        # the prompt ran: echo it first
+                    job.emit("piece", Piece(index, job.prompt_text, list(prompt_lp or [])))
                 if job.cancelled.is_set():
                     break
                 n_gen += 1
                 piece = stops.push(stream.push(tok))
-                if piece:
-                    job.emit("text", piece)
+                if calls is not None:
+                    piece = calls.push(piece)
                 if stops.stopped:
+                    if piece:
+                        job.emit("piece", Piece(index, piece, []))
                     finish = "stop"
                     break
+                if piece:
+                    job.emit("piece", Piece(index, piece, pending[:]))
+                    pending.clear()
                 if tok in eos and not r.ignore_eos:
                     finish = "stop"
             else:
                 piece = stops.push(stream.close()) + stops.close()
-                if piece:
-                    job.emit("text", piece)
-        except OffloadError as exc:
-            job.emit("error", APIError(400, str(exc)))
-            return
-        except Exception as exc:
-            traceback.print_exc(file=sys.stderr)
-            job.emit("error", APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error"))
-            return
+                if calls is not None:
+                    piece = calls.push(piece)
+                if piece or pending:
+                    job.emit("piece", Piece(index, piece, pending[:]))
         finally:
             gen.close()
-        st = session.stats
-        self.metrics.record(st)
-        if job.cancelled.is_set():
-            self.metrics.cancelled += 1
-            return
-        job.emit("done", Result(finish_reason=finish, prompt_tokens=len(job.ids), completion_tokens=n_gen,
-                                timings=timings(st, job.n_max)))
+        if calls is not None:
+            parsed = calls.close()
+            if parsed.content or parsed.calls:
+                job.emit("piece", Piece(index, parsed.content, [], parsed.calls))
+            finish = "tool_calls" if parsed.calls else MALFORMED if parsed.malformed else finish
+        return finish, n_gen, prompt_lp
+
+
+def template_messages(messages: list[dict], template: ChatTemplate) -> list[dict]:
+    """Messages as ``template`` reads them: tool calls' arguments as objects where it takes
+    objects (``ChatTemplate.object_arguments``), else the JSON text as sent."""
+    if not any("tool_calls" in m for m in messages) or not template.object_arguments:
+        return messages
+    out = []
+    for m in messages:
+        if "tool_calls" in m:
+            calls = []
+            for c in m["tool_calls"]:
+                args = object_or_none(c["function"]["arguments"])
+                fn = c["function"] | ({"arguments": args} if args is not None else {})
+                calls.append(c | {"function": fn})
+            m = m | {"tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice 0 samples with the request's seed (as with n = 1); choice i with a seed drawn
+    from (seed, i), so the choices are independent and each is reproducible."""
+    if seed is None or index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0])
+
+
+def merged(runs: list[RunStats]) -> RunStats:
+    """One RunStats for a request's choices: the first's prompt, every choice's generation."""
+    out = replace(runs[0], drafted_per_position=list(runs[0].drafted_per_position),
+                  accepted_per_position=list(runs[0].accepted_per_position))
+    for st in runs[1:]:
+        out.n_gen += st.n_gen
+        out.eval_s += st.eval_s
+        out.drafted += st.drafted
+        out.accepted += st.accepted
+        for mine, theirs in ((out.drafted_per_position, st.drafted_per_position),
+                             (out.accepted_per_position, st.accepted_per_position)):
+            mine += [0] * (len(theirs) - len(mine))
+            for j, n in enumerate(theirs):
+                mine[j] += n
+    return out
 
 
 def timings(st, n_max: int) -> dict:

@@ -3,7 +3,7 @@ as ``{"error": {"message", "type", "param", "code"}}``, and the response / strea
 objects (with llama-server's ``timings``).
 
 Fields this server does not know are ignored (clients send many); fields it knows but
-cannot honour (``n`` > 1, ``logprobs``, ``tools``) are refused, never silently dropped.
+cannot honour (``functions``, ``best_of``, ``suffix``) are refused, never silently dropped.
 """
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from offload.server.tools import Tool, ToolCall, arguments_json
+from offload.server.logprobs import (MAX_TOP_LOGPROBS, Pieces, TokenLogprob, chat_content,
+                                     completion_logprobs)
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # fields that ask for what this server does not do → the values that ask for nothing
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
-               "best_of": (None, 1), "echo": (None, False), "suffix": (None, "")}
+UNSUPPORTED = {"functions": (None, []), "best_of": (None, 1), "suffix": (None, "")}
+MAX_N = 16                     # choices per request (generated one after another)
 
 
 class APIError(Exception):
@@ -31,6 +35,13 @@ class APIError(Exception):
 
 def server_busy(message: str) -> APIError:
     return APIError(503, message, type="server_error", code="server_busy")
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """``response_format`` asking for JSON: ``schema`` None = any JSON object (json_object)."""
+    kind: str                                  # "json_object" | "json_schema"
+    schema: dict | None = None
 
 
 @dataclass
@@ -51,6 +62,12 @@ class Request:
     n_max: int | None = None                   # offload: draft length for this request
     cache_prompt: bool = True                  # llama-server's: reuse the previous prompt's KV
     ignore_eos: bool = False                   # llama-server's: generate past end-of-sequence
+    n: int = 1                                 # independent choices
+    logprobs: int | None = None                # None: none; k: each token's logprob and the top k
+    echo: bool = False                         # completions: the prompt (and its logprobs) first
+    response_format: ResponseFormat | None = None   # JSON output by constrained decoding
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str = "none"                  # "none" | "auto" | "required" | the name of a tool to call
 
 
 def _is_int(v) -> bool:
@@ -104,9 +121,53 @@ def _stop(body: _Body) -> list[str]:
     return list(stops)
 
 
+def _logprobs(body: _Body, endpoint: str) -> int | None:
+    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0..20); completions: ``logprobs`` (0..20)."""
+    if endpoint == "chat":
+        on = body.bool("logprobs", False)
+        k = body.int("top_logprobs", minimum=0)
+        name = "top_logprobs"
+        if k and not on:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        k = (k or 0) if on else None
+    else:
+        name = "logprobs"
+        k = body.int("logprobs", minimum=0)
+    if k is not None and k > MAX_TOP_LOGPROBS:
+        raise APIError(400, f"'{name}' must be <= {MAX_TOP_LOGPROBS}, got {k}", param=name)
+    return k
+
+
+def _response_format(body: _Body) -> ResponseFormat | None:
+    """``{"type": "text"}``, ``{"type": "json_object"}`` (llama-server's optional ``schema``
+    beside it) or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``."""
+    rf = body.get("response_format", "an object", lambda v: isinstance(v, dict))
+    if rf is None or rf.get("type") == "text":
+        return None
+    kind = rf.get("type")
+    if kind == "json_object":
+        schema = rf.get("schema")
+    elif kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError(400, "'response_format.json_schema' must be an object with a 'schema'",
+                           param="response_format")
+        schema = spec.get("schema", {})
+    else:
+        raise APIError(400, f"'response_format.type' must be text, json_object or json_schema, got {kind!r:.40}",
+                       param="response_format")
+    if schema is not None and not isinstance(schema, dict):
+        raise APIError(400, f"'response_format' schema must be a JSON object, got {schema!r:.40}",
+                       param="response_format")
+    return ResponseFormat(kind, schema)
+
+
 def _common(body: _Body, endpoint: str) -> Request:
-    if body.int("n", default=1) != 1:
-        raise APIError(400, "'n' must be 1: one choice per request", param="n")
+    n = body.int("n", minimum=1, default=1)
+    if n > MAX_N:
+        raise APIError(400, f"'n' must be <= {MAX_N}, got {n}", param="n")
+    if endpoint == "chat" and body.body.get("echo") not in (None, False):
+        raise APIError(400, "'echo' is for /v1/completions", param="echo")
     for name, harmless in UNSUPPORTED.items():
         if body.body.get(name) not in harmless:
             raise APIError(400, f"'{name}' is not supported by offload serve", param=name)
@@ -131,6 +192,10 @@ def _common(body: _Body, endpoint: str) -> Request:
         n_max=body.int("n_max", minimum=0),
         cache_prompt=body.bool("cache_prompt", True),
         ignore_eos=body.bool("ignore_eos", False),
+        n=n,
+        logprobs=_logprobs(body, endpoint),
+        echo=body.bool("echo", False),
+        response_format=_response_format(body),
     )
 
 
@@ -157,6 +222,60 @@ def _content(message: dict, i: int) -> str:
                    param=f"messages[{i}].content")
 
 
+def check_tools(raw) -> list[Tool]:
+    """``tools``: a list of ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+    if not isinstance(raw, list):
+        raise APIError(400, "'tools' must be a list of tools", param="tools")
+    tools = []
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                           param=f"tools[{i}]")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                           param=f"tools[{i}].function.parameters")
+        tools.append(Tool(fn["name"], params, fn.get("description") or ""))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "'tools' names the same function twice", param="tools")
+    return tools
+
+
+def check_tool_choice(raw, tools: list[Tool]) -> str | None:
+    """``tool_choice`` → "none" | "auto" | "required" | a tool's name (that call is forced)."""
+    if raw is None:
+        return "auto" if tools else "none"
+    if raw in ("none", "auto", "required"):
+        if raw == "required" and not tools:
+            raise APIError(400, "'tool_choice' is required but no 'tools' are given", param="tool_choice")
+        return raw
+    name = raw.get("function", {}).get("name") if isinstance(raw, dict) and raw.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise APIError(400, "'tool_choice' must be none, auto, required or {\"type\": \"function\", "
+                            "\"function\": {\"name\": ...}}", param="tool_choice")
+    if name not in {t.name for t in tools}:
+        raise APIError(400, f"'tool_choice' names {name!r}, which is not in 'tools'", param="tool_choice")
+    return name
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant turn's ``tool_calls``, checked (``function.arguments`` as sent: JSON text)."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise APIError(400, f"{param} must be a list", param=param)
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(400, f"{param}: each call needs function.name", param=param)
+        args = fn.get("arguments", "{}")
+        out.append({"id": c.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments_json(args)}})
+    return out
+
+
 def parse_chat(raw) -> Request:
     body = _Body(raw)
     messages = body.body.get("messages")
@@ -175,9 +294,15 @@ def parse_chat(raw) -> Request:
         out = {"role": role, "content": _content(m, i)}
         if isinstance(m.get("name"), str):
             out["name"] = m["name"]
+        if role == "assistant" and m.get("tool_calls"):
+            out["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            out["tool_call_id"] = m["tool_call_id"]
         checked.append(out)
     request = _common(body, "chat")
     request.messages = checked
+    request.tools = check_tools(body.body["tools"]) if body.body.get("tools") else []
+    request.tool_choice = check_tool_choice(body.body.get("tool_choice"), request.tools)
     return request
 
 
@@ -194,6 +319,8 @@ def parse_completion(raw) -> Request:
     if prompt == "":
         raise APIError(400, "'prompt' must not be empty", param="prompt")
     request = _common(body, "completion")
+    if body.body.get("tools"):
+        raise APIError(400, "'tools' is for /v1/chat/completions", param="tools")
     request.prompt = prompt
     return request
 
@@ -205,9 +332,32 @@ def new_id(endpoint: str) -> str:
 
 
 @dataclass
+class Piece:
+    """Text of choice ``index`` as it comes out, with the logprobs of the tokens it completes."""
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass
+class Choice:
+    """One whole choice, collected from its pieces."""
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def add(self, piece: Piece) -> None:
+        self.text += piece.text
+        self.logprobs += piece.logprobs
+        self.tool_calls += piece.tool_calls
+
+
+@dataclass
 class Result:
-    """What a finished generation reports."""
-    finish_reason: str                         # "stop" | "length"
+    """What a finished request reports (its choices' finish reasons came before)."""
     prompt_tokens: int
     completion_tokens: int
     timings: dict
@@ -221,31 +371,62 @@ class Result:
 class Responder:
     """Builds the objects one request answers with (ids and timestamps shared by its chunks)."""
 
-    def __init__(self, request: Request, model: str):
-        self.request, self.model = request, model
+    def __init__(self, request: Request, model: str, pieces: Pieces):
+        self.request, self.model, self.pieces = request, model, pieces
         self.id, self.created = new_id(request.endpoint), int(time.time())
         self.chat = request.endpoint == "chat"
+        self.offsets: dict[int, int] = {}         # completions: text so far per choice (text_offset)
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, text: str, result: Result) -> dict:
+    def _logprobs(self, index: int, text: str, entries: list[TokenLogprob]) -> dict | None:
+        if self.request.logprobs is None:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": result.finish_reason, "logprobs": None}
-            out = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
-            out = self._envelope("text_completion", [choice])
-        return out | {"usage": result.usage(), "timings": result.timings}
+            return {"content": chat_content(entries, self.pieces), "refusal": None}
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(text)
+        return completion_logprobs(entries, self.pieces, offset)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict:
+    def response(self, choices: list[Choice], result: Result) -> dict:
+        out = []
+        for c in choices:
+            logprobs = self._logprobs(c.index, c.text, c.logprobs)
+            if self.chat:
+                message = {"role": "assistant", "content": c.text}
+                if c.tool_calls:
+                    message = {"role": "assistant", "content": c.text or None,
+                               "tool_calls": [t.as_dict() for t in c.tool_calls]}
+                out.append({"index": c.index, "message": message, "finish_reason": c.finish_reason,
+                            "logprobs": logprobs})
+            else:
+                out.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                            "logprobs": logprobs})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(obj, out) | {"usage": result.usage(), "timings": result.timings}
+
+    def role_chunk(self, index: int) -> dict:
+        return self._envelope("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                         "finish_reason": None, "logprobs": None}])
+
+    def chunk(self, piece: Piece) -> dict:
+        logprobs = self._logprobs(piece.index, piece.text, piece.logprobs)
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return self._envelope("chat.completion.chunk",
-                                  [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}])
-        return self._envelope("text_completion",
-                              [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}])
+            delta = {"content": piece.text} if piece.text else {}
+            if piece.tool_calls:
+                delta["tool_calls"] = [{"index": k} | t.as_dict() for k, t in enumerate(piece.tool_calls)]
+            return self._envelope("chat.completion.chunk", [{"index": piece.index, "delta": delta,
+                                                             "finish_reason": None, "logprobs": logprobs}])
+        return self._envelope("text_completion", [{"index": piece.index, "text": piece.text,
+                                                   "finish_reason": None, "logprobs": logprobs}])
+
+    def finish_chunk(self, index: int, finish_reason: str) -> dict:
+        if self.chat:
+            choice = {"index": index, "delta": {}, "finish_reason": finish_reason, "logprobs": None}
+            return self._envelope("chat.completion.chunk", [choice])
+        return self._envelope("text_completion", [{"index": index, "text": "", "finish_reason": finish_reason,
+                                                   "logprobs": None}])
 
     def usage_chunk(self, result: Result) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", []) | {

@@ -299,7 +299,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "seed": 1.5}, 400, "seed", "integer"),
     ("/v1/chat/completions", {"messages": CHAT, "seed": -1}, 400, "seed", ">= 0"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": [""]}, 400, "stop", "non-empty"),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n", "one choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 17}, 400, "n", "<= 16"),
     ("/v1/chat/completions", {"messages": CHAT, "n_max": -1}, 400, "n_max", ">= 0"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4o"}, 404, "model", "model_not_found"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages", TOO_LONG),

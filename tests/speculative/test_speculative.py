@@ -6,6 +6,8 @@
 - greedy with a draft that always agrees is fully accepted; one that never agrees yields
   the target's tokens, one per step;
 - the caches hold exactly the yielded tokens (but the last) when the generator stops.
+- under a guide (a token constraint, as structured output uses), the output follows the
+  target chain masked by it, and no constrained-out token is drafted or yielded.
 
 The target here is a first-order Markov chain (row ``P[x]`` of logits after token x) and
 the draft head another one (``Q``): small stand-ins for the trunk and the NextN head that
@@ -30,7 +32,7 @@ RNG = np.random.default_rng(2024)
 P_LOGITS = RNG.normal(0.0, 1.2, (V, V))       # target: logits of the next token after x
 Q_LOGITS = RNG.normal(0.0, 1.2, (V, V))       # draft head: its own guess of the same
 # chi-square critical values at p = 0.001 (a 1-in-1000 false alarm) by degrees of freedom
-CHI2_CRIT = {4: 18.47, 14: 36.12, 24: 51.18}
+CHI2_CRIT = {4: 18.47, 14: 36.12, 19: 43.82, 24: 51.18}
 
 
 class Cache:
@@ -335,3 +337,59 @@ def test_non_finite_logits_stop_generation_in_one_line(n_max, before, at):
     assert got == before and "\n" not in str(err.value)
     with pytest.raises(OffloadError, match="non-finite logits at the prompt"):
         list(generate_step(NanLM(bad=0), [0], state=State(), sampler=Sampler(), max_tokens=4))
+
+
+class NoRepeat:
+    """A guide (``offload.speculative.Guide``): no token may repeat the one before it. Its
+    state is that last token; the drafter drafts on a fork."""
+
+    def __init__(self, last: int, log: list | None = None, refused: list | None = None):
+        self.last, self.log = last, log if log is not None else []
+        self.refused = refused if refused is not None else []     # shared with its forks
+
+    def mask(self, logits):
+        out = np.array(logits, dtype=np.float32)
+        out[self.last] = -np.inf
+        return out
+
+    def accept(self, token: int) -> bool:
+        self.log.append(token)
+        if token == self.last:
+            self.refused.append(token)
+            return False
+        self.last = token
+        return True
+
+    def fork(self):
+        return NoRepeat(self.last, [], self.refused)
+
+
+@pytest.mark.parametrize("verify", ["batched", "exact"])
+def test_a_guide_constrains_drafts_and_target_alike(verify):
+    """Under a constraint, tokens 2 and 3 follow the target chain masked by it (each row
+    without the token before it), with drafts drawn from the masked draft rows: the
+    acceptance rule then keeps the masked target's distribution. No constrained-out token is
+    ever yielded or drafted; the guide advances by exactly the yielded tokens."""
+    no_self = np.where(np.eye(V, dtype=bool), -np.inf, 0.0)
+    p, q = markov_probs(P_LOGITS + no_self), markov_probs(Q_LOGITS + no_self)
+    n = 5000
+    counts = np.zeros((V, V))
+    drafted = accepted = 0
+    for seed in range(n):
+        stats, guide = RunStats(), NoRepeat(3)
+        gen = generate_step(MarkovLM(), [1, 3], state=State(MarkovHead().new_cache()),
+                            sampler=Sampler(temperature=1.0, seed=seed), head=MarkovHead(),
+                            options=SpecOptions(n_max=2, verify=verify), ubatch=4, max_tokens=3, stats=stats,
+                            guide=guide)
+        out = list(gen)
+        assert guide.log == out and all(a != b for a, b in zip([3] + out, out)) and not guide.refused
+        counts[out[1], out[2]] += 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    want = np.einsum("a,ab,bc->bc", p[3], p, p)
+    keep = want > 0
+    assert counts[~keep].sum() == 0
+    crit = CHI2_CRIT[int(keep.sum()) - 1]
+    assert chi2(counts[keep], n * want[keep]) < crit
+    unmasked = markov_probs(P_LOGITS)
+    assert chi2(n * np.einsum("a,ab,bc->bc", p[3], unmasked, unmasked)[keep], n * want[keep]) > 10 * crit
+    assert 0 < accepted < drafted
