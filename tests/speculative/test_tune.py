@@ -17,6 +17,7 @@ No timing is asserted: the timings only have to exist and be positive.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +76,14 @@ def test_tune_writes_a_plan_that_run_uses(capsys, tmp_path, plan_file):
     assert spec["source"] == "tune" and spec["type"] == "mtp" and spec["p_min"] == 0.0
     assert spec["n_max"] in (0, 1, 2)
     assert [r["n_max"] for r in spec["rows"]] == [0, 1, 2]
-    assert [r["n_max"] for r in spec["measured_rows"]] == [0, 1, 2]
+    # tune runs every n_max when the budget left holds a repeat of all of them, else the core
+    # set around the forecast's best (plain, n_max 1, best ± 1): which one depends on this
+    # box's speed, so the rows must be what tune announced it would run, core included
+    announced = re.search(r"runs: n_max ([\d, ]+);", err)
+    assert announced, err
+    stages = [int(n) for n in announced.group(1).split(", ")]
+    assert [r["n_max"] for r in spec["measured_rows"]] == stages and {0, 1} <= set(stages) <= {0, 1, 2}
+    assert spec["n_max"] in stages
     assert all(r["tokens_per_s_mean"] > 0 and r["repeats"] >= 1 for r in spec["measured_rows"])
     prof = spec["profile"]
     assert prof["hardware"]["source"].startswith("measured")
