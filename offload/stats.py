@@ -15,6 +15,13 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
 
 
+def add_per_position(into: list[int], more: list[int]) -> None:
+    """Adds per-position counts ``more`` into ``into`` (grown to the longer of the two)."""
+    into += [0] * (len(more) - len(into))
+    for j, n in enumerate(more):
+        into[j] += n
+
+
 def per_position(accepted: list[int], drafted: list[int]) -> list[float]:
     return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
 

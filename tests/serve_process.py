@@ -55,3 +55,34 @@ class ServeProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+
+
+def serve_with_plan(tmp: Path, model: Path, flags: list[str], *, plan_flags: tuple[str, ...] = (),
+                    n_max: int = 2):
+    """A generator for a module fixture: ``offload plan`` of ``model`` on the CPU (with
+    ``plan_flags``), its speculative n_max set as ``offload tune`` writes it, then ``offload
+    serve --placement`` that plan with ``flags``; yields the server's URL and checks that
+    Ctrl-C stops it cleanly. The server's output goes to ``tmp/server.log``, shown if it
+    does not start."""
+    import contextlib
+    import io
+
+    import pytest
+    import yaml
+
+    from offload.cli import main as cli_main
+
+    plan = tmp / "plan.yaml"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli_main(["plan", str(model), "--devices", "CPU=16GiB", *plan_flags, "-o", str(plan)]) == 0
+    doc = yaml.safe_load(plan.read_text())
+    doc["speculative"]["n_max"] = n_max
+    plan.write_text(yaml.safe_dump(doc))
+    with open(tmp / "server.log", "w+") as log:
+        try:
+            proc = ServeProcess(None, ["--placement", str(plan), *flags], log=log)
+        except RuntimeError as exc:
+            log.seek(0)
+            pytest.fail(f"{exc}:\n{log.read()}")
+        yield proc.url
+        assert proc.close() in (0, 130)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-import time
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from offload.server.metrics import Metrics
 from offload.server.protocol import APIError, Piece, Request, Result, server_busy
 from offload.server.stops import StopText
 from offload.speculative import SpecOptions
-from offload.stats import RunStats
+from offload.stats import RunStats, add_per_position
 from offload.tokenizer import TextStream
 
 
@@ -364,11 +363,8 @@ def merged(runs: list[RunStats]) -> RunStats:
         out.eval_s += st.eval_s
         out.drafted += st.drafted
         out.accepted += st.accepted
-        for mine, theirs in ((out.drafted_per_position, st.drafted_per_position),
-                             (out.accepted_per_position, st.accepted_per_position)):
-            mine += [0] * (len(theirs) - len(mine))
-            for j, n in enumerate(theirs):
-                mine[j] += n
+        add_per_position(out.drafted_per_position, st.drafted_per_position)
+        add_per_position(out.accepted_per_position, st.accepted_per_position)
     return out
 
 

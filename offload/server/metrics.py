@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from offload.stats import RunStats, per_position
+from offload.stats import RunStats, add_per_position, per_position
 
 
 @dataclass
@@ -35,11 +35,8 @@ class Metrics:
         self.predicted_seconds += st.eval_s
         self.drafted += st.drafted
         self.accepted += st.accepted
-        for mine, theirs in ((self.drafted_per_position, st.drafted_per_position),
-                             (self.accepted_per_position, st.accepted_per_position)):
-            mine += [0] * (len(theirs) - len(mine))
-            for j, n in enumerate(theirs):
-                mine[j] += n
+        add_per_position(self.drafted_per_position, st.drafted_per_position)
+        add_per_position(self.accepted_per_position, st.accepted_per_position)
 
     def render(self) -> str:
         out: list[str] = []

@@ -206,7 +206,7 @@ def _bad(tmp_path, name, **overrides):
 
 
 BAD = {
-    "gating": ({Keys.LLM.EXPERT_GATING_FUNC: 2}, r"^deepseek4: deepseek4\.expert_gating_func is 2; .*sqrt-softplus"),
+    "gating": ({Keys.LLM.EXPERT_GATING_FUNC: 2}, r"deepseek4: expert_gating_func is 2; only 4 \(sqrt-softplus\)"),
     "missing-sinkhorn": ({NewerKeys.HC_SINKHORN_ITERATIONS: None},
                          r"^deepseek4: missing metadata key deepseek4\.hyper_connection\.sinkhorn_iterations$"),
     "hc-count": ({NewerKeys.HC_COUNT: 2}, r"hc_attn_fn\.weight.*hyper_connection\.count"),

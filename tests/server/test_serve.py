@@ -10,17 +10,13 @@ in this process (same code path, same model, no prompt cache): the tokens must b
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from offload.cli import main as cli_main
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -44,26 +40,13 @@ REQUEST_S = 120        # no single request may take longer (a hang fails the tes
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.serve_process import ServeProcess
+    from tests.serve_process import serve_with_plan
     tmp = tmp_path_factory.mktemp("serve")
     template = tmp / "chat.jinja"
     template.write_text(TEMPLATE)
     # a plan file whose speculative section says n_max 2 (as offload tune writes it)
-    plan = tmp / "plan.yaml"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert cli_main(["plan", str(SHIPPED), "--devices", "CPU=16GiB", "-o", str(plan)]) == 0
-    doc = yaml.safe_load(plan.read_text())
-    doc["speculative"]["n_max"] = 2
-    plan.write_text(yaml.safe_dump(doc))
-    with open(tmp / "server.log", "w+") as log:
-        try:
-            proc = ServeProcess(None, ["--placement", str(plan), "--max-queue", "4", "--chat-template", str(template),
-                                       "--log-level", "warning"], log=log)
-        except RuntimeError as exc:
-            log.seek(0)
-            pytest.fail(f"{exc}:\n{log.read()}")
-        yield proc.url
-        assert proc.close() in (0, 130)
+    yield from serve_with_plan(tmp, SHIPPED, ["--max-queue", "4", "--chat-template", str(template),
+                                              "--log-level", "warning"])
 
 
 @pytest.fixture(scope="module")

@@ -19,16 +19,12 @@ off by one, a missed temperature: each moves a logprob by 1e-2 or more).
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
-from offload.cli import main as cli_main
 from offload.server.logprobs import log_softmax
 
 httpx = pytest.importorskip("httpx")
@@ -45,23 +41,10 @@ CHAT = [{"role": "system", "content": "You write Python."},
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.serve_process import ServeProcess
-    tmp = tmp_path_factory.mktemp("serve")
-    plan = tmp / "plan.yaml"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert cli_main(["plan", str(SHIPPED), "--devices", "CPU=16GiB", "--cache-type", "f32", "-o", str(plan)]) == 0
-    doc = yaml.safe_load(plan.read_text())
-    doc["speculative"]["n_max"] = 2
-    plan.write_text(yaml.safe_dump(doc))
-    with open(tmp / "server.log", "w+") as log:
-        try:
-            proc = ServeProcess(None, ["--placement", str(plan), "--prefill-activations", "float",
-                                       "--log-level", "warning"], log=log)
-        except RuntimeError as exc:
-            log.seek(0)
-            pytest.fail(f"{exc}:\n{log.read()}")
-        yield proc.url
-        assert proc.close() in (0, 130)
+    from tests.serve_process import serve_with_plan
+    yield from serve_with_plan(tmp_path_factory.mktemp("serve"), SHIPPED,
+                               ["--prefill-activations", "float", "--log-level", "warning"],
+                               plan_flags=("--cache-type", "f32"))
 
 
 @pytest.fixture(scope="module")

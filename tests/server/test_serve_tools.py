@@ -12,15 +12,11 @@ the tiny model parses into a call with arguments that validate).
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
 import pytest
-import yaml
 
-from offload.cli import main as cli_main
 from offload.server.tool_formats import FORMATS, for_model
 from offload.server.tools import Tool, ToolStream
 
@@ -84,25 +80,11 @@ FORCE = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.serve_process import ServeProcess
+    from tests.serve_process import serve_with_plan
     tmp = tmp_path_factory.mktemp("serve")
     template = tmp / "glm45.jinja"
     template.write_text(GLM45_TEMPLATE)
-    plan = tmp / "plan.yaml"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert cli_main(["plan", str(SHIPPED), "--devices", "CPU=16GiB", "-o", str(plan)]) == 0
-    doc = yaml.safe_load(plan.read_text())
-    doc["speculative"]["n_max"] = 2
-    plan.write_text(yaml.safe_dump(doc))
-    with open(tmp / "server.log", "w+") as log:
-        try:
-            proc = ServeProcess(None, ["--placement", str(plan), "--chat-template", str(template),
-                                       "--log-level", "warning"], log=log)
-        except RuntimeError as exc:
-            log.seek(0)
-            pytest.fail(f"{exc}:\n{log.read()}")
-        yield proc.url
-        assert proc.close() in (0, 130)
+    yield from serve_with_plan(tmp, SHIPPED, ["--chat-template", str(template), "--log-level", "warning"])
 
 
 @pytest.fixture(scope="module")
