@@ -413,20 +413,6 @@ def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.multiply(g, u, out=g)
 
 
-def swiglu_clamp(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
-    """DeepSeek-V4's clamped SwiGLU (llama.cpp's order for deepseek4): silu(min(g, limit)) ·
-    clamp(u, ±limit). float32, in place: the result is ``g``, ``u`` is overwritten."""
-    lim = f32(limit)
-    g = np.minimum(g, lim, out=g)
-    u = np.clip(u, -lim, lim, out=u)
-    s = np.negative(g, dtype=f32)
-    with np.errstate(over="ignore"):           # exp(+large) = inf: silu → 0, as it should
-        np.exp(s, out=s)
-    s += f32(1)
-    np.divide(g, s, out=g)
-    return np.multiply(g, u, out=g)
-
-
 def _project(kern, raw, row0: int, n_rows: int, A_in, slot_expert, slot_start, n_threads, int8=None):
     """(A, n_rows): rows row0.. of each assignment's expert matrix times its row of A_in —
     the grouped down-projection kernel applied to another matrix."""
@@ -454,8 +440,9 @@ def _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_b
         u += up_bias[flat]
     if act == "swiglu_oai":
         return swiglu_oai(g, u)
-    if act == "swiglu_clamp":
-        return swiglu_clamp(g, u, limit)
+    if act == "swiglu_clamp":    # DeepSeek-V4 (llama.cpp's order): silu(min(g, limit)) · clamp(u, ±limit)
+        np.minimum(g, f32(limit), out=g)
+        np.clip(u, -f32(limit), f32(limit), out=u)
     with np.errstate(over="ignore"):
         return (g / (f32(1) + np.exp(-g)) * u).astype(f32)
 

@@ -11,11 +11,16 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
 class SwiGLU:
-    def __init__(self, gate: Projection, up: Projection, down: Projection):
-        self.gate, self.up, self.down = gate, up, down
+    """``down(glu(gate(x), up(x)))``; ``glu`` SiLU-gated unless given (``glu(act, limit)``:
+    DeepSeek-V4's shared expert clamps)."""
+
+    def __init__(self, gate: Projection, up: Projection, down: Projection, *, glu: Callable | None = None):
+        self.gate, self.up, self.down, self.glu = gate, up, down, glu
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: (T, n_embd) → (T, n_embd) via (T, n_ff)
+        if self.glu is not None:
+            return self.down(self.glu(self.gate(x), self.up(x)))
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -52,14 +57,3 @@ def glu(act: str, limit: float | None = None) -> Callable[[torch.Tensor, torch.T
             raise ValueError(f"{act} needs a clamp limit")
         return lambda g, u: GLU[act](g, u, limit)
     return GLU[act]
-
-
-class ClampedSwiGLU(SwiGLU):
-    """The shared expert of DeepSeek-V4: ``down(swiglu_clamp(gate(x), up(x)))``."""
-
-    def __init__(self, gate: Projection, up: Projection, down: Projection, *, limit: float):
-        super().__init__(gate, up, down)
-        self.limit = limit
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(swiglu_clamp(self.gate(x), self.up(x), self.limit))

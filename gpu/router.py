@@ -72,6 +72,17 @@ class TopKSoftmaxRouter:
         return ids, torch.softmax(top, dim=-1)
 
 
+def sqrt_softplus_scores(proj: Projection, x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's expert scores √softplus(proj(x)), float32 (T, E)."""
+    return torch.sqrt(torch.nn.functional.softplus(proj(x).float()))
+
+
+def normalised_weights(scores: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """The chosen experts' scores normalised over the k, times ``scale`` (T, k)."""
+    w = scores.gather(1, ids)
+    return w / w.sum(-1, keepdim=True) * scale
+
+
 class SqrtSoftplusRouter:
     """DeepSeek-V4: scores √softplus(logits); select the top k of score + ``exp_probs_b``
     (the bias steers selection only), weight by the scores normalised over the k, then
@@ -81,10 +92,9 @@ class SqrtSoftplusRouter:
         self.proj, self.bias, self.k, self.scale = proj, bias.float(), k, scale
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sqrt(torch.nn.functional.softplus(self.proj(x).float()))     # (T, E)
+        scores = sqrt_softplus_scores(self.proj, x)                                   # (T, E)
         ids = torch.topk(scores + self.bias, self.k, dim=-1).indices
-        w = scores.gather(1, ids)
-        return ids, w / w.sum(-1, keepdim=True) * self.scale
+        return ids, normalised_weights(scores, ids, self.scale)
 
 
 class HashRouter:
@@ -96,7 +106,6 @@ class HashRouter:
         self.proj, self.table, self.scale = proj, table.long(), scale
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sqrt(torch.nn.functional.softplus(self.proj(x).float()))
+        scores = sqrt_softplus_scores(self.proj, x)
         ids = self.table[tokens.to(self.table.device)].to(scores.device)
-        w = scores.gather(1, ids)
-        return ids, w / w.sum(-1, keepdim=True) * self.scale
+        return ids, normalised_weights(scores, ids, self.scale)

@@ -27,7 +27,7 @@ from gguf import Keys
 
 from gpu.compressed_attention import CompressedAttention, Compressor, Indexer
 from gpu.dsv4_cache import CompressedRows, CompressorState, Dsv4Cache
-from gpu.ffn import ClampedSwiGLU
+from gpu.ffn import SwiGLU, glu
 from gpu.hyper import HyperConnection, HyperHead
 from gpu.kv_cache import WindowKVCache
 from gpu.norm import RMSNorm
@@ -267,8 +267,8 @@ def moe(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home) -> MoE:
     else:
         router = SqrtSoftplusRouter(gate, w.vector(f"{p}.exp_probs_b.bias").to(home), k=cfg.n_expert_used,
                                     scale=cfg.expert_weights_scale)
-    shared = ClampedSwiGLU(w.linear(f"{p}.ffn_gate_shexp.weight"), w.linear(f"{p}.ffn_up_shexp.weight"),
-                           w.linear(f"{p}.ffn_down_shexp.weight"), limit=cfg.clamps(i)[1])
+    shared = SwiGLU(w.linear(f"{p}.ffn_gate_shexp.weight"), w.linear(f"{p}.ffn_up_shexp.weight"),
+                    w.linear(f"{p}.ffn_down_shexp.weight"), glu=glu(ACTIVATION, cfg.clamps(i)[1]))
     experts = w.experts(p, act=ACTIVATION, limit=cfg.clamps(i)[0])
     hot, owned = w.hot_experts(p)        # after the CPU experts were made resident
     return MoE(router=router, experts=experts, shared=shared, pool=ctx.pool, profile=ctx.profile, hot=hot, owned=owned)
