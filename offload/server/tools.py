@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+import re
+from typing import Callable, Protocol
 
 MALFORMED = "malformed_tool_call"
 
@@ -58,6 +59,23 @@ class ToolFormat(Protocol):
 
     def grammar(self, tools: list[Tool], name: str | None) -> str | None: ...
         # a Lark grammar (llguidance) for one call to ``name`` (None: any of ``tools``), or None
+
+
+def parse_blocks(text: str, start: str, block: re.Pattern, call: Callable[[str], ToolCall | None]) -> Parsed:
+    """Content, then calls as consecutive ``block`` matches from the first ``start`` marker on,
+    each body (the match's group 1) read by ``call`` (None: not a call). Anything but whitespace
+    between or after the blocks, or a body that is not a call: the whole text, malformed."""
+    i = text.find(start)
+    calls, end = [], i
+    for m in block.finditer(text, i):
+        c = None if text[end:m.start()].strip() else call(m.group(1))
+        if c is None:
+            return Parsed(text, [], malformed=True)
+        calls.append(c)
+        end = m.end()
+    if not calls or text[end:].strip():
+        return Parsed(text, [], malformed=True)
+    return Parsed(text[:i].strip(), calls)
 
 
 def arguments_json(args) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from offload.server.tools import Parsed, Tool, ToolCall, lark_json, lark_string
+from offload.server.tools import Parsed, Tool, ToolCall, lark_json, lark_string, parse_blocks
 
 BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -18,6 +18,22 @@ def _value(text: str):
         return text
 
 
+def _call(body: str) -> ToolCall | None:
+    """``NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>…`` → the call, or None."""
+    name, _, rest = body.partition("<arg_key>")
+    name = name.strip()
+    rest = "<arg_key>" + rest if _ else ""
+    args, at = {}, 0
+    for a in ARG.finditer(rest):
+        if a.start() != at:
+            return None
+        args[a.group(1).strip()] = _value(a.group(2))
+        at = a.end()
+    if not name or rest[at:].strip() or "\n" in name:
+        return None
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
 class GLM45:
     name = "glm45"
     starts = ("<tool_call>",)
@@ -26,28 +42,7 @@ class GLM45:
         return "<arg_key>" in template
 
     def parse(self, text: str) -> Parsed:
-        i = text.find("<tool_call>")
-        calls, end = [], i
-        for m in BLOCK.finditer(text, i):
-            if text[end:m.start()].strip():
-                return Parsed(text, [], malformed=True)
-            body = m.group(1)
-            name, _, rest = body.partition("<arg_key>")
-            name = name.strip()
-            rest = "<arg_key>" + rest if _ else ""
-            args, at = {}, 0
-            for a in ARG.finditer(rest):
-                if a.start() != at:
-                    return Parsed(text, [], malformed=True)
-                args[a.group(1).strip()] = _value(a.group(2))
-                at = a.end()
-            if not name or rest[at:].strip() or "\n" in name:
-                return Parsed(text, [], malformed=True)
-            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
-            end = m.end()
-        if not calls or text[end:].strip():
-            return Parsed(text, [], malformed=True)
-        return Parsed(text[:i].strip(), calls)
+        return parse_blocks(text, "<tool_call>", BLOCK, _call)
 
     def grammar(self, tools: list[Tool], name: str | None) -> str:
         """Each call: its name, then its required arguments in order; a string argument as

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import re
 
-from offload.server.tools import Parsed, Tool, ToolCall, arguments_json, lark_json, object_or_none
+from offload.server.tools import Parsed, Tool, ToolCall, arguments_json, lark_json, object_or_none, parse_blocks
 
 BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def _call(body: str) -> ToolCall | None:
+    """``{"name": ..., "arguments": {...}}`` → the call, or None."""
+    obj = object_or_none(body)
+    args = obj.get("arguments", {}) if obj is not None else None
+    if obj is None or not isinstance(obj.get("name"), str) or not isinstance(args, (dict, str)):
+        return None
+    return ToolCall(obj["name"], arguments_json(args))
 
 
 class Hermes:
@@ -17,20 +26,7 @@ class Hermes:
         return "<tool_call>" in template
 
     def parse(self, text: str) -> Parsed:
-        i = text.find("<tool_call>")
-        calls, end = [], i
-        for m in BLOCK.finditer(text, i):
-            if text[end:m.start()].strip():
-                return Parsed(text, [], malformed=True)
-            obj = object_or_none(m.group(1))
-            args = obj.get("arguments", {}) if obj is not None else None
-            if obj is None or not isinstance(obj.get("name"), str) or not isinstance(args, (dict, str)):
-                return Parsed(text, [], malformed=True)
-            calls.append(ToolCall(obj["name"], arguments_json(args)))
-            end = m.end()
-        if not calls or text[end:].strip():
-            return Parsed(text, [], malformed=True)
-        return Parsed(text[:i].strip(), calls)
+        return parse_blocks(text, "<tool_call>", BLOCK, _call)
 
     def grammar(self, tools: list[Tool], name: str | None) -> str:
         schema = {"oneOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
