@@ -35,3 +35,27 @@ def fixture_paths(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def models(fixture_paths):
     return {name: open_model(path) for name, path in fixture_paths.items()}
+
+
+# ---------------------------------------------------------------- the full tier
+# Tests marked ``full`` repeat a behaviour the default tier already holds for more quant types
+# or modes (each further type is one more Numba specialisation, 5-30 s of compiling on a cold
+# cache). The type itself stays covered where its code lives (tests/kernels: every type through
+# matmul and the int8 path; tests/kernels/test_gpu_quant.py: every type's torch decoder).
+# ``--full`` (or OFFLOAD_FULL_TESTS=1) runs them too.
+FULL_REASON = "full tier (one more quant type or mode of a check the default tier holds): run with --full"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the full tier (tests marked 'full'): every quant type and mode of the "
+                          "integration checks, not only the representative ones")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full") or os.environ.get("OFFLOAD_FULL_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason=FULL_REASON)
+    for item in items:
+        if item.get_closest_marker("full") is not None:
+            item.add_marker(skip)

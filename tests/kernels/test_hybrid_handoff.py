@@ -54,9 +54,18 @@ def _bound(ew, m, k, int8=False):
             *routed_int8_scratch(ew, m, k, int8), np.full((m, ew.n_embd), np.nan, np.float32)]
 
 
-@pytest.mark.parametrize("int8", [False, "auto", True], ids=["float", "auto", "int8"])
-@pytest.mark.parametrize("gt,dt,fused", [(Q.Q8_0, Q.Q4_0, False), (Q.Q4_K, Q.Q8_0, True), (Q.Q8_0, Q.MXFP4, False)],
-                         ids=["q8_0-q4_0", "q4_k-fused", "q8_0-mxfp4"])
+def _cases():
+    """Every mode on the first pair; the fused and value-table pairs in "auto" (by type), their
+    other modes in the full tier."""
+    pairs = [((Q.Q8_0, Q.Q4_0, False), "q8_0-q4_0"), ((Q.Q4_K, Q.Q8_0, True), "q4_k-fused"),
+             ((Q.Q8_0, Q.MXFP4, False), "q8_0-mxfp4")]
+    for i, (pair, name) in enumerate(pairs):
+        for int8, mode in ((False, "float"), ("auto", "auto"), (True, "int8")):
+            marks = () if i == 0 or mode == "auto" else pytest.mark.full
+            yield pytest.param(*pair, int8, id=f"{name}-{mode}", marks=marks)
+
+
+@pytest.mark.parametrize("gt,dt,fused,int8", list(_cases()))
 def test_routed_ffn_equals_moe_ffn(gt, dt, fused, int8):
     """Float, int8 per phase ("auto": by type) and int8 everywhere: the same codes as
     moe_ffn's (quantized from the same rows), so the same tolerance."""

@@ -1,0 +1,91 @@
+"""The kernels compiled for other CPU classes (``cpu_kernels.targets``) in fresh processes,
+and the class table itself."""
+from __future__ import annotations
+
+import pytest
+
+# ---------------------------------------------------------------- CPUs without AVX-512
+
+_PROBE = """
+import json, sys
+import numpy as np
+import cpu_kernels as ck
+from cpu_kernels.matmul import use_int8
+from cpu_kernels.registry import get_kernel
+from cpu_kernels.simd8 import has_vnni
+from cpu_kernels.synth import random_blocks
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+ck.set_int8_activations(True)
+rng = np.random.default_rng(12)
+for name in sys.argv[1:]:
+    qt = T[name]
+    cols = 512 if name in ("Q4_K", "IQ4_XS") else 480
+    w = random_blocks(qt, (9, cols), rng)
+    W = dequantize(w, qt).astype(np.float64)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    xb = x.astype(np.float64).reshape(3, -1, 32)
+    dx = np.abs(xb).max(-1, keepdims=True).astype(np.float32).astype(np.float64) / 127
+    xh = (np.rint(xb / dx) * dx).reshape(x.shape)
+    y = np.concatenate([ck.matmul(x[:1], w, qt), ck.matmul(x[1:], w, qt)])
+    int8 = use_int8(get_kernel(qt))
+    xr = xh if int8 else x.astype(np.float64)       # what the kernel multiplies exactly
+    err = np.abs(y - xr @ W.T) / (1e-5 * (np.abs(xr) @ np.abs(W).T) + 1e-30)
+    print(json.dumps(dict(type=name, vnni=has_vnni(), int8=bool(int8), err=float(err.max()))))
+"""
+
+
+@pytest.mark.parametrize("target", ["avx512+vnni", "avx2+avxvnni", "avx2"])
+def test_kernels_compiled_for_other_cpus(target, tmp_path):
+    """A fresh process whose Numba target is another CPU class (``cpu_kernels.targets``:
+    NUMBA_CPU_NAME and NUMBA_CPU_FEATURES; this host runs the code, it has every instruction
+    used): "avx512+vnni" (Cascade Lake class: no GFNI, no VBMI) runs the int8 path with word
+    shifts for nibbles and bit fields and ``vpshufb`` for value tables; "avx2+avxvnni"
+    (Alder Lake class) with 256-bit VNNI and byte shuffles; "avx2" (Haswell class) has no
+    VNNI, so int8 requests run the float path (and the value tables of MXFP4, IQ4_NL, IQ4_XS
+    are two 8-lane ``vpermps`` and a blend per 8 weights). Same bound as on this CPU: float
+    rounding of the exact product of the weights with the activations the path uses (1e-5
+    of the magnitudes)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cpu_kernels.targets import numba_env
+    cls, types, want_int8 = {"avx512+vnni": ("cascadelake", ["Q4_0", "MXFP4", "Q4_K", "IQ4_XS"], True),
+                             "avx2+avxvnni": ("alderlake", ["Q4_0", "MXFP4", "Q5_1", "Q4_K"], True),
+                             "avx2": ("haswell", ["Q4_0", "MXFP4", "IQ4_NL", "IQ4_XS"], False)}[target]
+    try:
+        target_env = numba_env(cls)
+    except ValueError as e:
+        pytest.skip(str(e))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), **target_env)
+    r = subprocess.run([sys.executable, "-c", _PROBE, *types], env=env, capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["type"] for row in rows] == types
+    for row in rows:
+        assert row["vnni"] is want_int8 and row["int8"] is want_int8, row
+        assert row["err"] <= 1.0, row
+
+
+def test_cpu_class_targets():
+    """``python -m cpu_kernels.targets CLASS`` prints the two exports; an unknown class is
+    one line and exit 2; the Haswell string turns off every AVX-512 and VNNI feature."""
+    import subprocess
+    import sys
+
+    from cpu_kernels.targets import numba_env
+    try:
+        env = numba_env("haswell")
+    except ValueError as e:           # not an AVX2 host
+        pytest.skip(str(e))
+    on = {f[1:] for f in env["NUMBA_CPU_FEATURES"].split(",") if f[0] == "+"}
+    assert env["NUMBA_CPU_NAME"] == "haswell" and {"avx2", "fma", "f16c"} <= on
+    assert not any(f.startswith(("avx512", "amx", "avxvnni")) for f in on)
+    r = subprocess.run([sys.executable, "-m", "cpu_kernels.targets", "pentium"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown CPU class 'pentium'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "cpu_kernels.targets", "haswell"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("export NUMBA_CPU_NAME='haswell'\n")
