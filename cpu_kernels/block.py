@@ -263,6 +263,10 @@ def _build_entries(salt):
     # The entry points link matmuls_sharing_x / attend / moe's phases (and through them the decoders
     # of other files) into their own compiled code: they carry the package's source digest
     # so that Numba's cache never serves them with an older decoder inlined.
+    # The entries call each other as module globals, never as closure variables: Numba's cache key
+    # hashes the pickled closure, and a pickled dispatcher carries a per-process id (and its
+    # signatures so far), so a closure over one missed the cache in every new process.
+    global _norm_and_bsums, _swiglu, _swiglu_down, attention_half, dense_half, moe_half, blocks_run
 
     @njit(**_kw)
     def _norm_and_bsums(x, w, eps):

@@ -304,7 +304,10 @@ _gate_up_rows, _down_rows = _build(source_digest())
 
 def _build_drivers(salt):
     # Jitted callers of the phases carry the digest too: Numba links the phases' code into
-    # theirs, and its cache only notices edits to the caller's own file.
+    # theirs, and its cache only notices edits to the caller's own file. routed_ffn_host calls
+    # routed_ffn as a module global, not a closure variable (see block._build_entries: a
+    # closure over a dispatcher misses Numba's cache in every new process).
+    global routed_ffn
 
     @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
     def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,

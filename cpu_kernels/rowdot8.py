@@ -39,7 +39,7 @@ from .simd8 import (
 f32 = np.float32
 
 
-@njit(fastmath=True, error_model="numpy")
+@njit(fastmath=True, error_model="numpy", cache=True)   # also called from Python: cached like an entry
 def quantize_rows(x, xq, dx, bsums, xs4, dx8):
     """x float32 [B, cols] (cols % 32 == 0) -> xq int8 [B, >= cols + XQ_PAD], dx float32
     [B, >= cols // 32 + DX_PAD] (scale of each 32: max |x| / 127), bsums float32

@@ -226,6 +226,40 @@ def test_drivers_release_the_gil_and_cache():
             assert type(disp._cache).__name__ == "FunctionCache", n
 
 
+_CACHE_KEYS = """
+import importlib, json, pkgutil
+import cpu_kernels
+from numba.core.dispatcher import Dispatcher
+keys = {}
+for info in pkgutil.iter_modules(cpu_kernels.__path__):
+    mod = importlib.import_module("cpu_kernels." + info.name)
+    for name, d in sorted(vars(mod).items()):
+        if isinstance(d, Dispatcher) and type(d._cache).__name__ == "FunctionCache":
+            keys[d.py_func.__module__ + "." + d.py_func.__qualname__] = d._cache._index_key((), d.targetctx.codegen())[2]
+print(json.dumps(keys))
+"""
+
+
+def test_cached_kernels_are_found_by_a_new_process():
+    """Numba's on-disk cache finds a kernel only if its key (code + pickled closure) is the same
+    in the next process. A closure over another dispatcher pickles that dispatcher's
+    per-process id, so such a kernel was compiled again by every process (the block entries:
+    ~8 s per `offload run` start on the shipped model). Two processes give the same keys."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def keys():
+        r = subprocess.run([sys.executable, "-c", _CACHE_KEYS], capture_output=True, text=True, check=True,
+                           cwd=Path(__file__).resolve().parents[2])
+        return json.loads(r.stdout)
+
+    first, second = keys(), keys()
+    assert len(first) >= 10 and any(n.endswith(".blocks_run") for n in first)
+    assert [n for n in first if first[n] != second.get(n)] == []
+
+
 
 @pytest.mark.parametrize("qt", [T.Q4_0, T.Q4_K, T.MXFP4])
 def test_row_group_routines_take_no_references(qt):
