@@ -136,7 +136,7 @@ def gpu_profile(nvml_name: str) -> GpuProfile:
 _GPU_DEVICE = re.compile(r"CUDA\d+")
 _FIELDS = ("cpu_read_gbps", "cpu_compute_gbps", "link_latency_us", "cpu_layer_us",
            "gpu_layer_us", "forward_us", "step_us", "spec_step_us", "cpu_batched_gflops", "gpu_batched_tflops",
-           "gpus", "source")
+           "gpus", "source", "measured", "cpu_cache_bytes", "cpu_cache_read_gbps")
 _RATES = ("cpu_batched_gflops", "gpu_batched_tflops")
 _FIXED_US = ("link_latency_us", "cpu_layer_us", "gpu_layer_us", "forward_us", "step_us", "spec_step_us")
 _GPU_FIELDS = ("name", "read_gbps", "link_gbps", "source")
@@ -166,9 +166,19 @@ class HardwareProfile:
     cpu_batched_gflops: float = DEFAULT_CPU_BATCHED_GFLOPS    # CPU expert matmuls on a prompt batch
     gpu_batched_tflops: float = DEFAULT_GPU_BATCHED_TFLOPS    # a GPU's matmuls on a prompt batch
     source: str = "defaults"
+    # which ``linear_params`` were measured on the box (``offload probe``, ``offload tune``);
+    # the rest are priors, and the forecast's interval is as wide as the priors' spread
+    measured: tuple[str, ...] = ()
+    # A model whose CPU-resident weights fit in the last-level cache (``cpu_cache_bytes``) is
+    # read at the rate measured on such a model (``offload probe``), not at the RAM rate.
+    cpu_cache_bytes: int = 0
+    cpu_cache_read_gbps: float | None = None
 
     def __post_init__(self) -> None:
         _check_positive("cpu_read_gbps", self.cpu_read_gbps)
+        if self.cpu_cache_read_gbps is not None:
+            _check_positive("cpu_cache_read_gbps", self.cpu_cache_read_gbps)
+        _check_non_negative("cpu_cache_bytes", self.cpu_cache_bytes)
         for name in _RATES:
             _check_positive(name, getattr(self, name))
         if self.cpu_compute_gbps is not None:
@@ -180,6 +190,10 @@ class HardwareProfile:
                 raise ProfileError(f"hardware profile: unknown device {dev!r} (expected CUDA0, CUDA1, ...)")
             _check_positive(f"{dev}.read_gbps", gpu.read_gbps)
             _check_positive(f"{dev}.link_gbps", gpu.link_gbps)
+        object.__setattr__(self, "measured", tuple(sorted(set(self.measured))))
+        unknown = [m for m in self.measured if m not in self.linear_params()]
+        if unknown:
+            raise ProfileError(f"hardware profile: measured: unknown parameter(s) {', '.join(unknown)}")
 
     @classmethod
     def for_devices(cls, gpu_names: Mapping[str, str], *, cpu_read_gbps: float | None = None,
@@ -188,6 +202,13 @@ class HardwareProfile:
         gpus = {dev: gpu_profile(name) for dev, name in gpu_names.items()}
         cpu = DEFAULT_CPU_READ_GBPS if cpu_read_gbps is None else cpu_read_gbps
         return cls(cpu_read_gbps=cpu, gpus=gpus, source="defaults", **fixed_costs)
+
+    def for_cpu_weights(self, n_bytes: int) -> HardwareProfile:
+        """The profile a plan with ``n_bytes`` of CPU-resident weights is read with: the
+        in-cache rate when they fit in the last-level cache and that rate was measured."""
+        if self.cpu_cache_read_gbps is None or n_bytes > self.cpu_cache_bytes:
+            return self
+        return replace(self, cpu_read_gbps=self.cpu_cache_read_gbps)
 
     # -- the flat parameter vector the cost model is linear in (seconds, seconds per byte) --
 
@@ -207,8 +228,10 @@ class HardwareProfile:
             p[f"link:{dev}"] = 1.0 / (gpu.link_gbps * 1e9)
         return p
 
-    def with_linear_params(self, params: Mapping[str, float], *, source: str) -> HardwareProfile:
-        """A copy with some linear parameters replaced (as produced by a fit)."""
+    def with_linear_params(self, params: Mapping[str, float], *, source: str,
+                           measured: bool = True) -> HardwareProfile:
+        """A copy with some linear parameters replaced (as produced by a fit: ``measured``
+        adds their names to ``measured``)."""
         known = self.linear_params()
         unknown = sorted(set(params) - set(known))
         if unknown:
@@ -231,6 +254,9 @@ class HardwareProfile:
             cpu_batched_gflops=self.cpu_batched_gflops,
             gpu_batched_tflops=self.gpu_batched_tflops,
             source=source,
+            measured=tuple(self.measured) + (tuple(params) if measured else ()),
+            cpu_cache_bytes=self.cpu_cache_bytes,
+            cpu_cache_read_gbps=self.cpu_cache_read_gbps,
         )
 
     # -- serialisation (plan.yaml `speculative.profile.hardware`, or a user-written YAML) --
@@ -249,6 +275,9 @@ class HardwareProfile:
             "cpu_batched_gflops": self.cpu_batched_gflops,
             "gpu_batched_tflops": self.gpu_batched_tflops,
             "gpus": {dev: gpu.to_dict() for dev, gpu in self.gpus.items()},
+            **({"measured": list(self.measured)} if self.measured else {}),
+            **({"cpu_cache_bytes": self.cpu_cache_bytes, "cpu_cache_read_gbps": self.cpu_cache_read_gbps}
+               if self.cpu_cache_read_gbps is not None else {}),
         }
 
     @classmethod
@@ -266,6 +295,13 @@ class HardwareProfile:
             kw["cpu_compute_gbps"] = _number("hardware profile: cpu_compute_gbps", d["cpu_compute_gbps"])
         if "source" in d:
             kw["source"] = str(d["source"])
+        if d.get("cpu_cache_read_gbps") is not None:
+            kw["cpu_cache_read_gbps"] = _number("hardware profile: cpu_cache_read_gbps", d["cpu_cache_read_gbps"])
+            kw["cpu_cache_bytes"] = int(_number("hardware profile: cpu_cache_bytes", d.get("cpu_cache_bytes", 0)))
+        if d.get("measured") is not None:
+            if not isinstance(d["measured"], list) or not all(isinstance(m, str) for m in d["measured"]):
+                raise ProfileError("hardware profile: measured must be a list of parameter names")
+            kw["measured"] = tuple(d["measured"])
         gpus_in = d.get("gpus") or {}
         if not isinstance(gpus_in, Mapping):
             raise ProfileError("hardware profile: gpus must be a mapping of device -> settings")
