@@ -45,7 +45,8 @@ def plan_forecast(model: str, *flags: str, env: dict) -> dict:
     doc = json.loads(_offload("plan", model, "--json", *flags, env=env).stdout)
     spec = doc["speculative"] or {}
     iv = doc.get("forecast_interval") or {}
-    return {"plain_tps": spec.get("predicted_plain_tps"), "best_n_max": spec.get("best_n_max"),
+    return {"plain_tps": spec.get("predicted_plain_tps", doc.get("predicted_plain_tps")),
+            "best_n_max": spec.get("best_n_max"),
             "break_even": iv.get("break_even_n_max", [spec.get("break_even_n_max")] * 2),
             "plain_range": iv.get("plain_tps")}
 
@@ -74,7 +75,12 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "OFFLOAD_CACHE_DIR": str(Path(tmp) / "cache")}
+        # --no-probe prints no plain forecast for a model without a draft head: the priors'
+        # forecast is then the uncalibrated one (a written device spec, no probe)
         prior = plan_forecast(a.model, "--no-probe", env=env)
+        if prior["plain_tps"] is None:
+            prior = plan_forecast(a.model, "--devices", "CPU=16GiB", env=env)
+        head = prior["best_n_max"] is not None
         calibrated, measured, probe_s = [], [], []
         for r in range(a.rounds):
             for step in (("plan", "run") if r % 2 == 0 else ("run", "plan")):
@@ -83,29 +89,34 @@ def main(argv=None) -> int:
                     probe_s.append(probe_seconds(Path(tmp) / "cache"))
                 else:
                     measured.append(measured_tps(a.model, a.n, env))
-            print(f"round {r + 1}: calibrated {calibrated[-1]['plain_tps']:.1f} t/s "
-                  f"[{calibrated[-1]['plain_range'][0]:.0f}-{calibrated[-1]['plain_range'][1]:.0f}], best n_max "
-                  f"{calibrated[-1]['best_n_max']} (break-even {calibrated[-1]['break_even']}); measured "
-                  f"{measured[-1]:.1f} t/s; probe {probe_s[-1]:.2f}s; load {os.getloadavg()[0]:.2f}", flush=True)
+            c = calibrated[-1]
+            spec = f", best n_max {c['best_n_max']} (break-even {c['break_even']})" if head else ""
+            print(f"round {r + 1}: calibrated {c['plain_tps']:.1f} t/s [{c['plain_range'][0]:.0f}-"
+                  f"{c['plain_range'][1]:.0f}]{spec}; measured {measured[-1]:.1f} t/s "
+                  f"(ratio {c['plain_tps'] / measured[-1]:.2f}); probe {probe_s[-1]:.2f}s; "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)
         tuned = None
-        if not a.no_tune:
+        if head and not a.no_tune:
             out = Path(tmp) / "tune.json"
             _offload("tune", a.model, "--budget", a.tune_budget, "--json", str(out), env=env)
             tuned = json.loads(out.read_text())
     load1 = os.getloadavg()
     cal = statistics.median(c["plain_tps"] for c in calibrated)
     meas = statistics.median(measured)
-    best = statistics.median_low(c["best_n_max"] for c in calibrated)
+    paired = statistics.median(c["plain_tps"] / m for c, m in zip(calibrated, measured))
     print(f"\n{Path(a.model).name}, {os.cpu_count()} cores, load average {load0[0]:.2f} -> {load1[0]:.2f}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; medians of {a.rounds} rounds")
     print(f"plain decode t/s: prior {prior['plain_tps']:.1f} ({prior['plain_tps'] / meas - 1:+.0%}), "
-          f"calibrated {cal:.1f} ({cal / meas - 1:+.0%}), measured {meas:.1f} (offload run -n {a.n})")
+          f"calibrated {cal:.1f} ({cal / meas - 1:+.0%}), measured {meas:.1f} (offload run -n {a.n}); "
+          f"per-round calibrated/measured median {paired:.2f}")
     print(f"probe: {statistics.median(probe_s):.2f}s timed (median)")
-    line = f"best n_max: prior {prior['best_n_max']}, calibrated {best}"
-    if tuned is not None:
-        line += (f", offload tune chose {tuned['chosen_n_max']} (measured best "
-                 f"{max(tuned['measured'], key=lambda m: m['speedup_mean'])['n_max']}; {tuned['choice']})")
-    print(line)
+    if head:
+        best = statistics.median_low(c["best_n_max"] for c in calibrated)
+        line = f"best n_max: prior {prior['best_n_max']}, calibrated {best}"
+        if tuned is not None:
+            line += (f", offload tune chose {tuned['chosen_n_max']} (measured best "
+                     f"{max(tuned['measured'], key=lambda m: m['speedup_mean'])['n_max']}; {tuned['choice']})")
+        print(line)
     if a.json:
         Path(a.json).write_text(json.dumps({"prior": prior, "calibrated": calibrated, "measured": measured,
                                             "probe_s": probe_s, "load": [load0[0], load1[0]],

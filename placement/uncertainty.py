@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from placement.acceptance import DEFAULT_MTP, AcceptanceProfile
-from placement.cost import SpecTable, forward_features
+from placement.cost import SpecTable, forward_features, predicted_decode_tps
 from placement.footprint import DecodeFootprint
 from placement.hardware import HardwareProfile
 from placement.routing import RoutingCounts, RoutingProfile
@@ -135,16 +135,20 @@ class ForecastInterval:
                 "measured": list(self.spread.measured), "acceptance_measured": self.spread.acceptance_measured}
 
 
-def forecast_interval(fp: DecodeFootprint, hw: HardwareProfile, table: SpecTable, *,
+def forecast_interval(fp: DecodeFootprint, hw: HardwareProfile, table: SpecTable | None, *,
                       routing: RoutingProfile | None = None, hits: RoutingCounts | None = None,
                       spread: InputSpread | None = None) -> ForecastInterval:
     """The interval of ``table`` (``speculation_table`` of the same inputs) over the ranges of
-    its inputs (``InputSpread.of(hw, table.acceptance)`` unless given)."""
+    its inputs (``InputSpread.of(hw, table.acceptance)`` unless given). ``table`` None: plain
+    decoding only (a model without a draft head), around ``predicted_decode_tps``."""
+    acceptance = table.acceptance if table is not None else DEFAULT_MTP
     if spread is None:
-        spread = InputSpread.of(hw, table.acceptance)
+        spread = InputSpread.of(hw, acceptance)
     params = hw.linear_params()
-    max_n = len(table.rows) - 1
-    accs = [_shifted(table.acceptance, -spread.accept_delta), _shifted(table.acceptance, spread.accept_delta)]
+    max_n = len(table.rows) - 1 if table is not None else 0
+    nominal_tps = table.plain_tps if table is not None else \
+        predicted_decode_tps(fp, hw, routing=routing, hits=hits)
+    accs = [_shifted(acceptance, -spread.accept_delta), _shifted(acceptance, spread.accept_delta)]
     coeffs = [[step_coefficients(fp, n, acc, routing=routing, hits=hits) for n in range(max_n + 1)] for acc in accs]
     used = sorted({k for per_acc in coeffs for v, g in per_acc for k in (*v, *g)})
     kinds = sorted({_kind(k) for k in used})
@@ -170,7 +174,7 @@ def forecast_interval(fp: DecodeFootprint, hw: HardwareProfile, table: SpecTable
         nominal = table.rows[n].speedup
         speed.append((min(nominal, min(float(x.min()) for x in vals)),
                       max(nominal, max(float(x.max()) for x in vals))))
-    plain = (min(table.plain_tps, float(1.0 / t0.max())), max(table.plain_tps, float(1.0 / t0.min())))
+    plain = (min(nominal_tps, float(1.0 / t0.max())), max(nominal_tps, float(1.0 / t0.min())))
     return ForecastInterval(plain, tuple(speed), spread)
 
 
@@ -191,16 +195,16 @@ def format_inputs(hw: HardwareProfile, spread: InputSpread, fp: DecodeFootprint)
     measured = [value(k) for k in kinds if k in spread.measured]
     priors = [f"{value(k)} (x{spread.terms[k][0]:g}-{spread.terms[k][1]:g})" for k in kinds
               if k not in spread.measured]
-    acc = ("measured" if spread.acceptance_measured else "defaults") + f" (+-{spread.accept_delta:g})"
+    draft = "" if fp.draft is None else f"; draft pass x{spread.draft[0]:g}-{spread.draft[1]:g}"
     lines = []
     if measured:
-        lines.append("measured on this box: " + ", ".join(measured)
-                     + f"; draft pass x{spread.draft[0]:g}-{spread.draft[1]:g}")
+        lines.append("measured on this box: " + ", ".join(measured) + draft)
     else:
         lines.append("uncalibrated: every cost term is a prior (plan on the box itself, or give "
                      "--hw-profile from `offload probe --write` run there)")
     if priors:
-        lines.append("priors: " + ", ".join(priors)
-                     + ("" if measured else f"; draft pass x{spread.draft[0]:g}-{spread.draft[1]:g}"))
-    lines.append(f"acceptance: {acc}")
+        lines.append("priors: " + ", ".join(priors) + ("" if measured else draft))
+    if fp.draft is not None:
+        lines.append("acceptance: " + ("measured" if spread.acceptance_measured else "defaults")
+                     + f" (+-{spread.accept_delta:g})")
     return "\n".join(lines)

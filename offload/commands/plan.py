@@ -31,7 +31,7 @@ from placement.plan_file import plan_to_yaml
 from placement.planner import (DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, DEFAULT_UBATCH, FIT_MODES, FLAG_NAMES,
                                PlanOptions, make_plan)
 from placement.report import format_plan
-from placement.cost import SpecProfile
+from placement.cost import SpecProfile, predicted_decode_tps
 from placement.footprint import FootprintError
 from placement.hardware import HardwareProfile
 from placement.hot_experts import describe
@@ -180,6 +180,19 @@ def for_this_box(args: argparse.Namespace, plan: Plan) -> bool:
     return not args.placement and (args.devices or "auto").strip().lower() == "auto" and not measured
 
 
+def forecast_profile(args: argparse.Namespace, plan: Plan) -> tuple[SpecProfile | None, str]:
+    """The profile the forecast uses in place of the plan's (None: the plan's own), and the
+    probe's line when it ran or was read from its cache: ``--hw-profile``, else the probe on
+    this box (``for_this_box``)."""
+    if args.hw_profile:
+        base = plan.speculative.profile if plan.speculative is not None else None
+        hw = complete_hardware(HardwareProfile.from_yaml(args.hw_profile), plan)
+        return (SpecProfile(hw) if base is None else dataclasses.replace(base, hardware=hw)), ""
+    if for_this_box(args, plan):
+        return probed_profile(plan, refresh=args.refresh_probe)
+    return None, ""
+
+
 def probed_profile(plan: Plan, *, refresh: bool) -> tuple[SpecProfile, str]:
     """The plan's profile with this box's CPU terms from the probe (``offload.probe``); the
     GPU terms stay the plan's (defaults by GPU name)."""
@@ -197,7 +210,7 @@ def main(argv: list[str]) -> int:
     # a plan file's routing counts (``offload tune``) stay with it and feed its forecasts
     kept = read_plan_file(args.placement).routing if args.placement else None
     hits = RoutingCounts.from_file(args.routing) if args.routing else kept
-    table = gain = interval = None
+    table = gain = interval = plain_hw = None
     probe_note = ""
     if args.spec_type == "mtp" and plan.drafting == "none":
         raise NoDraftHead(plan.model_path, "--spec-type mtp")
@@ -205,19 +218,22 @@ def main(argv: list[str]) -> int:
     if args.spec_type == "none":
         plan = dataclasses.replace(plan, speculative=None)
     elif plan.drafting != "none":
-        profile = None
-        if args.hw_profile:
-            base = plan.speculative.profile if plan.speculative is not None else None
-            hw = complete_hardware(HardwareProfile.from_yaml(args.hw_profile), plan)
-            profile = SpecProfile(hw) if base is None else dataclasses.replace(base, hardware=hw)
-        elif for_this_box(args, plan):
-            profile, probe_note = probed_profile(plan, refresh=args.refresh_probe)
+        profile, probe_note = forecast_profile(args, plan)
         table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n, hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
         if not args.no_probe:
-            hw = forecast_hardware(plan, plan_profile(plan).hardware)
-            interval = forecast_interval(plan_footprint(plan, model, draft), hw, table,
+            interval = forecast_interval(plan_footprint(plan, model, draft),
+                                         forecast_hardware(plan, plan_profile(plan).hardware), table,
                                          routing=plan_profile(plan).routing, hits=hits)
+    if plan.drafting == "none" and not args.no_probe:
+        # no draft head: no n_max table, but the plain decode forecast and its range
+        profile, probe_note = forecast_profile(args, plan)
+        plain_hw = forecast_hardware(plan, (profile or plan_profile(plan)).hardware)
+        try:
+            interval = forecast_interval(plan_footprint(plan, model, draft), plain_hw, None, hits=hits)
+        except FootprintError as exc:      # a model the cost model cannot read (e.g. 2-D expert biases)
+            print(f"offload: note: no plain decode forecast: {exc}", file=sys.stderr)
+            plain_hw = None
     if probe_note:
         print(f"offload: {probe_note}", file=sys.stderr)
     if hits is not None and plan.hot_experts:
@@ -239,6 +255,9 @@ def main(argv: list[str]) -> int:
             extra["op_offload"] = op
         if interval is not None:
             extra["forecast_interval"] = interval.to_dict()
+        if plain_hw is not None and interval is not None:
+            extra["predicted_plain_tps"] = round(
+                predicted_decode_tps(plan_footprint(plan, model, draft), plain_hw, hits=hits), 4)
         print(json.dumps({**plan.to_dict(), "llama_cpp_args": llama_cpp_args(plan, draft_arch), **extra}, indent=1))
     elif args.emit:
         if hot_note:
@@ -253,6 +272,11 @@ def main(argv: list[str]) -> int:
                 print(format_inputs(forecast_hardware(plan, plan_profile(plan).hardware), interval.spread,
                                     plan_footprint(plan, model, draft)))
             print(table.format(interval))
+        elif plain_hw is not None and interval is not None:
+            print(f"\nplain decoding (no draft head; predicted, profile: {plain_hw.source}):")
+            print(format_inputs(plain_hw, interval.spread, plan_footprint(plan, model, draft)))
+            tps = predicted_decode_tps(plan_footprint(plan, model, draft), plain_hw, hits=hits)
+            print(f"predicted plain decode: {tps:.2f} t/s [{interval.plain_tps[0]:.0f}-{interval.plain_tps[1]:.0f}]")
         if gain is not None:
             print(gain.format())
         if op is not None:

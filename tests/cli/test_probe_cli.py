@@ -130,3 +130,22 @@ def test_bad_profiles_are_one_line_errors(tmp_path, capsys, text, match):
         path.write_text(text)
     code, out, err = _cli(capsys, "plan", MODEL, "--devices", "CPU=16GiB", "--hw-profile", str(path))
     assert code == 2 and err.count("\n") == 1 and match in err and "Traceback" not in err
+
+
+def test_a_model_without_draft_head_gets_a_plain_forecast(fixture_paths, probed, capsys):
+    """No n_max table, but the plain decode forecast with its range: uncalibrated for a written
+    device spec, calibrated by a profile; --no-probe prints the plan as before (no forecast)."""
+    _, profile = probed
+    qwen = fixture_paths["qwen3-30b-a3b"]
+    box = ("--devices", "CUDA0=24GiB,CPU=128GiB", "-c", "4096")
+    code, out, err = _cli(capsys, "plan", qwen, *box)
+    assert code == 0 and "probe" not in err
+    assert "plain decoding (no draft head; predicted, profile: defaults):" in out and "uncalibrated" in out
+    assert re.search(r"^predicted plain decode: [\d.]+ t/s \[\d+-\d+\]$", out, re.M)
+    assert "acceptance" not in out and "draft pass" not in out
+    code, out, _ = _cli(capsys, "plan", qwen, *box, "--hw-profile", str(profile), "--json")
+    doc = json.loads(out)
+    lo, hi = doc["forecast_interval"]["plain_tps"]
+    assert lo <= doc["predicted_plain_tps"] <= hi and doc["forecast_interval"]["measured"]
+    code, out, _ = _cli(capsys, "plan", qwen, *box, "--no-probe")
+    assert "predicted plain decode" not in out and "uncalibrated" not in out
