@@ -86,9 +86,11 @@ def cache_dir() -> Path:
     return Path(base) / "offload"
 
 
-def cache_path(cpu: str, version: str) -> Path:
+def cache_path(cpu: str, version: str, threads: int | None = None) -> Path:
+    """The cache file of a CPU model and offload version (and a thread count other than the
+    kernels' default, which ``offload plan`` and ``offload run`` use)."""
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", cpu).strip("-")[:80] or "cpu"
-    return cache_dir() / f"probe-{slug}-{version}.yaml"
+    return cache_dir() / f"probe-{slug}-{version}{'' if threads is None else f'-t{threads}'}.yaml"
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,7 @@ def calibrate(*, refresh: bool = False, **probe) -> tuple[ProbeResult, str]:
     """This box's probe result, from the cache or measured now (and cached), and a line that
     says which."""
     cpu, version = cpu_name(), offload_version()
-    path = cache_path(cpu, version)
+    path = cache_path(cpu, version, probe.get("threads"))
     cached = None if refresh else read_cached(path, cpu, version)
     if cached is not None:
         return cached, f"probe cached {cached.date} in {path}"

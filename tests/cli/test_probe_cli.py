@@ -57,6 +57,7 @@ def test_probe_caches_per_cpu_and_version_and_writes_a_profile(probed):
     assert read_cached(path, "another CPU", offload_version()) is None
     assert read_cached(path, cpu_name(), "0.0.0-other") is None
     assert cache_path("another CPU", offload_version()) != path != cache_path(cpu_name(), "0.0.0-other")
+    assert cache_path(cpu_name(), offload_version(), threads=1) != path      # `offload probe -t 1`
     # the written profile is the measured hardware, as --hw-profile reads it
     assert HardwareProfile.from_yaml(profile) == result.hardware
 
