@@ -7,9 +7,13 @@ are what ``offload tune`` measures on a loaded model, so the probe runs tune's m
 model, which loads in a moment on any box and runs the same compiled blocks, head, sampling
 and loop as a large model:
 
-- ``cpu_layer``, ``forward``, ``cpu_compute`` and the read rate of a model that sits in the
-  CPU's last-level cache (the shipped one does): fitted, as tune fits them, to the pass medians
-  T_verify(B) and T_draft(B), B = 1..3;
+- ``cpu_layer``: one decode token through the model's compiled block runs alone
+  (``time_blocks``, many samples), less the blocks' reads, per block;
+- ``forward``, ``draft_pass`` (what a NextN head pass costs beyond a target pass's fixed part:
+  its eager ops), ``cpu_compute`` and the read rate of a model that sits in the CPU's last-level
+  cache (the shipped one does): fitted, as tune fits them, to the pass medians T_verify(B) and
+  T_draft(B), B = 1..3 (first with ``cpu_layer`` free too, for the rate the reads are taken
+  off at);
 - ``step``, ``spec_step``: the real decode loop's time outside its passes
   (``PassTimes.loop_overheads``), plain and drafting;
 - ``cpu_read``: the compiled Q8_0 mat-vec (``cpu_kernels.matmul``, the kernels' register-
@@ -42,7 +46,7 @@ READ_MIB = 256               # larger than the last-level cache of any CPU this 
 MAX_BATCH = 3                # T_verify(B), T_draft(B) for B = 1..3: enough to separate the terms
 CALIB_TOKENS = 24
 FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")     # as offload tune fits them
-MEASURED = ("cpu_read", "cpu_layer", "cpu_compute", "forward", "step", "spec_step")
+MEASURED = ("cpu_read", "cpu_layer", "cpu_compute", "forward", "draft_pass", "step", "spec_step")
 
 
 def cpu_name() -> str:
@@ -131,7 +135,7 @@ class ProbeResult:
         hw = self.hardware
         return (f"cpu_read {hw.cpu_read_gbps:.1f} GB/s ({hw.cpu_cache_read_gbps or 0:.1f} GB/s within "
                 f"{hw.cpu_cache_bytes >> 20} MiB of cache), cpu_layer {hw.cpu_layer_us:.0f} us, "
-                f"forward {hw.forward_us:.0f} us, step {hw.step_us:.0f} us, spec_step {hw.spec_step_us:.0f} us"
+                f"forward {hw.forward_us:.0f} us, draft pass +{hw.draft_pass_us:.0f} us, step {hw.step_us:.0f} us, spec_step {hw.spec_step_us:.0f} us"
                 f" (T_verify(B) " + " ".join(f"{t:.3f}" for t in self.verify_ms.values())
                 + " ms, T_draft(B) " + " ".join(f"{t:.3f}" for t in self.draft_ms.values())
                 + f" ms, fit within {100 * self.fit_error:.0f}%)")
@@ -178,6 +182,33 @@ def read_gbps(mib: int = READ_MIB, repeat: int = 5) -> float:
     return w.nbytes / statistics.median(times) / 1e9
 
 
+def time_blocks(session, ids: list[int], *, seconds: float, min_rounds: int = 20) -> float:
+    """Median seconds of one decode token through the model's blocks alone (its compiled
+    block runs, ``CausalLM.block_runs``; no embedding, head or loop), at the context position
+    after ``ids``; the caches rolled back after each. A direct, many-sample measurement of
+    what a block costs, where the fit can only tell blocks from passes by the difference of
+    a target and a draft pass."""
+    import torch
+
+    model = session.model
+    with torch.inference_mode():
+        state = model.new_state()
+        model.forward(torch.as_tensor(ids[:-1]), state, logits="none")
+        start = len(ids) - 1
+        x0, positions = model.embed(torch.as_tensor(ids[-1:])), state.positions(1)
+        runs = model.block_runs()
+        times: list[float] = []
+        t_end = time.perf_counter() + seconds
+        while len(times) < min_rounds or time.perf_counter() < t_end:
+            x = x0
+            t0 = time.perf_counter()
+            for step, lo, hi in runs:
+                x = step(x, positions, state.caches[lo:hi])
+            times.append(time.perf_counter() - t0)
+            state.truncate(start)
+    return statistics.median(times)
+
+
 def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_path: str | Path = SHIPPED_MODEL,
             threads: int | None = None) -> ProbeResult:
     """Run the probe (load the shipped model, time its passes and loop, fit, read rate)."""
@@ -204,13 +235,24 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
         t0 = time.perf_counter()
         gbps = read_gbps(read_mib)
         calib = tune.decode(session, session.tokenize(TASKS["code"]), n_tokens=CALIB_TOKENS)
-        left = max(seconds - (time.perf_counter() - t0), 0.2)
-        passes = tune.time_passes(session, calib, max_batch=MAX_BATCH, seconds=left, min_rounds=2,
+        left = max(seconds - (time.perf_counter() - t0), 0.3)
+        passes = tune.time_passes(session, calib, max_batch=MAX_BATCH, seconds=left * 0.75, min_rounds=2,
                                   loop_tokens=2 * MAX_BATCH + 1)
+        blocks_s = time_blocks(session, calib.prompt + calib.tokens, seconds=left * 0.25)
         timed = time.perf_counter() - t0
     verify_s, draft_s = passes.verify_s(), passes.draft_s()
     fp = plan_footprint(plan, model, None)
     fit = fit_profile(fp, HardwareProfile(cpu_read_gbps=gbps), verify_s=verify_s, draft_s=draft_s, free=FIT_FREE)
+    # the blocks' own time less their reads (at the fitted rate) is the per-block cost; the
+    # passes are fitted again with it fixed, which frees the draft head's own per-pass cost
+    params = fit.profile.linear_params()
+    block_bytes = sum(n for lay in fp.target.layers for _, n in lay.reads) + sum(
+        s.bytes_per_expert * lay.n_expert_used * s.n_experts / lay.n_expert
+        for lay in fp.target.layers for s in lay.experts)
+    layer_s = max(blocks_s - block_bytes * params["cpu_read"], 0.0) / len(fp.target.layers)
+    fit = fit_profile(fp, fit.profile.with_linear_params({"cpu_layer": layer_s}, source=""),
+                      verify_s=verify_s, draft_s=draft_s,
+                      free=[p for p in FIT_FREE if p != "cpu_layer"] + ["draft_pass"])
     step_s, spec_step_s = passes.loop_overheads()
     cpu, n_threads = cpu_name(), threads or max_threads()
     hw = fit.profile.with_linear_params({"step": step_s, "spec_step": spec_step_s}, source="")

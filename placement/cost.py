@@ -86,6 +86,8 @@ def forward_features(fp: ForwardFootprint, batch: int, *, n_embd: int, act_bytes
                 f["link_latency"] += 1
 
     f["forward"] += 1
+    if fp.draft_head:
+        f["draft_pass"] += 1
     here = fp.input_device
     for lay in fp.layers:
         copy(here, lay.home)
@@ -126,7 +128,7 @@ def _dot(features: Mapping[str, float], params: Mapping[str, float]) -> float:
 # How T(0) is split when printed: parameter name (before any ":device") -> category.
 _CATEGORY = {"cpu_read": "CPU", "cpu_compute": "CPU", "gpu_read": "GPU", "link": "copies",
              "link_latency": "copies", "cpu_layer": "fixed", "gpu_layer": "fixed", "forward": "fixed",
-             "step": "step", "spec_step": "step"}
+             "draft_pass": "fixed", "step": "step", "spec_step": "step"}
 
 
 def _breakdown(features: Mapping[str, float], params: Mapping[str, float]) -> dict[str, float]:

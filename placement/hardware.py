@@ -86,6 +86,9 @@ DEFAULT_GPU_LAYER_US = 100.0     # ~20-30 eager torch ops per layer at a few us 
 # the shipped model, of which its 2 MB F16 head read is ~44 us at the 48 GB/s read ceiling
 # (charged as bytes), and 39 us on the narrow 4-block model (0.16 MB head): ~35 us fixed.
 DEFAULT_FORWARD_US = 35.0
+# Per draft-head pass on top of ``forward``: the NextN head's own eager ops (eh_proj, enorm,
+# hnorm). No prior (0); the probe measured ~0.4 ms on a loaded 2-core EPYC (shipped model).
+DEFAULT_DRAFT_PASS_US = 0.0
 # Per decode step, outside the forward passes (acceptance, cache rollback, the loop itself):
 # no prior (0); `offload tune` measures it as a step's wall time minus its passes.
 DEFAULT_STEP_US = 0.0
@@ -135,10 +138,11 @@ def gpu_profile(nvml_name: str) -> GpuProfile:
 
 _GPU_DEVICE = re.compile(r"CUDA\d+")
 _FIELDS = ("cpu_read_gbps", "cpu_compute_gbps", "link_latency_us", "cpu_layer_us",
-           "gpu_layer_us", "forward_us", "step_us", "spec_step_us", "cpu_batched_gflops", "gpu_batched_tflops",
+           "gpu_layer_us", "forward_us", "draft_pass_us", "step_us", "spec_step_us", "cpu_batched_gflops", "gpu_batched_tflops",
            "gpus", "source", "measured", "cpu_cache_bytes", "cpu_cache_read_gbps")
 _RATES = ("cpu_batched_gflops", "gpu_batched_tflops")
-_FIXED_US = ("link_latency_us", "cpu_layer_us", "gpu_layer_us", "forward_us", "step_us", "spec_step_us")
+_FIXED_US = ("link_latency_us", "cpu_layer_us", "gpu_layer_us", "forward_us", "draft_pass_us", "step_us",
+             "spec_step_us")
 _GPU_FIELDS = ("name", "read_gbps", "link_gbps", "source")
 
 
@@ -161,6 +165,7 @@ class HardwareProfile:
     cpu_layer_us: float = DEFAULT_CPU_LAYER_US
     gpu_layer_us: float = DEFAULT_GPU_LAYER_US
     forward_us: float = DEFAULT_FORWARD_US
+    draft_pass_us: float = DEFAULT_DRAFT_PASS_US
     step_us: float = DEFAULT_STEP_US
     spec_step_us: float = DEFAULT_SPEC_STEP_US
     cpu_batched_gflops: float = DEFAULT_CPU_BATCHED_GFLOPS    # CPU expert matmuls on a prompt batch
@@ -220,6 +225,7 @@ class HardwareProfile:
             "cpu_layer": self.cpu_layer_us * 1e-6,
             "gpu_layer": self.gpu_layer_us * 1e-6,
             "forward": self.forward_us * 1e-6,
+            "draft_pass": self.draft_pass_us * 1e-6,
             "step": self.step_us * 1e-6,
             "spec_step": self.spec_step_us * 1e-6,
         }
@@ -249,6 +255,7 @@ class HardwareProfile:
             cpu_layer_us=p["cpu_layer"] * 1e6,
             gpu_layer_us=p["gpu_layer"] * 1e6,
             forward_us=p["forward"] * 1e6,
+            draft_pass_us=p["draft_pass"] * 1e6,
             step_us=p["step"] * 1e6,
             spec_step_us=p["spec_step"] * 1e6,
             cpu_batched_gflops=self.cpu_batched_gflops,
@@ -275,6 +282,7 @@ class HardwareProfile:
             "cpu_batched_gflops": self.cpu_batched_gflops,
             "gpu_batched_tflops": self.gpu_batched_tflops,
             "gpus": {dev: gpu.to_dict() for dev, gpu in self.gpus.items()},
+            **({"draft_pass_us": self.draft_pass_us} if self.draft_pass_us else {}),
             **({"measured": list(self.measured)} if self.measured else {}),
             **({"cpu_cache_bytes": self.cpu_cache_bytes, "cpu_cache_read_gbps": self.cpu_cache_read_gbps}
                if self.cpu_cache_read_gbps is not None else {}),

@@ -38,7 +38,7 @@ MEASURED_SPREAD = (0.87, 1.15)
 PRIOR_SPREAD: dict[str, tuple[float, float]] = {
     "cpu_read": (0.5, 2.0), "cpu_compute": (0.5, 2.0), "gpu_read": (0.8, 1.5), "link": (0.8, 1.5),
     "link_latency": (0.5, 3.0), "cpu_layer": (0.75, 2.5), "gpu_layer": (0.5, 2.0), "forward": (0.75, 2.5),
-    "step": (0.75, 2.5), "spec_step": (0.75, 2.5),
+    "draft_pass": (0.75, 2.5), "step": (0.75, 2.5), "spec_step": (0.75, 2.5),
 }
 # The draft pass apart from the terms it shares with verify passes: measured 0.42-0.46 ms on
 # the Zen 5 against 0.23 ms assumed, while T(0) came out 1.5x the prior (issue 32).

@@ -124,3 +124,19 @@ def test_profile_measured_and_cache_rate_round_trip(tmp_path):
         HardwareProfile.from_dict({"measured": ["gpu_read:CUDA0"]})
     with pytest.raises(ProfileError, match="measured must be a list"):
         HardwareProfile.from_dict({"measured": "forward"})
+
+
+def test_draft_pass_term_is_charged_to_head_passes_only():
+    """``draft_pass``: the NextN head's own per-pass cost, in every draft pass and no target
+    pass (the footprint marks the head's pass); a profile without it writes what it wrote."""
+    fp = _hand_footprint()
+    fp = dataclasses.replace(fp, draft=dataclasses.replace(fp.draft, draft_head=True))
+    acc = AcceptanceProfile(accept=(0.5,))
+    base, extra = _hand_profile(), _hand_profile(draft_pass_us=500.0)
+    t0 = speculation_table(fp, base, acceptance=acc, max_n=1)
+    t1 = speculation_table(fp, extra, acceptance=acc, max_n=1)
+    assert t1.rows[0].step_s == t0.rows[0].step_s
+    assert t1.draft_s == pytest.approx(t0.draft_s + 5e-4, rel=1e-12)
+    assert t1.rows[1].step_s == pytest.approx(t0.rows[1].step_s + 5e-4, rel=1e-12)   # n = 1: one head pass
+    assert "draft_pass_us" not in base.to_dict() and extra.to_dict()["draft_pass_us"] == 500.0
+    assert HardwareProfile.from_dict(extra.to_dict()) == extra
