@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": ("offload.commands.bench", "speculative-decoding benchmark: baseline vs MTP n_max per task"),
     "tune": ("offload.commands.tune", "measure this box, fit the cost model, run, choose n_max for a plan"),
     "serve": ("offload.commands.serve", "OpenAI-compatible HTTP server (chat templates, prompt cache, MTP drafting)"),
+    "probe": ("offload.commands.probe", "measure this box's fixed costs for the plan's forecast (about 2 s, cached)"),
     "profile": ("offload.commands.profile", "count which routed experts each MoE layer picks over a prompt set"),
 }
 

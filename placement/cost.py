@@ -86,6 +86,8 @@ def forward_features(fp: ForwardFootprint, batch: int, *, n_embd: int, act_bytes
                 f["link_latency"] += 1
 
     f["forward"] += 1
+    if fp.draft_head:
+        f["draft_pass"] += 1
     here = fp.input_device
     for lay in fp.layers:
         copy(here, lay.home)
@@ -126,7 +128,7 @@ def _dot(features: Mapping[str, float], params: Mapping[str, float]) -> float:
 # How T(0) is split when printed: parameter name (before any ":device") -> category.
 _CATEGORY = {"cpu_read": "CPU", "cpu_compute": "CPU", "gpu_read": "GPU", "link": "copies",
              "link_latency": "copies", "cpu_layer": "fixed", "gpu_layer": "fixed", "forward": "fixed",
-             "step": "step", "spec_step": "step"}
+             "draft_pass": "fixed", "step": "step", "spec_step": "step"}
 
 
 def _breakdown(features: Mapping[str, float], params: Mapping[str, float]) -> dict[str, float]:
@@ -240,23 +242,38 @@ class SpecTable:
             "rows": [r.to_dict() for r in self.rows],
         }
 
-    def format(self) -> str:
+    def format(self, interval=None) -> str:
+        """The table; with ``interval`` (``placement.uncertainty.ForecastInterval``) each
+        figure carries its range, and break-even is a range where the speedup's interval
+        crosses 1.0x."""
         b = self.verify_breakdown
         split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in b.items() if v)
         accept = " ".join(f"{a:.2f}" for a in self.acceptance.accept)
+        plain = "" if interval is None else \
+            f" [{interval.plain_tps[0]:.0f}-{interval.plain_tps[1]:.0f}]"
         lines = [
-            f"predicted plain decode: {self.plain_tps:.2f} t/s "
+            f"predicted plain decode: {self.plain_tps:.2f} t/s{plain} "
             f"(T(0) = {self.rows[0].step_s * 1e3:.1f} ms: {split} ms)",
             f"draft pass: {self.draft_s * 1e3:.2f} ms; routing: {self.routing}; "
             f"acceptance: {accept} (p_min {self.acceptance.p_min:g})",
-            f"{'n_max':>5} {'E(n)':>6} {'step ms':>9} {'t/s':>8} {'speedup':>8}",
+            f"{'n_max':>5} {'E(n)':>6} {'step ms':>9} {'t/s':>8} {'speedup':>8}"
+            + ("" if interval is None else f" {'range':>12}"),
         ]
         for r in self.rows:
             lines.append(f"{r.n:>5} {r.expected_tokens:>6.2f} {r.step_s * 1e3:>9.1f} "
-                         f"{r.tokens_per_s:>8.2f} {r.speedup:>7.2f}x")
+                         f"{r.tokens_per_s:>8.2f} {r.speedup:>7.2f}x"
+                         + ("" if interval is None else
+                            f" {interval.speedup[r.n][0]:>5.2f}-{interval.speedup[r.n][1]:.2f}x"))
         best = self.best
-        lines.append(f"break-even n_max: {self.break_even_n}    best n_max: {best.n} "
+        even = f"{self.break_even_n}"
+        if interval is not None and interval.crosses_one:
+            lo, hi = interval.break_even
+            even = f"{lo}-{hi}" if lo != hi else even
+        lines.append(f"break-even n_max: {even}    best n_max: {best.n} "
                      f"({(best.speedup - 1) * 100:+.0f}%)")
+        if interval is not None and interval.crosses_one:
+            lines.append("the speedup's interval crosses 1.0x: whether drafting pays here is not known "
+                         "from the plan; run `offload tune` to measure it")
         return "\n".join(lines)
 
 

@@ -60,6 +60,7 @@ class ForwardFootprint:
     layers: tuple[LayerFootprint, ...]
     head_home: str
     head_reads: tuple[tuple[str, int], ...]
+    draft_head: bool = False        # the NextN head's pass (its eager ops cost apart: ``draft_pass``)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def footprint_from_tensors(tensors: Sequence[TensorInfo], tensor_map: Mapping[st
         d_norm = _first_named(d_ts, MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM) or out_norm
         # The draft pass starts from the target's last hidden state.
         draft = ForwardFootprint(target_layers[-1].home, d_layers,
-                                 tensor_map[d_out.name], _reads([d_out, d_norm], tensor_map))
+                                 tensor_map[d_out.name], _reads([d_out, d_norm], tensor_map), draft_head=True)
     return DecodeFootprint(target, draft, int(n_embd), act_bytes)
 
 

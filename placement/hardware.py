@@ -86,6 +86,9 @@ DEFAULT_GPU_LAYER_US = 100.0     # ~20-30 eager torch ops per layer at a few us 
 # the shipped model, of which its 2 MB F16 head read is ~44 us at the 48 GB/s read ceiling
 # (charged as bytes), and 39 us on the narrow 4-block model (0.16 MB head): ~35 us fixed.
 DEFAULT_FORWARD_US = 35.0
+# Per draft-head pass on top of ``forward``: the NextN head's own eager ops (eh_proj, enorm,
+# hnorm). No prior (0); the probe measured ~0.4 ms on a loaded 2-core EPYC (shipped model).
+DEFAULT_DRAFT_PASS_US = 0.0
 # Per decode step, outside the forward passes (acceptance, cache rollback, the loop itself):
 # no prior (0); `offload tune` measures it as a step's wall time minus its passes.
 DEFAULT_STEP_US = 0.0
@@ -135,10 +138,11 @@ def gpu_profile(nvml_name: str) -> GpuProfile:
 
 _GPU_DEVICE = re.compile(r"CUDA\d+")
 _FIELDS = ("cpu_read_gbps", "cpu_compute_gbps", "link_latency_us", "cpu_layer_us",
-           "gpu_layer_us", "forward_us", "step_us", "spec_step_us", "cpu_batched_gflops", "gpu_batched_tflops",
-           "gpus", "source")
+           "gpu_layer_us", "forward_us", "draft_pass_us", "step_us", "spec_step_us", "cpu_batched_gflops", "gpu_batched_tflops",
+           "gpus", "source", "measured", "cpu_cache_bytes", "cpu_cache_read_gbps")
 _RATES = ("cpu_batched_gflops", "gpu_batched_tflops")
-_FIXED_US = ("link_latency_us", "cpu_layer_us", "gpu_layer_us", "forward_us", "step_us", "spec_step_us")
+_FIXED_US = ("link_latency_us", "cpu_layer_us", "gpu_layer_us", "forward_us", "draft_pass_us", "step_us",
+             "spec_step_us")
 _GPU_FIELDS = ("name", "read_gbps", "link_gbps", "source")
 
 
@@ -161,14 +165,25 @@ class HardwareProfile:
     cpu_layer_us: float = DEFAULT_CPU_LAYER_US
     gpu_layer_us: float = DEFAULT_GPU_LAYER_US
     forward_us: float = DEFAULT_FORWARD_US
+    draft_pass_us: float = DEFAULT_DRAFT_PASS_US
     step_us: float = DEFAULT_STEP_US
     spec_step_us: float = DEFAULT_SPEC_STEP_US
     cpu_batched_gflops: float = DEFAULT_CPU_BATCHED_GFLOPS    # CPU expert matmuls on a prompt batch
     gpu_batched_tflops: float = DEFAULT_GPU_BATCHED_TFLOPS    # a GPU's matmuls on a prompt batch
     source: str = "defaults"
+    # which ``linear_params`` were measured on the box (``offload probe``, ``offload tune``);
+    # the rest are priors, and the forecast's interval is as wide as the priors' spread
+    measured: tuple[str, ...] = ()
+    # A model whose CPU-resident weights fit in the last-level cache (``cpu_cache_bytes``) is
+    # read at the rate measured on such a model (``offload probe``), not at the RAM rate.
+    cpu_cache_bytes: int = 0
+    cpu_cache_read_gbps: float | None = None
 
     def __post_init__(self) -> None:
         _check_positive("cpu_read_gbps", self.cpu_read_gbps)
+        if self.cpu_cache_read_gbps is not None:
+            _check_positive("cpu_cache_read_gbps", self.cpu_cache_read_gbps)
+        _check_non_negative("cpu_cache_bytes", self.cpu_cache_bytes)
         for name in _RATES:
             _check_positive(name, getattr(self, name))
         if self.cpu_compute_gbps is not None:
@@ -180,6 +195,10 @@ class HardwareProfile:
                 raise ProfileError(f"hardware profile: unknown device {dev!r} (expected CUDA0, CUDA1, ...)")
             _check_positive(f"{dev}.read_gbps", gpu.read_gbps)
             _check_positive(f"{dev}.link_gbps", gpu.link_gbps)
+        object.__setattr__(self, "measured", tuple(sorted(set(self.measured))))
+        unknown = [m for m in self.measured if m not in self.linear_params()]
+        if unknown:
+            raise ProfileError(f"hardware profile: measured: unknown parameter(s) {', '.join(unknown)}")
 
     @classmethod
     def for_devices(cls, gpu_names: Mapping[str, str], *, cpu_read_gbps: float | None = None,
@@ -188,6 +207,13 @@ class HardwareProfile:
         gpus = {dev: gpu_profile(name) for dev, name in gpu_names.items()}
         cpu = DEFAULT_CPU_READ_GBPS if cpu_read_gbps is None else cpu_read_gbps
         return cls(cpu_read_gbps=cpu, gpus=gpus, source="defaults", **fixed_costs)
+
+    def for_cpu_weights(self, n_bytes: int) -> HardwareProfile:
+        """The profile a plan with ``n_bytes`` of CPU-resident weights is read with: the
+        in-cache rate when they fit in the last-level cache and that rate was measured."""
+        if self.cpu_cache_read_gbps is None or n_bytes > self.cpu_cache_bytes:
+            return self
+        return replace(self, cpu_read_gbps=self.cpu_cache_read_gbps)
 
     # -- the flat parameter vector the cost model is linear in (seconds, seconds per byte) --
 
@@ -199,6 +225,7 @@ class HardwareProfile:
             "cpu_layer": self.cpu_layer_us * 1e-6,
             "gpu_layer": self.gpu_layer_us * 1e-6,
             "forward": self.forward_us * 1e-6,
+            "draft_pass": self.draft_pass_us * 1e-6,
             "step": self.step_us * 1e-6,
             "spec_step": self.spec_step_us * 1e-6,
         }
@@ -207,8 +234,10 @@ class HardwareProfile:
             p[f"link:{dev}"] = 1.0 / (gpu.link_gbps * 1e9)
         return p
 
-    def with_linear_params(self, params: Mapping[str, float], *, source: str) -> HardwareProfile:
-        """A copy with some linear parameters replaced (as produced by a fit)."""
+    def with_linear_params(self, params: Mapping[str, float], *, source: str,
+                           measured: bool = True) -> HardwareProfile:
+        """A copy with some linear parameters replaced (as produced by a fit: ``measured``
+        adds their names to ``measured``)."""
         known = self.linear_params()
         unknown = sorted(set(params) - set(known))
         if unknown:
@@ -226,11 +255,15 @@ class HardwareProfile:
             cpu_layer_us=p["cpu_layer"] * 1e6,
             gpu_layer_us=p["gpu_layer"] * 1e6,
             forward_us=p["forward"] * 1e6,
+            draft_pass_us=p["draft_pass"] * 1e6,
             step_us=p["step"] * 1e6,
             spec_step_us=p["spec_step"] * 1e6,
             cpu_batched_gflops=self.cpu_batched_gflops,
             gpu_batched_tflops=self.gpu_batched_tflops,
             source=source,
+            measured=tuple(self.measured) + (tuple(params) if measured else ()),
+            cpu_cache_bytes=self.cpu_cache_bytes,
+            cpu_cache_read_gbps=self.cpu_cache_read_gbps,
         )
 
     # -- serialisation (plan.yaml `speculative.profile.hardware`, or a user-written YAML) --
@@ -249,6 +282,10 @@ class HardwareProfile:
             "cpu_batched_gflops": self.cpu_batched_gflops,
             "gpu_batched_tflops": self.gpu_batched_tflops,
             "gpus": {dev: gpu.to_dict() for dev, gpu in self.gpus.items()},
+            **({"draft_pass_us": self.draft_pass_us} if self.draft_pass_us else {}),
+            **({"measured": list(self.measured)} if self.measured else {}),
+            **({"cpu_cache_bytes": self.cpu_cache_bytes, "cpu_cache_read_gbps": self.cpu_cache_read_gbps}
+               if self.cpu_cache_read_gbps is not None else {}),
         }
 
     @classmethod
@@ -266,6 +303,13 @@ class HardwareProfile:
             kw["cpu_compute_gbps"] = _number("hardware profile: cpu_compute_gbps", d["cpu_compute_gbps"])
         if "source" in d:
             kw["source"] = str(d["source"])
+        if d.get("cpu_cache_read_gbps") is not None:
+            kw["cpu_cache_read_gbps"] = _number("hardware profile: cpu_cache_read_gbps", d["cpu_cache_read_gbps"])
+            kw["cpu_cache_bytes"] = int(_number("hardware profile: cpu_cache_bytes", d.get("cpu_cache_bytes", 0)))
+        if d.get("measured") is not None:
+            if not isinstance(d["measured"], list) or not all(isinstance(m, str) for m in d["measured"]):
+                raise ProfileError("hardware profile: measured must be a list of parameter names")
+            kw["measured"] = tuple(d["measured"])
         gpus_in = d.get("gpus") or {}
         if not isinstance(gpus_in, Mapping):
             raise ProfileError("hardware profile: gpus must be a mapping of device -> settings")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from placement.cost import SpecProfile, SpecTable, predicted_decode_tps, speculation_table
+from placement.devices import CPU
 from placement.footprint import DecodeFootprint, footprint_from_tensors
 from placement.hardware import HardwareProfile
 from placement.plan import Plan, PlannedModel
@@ -67,6 +68,12 @@ def plan_profile(plan: Plan) -> SpecProfile:
     return default_profile(plan)
 
 
+def forecast_hardware(plan: Plan, hw: HardwareProfile) -> HardwareProfile:
+    """``hw`` as it applies to ``plan``: the in-cache read rate when the plan's CPU-resident
+    weights fit in the last-level cache (``HardwareProfile.for_cpu_weights``)."""
+    return hw.for_cpu_weights(sum(t.weights_bytes for t in plan.totals if t.name == CPU))
+
+
 def complete_hardware(hw: HardwareProfile, plan: Plan) -> HardwareProfile:
     """A user's profile that leaves out some of the plan's GPUs gets their name defaults."""
     defaults = default_profile(plan).hardware.gpus
@@ -84,7 +91,7 @@ def predict(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *,
     old = plan.speculative.entries() if plan.speculative is not None else {}
     if profile is None:
         profile = plan_profile(plan)
-    table = speculation_table(plan_footprint(plan, model, draft), profile.hardware,
+    table = speculation_table(plan_footprint(plan, model, draft), forecast_hardware(plan, profile.hardware),
                               acceptance=profile.acceptance, max_n=max_n, routing=profile.routing, hits=hits)
     section: dict[str, Any] = {"type": "mtp", "n_max": table.best.n, "p_min": profile.acceptance.p_min,
                                "source": "predicted"}
@@ -125,10 +132,11 @@ def hot_gain(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *, hit
     out = []
     for hot in ({}, plan.hot_experts):
         fp = plan_footprint(replace(plan, hot_experts=hot), model, draft)
-        tps = predicted_decode_tps(fp, profile.hardware, routing=profile.routing, hits=hits)
+        hw = forecast_hardware(plan, profile.hardware)
+        tps = predicted_decode_tps(fp, hw, routing=profile.routing, hits=hits)
         even = None
         if fp.draft is not None:
-            even = speculation_table(fp, profile.hardware, acceptance=profile.acceptance, max_n=max_n,
+            even = speculation_table(fp, hw, acceptance=profile.acceptance, max_n=max_n,
                                      routing=profile.routing, hits=hits).break_even_n
         out.append((tps, even))
     return HotGain(out[0][0], out[1][0], out[0][1], out[1][1])

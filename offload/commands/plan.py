@@ -22,6 +22,7 @@ import sys
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.gguf_model import ModelFile, check_shapes, open_model
 from offload.plans import open_draft, plan_from_file, read_plan_file
+from offload.probe import CACHE_ENV
 from placement.devices import resolve_devices
 from placement.draft import NoDraftHead, check_n_max
 from placement.llama_args import format_args, llama_cpp_args
@@ -30,12 +31,14 @@ from placement.plan_file import plan_to_yaml
 from placement.planner import (DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, DEFAULT_UBATCH, FIT_MODES, FLAG_NAMES,
                                PlanOptions, make_plan)
 from placement.report import format_plan
-from placement.cost import SpecProfile
+from placement.cost import SpecProfile, predicted_decode_tps
 from placement.footprint import FootprintError
 from placement.hardware import HardwareProfile
 from placement.hot_experts import describe
 from placement.routing import RoutingCounts
-from placement.speculative import DEFAULT_MAX_N, complete_hardware, hot_gain, plan_profile, predict
+from placement.speculative import (DEFAULT_MAX_N, complete_hardware, forecast_hardware, hot_gain, plan_footprint,
+                                   plan_profile, predict)
+from placement.uncertainty import forecast_interval, format_inputs
 
 # what a plan file fixes, so it cannot be combined with --placement
 PLAN_FILE_FIXES = FLAG_NAMES + ("devices",)
@@ -118,7 +121,16 @@ def build_parser() -> ArgumentParser:
                       help=f"largest draft length in the n_max table (default {DEFAULT_MAX_N})")
     spec.add_argument("--hw-profile", metavar="YAML",
                       help="hardware profile (cpu_read_gbps, gpus: {CUDA0: {name|read_gbps|link_gbps}}, "
-                           "fixed costs); default: by GPU name, or the plan file's measured profile")
+                           "fixed costs), e.g. written by `offload probe --write` on the box the plan is for; "
+                           "default: the probe on this box, or the plan file's measured profile")
+    probe = spec.add_mutually_exclusive_group()
+    probe.add_argument("--no-probe", action="store_true",
+                       help="forecast from the priors alone, as before the probe (no ranges)")
+    probe.add_argument("--probe", action="store_true",
+                       help="the plan is for this box although --devices is written out: calibrate the "
+                            "forecast with the probe (default only with --devices auto)")
+    spec.add_argument("--refresh-probe", action="store_true",
+                      help=f"run the probe again instead of reading its cache (${CACHE_ENV} relocates the cache)")
     fmt = out.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     fmt.add_argument("--emit", choices=["llama.cpp"], help="print llama.cpp flags for the same placement")
@@ -157,6 +169,40 @@ def format_op_offload(op: dict) -> str:
             f"prefill at ubatch {op['ubatch']}: {tps['cpu']:.1f} t/s on the CPU, {tps['streamed']:.1f} t/s streamed")
 
 
+def for_this_box(args: argparse.Namespace, plan: Plan) -> bool:
+    """Whether the forecast should be calibrated on this box: ``--probe``, or devices found
+    here (``--devices auto``) with no measured profile in the plan already."""
+    if args.no_probe or args.hw_profile:
+        return False
+    if args.probe:
+        return True
+    measured = plan.speculative is not None and plan.speculative.profile is not None
+    return not args.placement and (args.devices or "auto").strip().lower() == "auto" and not measured
+
+
+def forecast_profile(args: argparse.Namespace, plan: Plan) -> tuple[SpecProfile | None, str]:
+    """The profile the forecast uses in place of the plan's (None: the plan's own), and the
+    probe's line when it ran or was read from its cache: ``--hw-profile``, else the probe on
+    this box (``for_this_box``)."""
+    if args.hw_profile:
+        base = plan.speculative.profile if plan.speculative is not None else None
+        hw = complete_hardware(HardwareProfile.from_yaml(args.hw_profile), plan)
+        return (SpecProfile(hw) if base is None else dataclasses.replace(base, hardware=hw)), ""
+    if for_this_box(args, plan):
+        return probed_profile(plan, refresh=args.refresh_probe)
+    return None, ""
+
+
+def probed_profile(plan: Plan, *, refresh: bool) -> tuple[SpecProfile, str]:
+    """The plan's profile with this box's CPU terms from the probe (``offload.probe``); the
+    GPU terms stay the plan's (defaults by GPU name)."""
+    from offload import probe
+
+    result, how = probe.calibrate(refresh=refresh)
+    profile = dataclasses.replace(plan_profile(plan), hardware=complete_hardware(result.hardware, plan))
+    return profile, f"{how}: {result.describe()}"
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model = open_model(args.model) if args.model else None
@@ -164,20 +210,32 @@ def main(argv: list[str]) -> int:
     # a plan file's routing counts (``offload tune``) stay with it and feed its forecasts
     kept = read_plan_file(args.placement).routing if args.placement else None
     hits = RoutingCounts.from_file(args.routing) if args.routing else kept
-    table = gain = None
+    table = gain = interval = plain_hw = None
+    probe_note = ""
     if args.spec_type == "mtp" and plan.drafting == "none":
         raise NoDraftHead(plan.model_path, "--spec-type mtp")
     check_n_max(args.spec_max_n, "--spec-max-n")
     if args.spec_type == "none":
         plan = dataclasses.replace(plan, speculative=None)
     elif plan.drafting != "none":
-        profile = None
-        if args.hw_profile:
-            base = plan.speculative.profile if plan.speculative is not None else None
-            hw = complete_hardware(HardwareProfile.from_yaml(args.hw_profile), plan)
-            profile = SpecProfile(hw) if base is None else dataclasses.replace(base, hardware=hw)
+        profile, probe_note = forecast_profile(args, plan)
         table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n, hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
+        if not args.no_probe:
+            interval = forecast_interval(plan_footprint(plan, model, draft),
+                                         forecast_hardware(plan, plan_profile(plan).hardware), table,
+                                         routing=plan_profile(plan).routing, hits=hits)
+    if plan.drafting == "none" and not args.no_probe:
+        # no draft head: no n_max table, but the plain decode forecast and its range
+        profile, probe_note = forecast_profile(args, plan)
+        plain_hw = forecast_hardware(plan, (profile or plan_profile(plan)).hardware)
+        try:
+            interval = forecast_interval(plan_footprint(plan, model, draft), plain_hw, None, hits=hits)
+        except FootprintError as exc:      # a model the cost model cannot read (e.g. 2-D expert biases)
+            print(f"offload: note: no plain decode forecast: {exc}", file=sys.stderr)
+            plain_hw = None
+    if probe_note:
+        print(f"offload: {probe_note}", file=sys.stderr)
     if hits is not None and plan.hot_experts:
         try:
             gain = hot_gain(plan, model, draft, hits=hits, max_n=args.spec_max_n)
@@ -195,6 +253,11 @@ def main(argv: list[str]) -> int:
             extra["hot_experts_forecast"] = gain.to_dict()
         if op is not None:
             extra["op_offload"] = op
+        if interval is not None:
+            extra["forecast_interval"] = interval.to_dict()
+        if plain_hw is not None and interval is not None:
+            extra["predicted_plain_tps"] = round(
+                predicted_decode_tps(plan_footprint(plan, model, draft), plain_hw, hits=hits), 4)
         print(json.dumps({**plan.to_dict(), "llama_cpp_args": llama_cpp_args(plan, draft_arch), **extra}, indent=1))
     elif args.emit:
         if hot_note:
@@ -205,7 +268,15 @@ def main(argv: list[str]) -> int:
         if table is not None:
             print(f"\nspeculative decoding ({plan.drafting} draft head; predicted, "
                   f"profile: {plan_profile(plan).hardware.source}):")
-            print(table.format())
+            if interval is not None:
+                print(format_inputs(forecast_hardware(plan, plan_profile(plan).hardware), interval.spread,
+                                    plan_footprint(plan, model, draft)))
+            print(table.format(interval))
+        elif plain_hw is not None and interval is not None:
+            print(f"\nplain decoding (no draft head; predicted, profile: {plain_hw.source}):")
+            print(format_inputs(plain_hw, interval.spread, plan_footprint(plan, model, draft)))
+            tps = predicted_decode_tps(plan_footprint(plan, model, draft), plain_hw, hits=hits)
+            print(f"predicted plain decode: {tps:.2f} t/s [{interval.plain_tps[0]:.0f}-{interval.plain_tps[1]:.0f}]")
         if gain is not None:
             print(gain.format())
         if op is not None:

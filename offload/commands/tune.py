@@ -580,7 +580,7 @@ def format_report(r: TuneResult) -> str:
         + ", uniform " + " ".join(f"{u:.2f}" for u in r.routing_uniform),
         "op-offload rates (stored in the plan's profile for --op-offload auto): " + _rates_summary(r.prefill),
         "fitted profile: " + ", ".join(f"{k} {v:.4g}" for k, v in hw.items()
-                                       if k not in ("gpus", "source") and v is not None)
+                                       if isinstance(v, (int, float)))
         + f" (largest pass error {100 * r.fit.max_rel_error:.1f}%)",
         "",
         table.format(),

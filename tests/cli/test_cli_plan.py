@@ -138,6 +138,6 @@ def test_bad_inputs_one_line_status_2_no_output_file(tmp_path, fixture_paths):
 
 def test_unknown_command_and_bare_offload():
     r = offload("plna")
-    assert r.returncode == 2 and r.stderr == "offload: error: unknown command 'plna' (commands: plan, run, bench, tune, serve, profile)\n"
+    assert r.returncode == 2 and r.stderr == "offload: error: unknown command 'plna' (commands: plan, run, bench, tune, serve, probe, profile)\n"
     bare = offload()
     assert bare.returncode == 2 and "usage: offload COMMAND" in bare.stderr

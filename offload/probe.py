@@ -1,0 +1,277 @@
+"""The probe behind a calibrated ``offload plan``: this box's fixed costs in about 2 s.
+
+The plan's forecast needs the fixed cost per CPU block and per forward pass of the compiled
+path, the decode loop's own time per step, a draft-head pass, and the CPU's read rate. Those
+are what ``offload tune`` measures on a loaded model, so the probe runs tune's measurement
+(``offload.tune.time_passes``) and its fit (``placement.cost_fit.fit_profile``) on the shipped
+model, which loads in a moment on any box and runs the same compiled blocks, head, sampling
+and loop as a large model:
+
+- ``cpu_layer``: one decode token through the model's compiled block runs alone
+  (``time_blocks``, many samples), less the blocks' reads, per block;
+- ``forward``, ``draft_pass`` (what a NextN head pass costs beyond a target pass's fixed part:
+  its eager ops), ``cpu_compute`` and the read rate of a model that sits in the CPU's last-level
+  cache (the shipped one does): fitted, as tune fits them, to the pass medians T_verify(B) and
+  T_draft(B), B = 1..3 (first with ``cpu_layer`` free too, for the rate the reads are taken
+  off at);
+- ``step``, ``spec_step``: the real decode loop's time outside its passes
+  (``PassTimes.loop_overheads``), plain and drafting;
+- ``cpu_read``: the compiled Q8_0 mat-vec (``cpu_kernels.matmul``, the kernels' register-
+  blocked row walk) over a buffer far larger than any CPU cache: the rate of a model that
+  does not fit (``HardwareProfile.for_cpu_weights`` picks one of the two per plan).
+
+The result is cached per CPU model and offload version (``cache_path``; ``OFFLOAD_CACHE_DIR``
+relocates the folder): a later plan on the box reads it back, a corrupt file is measured again.
+Compile and load time are not part of the ~2 s (Numba caches its kernels).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from placement.hardware import HardwareProfile, ProfileError
+
+SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
+CACHE_ENV = "OFFLOAD_CACHE_DIR"
+PROBE_SECONDS = 2.0
+READ_MIB = 256               # larger than the last-level cache of any CPU this is for
+MAX_BATCH = 3                # T_verify(B), T_draft(B) for B = 1..3: enough to separate the terms
+CALIB_TOKENS = 24
+FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")     # as offload tune fits them
+MEASURED = ("cpu_read", "cpu_layer", "cpu_compute", "forward", "draft_pass", "step", "spec_step")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def last_level_cache_bytes() -> int:
+    """Size of CPU 0's largest cache level (Linux sysfs); 0 when unknown."""
+    best = (0, 0)
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        m = re.fullmatch(r"(\d+)([KMG]?)", size)
+        if m:
+            best = max(best, (level, int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]))
+    return best[1]
+
+
+def offload_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("offload")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "offload"
+
+
+def cache_path(cpu: str, version: str, threads: int | None = None) -> Path:
+    """The cache file of a CPU model and offload version (and a thread count other than the
+    kernels' default, which ``offload plan`` and ``offload run`` use)."""
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", cpu).strip("-")[:80] or "cpu"
+    return cache_dir() / f"probe-{slug}-{version}{'' if threads is None else f'-t{threads}'}.yaml"
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe measured on one box: the CPU part of a ``HardwareProfile`` and how."""
+
+    cpu: str
+    version: str
+    threads: int
+    hardware: HardwareProfile              # CPU terms measured (``hardware.measured``), no GPUs
+    seconds: float                         # timed part
+    date: str
+    verify_ms: dict[int, float] = field(default_factory=dict)
+    draft_ms: dict[int, float] = field(default_factory=dict)
+    fit_error: float = 0.0                 # largest relative error of the fitted passes
+
+    def to_dict(self) -> dict:
+        return {"cpu": self.cpu, "offload_version": self.version, "threads": self.threads,
+                "date": self.date, "seconds": round(self.seconds, 3),
+                "verify_ms": {b: round(t, 4) for b, t in self.verify_ms.items()},
+                "draft_ms": {b: round(t, 4) for b, t in self.draft_ms.items()},
+                "fit_error": round(self.fit_error, 4), "hardware": self.hardware.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: object) -> ProbeResult:
+        if not isinstance(d, dict):
+            raise ProfileError("probe result: expected a mapping")
+        try:
+            return cls(str(d["cpu"]), str(d["offload_version"]), int(d["threads"]),
+                       HardwareProfile.from_dict(d["hardware"]), float(d["seconds"]), str(d["date"]),
+                       {int(b): float(t) for b, t in d.get("verify_ms", {}).items()},
+                       {int(b): float(t) for b, t in d.get("draft_ms", {}).items()},
+                       float(d.get("fit_error", 0.0)))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ProfileError(f"probe result: {e!r}") from None
+
+    def describe(self) -> str:
+        hw = self.hardware
+        return (f"cpu_read {hw.cpu_read_gbps:.1f} GB/s ({hw.cpu_cache_read_gbps or 0:.1f} GB/s within "
+                f"{hw.cpu_cache_bytes >> 20} MiB of cache), cpu_layer {hw.cpu_layer_us:.0f} us, "
+                f"forward {hw.forward_us:.0f} us, draft pass +{hw.draft_pass_us:.0f} us, step {hw.step_us:.0f} us, spec_step {hw.spec_step_us:.0f} us"
+                f" (T_verify(B) " + " ".join(f"{t:.3f}" for t in self.verify_ms.values())
+                + " ms, T_draft(B) " + " ".join(f"{t:.3f}" for t in self.draft_ms.values())
+                + f" ms, fit within {100 * self.fit_error:.0f}%)")
+
+
+def read_cached(path: Path, cpu: str, version: str) -> ProbeResult | None:
+    """The cached result for this CPU and version; None when missing, unreadable, corrupt or
+    written for another CPU or version (the caller measures again)."""
+    try:
+        result = ProbeResult.from_dict(yaml.safe_load(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ProfileError):
+        return None
+    return result if (result.cpu, result.version) == (cpu, version) else None
+
+
+def write_cache(path: Path, result: ProbeResult) -> str | None:
+    """Write ``result``; a one-line reason when the folder cannot be written (not fatal)."""
+    from offload.errors import write_atomic
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(str(path), yaml.safe_dump(result.to_dict(), sort_keys=False))
+    except OSError as e:
+        return f"cannot cache the probe in {path.parent}: {e.strerror}"
+    return None
+
+
+def read_gbps(mib: int = READ_MIB, repeat: int = 5) -> float:
+    """Bytes per second the compiled Q8_0 mat-vec streams from memory (median of ``repeat``)."""
+    from gguf import GGMLQuantizationType
+
+    from cpu_kernels import matmul
+
+    cols = 4096
+    row_bytes = cols // 32 * 34                  # block_q8_0: f16 scale + 32 int8
+    rows = max(mib * (1 << 20) // row_bytes, 4)
+    w = np.full((rows, row_bytes), 1, dtype=np.uint8)   # written, so every page is real memory
+    x = np.ones((1, cols), dtype=np.float32)
+    matmul(x, w, GGMLQuantizationType.Q8_0)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        matmul(x, w, GGMLQuantizationType.Q8_0)
+        times.append(time.perf_counter() - t0)
+    return w.nbytes / statistics.median(times) / 1e9
+
+
+def time_blocks(session, ids: list[int], *, seconds: float, min_rounds: int = 20) -> float:
+    """Median seconds of one decode token through the model's blocks alone (its compiled
+    block runs, ``CausalLM.block_runs``; no embedding, head or loop), at the context position
+    after ``ids``; the caches rolled back after each. A direct, many-sample measurement of
+    what a block costs, where the fit can only tell blocks from passes by the difference of
+    a target and a draft pass."""
+    import torch
+
+    model = session.model
+    with torch.inference_mode():
+        state = model.new_state()
+        model.forward(torch.as_tensor(ids[:-1]), state, logits="none")
+        start = len(ids) - 1
+        x0, positions = model.embed(torch.as_tensor(ids[-1:])), state.positions(1)
+        runs = model.block_runs()
+        times: list[float] = []
+        t_end = time.perf_counter() + seconds
+        while len(times) < min_rounds or time.perf_counter() < t_end:
+            x = x0
+            t0 = time.perf_counter()
+            for step, lo, hi in runs:
+                x = step(x, positions, state.caches[lo:hi])
+            times.append(time.perf_counter() - t0)
+            state.truncate(start)
+    return statistics.median(times)
+
+
+def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_path: str | Path = SHIPPED_MODEL,
+            threads: int | None = None) -> ProbeResult:
+    """Run the probe (load the shipped model, time its passes and loop, fit, read rate)."""
+    import torch
+
+    from cpu_kernels.settings import max_threads
+    from offload import runtime
+    from offload import tune
+    from offload.bench_tasks import TASKS
+    from offload.errors import OffloadError
+    from offload.gguf_model import open_model
+    from placement.cost_fit import fit_profile
+    from placement.devices import parse_devices
+    from placement.planner import PlanOptions, make_plan
+    from placement.speculative import plan_footprint
+
+    if not Path(model_path).is_file():
+        raise OffloadError(f"probe: the shipped model is missing ({model_path}); plan with --no-probe "
+                           "or --hw-profile")
+    model = open_model(str(model_path))
+    plan = make_plan(model, parse_devices("CPU=4GiB"), PlanOptions())
+    with torch.inference_mode(), runtime.load_plan(model, plan, quiet=True, threads=threads) as session:
+        session.warmup()
+        t0 = time.perf_counter()
+        gbps = read_gbps(read_mib)
+        calib = tune.decode(session, session.tokenize(TASKS["code"]), n_tokens=CALIB_TOKENS)
+        left = max(seconds - (time.perf_counter() - t0), 0.3)
+        passes = tune.time_passes(session, calib, max_batch=MAX_BATCH, seconds=left * 0.75, min_rounds=2,
+                                  loop_tokens=2 * MAX_BATCH + 1)
+        blocks_s = time_blocks(session, calib.prompt + calib.tokens, seconds=left * 0.25)
+        timed = time.perf_counter() - t0
+    verify_s, draft_s = passes.verify_s(), passes.draft_s()
+    fp = plan_footprint(plan, model, None)
+    fit = fit_profile(fp, HardwareProfile(cpu_read_gbps=gbps), verify_s=verify_s, draft_s=draft_s, free=FIT_FREE)
+    # the blocks' own time less their reads (at the fitted rate) is the per-block cost; the
+    # passes are fitted again with it fixed, which frees the draft head's own per-pass cost
+    params = fit.profile.linear_params()
+    block_bytes = sum(n for lay in fp.target.layers for _, n in lay.reads) + sum(
+        s.bytes_per_expert * lay.n_expert_used * s.n_experts / lay.n_expert
+        for lay in fp.target.layers for s in lay.experts)
+    layer_s = max(blocks_s - block_bytes * params["cpu_read"], 0.0) / len(fp.target.layers)
+    fit = fit_profile(fp, fit.profile.with_linear_params({"cpu_layer": layer_s}, source=""),
+                      verify_s=verify_s, draft_s=draft_s,
+                      free=[p for p in FIT_FREE if p != "cpu_layer"] + ["draft_pass"])
+    step_s, spec_step_s = passes.loop_overheads()
+    cpu, n_threads = cpu_name(), threads or max_threads()
+    hw = fit.profile.with_linear_params({"step": step_s, "spec_step": spec_step_s}, source="")
+    hw = replace(hw, cpu_read_gbps=gbps, cpu_cache_read_gbps=fit.profile.cpu_read_gbps,
+                 cpu_cache_bytes=last_level_cache_bytes(), measured=MEASURED,
+                 source=f"offload probe: {cpu}, {n_threads} threads, {time.strftime('%Y-%m-%d')}")
+    return ProbeResult(cpu, offload_version(), n_threads, hw, timed, time.strftime("%Y-%m-%d %H:%M"),
+                       {b: t * 1e3 for b, t in verify_s.items()}, {b: t * 1e3 for b, t in draft_s.items()},
+                       fit.max_rel_error)
+
+
+def calibrate(*, refresh: bool = False, **probe) -> tuple[ProbeResult, str]:
+    """This box's probe result, from the cache or measured now (and cached), and a line that
+    says which."""
+    cpu, version = cpu_name(), offload_version()
+    path = cache_path(cpu, version, probe.get("threads"))
+    cached = None if refresh else read_cached(path, cpu, version)
+    if cached is not None:
+        return cached, f"probe cached {cached.date} in {path}"
+    result = measure(**probe)
+    why = write_cache(path, result)
+    return result, f"probe ran {result.seconds:.1f}s" + (f" ({why})" if why else f", cached in {path}")

@@ -1,0 +1,152 @@
+"""`offload probe` and the calibrated forecast of `offload plan` (issue 32): the probe's terms
+reach the forecast, its cache is keyed by CPU and offload version, a corrupt cache is measured
+again, `--no-probe` prints what `offload plan` printed before, a written profile carries the
+terms to a plan for another box. Plumbing only: no timing is asserted (speed lives in
+bench/forecast.py). In-process, on the shipped model the suite already compiles."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+
+from offload.cli import main as cli_main
+from offload.commands.run import DEFAULT_MODEL
+from offload.probe import CACHE_ENV, MEASURED, ProbeResult, cache_path, cpu_name, offload_version, read_cached
+from placement.hardware import HardwareProfile
+
+MODEL = str(DEFAULT_MODEL)
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli_main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    """One real probe (short), its cache folder and the profile it wrote."""
+    folder = tmp_path_factory.mktemp("probe")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(folder / "cache"))
+        profile = folder / "box.yaml"
+        assert cli_main(["probe", "--seconds", "0.3", "--write", str(profile)]) == 0
+        yield folder / "cache", profile
+
+
+@pytest.fixture
+def cache(probed, monkeypatch):
+    folder, _ = probed
+    monkeypatch.setenv(CACHE_ENV, str(folder))
+    path = cache_path(cpu_name(), offload_version())
+    saved = path.read_text()
+    yield path
+    path.write_text(saved)
+
+
+def test_probe_caches_per_cpu_and_version_and_writes_a_profile(probed):
+    folder, profile = probed
+    path = cache_path(cpu_name(), offload_version())
+    assert path.parent == folder and path.is_file()
+    result = read_cached(path, cpu_name(), offload_version())
+    assert result is not None and set(result.hardware.measured) == set(MEASURED)
+    assert sorted(result.verify_ms) == [1, 2, 3] and sorted(result.draft_ms) == [1, 2, 3]
+    # another CPU or another version does not read this file
+    assert read_cached(path, "another CPU", offload_version()) is None
+    assert read_cached(path, cpu_name(), "0.0.0-other") is None
+    assert cache_path("another CPU", offload_version()) != path != cache_path(cpu_name(), "0.0.0-other")
+    assert cache_path(cpu_name(), offload_version(), threads=1) != path      # `offload probe -t 1`
+    # the written profile is the measured hardware, as --hw-profile reads it
+    assert HardwareProfile.from_yaml(profile) == result.hardware
+
+
+def test_plan_here_uses_the_cached_terms(cache, capsys):
+    d = yaml.safe_load(cache.read_text())
+    d["hardware"]["forward_us"] = 5000.0
+    cache.write_text(yaml.safe_dump(d))
+    code, out, err = _cli(capsys, "plan", MODEL)
+    assert code == 0 and "probe cached" in err
+    assert "measured on this box: " in out and "forward 5000 us" in out and "uncalibrated" not in out
+    assert re.search(r"predicted plain decode: [\d.]+ t/s \[\d+-\d+\]", out)
+    code, out, _ = _cli(capsys, "plan", MODEL, "--json")
+    doc = json.loads(out)
+    hw = doc["speculative"]["profile"]["hardware"]
+    assert hw["forward_us"] == 5000.0 and set(hw["measured"]) == set(MEASURED)
+    assert doc["forecast_interval"]["measured"] and len(doc["forecast_interval"]["speedup"]) == 7
+    # T(0) carries the 5 ms per pass: plain decode below 200 t/s
+    assert doc["speculative"]["predicted_plain_tps"] < 200
+
+
+def test_corrupt_cache_is_measured_again(cache, capsys):
+    cache.write_text("hardware: [not, a, profile\n")
+    code, out, err = _cli(capsys, "plan", MODEL, "--spec-max-n", "2")
+    assert code == 0 and "probe ran" in err and "measured on this box: " in out
+    assert isinstance(read_cached(cache, cpu_name(), offload_version()), ProbeResult)
+
+
+def test_no_probe_prints_the_plan_as_before_and_priors_say_uncalibrated(cache, capsys):
+    from offload.gguf_model import open_model
+    from placement.devices import parse_devices
+    from placement.planner import PlanOptions, make_plan
+    from placement.speculative import predict
+
+    spec = ("--devices", "CPU=16GiB")
+    code, before, err = _cli(capsys, "plan", MODEL, "--no-probe")
+    assert code == 0 and "probe" not in err
+    for new in ("measured on this box", "uncalibrated", "range", "offload tune", "t/s ["):
+        assert new not in before
+    model = open_model(MODEL)
+    table, _ = predict(make_plan(model, parse_devices(spec[1]), PlanOptions()), model, None)
+    code, fixed, _ = _cli(capsys, "plan", MODEL, *spec, "--no-probe")
+    assert table.format() in fixed and "profile: defaults" in fixed
+    code, now, err = _cli(capsys, "plan", MODEL, *spec)          # another box: no probe, priors
+    assert code == 0 and "probe" not in err
+    assert "uncalibrated: every cost term is a prior" in now and "priors: " in now
+    # the same plan and table, with the inputs' lines, the ranges and the advice added
+    new = [line for line in now.splitlines() if not line.startswith(("uncalibrated:", "priors:", "acceptance: ",
+                                                                     "the speedup's interval"))]
+    new = [re.sub(r" \[\d+-\d+\]| +range$| +[\d.]+-[\d.]+x$", "", line) for line in new]
+    new = [re.sub(r"^break-even n_max: \d+-\d+ ", f"break-even n_max: {table.break_even_n} ", line) for line in new]
+    assert new == fixed.splitlines()
+
+
+def test_a_profile_from_another_box_calibrates_its_plan(probed, capsys):
+    _, profile = probed
+    code, out, err = _cli(capsys, "plan", MODEL, "--devices", "CPU=16GiB", "--hw-profile", str(profile))
+    assert code == 0 and "probe" not in err
+    hw = HardwareProfile.from_yaml(profile)
+    assert "measured on this box: " in out and f"forward {hw.forward_us:.0f} us" in out
+
+
+@pytest.mark.parametrize("text,match", [
+    (None, "No such file"),
+    ("measured: [bogus]\n", "measured: unknown parameter"),
+    ("cpu_read_gbps: [1\n", "malformed YAML"),
+])
+def test_bad_profiles_are_one_line_errors(tmp_path, capsys, text, match):
+    path = tmp_path / "box.yaml"
+    if text is not None:
+        path.write_text(text)
+    code, out, err = _cli(capsys, "plan", MODEL, "--devices", "CPU=16GiB", "--hw-profile", str(path))
+    assert code == 2 and err.count("\n") == 1 and match in err and "Traceback" not in err
+
+
+def test_a_model_without_draft_head_gets_a_plain_forecast(fixture_paths, probed, capsys):
+    """No n_max table, but the plain decode forecast with its range: uncalibrated for a written
+    device spec, calibrated by a profile; --no-probe prints the plan as before (no forecast)."""
+    _, profile = probed
+    qwen = fixture_paths["qwen3-30b-a3b"]
+    box = ("--devices", "CUDA0=24GiB,CPU=128GiB", "-c", "4096")
+    code, out, err = _cli(capsys, "plan", qwen, *box)
+    assert code == 0 and "probe" not in err
+    assert "plain decoding (no draft head; predicted, profile: defaults):" in out and "uncalibrated" in out
+    assert re.search(r"^predicted plain decode: [\d.]+ t/s \[\d+-\d+\]$", out, re.M)
+    assert "acceptance" not in out and "draft pass" not in out
+    code, out, _ = _cli(capsys, "plan", qwen, *box, "--hw-profile", str(profile), "--json")
+    doc = json.loads(out)
+    lo, hi = doc["forecast_interval"]["plain_tps"]
+    assert lo <= doc["predicted_plain_tps"] <= hi and doc["forecast_interval"]["measured"]
+    code, out, _ = _cli(capsys, "plan", qwen, *box, "--no-probe")
+    assert "predicted plain decode" not in out and "uncalibrated" not in out
