@@ -24,10 +24,11 @@ from pathlib import Path
 from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.host_memory import return_freed_memory
+from offload.probe import SHIPPED_MODEL
 from placement.draft import NoDraftHead, check_n_max, check_p_min
 from placement.spec_section import SpecSection
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
+DEFAULT_MODEL = SHIPPED_MODEL      # models/tiny-glm4moe-mtp.gguf, also what offload probe times
 DEFAULT_PROMPT = "def fibonacci(n):"
 
 
