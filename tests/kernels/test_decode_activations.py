@@ -48,7 +48,9 @@ SPECS = {"Q4_K": TinySpec(expert_type=Q.Q4_K, seed=21),
          "Q5_K": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.Q5_K, seed=6)}
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
+# Q4_K (glm4moe) and MXFP4 (qwen3moe) by default; Q5_K, a third type of the same int8 decode
+# path (its int8 row routines: tests/kernels/test_cpu_kernels.py::test_int8_matmul), is the full tier
+@pytest.fixture(scope="module", params=["Q4_K", "MXFP4", pytest.param("Q5_K", marks=pytest.mark.full)])
 def model(request, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("m") / f"{request.param}.gguf", SPECS[request.param])
 

@@ -24,6 +24,7 @@ from gguf.quants import dequantize
 import offload.runtime as rt
 from cpu_kernels import supported_types
 from gpu.norm import RMSNorm
+from offload.compiled_block import CompiledBlock
 from offload.compiled_head import CompiledHead
 from offload.cpu_ops import RawEmbedding, RawLinear
 from offload.sampling import Sampler
@@ -171,6 +172,7 @@ def test_tiny_models_match_reference(case, tmp_path):
     own bound in tests/kernels/test_decode_activations.py (int8 against float, per type)."""
     tiny = write_tiny_model(tmp_path / f"{case}.gguf", TINY[case])
     with rt.load(tiny.path, cache_type="f32", quiet=True, decode_activations="float", int8_prefill=False) as s:
+        assert all(isinstance(b, CompiledBlock) for b in s.model.blocks)     # the whole pass compiled
         fast, ref = both(s.model, lambda m: batches_after_prefill(m, PROMPT[:8], range(1, 9))
                          + prefill_logits(m, PROMPT))
     for i, (a, b) in enumerate(zip(fast, ref)):
