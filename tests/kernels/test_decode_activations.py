@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from numba import types as nb_types
 
 import offload.runtime as rt
 from cpu_kernels import block as kb
@@ -65,8 +66,13 @@ def _moe_modes(s) -> list[tuple[bool, bool]]:
 
 
 def _int8_specialisations() -> int:
-    """moe_half specialisations compiled or loaded with int8 scratch (a tuple, not None)."""
-    return sum(1 for sig in kb.moe_half.signatures if "none" not in str(sig[19]).lower())
+    """moe_half and blocks_run specialisations compiled or loaded with int8 scratch (a tuple, not
+    None). Both: a run of blocks links moe_half into blocks_run's code, so when that comes from
+    Numba's cache only blocks_run lists the signature."""
+    qx = 19                                              # moe_half's qx; in a run's MoE tuples, qx - 2
+    halves = [sig[qx] for sig in kb.moe_half.signatures]
+    runs = [sig[9].item_type[qx - 2] for sig in kb.blocks_run.signatures if isinstance(sig[9], nb_types.ListType)]
+    return sum(1 for t in halves + runs if not isinstance(t, nb_types.NoneType))
 
 
 def _steps(m):

@@ -60,7 +60,11 @@ def reference_head(norm, lin, x, logits):
     return (None if logits == "none" else lin(h if logits == "all" else h[-1:])), h
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+# F16 and Q6_K (the usual head types) by default; F32, Q8_0, Q4_0, Q4_K (the same row routines as
+# matmul's, checked per type in tests/kernels/test_cpu_kernels.py) are the full tier
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q6_K, *(pytest.param(t, marks=pytest.mark.full)
+                                                   for t in (Q.F32, Q.Q8_0, Q.Q4_0, Q.Q4_K))],
+                         ids=lambda q: q.name)
 def test_output_head_matches_norm_then_lm_head(qtype):
     rng = np.random.default_rng(50 + int(qtype))
     n_embd, n_vocab = 256, 301                     # a vocabulary that is not a multiple of 4 rows

@@ -99,11 +99,10 @@ def test_generate_is_reproducible_and_sampling_is_seeded(tiny):
     assert t1 == t2
 
 
-# Q3_K (the K-quant with the most bit fields) and MXFP4 (a value table, e8m0 scales) by
-# default; the other types are the full tier (each decoder is checked against gguf-py on its
-# own: tests/kernels/test_cpu_kernels.py, tests/kernels/test_gpu_quant.py)
-@pytest.mark.parametrize("qtype", ["Q3_K", "MXFP4", *(pytest.param(t, marks=pytest.mark.full)
-                                                     for t in ("Q2_K", "Q5_0", "IQ4_NL", "IQ4_XS", "BF16"))])
+# MXFP4 (a value table, e8m0 scales) by default; the other types are the full tier (each decoder
+# is checked against gguf-py on its own: tests/kernels/test_cpu_kernels.py, test_gpu_quant.py)
+@pytest.mark.parametrize("qtype", ["MXFP4", *(pytest.param(t, marks=pytest.mark.full)
+                                             for t in ("Q3_K", "Q2_K", "Q5_0", "IQ4_NL", "IQ4_XS", "BF16"))])
 def test_expert_quant_types_agree_between_cpu_and_gpu(qtype, tmp_path):
     """The same experts through the CPU kernels (raw blocks) and through torch on a virtual
     GPU (raw blocks dequantized per call by gpu.quant): two independent decoders of each
