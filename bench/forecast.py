@@ -29,8 +29,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from offload.probe import SHIPPED_MODEL
+
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "models" / "tiny-glm4moe-mtp.gguf"
 _EVAL = re.compile(r"eval time\s*=.*?([\d.]+) tokens per second")
 
 
@@ -65,7 +66,7 @@ def probe_seconds(cache: Path) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", nargs="?", default=str(SHIPPED))
+    ap.add_argument("model", nargs="?", default=str(SHIPPED_MODEL))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-n", type=int, default=480, help="tokens per offload run (default 480)")
     ap.add_argument("--tune-budget", default="60", help="offload tune --budget (default 60)")

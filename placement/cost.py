@@ -292,14 +292,26 @@ def step_time(n: int, *, draft_s: float | Sequence[float], verify_s: Sequence[fl
     if n == 0:
         return verify_s[0] + step_s
     per_b = [float(draft_s)] if isinstance(draft_s, (int, float)) else [float(x) for x in draft_s]
-    one = per_b[0]
-    first = sum(p * per_b[min(m, len(per_b) - 1)] for m, p in enumerate(acceptance.accepted_distribution(n)))
-    total = step_s + spec_step_s
+    w_draft, w_verify = step_weights(n, acceptance, len(per_b))
+    return (step_s + spec_step_s + sum(w * t for w, t in zip(w_draft, per_b))
+            + sum(w * verify_s[b] for b, w in enumerate(w_verify)))
+
+
+def step_weights(n: int, acceptance: AcceptanceProfile, draft_sizes: int) -> tuple[list[float], list[float]]:
+    """The expectation ``step_time`` takes for n >= 1, as weights: T(n) - loop terms =
+    sum_b w_draft[b]·T_draft(b+1) + sum_b w_verify[b]·T_verify(b+1), with the draft passes over
+    more than ``draft_sizes`` tokens costed as the largest given (one size: every pass alike).
+    Linear in the pass times, so ``placement.uncertainty`` takes the same weights over their
+    cost-term coefficients."""
+    accepted = acceptance.accepted_distribution(n)
+    w_draft, w_verify = [0.0] * draft_sizes, [0.0] * (n + 1)
     for d, p in enumerate(acceptance.drafted_distribution(n)):
         if p > 0:
-            passes = min(d + 1, n)
-            total += p * (first + (passes - 1) * one + verify_s[d])
-    return total
+            for m, q in enumerate(accepted):       # the first pass: the previous step's tokens
+                w_draft[min(m, draft_sizes - 1)] += p * q
+            w_draft[0] += p * (min(d + 1, n) - 1)  # the chained passes, one token each
+            w_verify[d] += p
+    return w_draft, w_verify
 
 
 def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,

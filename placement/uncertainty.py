@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from placement.acceptance import DEFAULT_MTP, AcceptanceProfile
-from placement.cost import SpecTable, forward_features, predicted_decode_tps
+from placement.cost import SpecTable, forward_features, predicted_decode_tps, step_weights
 from placement.footprint import DecodeFootprint
 from placement.hardware import HardwareProfile
 from placement.routing import RoutingCounts, RoutingProfile
@@ -84,8 +84,9 @@ def _shifted(acceptance: AcceptanceProfile, delta: float) -> AcceptanceProfile:
 def step_coefficients(fp: DecodeFootprint, n: int, acceptance: AcceptanceProfile, *,
                       routing: RoutingProfile | None = None,
                       hits: RoutingCounts | None = None) -> tuple[dict[str, float], dict[str, float]]:
-    """T(n) as (verify and loop part, draft part): coefficients over ``linear_params``, the
-    expectation ``placement.cost.step_time`` takes, term by term."""
+    """T(n) as (verify and loop part, draft part): coefficients over ``linear_params``, with
+    ``placement.cost.step_weights`` (the expectation ``step_time`` takes) over each pass's
+    ``forward_features``."""
     kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing, hits=hits)
     verify: dict[str, float] = defaultdict(float, {"step": 1.0})
     draft: dict[str, float] = defaultdict(float)
@@ -98,15 +99,13 @@ def step_coefficients(fp: DecodeFootprint, n: int, acceptance: AcceptanceProfile
         add(verify, forward_features(fp.target, 1, **kw), 1.0)
         return dict(verify), {}
     verify["spec_step"] += 1.0
-    d_feats = [forward_features(fp.draft, b, **kw) for b in range(1, n + 2)]
-    first: dict[str, float] = defaultdict(float)
-    for m, p in enumerate(acceptance.accepted_distribution(n)):
-        add(first, d_feats[min(m, len(d_feats) - 1)], p)
-    for d, p in enumerate(acceptance.drafted_distribution(n)):
-        if p > 0:
-            add(draft, first, p)
-            add(draft, d_feats[0], p * (min(d + 1, n) - 1))
-            add(verify, forward_features(fp.target, d + 1, **kw), p)
+    w_draft, w_verify = step_weights(n, acceptance, n + 1)
+    for b, w in enumerate(w_draft):
+        if w:
+            add(draft, forward_features(fp.draft, b + 1, **kw), w)
+    for b, w in enumerate(w_verify):
+        if w:
+            add(verify, forward_features(fp.target, b + 1, **kw), w)
     return dict(verify), dict(draft)
 
 

@@ -210,7 +210,7 @@ def main(argv: list[str]) -> int:
     # a plan file's routing counts (``offload tune``) stay with it and feed its forecasts
     kept = read_plan_file(args.placement).routing if args.placement else None
     hits = RoutingCounts.from_file(args.routing) if args.routing else kept
-    table = gain = interval = plain_hw = None
+    table = gain = interval = plain_hw = plain_tps = fp = None
     probe_note = ""
     if args.spec_type == "mtp" and plan.drafting == "none":
         raise NoDraftHead(plan.model_path, "--spec-type mtp")
@@ -222,15 +222,17 @@ def main(argv: list[str]) -> int:
         table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n, hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
         if not args.no_probe:
-            interval = forecast_interval(plan_footprint(plan, model, draft),
-                                         forecast_hardware(plan, plan_profile(plan).hardware), table,
-                                         routing=plan_profile(plan).routing, hits=hits)
+            fp, used = plan_footprint(plan, model, draft), plan_profile(plan)
+            interval = forecast_interval(fp, forecast_hardware(plan, used.hardware), table,
+                                         routing=used.routing, hits=hits)
     if plan.drafting == "none" and not args.no_probe:
         # no draft head: no n_max table, but the plain decode forecast and its range
         profile, probe_note = forecast_profile(args, plan)
         plain_hw = forecast_hardware(plan, (profile or plan_profile(plan)).hardware)
         try:
-            interval = forecast_interval(plan_footprint(plan, model, draft), plain_hw, None, hits=hits)
+            fp = plan_footprint(plan, model, draft)
+            interval = forecast_interval(fp, plain_hw, None, hits=hits)
+            plain_tps = predicted_decode_tps(fp, plain_hw, hits=hits)
         except FootprintError as exc:      # a model the cost model cannot read (e.g. 2-D expert biases)
             print(f"offload: note: no plain decode forecast: {exc}", file=sys.stderr)
             plain_hw = None
@@ -255,9 +257,8 @@ def main(argv: list[str]) -> int:
             extra["op_offload"] = op
         if interval is not None:
             extra["forecast_interval"] = interval.to_dict()
-        if plain_hw is not None and interval is not None:
-            extra["predicted_plain_tps"] = round(
-                predicted_decode_tps(plan_footprint(plan, model, draft), plain_hw, hits=hits), 4)
+        if plain_tps is not None:
+            extra["predicted_plain_tps"] = round(plain_tps, 4)
         print(json.dumps({**plan.to_dict(), "llama_cpp_args": llama_cpp_args(plan, draft_arch), **extra}, indent=1))
     elif args.emit:
         if hot_note:
@@ -269,14 +270,12 @@ def main(argv: list[str]) -> int:
             print(f"\nspeculative decoding ({plan.drafting} draft head; predicted, "
                   f"profile: {plan_profile(plan).hardware.source}):")
             if interval is not None:
-                print(format_inputs(forecast_hardware(plan, plan_profile(plan).hardware), interval.spread,
-                                    plan_footprint(plan, model, draft)))
+                print(format_inputs(forecast_hardware(plan, plan_profile(plan).hardware), interval.spread, fp))
             print(table.format(interval))
-        elif plain_hw is not None and interval is not None:
+        elif plain_tps is not None:
             print(f"\nplain decoding (no draft head; predicted, profile: {plain_hw.source}):")
-            print(format_inputs(plain_hw, interval.spread, plan_footprint(plan, model, draft)))
-            tps = predicted_decode_tps(plan_footprint(plan, model, draft), plain_hw, hits=hits)
-            print(f"predicted plain decode: {tps:.2f} t/s [{interval.plain_tps[0]:.0f}-{interval.plain_tps[1]:.0f}]")
+            print(format_inputs(plain_hw, interval.spread, fp))
+            print(f"predicted plain decode: {plain_tps:.2f} t/s [{interval.plain_tps[0]:.0f}-{interval.plain_tps[1]:.0f}]")
         if gain is not None:
             print(gain.format())
         if op is not None:
