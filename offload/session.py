@@ -17,10 +17,10 @@ from offload.errors import OffloadError
 from offload.models.shared.base import CausalLM
 from offload.profile import Profile
 from offload.sampling import Sampler
-from offload.speculative import SpecOptions, generate_step
+from offload.speculative import SpecOptions, drafter_uses_hidden, generate_step
 from offload.stats import RunStats, peak_rss_bytes
 from offload.weights import WeightStore
-from placement.draft import NoDraftHead
+from placement.draft import NGRAM_SIZE, NoDraftHead
 from placement.plan import Plan
 
 
@@ -109,13 +109,14 @@ class Session:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, ubatch: int | None = None,
                  stop_at_eos: bool = True, n_max: int = 0, p_min: float = 0.0, verify: str = "batched",
-                 head=None, cache_prompt: bool = False, guide=None, on_token=None,
-                 on_prompt_logits=None) -> Iterator[int]:
+                 spec_type: str = "mtp", ngram_size: int = NGRAM_SIZE, head=None, cache_prompt: bool = False,
+                 guide=None, on_token=None, on_prompt_logits=None) -> Iterator[int]:
         """Yield generated token ids for a fresh sequence. The prompt is processed in
         batches of ``ubatch`` tokens (default: the plan's), then one step at a time: plain
-        decoding with ``n_max = 0``, else speculative decoding with the draft head (``head``,
-        default the model's NextN / ``--draft`` head) drafting up to ``n_max`` tokens per step
-        (see ``offload.speculative``). ``self.stats`` (RunStats) is filled as it goes.
+        decoding with ``n_max = 0``, else speculative decoding with the drafter ``spec_type``
+        names (``mtp``: the draft head ``head``, default the model's NextN / ``--draft`` head;
+        ``ngram``: self-drafting from the context, ``ngram_size`` its longest lookup; ``dspark``:
+        the DSpark drafter) drafting up to ``n_max`` tokens per step (see ``offload.speculative``). ``self.stats`` (RunStats) is filled as it goes.
         ``cache_prompt``: keep the KV of the longest prefix shared with the previous
         ``cache_prompt`` sequence (``self.prompt_cache``) and evaluate only the rest.
         ``guide``, ``on_token``, ``on_prompt_logits``: as ``offload.speculative.generate_step``
@@ -130,10 +131,12 @@ class Session:
         if len(ids) + max_tokens > ctx:
             raise OffloadError(f"{len(ids)} prompt tokens + {max_tokens} to generate exceed the "
                                f"context of {ctx} (raise --ctx)")
-        options = SpecOptions(n_max=n_max, p_min=p_min, verify=verify)
-        head = head if head is not None else self.model.nextn
-        if n_max and head is None:
+        options = SpecOptions(n_max=n_max, p_min=p_min, verify=verify, type=spec_type, ngram_size=ngram_size)
+        head = head if head is not None else self.draft_head(options.type)
+        if n_max and head is None and options.type != "ngram":
             raise NoDraftHead(self.plan.model_path, f"n_max {n_max}")
+        # a drafter that reads the trunk's states keeps a cache the prompt cache must follow
+        follows_trunk = n_max > 0 and drafter_uses_hidden(options.type)
         try:
             sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         except ValueError as exc:
@@ -141,13 +144,13 @@ class Session:
         stats = self.stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
         cache_prompt = cache_prompt and on_prompt_logits is None
         if cache_prompt:
-            state, n_cached = self.prompt_cache.take(self.model, head, ids, drafting=n_max > 0)
+            state, n_cached = self.prompt_cache.take(self.model, head, ids, drafting=follows_trunk)
         else:
-            state, n_cached = self.model.new_state(head if n_max else None), 0
+            state, n_cached = self.model.new_state(head if follows_trunk else None), 0
         eos = self.tokenizer.eos_ids if stop_at_eos else frozenset()
         try:
             for tok in generate_step(self.model, ids, state=state, sampler=sampler,
-                                     head=head if n_max else None, options=options, ubatch=ubatch,
+                                     head=head if follows_trunk else None, options=options, ubatch=ubatch,
                                      max_tokens=max_tokens, eos=eos, stats=stats, profile=self.profile,
                                      n_cached=n_cached, guide=guide, on_token=on_token,
                                      on_prompt_logits=on_prompt_logits):
@@ -160,6 +163,15 @@ class Session:
             raise
         finally:
             stats.memory = self.memory(state)
+
+    def draft_head(self, spec_type: str):
+        """The head the drafter ``spec_type`` drafts with: the NextN head for ``mtp``, the
+        DSpark drafter for ``dspark`` (None when the model has none); ``ngram`` needs none."""
+        if spec_type == "mtp":
+            return self.model.nextn
+        if spec_type == "dspark":
+            return getattr(self.model, "dspark", None)
+        return None
 
     def memory(self, state=None) -> dict:
         """Peak RSS, what each device holds for weights, and (given a state) its KV caches."""

@@ -1,14 +1,20 @@
-"""The generation loop: speculative decoding with a NextN (MTP) draft head, and plain
-decoding as its ``n_max = 0`` case (one loop, mlx-lm's ``speculative_generate_step`` shape).
+"""The generation loop: speculative decoding with a drafter, and plain decoding as its
+``n_max = 0`` case (one loop, mlx-lm's ``speculative_generate_step`` shape).
 
-Each step the head drafts up to ``n_max`` tokens by chaining (its own hidden state and the
+A drafter (``Drafter``: ``prime`` after the prompt, ``draft`` each step, ``accept`` after
+verification, ``rollback`` at the end) is made per generation by ``make_drafter`` from
+``SpecOptions.type``: ``mtp`` (``MtpDrafter``, a NextN head), ``ngram`` (``NgramDrafter``,
+self-drafting from the context, no weights), or a kind a model registers (``register_drafter``:
+DSpark). An MTP head drafts up to ``n_max`` tokens by chaining (its own hidden state and the
 token it just drafted feed the next draft step, as llama.cpp's draft-mtp does), stopping
 early when the draft's top probability falls under ``p_min``. The target then verifies the
 pending token and the drafts — in one batch (``batched``), or one token at a time
 (``exact``: the same single-token passes as plain decoding, so greedy output is
 token-identical to it). Greedy keeps the longest prefix that matches the target's argmax;
 sampling uses the standard rule (accept a draft d with probability min(1, p(d)/q(d)), else
-draw from normalize(max(0, p − q))), so the output follows the target's distribution. The
+draw from normalize(max(0, p − q))), so the output follows the target's distribution; a
+draft made without a distribution (n-gram: q is a point mass on d) is accepted with
+probability p(d), else replaced by a draw from p without d. The
 target's token after the last accepted draft (its correction or bonus) ends the step.
 
 Cache bookkeeping, with Q the trunk cache length at a step's start and x_Q the pending token
@@ -51,7 +57,7 @@ from offload.nonfinite import finite, nonfinite_error
 from offload.profile import Profile
 from offload.sampling import Sampler
 from offload.stats import RunStats
-from placement.draft import NoDraftHead, check_n_max, check_p_min
+from placement.draft import NGRAM_SIZE, NoDraftHead, check_n_max, check_ngram_size, check_p_min, spec_type
 
 VERIFY_MODES = ("batched", "exact")
 
@@ -61,15 +67,25 @@ class SpecOptions:
     n_max: int = 0              # longest draft per step; 0 = plain decoding
     p_min: float = 0.0          # stop drafting when the draft's top probability is below this
     verify: str = "batched"     # "batched" (one target pass) or "exact" (one pass per token)
+    type: str = "mtp"           # the drafter: mtp | ngram | dspark (placement.draft.SPEC_TYPES)
+    ngram_size: int = NGRAM_SIZE  # the n-gram drafter's longest lookup
 
     def __post_init__(self):
         check_n_max(self.n_max, "--spec-n-max")
         check_p_min(self.p_min, "--spec-p-min")
+        check_ngram_size(self.ngram_size)
         if self.verify not in VERIFY_MODES:
             raise OffloadError(f"--spec-verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}")
+        kind = spec_type(self.type)
+        if kind == "none":
+            raise OffloadError("--spec-type none is plain decoding: give n_max 0, not a drafter named none")
+        object.__setattr__(self, "type", kind)
 
     def as_dict(self) -> dict:
-        return {"type": "mtp", "n_max": self.n_max, "p_min": self.p_min, "verify": self.verify}
+        out = {"type": self.type, "n_max": self.n_max, "p_min": self.p_min, "verify": self.verify}
+        if self.type == "ngram":
+            out["ngram_size"] = self.ngram_size
+        return out
 
 
 class Guide(Protocol):
@@ -96,11 +112,15 @@ class DraftHead(Protocol):
 def judge(logits: np.ndarray, draft: int, q: np.ndarray | None, sampler: Sampler) -> int | None:
     """Verify one draft against the target's logits (V,) at its position. Returns None when
     the draft is accepted, else the token that replaces it. ``q``: the draft distribution the
-    draft was sampled from (unused when greedy)."""
+    draft was sampled from (unused when greedy; None when sampling: a point mass on the draft,
+    as an n-gram drafter proposes)."""
     if sampler.greedy:
         y = int(np.argmax(logits))
         return None if y == draft else y
     p = sampler.probs(logits)
+    if q is None:                                        # q = one-hot(d): accept w.p. p(d)
+        q = np.zeros_like(p)
+        q[draft] = 1.0
     if sampler.rng.random() * q[draft] < p[draft]:       # u < p(d) / q(d), q(d) > 0 as d ~ q
         return None
     residual = np.maximum(p - q, 0.0)
@@ -115,8 +135,57 @@ def _rows(logits: torch.Tensor) -> np.ndarray:
     return logits.detach().to("cpu", torch.float32).numpy()
 
 
-class _Drafter:
-    """The head's side of the loop: pending pairs, chaining, p_min, head-cache rollback."""
+class Drafter(Protocol):
+    """What the loop needs of a drafter, made per generation (``make_drafter``).
+
+    ``uses_hidden``: it reads the trunk's states (``hidden`` below; else the loop passes them
+    anyway and the drafter ignores them) and keeps a cache in ``state.nextn_cache`` whose
+    entries follow the trunk's (the prompt cache reuses the trunk only as far as they reach)."""
+
+    uses_hidden: bool
+
+    def prime(self, hidden: torch.Tensor, ids: Sequence[int], start: int = 0) -> None: ...
+        # after the prompt: ``ids`` the whole prompt, ``hidden`` the trunk states of start..P-1
+
+    def draft(self, x_q: int, q_len: int, n_cap: int) -> tuple[list[int], list[np.ndarray | None]]: ...
+        # up to n_cap drafts after pending token x_q (trunk length q_len), and the distribution
+        # each was drawn from (None: greedy, or a point mass — see ``judge``)
+
+    def accept(self, q_len: int, x_q: int, hidden: torch.Tensor, accepted: list[int]) -> None: ...
+        # after verification: x_q and the accepted drafts are in the trunk (``hidden``: their states)
+
+    def rollback(self, keep: int) -> None: ...
+        # generation ended: keep what the first ``keep`` tokens justify
+
+
+DrafterFactory = Callable[..., Drafter]     # (head, state, sampler, options, ubatch, guide) -> Drafter
+_DRAFTERS: dict[str, tuple[DrafterFactory, bool]] = {}
+
+
+def register_drafter(kind: str, factory: DrafterFactory, *, uses_hidden: bool = True) -> None:
+    """Make ``SpecOptions(type=kind)`` draft with ``factory`` (a model module registers its own
+    drafter kind when imported, as DSpark does); ``uses_hidden`` as ``Drafter.uses_hidden``."""
+    _DRAFTERS[kind] = (factory, uses_hidden)
+
+
+def drafter_uses_hidden(kind: str) -> bool:
+    """Whether the drafter ``kind`` reads the trunk's states (a head-based kind not loaded yet
+    counts as one)."""
+    return _DRAFTERS.get(kind, (None, True))[1]
+
+
+def make_drafter(options: SpecOptions, head, state, sampler: Sampler, ubatch: int,
+                 guide: Guide | None = None) -> Drafter:
+    """The drafter ``options.type`` names, for one generation on ``state``."""
+    if options.type not in _DRAFTERS:
+        raise OffloadError(f"--spec-type {options.type}: no such drafter is loaded")
+    return _DRAFTERS[options.type][0](head, state, sampler, options, ubatch, guide)
+
+
+class MtpDrafter:
+    """A NextN (MTP) head's side of the loop: pending pairs, chaining, p_min, head-cache rollback."""
+
+    uses_hidden = True
 
     def __init__(self, head: DraftHead, cache, sampler: Sampler, options: SpecOptions, ubatch: int,
                  guide: Guide | None = None):
@@ -208,6 +277,89 @@ class _Drafter:
         self.cache.truncate(min(self.cache.length, self.valid, keep))
 
 
+def _mtp_drafter(head, state, sampler, options, ubatch, guide) -> MtpDrafter:
+    if head is None:
+        raise NoDraftHead("the model", f"n_max {options.n_max}")
+    return MtpDrafter(head, state.nextn_cache, sampler, options, ubatch, guide)
+
+
+NGRAM_MIN = 2             # shortest n-gram looked up: a single token repeats too often to draft well
+NGRAM_ENTRIES = 1 << 16   # per n-gram length: the table is bounded, oldest entries go first
+
+
+class NgramDrafter:
+    """Self-drafting from the context (prompt lookup): the continuation of the longest earlier
+    occurrence of the last tokens, no weights, no cache.
+
+    For each length k in NGRAM_MIN..``options.ngram_size`` a table maps a k-gram to where its
+    latest occurrence ended; a token's arrival indexes the k-grams that end just before it (so
+    the current suffix is never its own match). A draft copies the tokens after the longest
+    matching k-gram, up to n_cap; copying may run into the draft itself, which continues a
+    period (``abab`` → ``ab...``). The drafts are proposals with no distribution (``judge``
+    takes q as a point mass), so verification keeps the target's output exact; a ``guide``
+    stops the draft at the first token it forbids."""
+
+    uses_hidden = False
+
+    def __init__(self, options: SpecOptions, guide: Guide | None = None):
+        self.sizes = range(options.ngram_size, NGRAM_MIN - 1, -1)       # longest first
+        self.guide = guide
+        self.tokens: list[int] = []
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {k: {} for k in self.sizes}
+        self.indexed = 0       # k-grams ending before tokens[indexed] are in the tables
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+        seq = self.tokens
+        for end in range(max(self.indexed, 1), len(seq)):
+            for k, table in self.tables.items():
+                if end >= k:
+                    key = tuple(seq[end - k:end])
+                    table.pop(key, None)         # re-insert: the dict's order is recency
+                    table[key] = end
+                    if len(table) > NGRAM_ENTRIES:
+                        del table[next(iter(table))]
+        self.indexed = len(seq)
+
+    def prime(self, hidden, ids: Sequence[int], start: int = 0) -> None:
+        self.tokens, self.indexed = [], 0
+        for table in self.tables.values():
+            table.clear()
+        self._extend(ids)
+
+    def draft(self, x_q: int, q_len: int, n_cap: int) -> tuple[list[int], list[None]]:
+        seq = self.tokens + [x_q]        # x_q is not indexed yet: no k-gram may end at it
+        for k in self.sizes:
+            if len(seq) <= k:
+                continue
+            end = self.tables[k].get(tuple(seq[-k:]))
+            if end is None:
+                continue
+            drafts: list[int] = []
+            guide = self.guide.fork() if self.guide is not None else None
+            while len(drafts) < n_cap:
+                i = end + len(drafts)
+                d = seq[i] if i < len(seq) else drafts[i - len(seq)]
+                if guide is not None and not guide.accept(d):
+                    break
+                drafts.append(d)
+            return drafts, [None] * len(drafts)
+        return [], []
+
+    def accept(self, q_len: int, x_q: int, hidden, accepted: list[int]) -> None:
+        self._extend([x_q] + list(accepted))
+
+    def rollback(self, keep: int) -> None:
+        # the drafter ends with the generation; its tokens only ever held what was yielded
+        del self.tokens[keep:]
+        self.indexed = min(self.indexed, len(self.tokens))
+
+
+register_drafter("mtp", _mtp_drafter)
+register_drafter("ngram", lambda head, state, sampler, options, ubatch, guide: NgramDrafter(options, guide),
+                 uses_hidden=False)
+
+
 def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head: DraftHead | None = None,
                   options: SpecOptions = SpecOptions(), ubatch: int = 512, max_tokens: int = 128,
                   eos: Collection[int] = (), stats: RunStats | None = None,
@@ -216,8 +368,10 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
                   on_prompt_logits: Callable[[int, np.ndarray], None] | None = None) -> Iterator[int]:
     """Yield up to ``max_tokens`` token ids continuing ``prompt`` (token ids) on ``state``
     (``state.nextn_cache`` is the head's). ``model``: ``forward(ids, state,
-    logits="all"|"last"|"none") -> (logits, final hidden states)``. ``head`` drafts when
-    ``options.n_max > 0``. ``stats`` is filled as it goes.
+    logits="all"|"last"|"none") -> (logits, final hidden states)``. When ``options.n_max > 0``
+    the drafter ``options.type`` names drafts (``make_drafter``), with ``head`` (a NextN head
+    for ``mtp``, the DSpark drafter for ``dspark``; ``ngram`` needs none). ``stats`` is filled
+    as it goes.
 
     ``n_cached``: the caches already hold the first ``n_cached`` prompt tokens (trunk, and
     with drafting the head's pairs 0..n_cached-1) — a reused prompt prefix; only the rest of
@@ -232,11 +386,10 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
     stats.n_prompt_cached = n_cached
     profile = profile if profile is not None else Profile()
     drafting = options.n_max > 0
-    if drafting and head is None:
-        raise NoDraftHead("the model", f"n_max {options.n_max}")
+    drafter = make_drafter(options, head, state, sampler, ubatch, guide) if drafting else None
     if drafting:
         stats.spec = options.as_dict()
-    drafter = _Drafter(head, state.nextn_cache, sampler, options, ubatch, guide) if drafting else None
+    keep_hidden = drafter is not None and drafter.uses_hidden
     n_prompt = len(ids)
 
     profile.reset()
@@ -247,7 +400,7 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
             last = s + ubatch >= n_prompt
             logits, h = model.forward(torch.as_tensor(ids[s:s + ubatch]), state,
                                       logits="all" if on_prompt_logits else "last" if last else "none")
-            if drafting:
+            if keep_hidden:
                 hidden.append(h)
             if on_prompt_logits is not None:
                 on_prompt_logits(s, _rows(logits))
@@ -257,7 +410,7 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
         with profile.time("sampling"):
             tok = _choose(sampler, guide, row)
         if drafting:
-            drafter.prime(torch.cat(hidden), ids, n_cached)
+            drafter.prime(torch.cat(hidden) if keep_hidden else None, ids, n_cached)
     stats.prompt_s, stats.prompt_profile = time.perf_counter() - t0, profile.snapshot()
     profile.reset()
 
@@ -319,7 +472,7 @@ def _judge(row: np.ndarray, draft: int, q: np.ndarray | None, sampler: Sampler, 
     return fix
 
 
-def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: SpecOptions, x_q: int,
+def _step(model, state, drafter: Drafter | None, sampler: Sampler, options: SpecOptions, x_q: int,
           *, n_cap: int, stats: RunStats, profile: Profile,
           guide: Guide | None = None) -> tuple[list[int], list[np.ndarray]]:
     """One draft → verify → accept step from pending token ``x_q``; returns the tokens it
@@ -355,7 +508,7 @@ def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: Spe
                 out_rows.append(z[len(drafts)])
         if state.n_past != q_len + len(out):     # rejected drafts (plain decoding: nothing to drop)
             state.truncate(q_len + len(out))
-        if drafter is not None:
+        if drafter is not None and drafter.uses_hidden:
             rows.append(h[:len(out)])
     else:                                   # exact: one target pass per token, as plain decoding
         for i, tok in enumerate([x_q] + drafts):
@@ -375,6 +528,6 @@ def _step(model, state, drafter: _Drafter | None, sampler: Sampler, options: Spe
     stats.verify_s += time.perf_counter() - t
     n_acc = len(out) - 1
     if drafter is not None:
-        drafter.accept(q_len, x_q, torch.cat(rows), out[:n_acc])
+        drafter.accept(q_len, x_q, torch.cat(rows) if drafter.uses_hidden else None, out[:n_acc])
     stats.record_step(len(drafts), n_acc, n_cap if drafter is not None else 0)
     return out, out_rows

@@ -1,16 +1,17 @@
 """``offload bench``: speculative-decoding benchmark in the spirit of llama.cpp's spec-bench.
 
     offload bench [MODEL.gguf] [placement flags] [--tasks code,extract,story] [--n-max 1,2,3,4]
-                  [--repeat 3] [-n 128] [--temp 0] [--spec-p-min P] [--spec-verify batched|exact]
-                  [--jsonl PATH]
+                  [--spec-type mtp,ngram] [--repeat 3] [-n 128] [--temp 0] [--spec-p-min P]
+                  [--spec-ngram-size-n N] [--spec-verify batched|exact] [--jsonl PATH]
 
 One load, one placement: for each repeat, each task prompt (``offload.bench_tasks``) and each
-stage — the baseline (plain decoding) and MTP drafting with every n_max — generates ``-n``
+stage — the baseline (plain decoding) and each drafter (``--spec-type``: the MTP head when the
+model has one, n-gram self-drafting always) with every n_max — generates ``-n``
 tokens (end-of-sequence ignored, so every stage produces the same count). Stages are
 interleaved so that a change in the machine's load hits them alike. A warm-up run
 (compilation, allocator) is excluded. Prints decode t/s mean ± std over the repeats, the
 change against the baseline, accepted/drafted, mean accepted length and acceptance per draft
-position per task; ``--jsonl`` writes one record per run and one summary per (task, stage).
+position per task and drafter; ``--jsonl`` writes one record per run and one summary per (task, stage).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.commands.run import add_session_arguments, open_cli_model, runtime_process_settings, session_options
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.stats import conditional, per_position
-from placement.draft import check_p_min
+from placement.draft import NGRAM_SIZE, check_ngram_size, check_p_min, spec_type
 
 WARMUP_TOKENS = 16
 
@@ -56,24 +57,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="top-p (1 = off)")
     p.add_argument("--seed", type=int, default=42,
                    help="sampling seed of the first repeat; repeat r uses seed + r (default 42)")
+    p.add_argument("--spec-type", default=None, metavar="TYPES",
+                   help="comma list of drafters to run (mtp, ngram, dspark; llama.cpp's spellings too; "
+                        "default: mtp when the model has a draft head, and ngram)")
     p.add_argument("--spec-p-min", type=float, default=0.0, metavar="P", help="draft p_min (default 0)")
+    p.add_argument("--spec-ngram-size-n", type=int, default=NGRAM_SIZE, metavar="N",
+                   help=f"ngram: the longest n-gram looked up (default {NGRAM_SIZE})")
     p.add_argument("--spec-verify", choices=("batched", "exact"), default="batched",
-                   help="verify mode of the MTP stages (default batched)")
+                   help="verify mode of the drafting stages (default batched)")
     p.add_argument("--jsonl", metavar="PATH", help="write one JSON record per run and per summary here")
     add_session_arguments(p)
     add_placement_arguments(p)
     return p
 
 
-def _stages(n_maxes: list[int]) -> list[tuple[str, int]]:
-    return [("baseline", 0)] + [(f"mtp n={n}", n) for n in n_maxes]
+def _stages(n_maxes: list[int], drafters: list[str]) -> list[tuple[str, str | None, int]]:
+    """(stage name, drafter, n_max): the baseline, then every drafter at every n_max."""
+    return [("baseline", None, 0)] + [(f"{d} n={n}", d, n) for d in drafters for n in n_maxes]
 
 
-def run_once(session, prompt_ids: list[int], n_max: int, args, rep: int = 0) -> tuple[dict, list[int]]:
+def bench_drafters(text: str | None, has_head: bool) -> list[str]:
+    """``--spec-type``'s comma list → drafter names (default: mtp with a head, and ngram)."""
+    if text is None:
+        return (["mtp"] if has_head else []) + ["ngram"]
+    kinds = []
+    for part in text.split(","):
+        kind = spec_type(part.strip())
+        if kind == "none":
+            continue                     # the baseline always runs
+        if kind != "ngram" and not has_head:
+            raise OffloadError(f"--spec-type {part.strip()}: the model has no draft head for it")
+        if kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
+def run_once(session, prompt_ids: list[int], n_max: int, args, rep: int = 0,
+             drafter: str | None = None) -> tuple[dict, list[int]]:
     """One generation; repeat ``rep`` samples with seed ``--seed + rep`` (independent repeats)."""
     out = list(session.generate(prompt_ids, max_tokens=args.n_predict, temperature=args.temp,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed + rep, stop_at_eos=False,
-                                n_max=n_max, p_min=args.spec_p_min, verify=args.spec_verify))
+                                n_max=n_max, p_min=args.spec_p_min, verify=args.spec_verify,
+                                spec_type=drafter or "mtp", ngram_size=args.spec_ngram_size_n))
     s = session.stats
     return {"tokens": s.n_gen, "tokens_per_second": s.eval_tps, "eval_s": s.eval_s,
             "target_passes": s.n_eval, "steps": s.n_steps, "drafted": s.drafted, "accepted": s.accepted,
@@ -83,7 +108,8 @@ def run_once(session, prompt_ids: list[int], n_max: int, args, rep: int = 0) -> 
             "draft_s": s.draft_s, "verify_s": s.verify_s}, out
 
 
-def summarize(task: str, stage: str, n_max: int, runs: list[dict], base_mean: float | None) -> dict:
+def summarize(task: str, stage: str, n_max: int, runs: list[dict], base_mean: float | None,
+              drafter: str | None = None) -> dict:
     tps = [r["tokens_per_second"] for r in runs]
     mean = statistics.fmean(tps)
     std = statistics.stdev(tps) if len(tps) > 1 else 0.0
@@ -93,7 +119,7 @@ def summarize(task: str, stage: str, n_max: int, runs: list[dict], base_mean: fl
     width = max((len(r["drafted_per_position"]) for r in runs), default=0)
     total = lambda key: [sum(r[key][j] for r in runs if j < len(r[key])) for j in range(width)]  # noqa: E731
     dpp, app, rpp = total("drafted_per_position"), total("accepted_per_position"), total("reached_per_position")
-    return {"kind": "summary", "task": task, "stage": stage, "n_max": n_max, "runs": len(runs),
+    return {"kind": "summary", "task": task, "stage": stage, "drafter": drafter, "n_max": n_max, "runs": len(runs),
             "tokens_per_second_mean": mean, "tokens_per_second_std": std,
             "change": (mean / base_mean - 1.0) if base_mean and n_max else None,
             "drafted": drafted, "accepted": accepted,
@@ -108,7 +134,7 @@ def summarize(task: str, stage: str, n_max: int, runs: list[dict], base_mean: fl
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'task':<8} {'stage':<9} {'runs':>4}  {'tok/s mean ± std':>17}  {'change':>7}  "
+    head = (f"{'task':<8} {'stage':<10} {'runs':>4}  {'tok/s mean ± std':>17}  {'change':>7}  "
             f"{'accepted/drafted — rate':>26}  {'a.len':>5}  {'= base':>6}  acceptance per position")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -121,7 +147,7 @@ def format_table(rows: list[dict]) -> str:
         else:
             acc, alen, pos = "-", "-", "-"
         same = "-" if r["same_text_as_baseline"] is None else f"{r['same_text_as_baseline']}/{r['runs']}"
-        lines.append(f"{r['task']:<8} {r['stage']:<9} {r['runs']:>4}  {tps:>17}  {change:>7}  {acc:>26}  "
+        lines.append(f"{r['task']:<8} {r['stage']:<10} {r['runs']:>4}  {tps:>17}  {change:>7}  {acc:>26}  "
                      f"{alen:>5}  {same:>6}  {pos}")
     return "\n".join(lines)
 
@@ -143,15 +169,16 @@ def main(argv=None) -> int:
         if value < 1:
             raise OffloadError(f"{flag} must be >= 1, got {value}")
     check_p_min(args.spec_p_min, "--spec-p-min")
+    check_ngram_size(args.spec_ngram_size_n)
     torch.set_num_threads(args.torch_threads)
     model = open_cli_model(args)
     plan, model, _ = plan_from_args(args, model)
-    if plan.drafting == "none":         # plain decoding is still worth measuring (gpt-oss, qwen3moe)
+    drafters = bench_drafters(args.spec_type, plan.drafting != "none")
+    if plan.drafting == "none" and args.spec_type is None:      # gpt-oss, qwen3moe: n-gram drafts still run
         print(f"offload bench: {Path(plan.model_path).name} has no draft head (no NextN block, no --draft): "
-              f"baseline only, the n_max stages are skipped", file=sys.stderr)
-        n_maxes = []
+              f"the baseline and n-gram drafting only", file=sys.stderr)
     session = runtime.load_plan(model, plan, progress=True, **session_options(args))
-    stages = _stages(n_maxes)
+    stages = _stages(n_maxes, drafters)
     records: list[dict] = []
     with session:
         prompts = {t: session.tokenize(TASKS[t]) for t in tasks}
@@ -161,8 +188,8 @@ def main(argv=None) -> int:
                                f"the plan has {plan.settings.ctx} (raise --ctx or lower -n)")
         session.warmup()
         warm = argparse.Namespace(**{**vars(args), "n_predict": min(WARMUP_TOKENS, args.n_predict)})
-        for _, n_max in (stages[0], stages[-1]):        # plain and the longest verify batch
-            run_once(session, prompts[tasks[0]], n_max, warm)
+        for _, drafter, n_max in (stages[0], stages[-1]):        # plain and the longest verify batch
+            run_once(session, prompts[tasks[0]], n_max, warm, drafter=drafter)
         load0 = os.getloadavg()[0]
         print(f"offload bench: {Path(plan.model_path).name}, {session.devices.describe()}; "
               f"{args.n_predict} tokens per run, {args.repeat} repeats, temp {args.temp:g}, "
@@ -171,28 +198,32 @@ def main(argv=None) -> int:
         baseline_out: dict[str, list[int]] = {}
         for rep in range(args.repeat):
             for task in tasks:
-                for stage, n_max in stages:
-                    rec, out = run_once(session, prompts[task], n_max, args, rep)
+                for stage, drafter, n_max in stages:
+                    rec, out = run_once(session, prompts[task], n_max, args, rep, drafter)
                     if n_max == 0:
                         baseline_out.setdefault(task, out)
-                    rec |= {"kind": "run", "task": task, "stage": stage, "n_max": n_max, "repeat": rep,
+                    rec |= {"kind": "run", "task": task, "stage": stage, "drafter": drafter, "n_max": n_max,
+                            "repeat": rep,
                             "same_as_baseline": out == baseline_out.get(task) if args.temp == 0 else None,
                             "load_average": os.getloadavg()[0]}
                     records.append(rec)
-                    print(f"offload bench: {task:<8} {stage:<9} run {rep + 1}/{args.repeat}: "
+                    print(f"offload bench: {task:<8} {stage:<10} run {rep + 1}/{args.repeat}: "
                           f"{rec['tokens_per_second']:8.2f} t/s", file=sys.stderr)
         load1 = os.getloadavg()[0]
     summaries = []
     for task in tasks:
         base = None
-        for stage, n_max in stages:
+        for stage, drafter, n_max in stages:
             runs = [r for r in records if r["task"] == task and r["stage"] == stage]
-            row = summarize(task, stage, n_max, runs, base)
+            row = summarize(task, stage, n_max, runs, base, drafter)
             if n_max == 0:
                 base = row["tokens_per_second_mean"]
             summaries.append(row)
-    print(format_table(summaries))
-    print(f"\nload average {load0:.2f} before, {load1:.2f} after the timed runs ({os.cpu_count()} cores); "
+    for drafter in drafters or [None]:          # one table per drafter, each beside the baseline
+        if drafter is not None:
+            print(f"drafter {drafter}:")
+        print(format_table([r for r in summaries if r["drafter"] in (None, drafter)]) + "\n")
+    print(f"load average {load0:.2f} before, {load1:.2f} after the timed runs ({os.cpu_count()} cores); "
           f"'= base': runs whose text equals the baseline's (greedy only)")
     if args.jsonl:
         write_atomic(args.jsonl, "".join(json.dumps(r) + "\n" for r in records + summaries))

@@ -1,15 +1,16 @@
 """``offload run``: load a model by placement and generate.
 
     offload run [MODEL.gguf] [placement flags as for offload plan] [-p TEXT | -f FILE] [-n N] ...
-                [--spec-type mtp|none] [--spec-n-max N] [--spec-p-min P] [--spec-verify batched|exact]
-                [--draft MTP.gguf] [--spec-diagnose]
+                [--spec-type mtp|ngram|dspark|none] [--spec-n-max N] [--spec-p-min P]
+                [--spec-ngram-size-n N] [--spec-verify batched|exact] [--draft MTP.gguf] [--spec-diagnose]
 
 Every ``offload plan`` flag works here (plan on the fly), or ``--placement plan.yaml``.
 stdout carries only the generated text (pipe it); progress, notices and the llama.cpp-style
 timings go to stderr; ``--stats-json`` writes the same numbers as JSON.
 
 Speculative decoding drafts with the model's NextN (MTP) head, or with the NextN block of a
-``--draft`` GGUF. Its draft length defaults to the plan's ``speculative.n_max`` (``offload
+``--draft`` GGUF, or (``--spec-type ngram``, any model) from earlier n-grams of the context.
+Its draft length defaults to the plan's ``speculative.n_max`` (``offload
 plan`` predicts one, ``offload tune`` measures one), else 0 = plain decoding. The stats add
 drafted/accepted, acceptance per position, mean accepted length and the draft/verify/rest
 time split; ``--spec-diagnose`` measures how far batched verification drifts numerically.
@@ -25,7 +26,7 @@ from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.host_memory import return_freed_memory
 from offload.probe import SHIPPED_MODEL
-from placement.draft import NoDraftHead, check_n_max, check_p_min
+from placement.draft import NGRAM_SIZE, NoDraftHead, check_n_max, check_ngram_size, check_p_min, spec_type
 from placement.spec_section import SpecSection
 
 DEFAULT_MODEL = SHIPPED_MODEL      # models/tiny-glm4moe-mtp.gguf, also what offload probe times
@@ -97,17 +98,35 @@ def session_options(args: argparse.Namespace) -> dict:
                 decode_activations=args.decode_activations)
 
 
+DEFAULT_EXPLICIT_N_MAX = 3     # --spec-type X without an n_max from anywhere: llama.cpp's --spec-draft-n-max
+
+
+def _spec_type_arg(text: str) -> str:
+    try:
+        return spec_type(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--spec-type ")) from None
+
+
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
-    """Speculative-decoding flags (shared by ``offload run`` and ``offload bench``)."""
-    g = p.add_argument_group("speculative decoding (llama.cpp's --spec-type mtp:n_max=N,p_min=P)")
-    g.add_argument("--spec-type", choices=("mtp", "none"), default=None,
-                   help="mtp: draft with the NextN (MTP) head (the model's own, or --draft's); "
-                        "none: plain decoding (default: mtp when there is a head)")
-    g.add_argument("--spec-n-max", type=int, default=None, metavar="N",
-                   help="longest draft per step (default: the plan's speculative.n_max, else 0 = plain)")
-    g.add_argument("--spec-p-min", type=float, default=None, metavar="P",
-                   help="stop drafting when the draft's top probability is below P "
-                        "(default: the plan's speculative.p_min, else 0)")
+    """Speculative-decoding flags (shared by ``offload run``, ``offload serve``)."""
+    g = p.add_argument_group("speculative decoding (llama.cpp's --spec-type draft-mtp|ngram-*, "
+                             "--spec-draft-n-max, --spec-draft-p-min)")
+    g.add_argument("--spec-type", type=_spec_type_arg, default=None, metavar="TYPE",
+                   help="mtp: draft with the NextN (MTP) head (the model's own, or --draft's); ngram: draft "
+                        "from the longest earlier match of the last tokens in the context (no weights, any "
+                        "model); dspark: a DSpark block drafter (--draft FILE); none: plain decoding. "
+                        "llama.cpp's draft-mtp, draft-dspark and ngram-* are accepted "
+                        "(default: the plan's speculative.type, else mtp when there is a head)")
+    g.add_argument("--spec-n-max", "--spec-draft-n-max", dest="spec_n_max", type=int, default=None, metavar="N",
+                   help="longest draft per step (default: the plan's speculative.n_max; with an explicit "
+                        f"--spec-type and no plan value {DEFAULT_EXPLICIT_N_MAX}; else 0 = plain)")
+    g.add_argument("--spec-p-min", "--spec-draft-p-min", dest="spec_p_min", type=float, default=None, metavar="P",
+                   help="stop drafting when the draft's top probability is below P (MTP, DSpark; "
+                        "default: the plan's speculative.p_min, else 0)")
+    g.add_argument("--spec-ngram-size-n", type=int, default=None, metavar="N",
+                   help=f"ngram: the longest n-gram looked up (default {NGRAM_SIZE}; shorter matches down "
+                        "to 2 tokens are tried when it finds none)")
     g.add_argument("--spec-verify", choices=("batched", "exact"), default="batched",
                    help="batched: verify all drafts in one target pass (fast; batch-shape rounding may "
                         "flip near-tied greedy tokens, see --spec-diagnose); exact: one pass per token, "
@@ -115,34 +134,46 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
-    """The flags and the plan's ``speculative`` section → (n_max, p_min, verify) as keywords
-    for ``Session.generate``, and a one-line account of where they came from."""
+    """The flags and the plan's ``speculative`` section → the drafter and its settings as
+    keywords for ``Session.generate`` (n_max, p_min, verify, spec_type, ngram_size), and a
+    one-line account of where they came from."""
     section = plan.speculative or SpecSection()
     head = {"in-model NextN": "the model's NextN head", "--draft": f"the NextN head of {plan.draft_path}"}
-    if args.spec_type == "mtp" and plan.drafting == "none":
-        raise NoDraftHead(plan.model_path, "--spec-type mtp")
     if args.spec_n_max is not None:
         check_n_max(args.spec_n_max, "--spec-n-max")
     if args.spec_p_min is not None:
         check_p_min(args.spec_p_min, "--spec-p-min")
-    p_min = args.spec_p_min if args.spec_p_min is not None else float(section.p_min or 0.0)
-    if args.spec_type == "none":
+    ngram_size = check_ngram_size(args.spec_ngram_size_n) if args.spec_ngram_size_n is not None else NGRAM_SIZE
+    kind = args.spec_type
+    if kind == "none":
         return {"n_max": 0}, "speculative decoding off (--spec-type none)"
+    if kind in ("mtp", "dspark") and plan.drafting == "none":
+        raise NoDraftHead(plan.model_path, f"--spec-type {kind}")
+    planned = section.type or "mtp"
+    if kind is None:
+        kind = planned if planned == "ngram" or plan.drafting != "none" else "mtp"
+    p_min = args.spec_p_min if args.spec_p_min is not None else float(section.p_min or 0.0)
     if args.spec_n_max is not None:
         n_max, source = args.spec_n_max, "--spec-n-max"
-    elif plan.drafting != "none" and section.n_max is not None:
+    elif section.n_max is not None and kind == planned and (kind == "ngram" or plan.drafting != "none"):
         n_max = int(section.n_max)
         source = f"the plan's speculative.n_max ({section.source or 'plan'})"
+    elif args.spec_type is not None:
+        n_max, source = DEFAULT_EXPLICIT_N_MAX, f"the default for --spec-type {kind}"
     else:
         return {"n_max": 0}, ("speculative decoding off: n_max 0 (" +
                               ("the plan has no speculative section; --spec-n-max N drafts with "
-                               f"{head[plan.drafting]})" if plan.drafting != "none" else "no draft head)"))
+                               f"{head[plan.drafting]})" if plan.drafting != "none" else
+                               "no draft head; --spec-type ngram drafts from the context)"))
     if n_max == 0:
         return {"n_max": 0}, f"speculative decoding off: n_max 0 from {source}"
-    if plan.drafting == "none":
+    if kind != "ngram" and plan.drafting == "none":
         raise NoDraftHead(plan.model_path, f"--spec-n-max {n_max}")
-    return ({"n_max": n_max, "p_min": p_min, "verify": args.spec_verify},
-            f"speculative decoding: mtp with {head[plan.drafting]}, n_max {n_max} (from {source}), "
+    what = (f"ngram from the context (longest lookup {ngram_size})" if kind == "ngram"
+            else f"{kind} with {head[plan.drafting]}")
+    return ({"n_max": n_max, "p_min": p_min, "verify": args.spec_verify, "spec_type": kind,
+             "ngram_size": ngram_size},
+            f"speculative decoding: {what}, n_max {n_max} (from {source}), "
             f"p_min {p_min:g}, verify {args.spec_verify}")
 
 

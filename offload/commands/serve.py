@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     from offload.server.engine import Engine
     from offload.speculative import SpecOptions
     from offload.tokenizer import Tokenizer
+    from placement.draft import NGRAM_SIZE
     from placement.spec_section import SpecSection
 
     torch.set_num_threads(args.torch_threads)
@@ -88,7 +89,8 @@ def main(argv=None) -> int:
     plan, model, _ = plan_from_args(args, model)
     spec, account = spec_settings(args, plan)
     p_min = args.spec_p_min if args.spec_p_min is not None else float((plan.speculative or SpecSection()).p_min or 0.0)
-    options = SpecOptions(n_max=spec["n_max"], p_min=p_min, verify=args.spec_verify)
+    options = SpecOptions(n_max=spec["n_max"], p_min=p_min, verify=args.spec_verify,
+                          type=spec.get("spec_type", "mtp"), ngram_size=spec.get("ngram_size", NGRAM_SIZE))
     # everything that can be wrong with the flags is found before the port is bound
     template = ChatTemplate.for_model(model.metadata, Tokenizer.from_gguf(model.metadata), args.chat_template)
     name = args.alias or Path(plan.model_path).stem
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
     tool_format = tool_formats.for_model(template.source, model.spec.arch)
     engine = Engine(load, model_name=name, template=template, spec=options, max_queue=args.max_queue,
                     on_load_error=load_failed, tool_format=tool_format)
-    meta = {"arch": model.spec.arch, "n_ctx": plan.settings.ctx, "n_max": options.n_max,
+    meta = {"arch": model.spec.arch, "n_ctx": plan.settings.ctx, "n_max": options.n_max, "spec_type": options.type,
             "drafting": plan.drafting, "chat_template": template.origin,
             "tool_format": tool_format.name if tool_format is not None else None}
     print(f"offload: {account}", file=sys.stderr)

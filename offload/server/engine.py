@@ -150,8 +150,10 @@ class Engine:
                            param="messages" if request.messages is not None else "prompt",
                            code="context_length_exceeded")
         n_max = self.spec.n_max if request.n_max is None else request.n_max
-        if n_max and session.model.nextn is None:
-            raise APIError(400, f"n_max {n_max}: the model has no NextN (MTP) draft head", param="n_max")
+        if n_max and self.spec.type != "ngram" and session.draft_head(self.spec.type) is None:
+            raise APIError(400, f"n_max {n_max}: the model has no {self.spec.type} draft head "
+                           "(the server was started without one; --spec-type ngram drafts from the context)",
+                           param="n_max")
         grammar = None
         forced = request.tool_choice not in ("none", "auto")
         if request.response_format is not None:
@@ -290,6 +292,7 @@ class Engine:
         gen = session.generate(job.ids, max_tokens=job.max_tokens, temperature=r.temperature, top_k=r.top_k,
                                top_p=r.top_p, seed=choice_seed(r.seed, index), stop_at_eos=not r.ignore_eos,
                                n_max=job.n_max, p_min=self.spec.p_min, verify=self.spec.verify,
+                               spec_type=self.spec.type, ngram_size=self.spec.ngram_size,
                                cache_prompt=r.cache_prompt, guide=guide, on_token=on_token,
                                on_prompt_logits=on_prompt)
         try:

@@ -7,6 +7,7 @@ NextN head:
 - the target itself as the draft head is accepted at every position (greedy and sampling);
 - after generation every cache (trunk and head) equals a fresh run over the kept tokens;
 - a separate ``--draft`` GGUF holding only the NextN block drafts exactly as the in-model one;
+- the n-gram drafter with exact verify is plain greedy too, at every n_max 1-5;
 - ``offload run`` / ``offload bench`` flags, stats and bad input.
 """
 from __future__ import annotations
@@ -120,6 +121,23 @@ def test_target_as_its_own_draft_is_accepted_everywhere(session, temperature):
     assert st.mean_accepted_length == pytest.approx(4.0, abs=0.5)   # the last step is budget-capped
     if temperature == 0.0:
         assert got == list(session.generate(ids, max_tokens=30, stop_at_eos=False))
+
+
+def test_ngram_exact_verify_greedy_equals_plain_greedy(session):
+    """The n-gram drafter at every n_max 1-5 with exact verify: the greedy text is plain
+    decoding's; the shipped model's greedy output loops, so drafts are made and accepted."""
+    drafted = 0
+    for prompt in PROMPTS:
+        plain = list(session.generate(prompt, max_tokens=48, stop_at_eos=False))
+        for n_max in (1, 2, 3, 4, 5):
+            got = list(session.generate(prompt, max_tokens=48, stop_at_eos=False, n_max=n_max,
+                                        spec_type="ngram", verify="exact"))
+            assert got == plain, (prompt, n_max)
+            st = session.stats
+            assert st.spec["type"] == "ngram" and st.accepted <= st.drafted
+            assert st.mean_accepted_length == pytest.approx(1 + st.accepted / st.n_steps)
+            drafted += st.drafted
+    assert drafted > 0
 
 
 def _kv(cache):
@@ -237,6 +255,25 @@ def test_run_speculative_flags_stats_and_plan_default(capsys, tmp_path, session)
     assert rc == 0 and "speculative decoding off (--spec-type none)" in err
 
 
+def test_run_with_the_ngram_drafter(capsys, tmp_path):
+    """``--spec-type`` in llama.cpp's spelling drafts from the context; its stats name it; the
+    model's head is not needed (a NextN-less trunk drafts too)."""
+    stats, trunk = tmp_path / "s.json", tmp_path / "trunk.gguf"
+    rc, out, err = cli(capsys, "run", SHIPPED, "--devices", "CPU=16GiB", "-p", TASKS["extract"], "-n", "32",
+                       "--ignore-eos", "--spec-type", "ngram-simple", "--stats-json", stats)
+    assert rc == 0, err
+    d = json.loads(stats.read_text())
+    assert d["spec"] == {"type": "ngram", "n_max": 3, "p_min": 0.0, "verify": "batched", "ngram_size": 12}
+    assert "ngram from the context (longest lookup 12), n_max 3 (from the default for --spec-type ngram)" in err
+    assert d["drafted"] > 0
+    split_nextn(SHIPPED, trunk, tmp_path / "mtp.gguf")
+    rc, out, err = cli(capsys, "run", trunk, "--devices", "CPU=16GiB", "-n", "8", "--spec-type", "ngram",
+                       "--spec-n-max", "2", "--spec-ngram-size-n", "4")
+    assert rc == 0 and "ngram from the context (longest lookup 4), n_max 2 (from --spec-n-max)" in err, err
+    rc, out, err = cli(capsys, "run", trunk, "--devices", "CPU=16GiB", "-n", "8", "--spec-type", "eagle3")
+    assert rc == 2 and "--spec-type" in err and "eagle3" in err and "Traceback" not in err
+
+
 def test_run_with_a_separate_draft_file(capsys, split_files, tmp_path):
     trunk, draft = split_files
     stats = tmp_path / "s.json"
@@ -274,17 +311,21 @@ def test_speculative_bad_input_is_one_line_and_status_2(capsys, split_files, tmp
 def test_bench_runs_baseline_and_each_n_max_and_writes_jsonl(capsys, tmp_path):
     jsonl = tmp_path / "bench.jsonl"
     rc, out, err = cli(capsys, "bench", SHIPPED, "--devices", "CPU=16GiB", "--tasks", "code,extract",
-                       "--n-max", "1,3", "--repeat", "2", "-n", "12", "--jsonl", jsonl)
+                       "--n-max", "1,3", "--repeat", "2", "-n", "24", "--jsonl", jsonl)
     assert rc == 0, err
     recs = [json.loads(line) for line in jsonl.read_text().splitlines()]
     runs = [r for r in recs if r["kind"] == "run"]
     sums = [r for r in recs if r["kind"] == "summary"]
-    assert len(runs) == 2 * 2 * 3 and all(r["tokens"] == 12 for r in runs)
-    assert [(s["task"], s["n_max"]) for s in sums] == [("code", 0), ("code", 1), ("code", 3),
-                                                        ("extract", 0), ("extract", 1), ("extract", 3)]
+    # the default drafters: the MTP head, and n-gram self-drafting
+    assert len(runs) == 2 * 2 * 5 and all(r["tokens"] == 24 for r in runs)
+    assert [(s["task"], s["drafter"], s["n_max"]) for s in sums] == [
+        (t, d, n) for t in ("code", "extract") for d, n in ((None, 0), ("mtp", 1), ("mtp", 3), ("ngram", 1), ("ngram", 3))]
     for s in sums:
         assert s["runs"] == 2 and s["tokens_per_second_mean"] > 0
         if s["n_max"]:
-            assert s["drafted"] > 0 and len(s["acceptance_per_position"]) == s["n_max"]
-            assert s["mean_accepted_length"] > 1.0
+            assert len(s["acceptance_per_position"]) == s["n_max"]
+        if s["drafter"] == "mtp" or (s["drafter"] == "ngram" and s["task"] == "extract"):
+            # the shipped model's greedy text loops within 24 tokens: the n-gram drafter finds it
+            assert s["drafted"] > 0 and s["mean_accepted_length"] > 1.0
+    assert "drafter mtp:" in out and "drafter ngram:" in out and "ngram n=3" in out
     assert "mtp n=3" in out and "acceptance per position" in out and "load average" in out
