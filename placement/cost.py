@@ -316,9 +316,12 @@ def step_weights(n: int, acceptance: AcceptanceProfile, draft_sizes: int) -> tup
 
 def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
                       acceptance: AcceptanceProfile = DEFAULT_MTP, max_n: int = 6,
-                      routing: RoutingProfile | None = None, hits: RoutingCounts | None = None) -> SpecTable:
-    """Predicted E(n), T(n), t/s and S(n) for n = 0..max_n (``hits``: ``forward_features``)."""
-    if fp.draft is None:
+                      routing: RoutingProfile | None = None, hits: RoutingCounts | None = None,
+                      draft_free: bool = False) -> SpecTable:
+    """Predicted E(n), T(n), t/s and S(n) for n = 0..max_n (``hits``: ``forward_features``).
+    ``draft_free``: a drafter that runs no weights (n-gram lookup): its passes cost nothing
+    beyond the loop's own per-step time, and the model needs no draft head."""
+    if fp.draft is None and not draft_free:
         raise FootprintError("model has no draft head (no NextN layer): nothing to speculate with")
     if max_n < 0:
         raise ValueError(f"max_n must be >= 0, got {max_n}")
@@ -326,7 +329,8 @@ def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
     kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing, hits=hits)
     feats = [forward_features(fp.target, b, **kw) for b in range(1, max_n + 2)]
     verify = [pass_time(fp.target, b, params, **kw) for b in range(1, max_n + 2)]
-    drafts = [pass_time(fp.draft, b, params, **kw) for b in range(1, max_n + 2)]
+    drafts = ([0.0] * (max_n + 1) if draft_free else
+              [pass_time(fp.draft, b, params, **kw) for b in range(1, max_n + 2)])
     draft = drafts[0]
     rows = []
     for n in range(max_n + 1):
@@ -339,6 +343,31 @@ def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
     breakdown["overlap"] = -overlap_credit(fp.target, 1, params, routing=routing, hits=hits)
     return SpecTable(tuple(rows), draft, breakdown, acceptance,
                      source if hits is None else f"per-expert hit rates ({hits.source or 'profile'})")
+
+
+def break_even_acceptance(fp: DecodeFootprint, hw: HardwareProfile, *, max_n: int = 6,
+                          routing: RoutingProfile | None = None, hits: RoutingCounts | None = None,
+                          draft_free: bool = True) -> list[float | None]:
+    """Per n = 1..max_n: the least acceptance a (the same a_j at every position, a draft of n
+    tokens every step) at which drafting n tokens pays (S(n) >= 1); None where even a = 1 does
+    not. For a drafter whose acceptance is the text's (n-gram), this is the forecast a plan can
+    make before measuring: S(n) rises with a, so bisection finds it (to 1e-3)."""
+    def speedup(a: float, n: int) -> float:
+        table = speculation_table(fp, hw, acceptance=AcceptanceProfile(accept=(a,), source="break-even"),
+                                  max_n=n, routing=routing, hits=hits, draft_free=draft_free)
+        return table.rows[n].speedup
+
+    out: list[float | None] = []
+    for n in range(1, max_n + 1):
+        if speedup(1.0, n) < 1.0:
+            out.append(None)
+            continue
+        lo, hi = 0.0, 1.0
+        while hi - lo > 1e-3:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if speedup(mid, n) >= 1.0 else (mid, hi)
+        out.append(round(hi, 3))
+    return out
 
 
 def best_over_p_min(tables: Iterable[SpecTable]) -> SpecTable:

@@ -24,14 +24,14 @@ from offload.gguf_model import ModelFile, check_shapes, open_model
 from offload.plans import open_draft, plan_from_file, read_plan_file
 from offload.probe import CACHE_ENV
 from placement.devices import resolve_devices
-from placement.draft import NoDraftHead, check_n_max
+from placement.draft import NoDraftHead, check_n_max, spec_type
 from placement.llama_args import format_args, llama_cpp_args
 from placement.plan import Plan
 from placement.plan_file import plan_to_yaml
 from placement.planner import (DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, DEFAULT_UBATCH, FIT_MODES, FLAG_NAMES,
                                PlanOptions, make_plan)
 from placement.report import format_plan
-from placement.cost import SpecProfile, predicted_decode_tps
+from placement.cost import SpecProfile, break_even_acceptance, predicted_decode_tps
 from placement.footprint import FootprintError
 from placement.hardware import HardwareProfile
 from placement.hot_experts import describe
@@ -106,6 +106,36 @@ def plan_from_args(args: argparse.Namespace, model: ModelFile | None) -> tuple[P
     return make_plan(model, resolve_devices(args.devices or "auto"), options, draft=draft), model, draft
 
 
+def spec_type_arg(text: str) -> str:
+    """``--spec-type`` for argparse: a drafter's name, llama.cpp's spellings too."""
+    try:
+        return spec_type(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--spec-type ")) from None
+
+
+def ngram_forecast(plan: Plan, model, draft, hw: HardwareProfile, hits, max_n: int) -> dict | None:
+    """What a plan can say of n-gram self-drafting before measuring (its acceptance is the
+    text's): per n_max the least acceptance at which it pays (``break_even_acceptance``).
+    None when the cost model cannot read the model."""
+    try:
+        fp = plan_footprint(plan, model, draft)
+        need = break_even_acceptance(fp, hw, max_n=max_n, hits=hits)
+    except FootprintError:
+        return None
+    return {"draft_ms": 0.0, "break_even_acceptance": {str(n): a for n, a in enumerate(need, 1)}}
+
+
+def format_ngram_forecast(forecast: dict) -> str:
+    need = forecast["break_even_acceptance"]
+    cells = " ".join(f"{n:>5}" for n in need)
+    values = " ".join(f"{'never':>5}" if a is None else f"{a:>5.2f}" for a in need.values())
+    return ("\nn-gram self-drafting (--spec-type ngram; no weights, its acceptance is the text's: "
+            "`offload tune` measures it):\n"
+            f"n_max                          {cells}\n"
+            f"pays when acceptance a_j >=    {values}")
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="offload plan", description=__doc__.split("\n\n")[0].replace("``", ""),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,9 +144,11 @@ def build_parser() -> ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("-o", "--output", metavar="PLAN.yaml", help="also write the plan file")
     spec = p.add_argument_group("speculative decoding (prediction; `offload tune` measures it)")
-    spec.add_argument("--spec-type", choices=["mtp", "none"],
-                      help="predict drafting with the model's NextN (MTP) head; default: mtp when the "
-                           "model or --draft has one")
+    spec.add_argument("--spec-type", type=spec_type_arg, metavar="TYPE",
+                      help="mtp: predict drafting with the model's NextN (MTP) head (default when the "
+                           "model or --draft has one); ngram: only the n-gram forecast (the acceptance "
+                           "at which self-drafting pays, per n_max; printed for every model); none: no "
+                           "speculative forecast")
     spec.add_argument("--spec-max-n", type=int, default=DEFAULT_MAX_N, metavar="N",
                       help=f"largest draft length in the n_max table (default {DEFAULT_MAX_N})")
     spec.add_argument("--hw-profile", metavar="YAML",
@@ -212,12 +244,13 @@ def main(argv: list[str]) -> int:
     hits = RoutingCounts.from_file(args.routing) if args.routing else kept
     table = gain = interval = plain_hw = plain_tps = fp = None
     probe_note = ""
-    if args.spec_type == "mtp" and plan.drafting == "none":
-        raise NoDraftHead(plan.model_path, "--spec-type mtp")
+    if args.spec_type in ("mtp", "dspark") and plan.drafting == "none":
+        raise NoDraftHead(plan.model_path, f"--spec-type {args.spec_type}")
     check_n_max(args.spec_max_n, "--spec-max-n")
+    ngram = None
     if args.spec_type == "none":
         plan = dataclasses.replace(plan, speculative=None)
-    elif plan.drafting != "none":
+    elif plan.drafting != "none" and args.spec_type != "ngram":
         profile, probe_note = forecast_profile(args, plan)
         table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n, hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
@@ -236,6 +269,9 @@ def main(argv: list[str]) -> int:
         except FootprintError as exc:      # a model the cost model cannot read (e.g. 2-D expert biases)
             print(f"offload: note: no plain decode forecast: {exc}", file=sys.stderr)
             plain_hw = None
+    if args.spec_type != "none" and args.spec_max_n > 0:
+        ngram_hw = plain_hw if plain_hw is not None else forecast_hardware(plan, plan_profile(plan).hardware)
+        ngram = ngram_forecast(plan, model, draft, ngram_hw, hits, args.spec_max_n)
     if probe_note:
         print(f"offload: {probe_note}", file=sys.stderr)
     if hits is not None and plan.hot_experts:
@@ -259,6 +295,8 @@ def main(argv: list[str]) -> int:
             extra["forecast_interval"] = interval.to_dict()
         if plain_tps is not None:
             extra["predicted_plain_tps"] = round(plain_tps, 4)
+        if ngram is not None:
+            extra["ngram_forecast"] = ngram
         print(json.dumps({**plan.to_dict(), "llama_cpp_args": llama_cpp_args(plan, draft_arch), **extra}, indent=1))
     elif args.emit:
         if hot_note:
@@ -276,6 +314,8 @@ def main(argv: list[str]) -> int:
             print(f"\nplain decoding (no draft head; predicted, profile: {plain_hw.source}):")
             print(format_inputs(plain_hw, interval.spread, fp))
             print(f"predicted plain decode: {plain_tps:.2f} t/s [{interval.plain_tps[0]:.0f}-{interval.plain_tps[1]:.0f}]")
+        if ngram is not None:
+            print(format_ngram_forecast(ngram))
         if gain is not None:
             print(gain.format())
         if op is not None:

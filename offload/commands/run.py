@@ -22,11 +22,11 @@ import json
 import sys
 from pathlib import Path
 
-from offload.commands.plan import add_placement_arguments, plan_from_args
+from offload.commands.plan import add_placement_arguments, plan_from_args, spec_type_arg
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.host_memory import return_freed_memory
 from offload.probe import SHIPPED_MODEL
-from placement.draft import NGRAM_SIZE, NoDraftHead, check_n_max, check_ngram_size, check_p_min, spec_type
+from placement.draft import NGRAM_SIZE, NoDraftHead, check_n_max, check_ngram_size, check_p_min
 from placement.spec_section import SpecSection
 
 DEFAULT_MODEL = SHIPPED_MODEL      # models/tiny-glm4moe-mtp.gguf, also what offload probe times
@@ -101,18 +101,11 @@ def session_options(args: argparse.Namespace) -> dict:
 DEFAULT_EXPLICIT_N_MAX = 3     # --spec-type X without an n_max from anywhere: llama.cpp's --spec-draft-n-max
 
 
-def _spec_type_arg(text: str) -> str:
-    try:
-        return spec_type(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--spec-type ")) from None
-
-
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     """Speculative-decoding flags (shared by ``offload run``, ``offload serve``)."""
     g = p.add_argument_group("speculative decoding (llama.cpp's --spec-type draft-mtp|ngram-*, "
                              "--spec-draft-n-max, --spec-draft-p-min)")
-    g.add_argument("--spec-type", type=_spec_type_arg, default=None, metavar="TYPE",
+    g.add_argument("--spec-type", type=spec_type_arg, default=None, metavar="TYPE",
                    help="mtp: draft with the NextN (MTP) head (the model's own, or --draft's); ngram: draft "
                         "from the longest earlier match of the last tokens in the context (no weights, any "
                         "model); dspark: a DSpark block drafter (--draft FILE); none: plain decoding. "

@@ -12,6 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from placement.acceptance import DEFAULT_MTP, AcceptanceProfile
 from placement.cost import (
+    break_even_acceptance,
     SpecProfile, best_over_p_min, forward_time, predicted_decode_tps, speculation_table, step_time,
 )
 from placement.cost_fit import fit_profile
@@ -255,6 +256,26 @@ def test_best_over_p_min_crafted():
     assert plain.best.n == 0 and gated.best.n == 1
     assert best_over_p_min([plain, gated]) is gated
     assert gated.to_dict()["p_min"] == 0.5
+
+
+def test_draft_free_table_and_break_even_acceptance_hand_computed():
+    """An n-gram drafter runs no weights: T(n) = T_verify(n + 1), no draft head needed.
+    From the hand footprint's T_verify(1..3) (test_speculation_table_hand_computed):
+    S(1) = (1 + a) v0 / v1 >= 1 from a = v1/v0 - 1; S(2) = (1 + a + a^2) v0 / v2 >= 1 from the
+    root of a^2 + a - (v2/v0 - 1)."""
+    fp, hw = _hand_footprint(), _hand_profile()
+    headless = DecodeFootprint(fp.target, None, fp.n_embd)
+    v = [0.01 + 0.02 + 2 * (0.01 + 0.01 * u + 0.003) + 5 * b * 4000 / 10e9
+         for b, u in ((1, 2), (2, 3), (3, 3.5))]
+    tab = speculation_table(headless, hw, acceptance=AcceptanceProfile(accept=(0.5,)), max_n=2, draft_free=True)
+    assert [r.step_s for r in tab.rows] == pytest.approx(v, rel=1e-12) and tab.draft_s == 0.0
+    with pytest.raises(FootprintError):
+        speculation_table(headless, hw, max_n=2)
+    need = break_even_acceptance(headless, hw, max_n=2)
+    c = v[2] / v[0] - 1
+    assert need == pytest.approx([v[1] / v[0] - 1, (-1 + math.sqrt(1 + 4 * c)) / 2], abs=2e-3)
+    # a loop that costs a second per drafting step: no acceptance makes drafting pay
+    assert break_even_acceptance(headless, _hand_profile(spec_step_us=1e6), max_n=2) == [None, None]
 
 
 def test_predicted_decode_tps_without_draft_head():

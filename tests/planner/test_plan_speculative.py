@@ -80,3 +80,22 @@ def test_section_reads_typed_and_writes_back_as_written(fixture_paths, tmp_path)
     assert SpecSection.from_dict(section.to_dict()) == section
     assert SpecSection().to_dict() == {} and list(SpecSection.of({"p_min": 0.5, "type": "mtp"}).to_dict()) == \
         ["p_min", "type"]
+
+
+def test_ngram_forecast_for_every_model(fixture_paths):
+    """Without a draft head (qwen3) the plan still forecasts n-gram self-drafting: per n_max
+    the acceptance at which it pays, rising with n (longer verify batches cost more);
+    ``--spec-type ngram`` gives that forecast alone (no MTP section)."""
+    box = ["--devices", "CUDA0=24GiB,CPU=128GiB", "--cpu-moe", "--no-probe"]
+    doc = json.loads(offload("plan", fixture_paths["qwen3-30b-a3b"], *box, "--json").stdout)
+    need = doc["ngram_forecast"]["break_even_acceptance"]
+    assert list(need) == [str(n) for n in range(1, 7)] and doc["ngram_forecast"]["draft_ms"] == 0.0
+    values = [a for a in need.values() if a is not None]
+    assert values and all(0 < a < 1 for a in values) and values == sorted(values)
+    r = offload("plan", fixture_paths["qwen3-30b-a3b"], *box)
+    assert "n-gram self-drafting" in r.stdout and "pays when acceptance" in r.stdout
+    doc = json.loads(offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX, "--spec-type", "ngram-simple",
+                             "--json").stdout)
+    assert doc["speculative"] is None and "ngram_forecast" in doc
+    r = offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX, "--spec-type", "medusa")
+    assert r.returncode == 2 and "--spec-type" in r.stderr and "Traceback" not in r.stderr
