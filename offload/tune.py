@@ -50,6 +50,7 @@ class Decode:
     accepted_per_position: list[int]
     drafted_per_position: list[int]
     reached_per_position: list[int]
+    drafter: str = "none"          # what drafted: mtp, ngram, dspark; none for plain decoding
 
     @property
     def produced(self) -> int:
@@ -65,12 +66,13 @@ def decode(session, prompt: Sequence[int], *, n_tokens: int, n_max: int = 0, p_m
            **generate) -> Decode:
     """Greedy generation of exactly ``n_tokens`` (end-of-sequence ignored), as ``offload run``
     does it (batched verify); ``generate``: further ``Session.generate`` keywords (``head``,
-    ``verify``, ``ubatch``)."""
+    ``verify``, ``ubatch``, ``spec_type``: the drafter, mtp by default)."""
     out = list(session.generate(list(prompt), max_tokens=n_tokens, stop_at_eos=False,
                                 n_max=n_max, p_min=p_min, **{"verify": "batched", **generate}))
     s = session.stats
     return Decode(list(prompt), out, n_max, s.eval_s, s.n_steps, s.drafted, s.accepted, s.draft_s, s.verify_s,
-                  list(s.accepted_per_position), list(s.drafted_per_position), list(s.reached_per_position))
+                  list(s.accepted_per_position), list(s.drafted_per_position), list(s.reached_per_position),
+                  generate.get("spec_type", "mtp") if n_max else "none")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,8 +121,9 @@ def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_r
     """T_verify(B) for B = 1..max_batch and T_draft, interleaved round by round until
     ``seconds`` are spent (at least ``min_rounds`` rounds). With ``loop_tokens``, each round
     also runs the real decode loop for that many tokens from the same position, plain and
-    drafting at n_max = max_batch - 1: the loop's own per-step time is measured under the
-    same conditions as the passes it is added to (``PassTimes.loop_overheads``).
+    drafting at n_max = max_batch - 1 (with the NextN head, or from n-grams when the model has
+    none): the loop's own per-step time is measured under the same conditions as the passes
+    it is added to (``PassTimes.loop_overheads``).
 
     The target sits after the prompt and the first half of ``calib``'s text; each round feeds
     the next B tokens of that text (logits for all B rows, as a verify pass computes them,
@@ -177,8 +180,8 @@ def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_r
                 cache.truncate(start - 1)
             if loop_tokens:
                 out.plain.append(decode(session, seq[:start], n_tokens=loop_tokens))
-                if head is not None:
-                    out.spec.append(decode(session, seq[:start], n_tokens=loop_tokens, n_max=max_batch - 1))
+                out.spec.append(decode(session, seq[:start], n_tokens=loop_tokens, n_max=max_batch - 1,
+                                       spec_type="mtp" if head is not None else "ngram"))
             out.rounds += 1
     return out
 
@@ -327,10 +330,11 @@ def measure_routing(session, texts: Sequence[Sequence[int]], max_batch: int) -> 
 # Acceptance.
 # ---------------------------------------------------------------------------------------------
 
-def acceptance_from(runs: Sequence[Decode], n_max: int, p_min: float) -> AcceptanceProfile:
+def acceptance_from(runs: Sequence[Decode], n_max: int, p_min: float, *, gated: bool = False) -> AcceptanceProfile:
     """Pooled per-position counts → conditional a_j = accepted_j / reached_j and, under
-    p_min, c_j = P(position j drafted | position j-1 drafted). Positions no step reached are
-    left out (the profile reuses its last value past its end)."""
+    p_min (or ``gated``: a drafter that drafts only sometimes, as n-gram lookup does), c_j =
+    P(position j drafted | position j-1 drafted). Positions no step reached are left out (the
+    profile reuses its last value past its end)."""
     acc, reach, drafted = np.zeros(n_max), np.zeros(n_max), np.zeros(n_max)
     steps = 0
     for r in runs:
@@ -343,7 +347,7 @@ def acceptance_from(runs: Sequence[Decode], n_max: int, p_min: float) -> Accepta
         raise ValueError("no draft position was reached")
     accept = tuple(conditional(acc[:m].tolist(), reach[:m].tolist()))
     cont: tuple[float, ...] = (1.0,)
-    if p_min > 0:
+    if p_min > 0 or gated:
         # position 1: steps that drafted / steps that could (reached_1 counts every step
         # whose budget allowed a draft); later: drafted_j / drafted_{j-1}
         prev = np.concatenate([[reach[0]], drafted[:-1]])
@@ -354,9 +358,15 @@ def acceptance_from(runs: Sequence[Decode], n_max: int, p_min: float) -> Accepta
 
 def measure_acceptance(session, prompts: Sequence[Sequence[int]], *, n_max: int, p_min: float,
                        n_tokens: int, **generate) -> tuple[AcceptanceProfile, list[Decode]]:
-    """Greedy speculative decoding at ``n_max`` on each prompt → ``AcceptanceProfile``."""
+    """Greedy speculative decoding at ``n_max`` on each prompt → ``AcceptanceProfile``. The
+    n-gram drafter (``spec_type="ngram"``) drafts only on a match: its profile carries c_j,
+    and a text with no match at all gives a profile that never drafts (a_1 = c_1 = 0)."""
     runs = [decode(session, p, n_tokens=n_tokens, n_max=n_max, p_min=p_min, **generate) for p in prompts]
-    return acceptance_from(runs, n_max, p_min), runs
+    if generate.get("spec_type") != "ngram":
+        return acceptance_from(runs, n_max, p_min), runs
+    if not any(r.drafted for r in runs):
+        return AcceptanceProfile(accept=(0.0,), cont=(0.0,), source="measured: no n-gram match in the text"), runs
+    return acceptance_from(runs, n_max, p_min, gated=True), runs
 
 
 # ---------------------------------------------------------------------------------------------

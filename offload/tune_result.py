@@ -28,14 +28,16 @@ class RunRecord:
 
     def to_json(self) -> dict:
         r = self.run
-        return {"repeat": self.repeat, "prompt": self.prompt, "n_max": r.n_max, "tokens": r.produced,
+        return {"repeat": self.repeat, "prompt": self.prompt, "drafter": r.drafter, "n_max": r.n_max,
+                "tokens": r.produced,
                 "eval_s": r.eval_s, "steps": r.steps, "drafted": r.drafted, "accepted": r.accepted,
                 "draft_s": r.draft_s, "verify_s": r.verify_s}
 
 
 @dataclass(frozen=True)
 class MeasuredRow:
-    """One n_max over all runs: tokens/s per repeat, speedup against the same repeat's baseline."""
+    """One (drafter, n_max) over all runs: tokens/s per repeat, speedup against the same
+    repeat's baseline (drafter "none", n_max 0)."""
 
     n_max: int
     repeats: int
@@ -48,6 +50,7 @@ class MeasuredRow:
     step_ms: float
     draft_ms: float
     verify_ms: float
+    drafter: str = "mtp"
 
     def section_dict(self) -> dict:
         """The plan's ``measured_rows`` entry (rounded; without the per-repeat speedups)."""
@@ -56,8 +59,8 @@ class MeasuredRow:
 
 @dataclass(frozen=True)
 class StepTerms:
-    """Per run n_max: the predicted step split into draft passes, verify pass and the loop's
-    own time, beside what the runs' stats booked to each (ms)."""
+    """Per run (drafter, n_max): the predicted step split into draft passes, verify pass and
+    the loop's own time, beside what the runs' stats booked to each (ms)."""
 
     n_max: int
     draft_pred: float
@@ -66,6 +69,7 @@ class StepTerms:
     verify_meas: float
     loop_pred: float
     loop_meas: float
+    drafter: str = "mtp"
 
 
 @dataclass(frozen=True)
@@ -125,27 +129,32 @@ class TuneResult:
     routing: RoutingProfile
     routing_layers: tuple[int, ...]
     routing_uniform: tuple[float, ...]
-    acceptance: dict[float, AcceptanceProfile]   # per p_min
+    acceptance: dict[float, AcceptanceProfile]   # the MTP head's per p_min (none without a head)
     fit: FitResult
     fit_free: tuple[str, ...]
     hardware: HardwareProfile
-    predicted: dict[float, SpecTable]            # per p_min
+    predicted: dict[float, SpecTable]            # the MTP head's per p_min
     p_min: float                                 # the one run and chosen
-    stages: tuple[int, ...]                      # the n_max values run
+    stages: tuple[tuple[str, int], ...]          # the (drafter, n_max) runs; ("none", 0) the baseline
     repeats: int
     runs: tuple[RunRecord, ...]
     measured: tuple[MeasuredRow, ...]
     chosen_n_max: int
-    choice: str                                  # why
+    choice: str                                  # why this n_max (of the chosen drafter)
     section: SpecSection                         # the plan's ``speculative`` section
     prefill: PrefillRates | None = None          # the op-offload rates measured
     routing_counts: RoutingCounts | None = None  # per-expert counts (written into the plan)
     hot: HotComparison | None = None             # without vs with hot experts
     hot_note: str = ""                           # why there is no comparison
+    tables: dict[str, SpecTable] | None = None   # drafter -> the table its runs were chosen from
+    chosen_drafter: str = "mtp"
+    drafter_choices: dict[str, tuple[int, str]] | None = None   # drafter -> (its n_max, why)
+    runner_up: dict | None = None                # the other drafter's best: type, n_max, speedup, margin
 
     @property
     def table(self) -> SpecTable:
-        return self.predicted[self.p_min]
+        """The chosen drafter's table."""
+        return (self.tables or {}).get(self.chosen_drafter) or self.predicted[self.p_min]
 
     def to_json(self) -> dict:
         return {
@@ -162,9 +171,12 @@ class TuneResult:
                     "max_rel_error": self.fit.max_rel_error},
             "hardware": self.hardware.to_dict(),
             "predicted": {str(p): t.to_dict() for p, t in self.predicted.items()},
-            "p_min": self.p_min, "stages": list(self.stages), "repeats": self.repeats,
+            "p_min": self.p_min, "stages": [list(st) for st in self.stages], "repeats": self.repeats,
             "runs": [r.to_json() for r in self.runs], "measured": [asdict(m) for m in self.measured],
-            "chosen_n_max": self.chosen_n_max, "choice": self.choice, "section": self.section.to_dict(),
+            "chosen_drafter": self.chosen_drafter, "chosen_n_max": self.chosen_n_max, "choice": self.choice,
+            "drafters": {k: {"n_max": n, "choice": why, "table": (self.tables or {})[k].to_dict()}
+                         for k, (n, why) in (self.drafter_choices or {}).items()},
+            "runner_up": self.runner_up, "section": self.section.to_dict(),
             "table_text": self.table.format(), "break_even_n_max": self.table.break_even_n,
             "best_n_max": self.table.best.n,
             "op_offload_rates": None if self.prefill is None else self.prefill.to_dict(),

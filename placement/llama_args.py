@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 
 from placement.devices import CPU
+from placement.draft import NGRAM_SIZE
 from placement.memory import cache_type
 from placement.plan import Plan
 
@@ -53,6 +54,12 @@ def llama_cpp_args(plan: Plan, draft_arch: str | None = None) -> list[str]:
             args += ["-devd", plan.placement.draft_device, "-ngld", "999"]
         for rule in plan.placement.draft_rules:
             args += ["-otd", rule.text]
+    spec = plan.speculative
+    if spec is not None and spec.type == "ngram" and spec.n_max:
+        # llama.cpp's nearest kind: a fixed-length lookup (offload falls back to shorter
+        # matches) whose m-gram is the draft; the lookup length is offload's longest
+        args += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(NGRAM_SIZE),
+                 "--spec-ngram-simple-size-m", str(spec.n_max)]
     return args
 
 

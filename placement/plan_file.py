@@ -24,7 +24,7 @@ import math
 import yaml
 
 from placement.devices import CPU, Device, format_bytes, normalize_device_name, parse_size, sort_devices
-from placement.draft import check_n_max, check_p_min
+from placement.draft import SPEC_TYPES, check_n_max, check_p_min
 from placement.errors import PlacementError
 from placement.hot_experts import HotExperts, from_json, to_json
 from placement.layers import LayerLayout
@@ -207,8 +207,10 @@ def _speculative(doc: _Doc, spec: dict | None) -> SpecSection | None:
     for key, kind in ((k, str) for k in SPEC_TEXT):
         if spec.get(key) is not None and not isinstance(spec[key], kind):
             doc.fail(at + (key,), f"speculative.{key} must be a string, got {spec[key]!r}")
-    if spec.get("type", "mtp") != "mtp":
-        doc.fail(at + ("type",), f"speculative.type must be mtp, got {spec['type']!r}")
+    if spec.get("type", "mtp") not in SPEC_TYPES:
+        doc.fail(at + ("type",), f"speculative.type must be one of {', '.join(SPEC_TYPES)}, got {spec['type']!r}")
+    if spec.get("runner_up") is not None and not isinstance(spec["runner_up"], dict):
+        doc.fail(at + ("runner_up",), f"speculative.runner_up must be a mapping, got {spec['runner_up']!r}")
     for key in SPEC_LISTS:
         v = spec.get(key)
         if v is not None and not (isinstance(v, list) and all(isinstance(r, dict) for r in v)):

@@ -19,7 +19,7 @@ class SpecSection:
     hand edit decide it), so that a plan file read and written back is the same file; a field
     set later (``replace``) follows them. ``placement.plan_file`` checks each key's value."""
 
-    type: str | None = None                         # "mtp", the one kind
+    type: str | None = None                         # the drafter: "mtp", "ngram" (tune may choose it), "dspark"
     n_max: int | None = None                        # what ``offload run`` drafts with by default
     p_min: float | None = None
     source: str | None = None                       # "predicted" or "tune"
@@ -33,6 +33,7 @@ class SpecSection:
     measured_speedup: float | None = None
     measured_best_n_max: int | None = None
     choice: str | None = None
+    runner_up: dict[str, Any] | None = None         # tune: the best other drafter (type, n_max, speedup, margin)
     measured_rows: list[dict[str, Any]] | None = None
     tune: dict[str, Any] | None = None
     profile: SpecProfile | None = None

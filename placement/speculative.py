@@ -3,13 +3,14 @@
 ``offload plan`` fills it with a prediction; ``offload tune`` replaces the profile with a
 measured one and adds what it measured. The section's keys:
 
-    type: mtp            n_max / p_min: what ``offload run`` drafts with by default
+    type: mtp | ngram    the drafter; n_max / p_min: what ``offload run`` drafts with by default
     source: predicted | tune
     predicted_plain_tps, break_even_n_max, best_n_max, predicted_speedup, draft_ms, routing, rows
     profile: {hardware, acceptance, routing}     (``SpecProfile``)
 
 and, written by ``offload tune`` (kept by later refreshes): measured_speedup (of the chosen
-n_max), measured_best_n_max, choice (the rule that picked n_max), measured_rows (per n_max:
+n_max), measured_best_n_max, choice (the rule that picked n_max), runner_up (the best other
+drafter: type, n_max, measured speedup, margin), measured_rows (per drafter and n_max:
 tokens/s and speedup mean ± std over repeats, tokens per step, step / draft / verify ms),
 tune (date, budget, seconds, prompts, tokens per run, repeats, load average).
 
@@ -91,8 +92,10 @@ def predict(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *,
     old = plan.speculative.entries() if plan.speculative is not None else {}
     if profile is None:
         profile = plan_profile(plan)
+    # a section ``offload tune`` gave to the n-gram drafter keeps predicting for it (no weights)
     table = speculation_table(plan_footprint(plan, model, draft), forecast_hardware(plan, profile.hardware),
-                              acceptance=profile.acceptance, max_n=max_n, routing=profile.routing, hits=hits)
+                              acceptance=profile.acceptance, max_n=max_n, routing=profile.routing, hits=hits,
+                              draft_free=old.get("type") == "ngram")
     section: dict[str, Any] = {"type": "mtp", "n_max": table.best.n, "p_min": profile.acceptance.p_min,
                                "source": "predicted"}
     section.update({k: v for k, v in old.items() if k not in ("rows", "profile")})

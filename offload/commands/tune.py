@@ -70,7 +70,7 @@ from offload.commands.run import add_session_arguments, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.plans import read_plan_file
 from offload.tune_result import HotComparison, MeasuredRow, RunRecord, StepTerms, TuneResult
-from placement.draft import NoDraftHead, check_p_min
+from placement.draft import NoDraftHead, check_p_min, spec_type
 from placement.errors import PlacementError
 
 DEFAULT_MAX_N = 6
@@ -80,6 +80,9 @@ MIN_BUDGET_S = 20.0          # below this not even one repeat of baseline vs one
 MIN_TOKENS = 16
 PASSES_SHARE = 0.15         # of --budget for the pass timings; the runs get what is left
 FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")
+# without draft passes (a model with no head) T_verify alone cannot tell the per-layer from the
+# per-pass fixed cost: one of them is fitted, the other keeps the profile's value
+FIT_FREE_VERIFY_ONLY = ("cpu_read", "cpu_compute", "forward")
 RUN_ALL_UP_TO = 4            # run every n_max 1..min(4, max-n) when the budget allows
 HOT_SHARE = 0.15            # of --budget kept for the hot-expert comparison (plans with a GPU)
 
@@ -148,8 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=DEFAULT_TOKENS,
                    help=f"tokens generated per prompt in calibration, acceptance and runs (default "
                         f"{DEFAULT_TOKENS}; acceptance depends on it, so all phases use the same)")
+    p.add_argument("--spec-type", default=None, metavar="TYPES",
+                   help="comma list of drafters to measure and choose among: mtp, ngram (llama.cpp's "
+                        "spellings too; default: mtp when the model has a draft head, and ngram)")
     p.add_argument("--spec-p-min", default="0", metavar="P[,P...]",
-                   help="draft p_min value(s) to measure acceptance for and choose among (default 0)")
+                   help="MTP draft p_min value(s) to measure acceptance for and choose among (default 0)")
     p.add_argument("-o", "--output", metavar="OUT.yaml",
                    help="write the tuned plan here (default: back into --placement's file; without "
                         "--placement nothing is written unless -o is given)")
@@ -223,8 +229,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.torch_threads)
     model = open_cli_model(args)
     plan, model, draft = plan_from_args(args, model)
-    if plan.drafting == "none":
-        raise NoDraftHead(plan.model_path, "offload tune")
+    kinds = tune_drafters(args.spec_type, plan)
     out_path = args.output or args.placement
     session = runtime.load_plan(model, plan, progress=True, **session_options(args))
     with session:
@@ -237,7 +242,7 @@ def main(argv=None) -> int:
                 raise OffloadError(f"{name}: a prompt needs at least 2 tokens")
         session.warmup()
         try:
-            result = tune(session, plan, model, draft, prompts, names, args, p_mins, clock)
+            result = tune(session, plan, model, draft, prompts, names, args, p_mins, clock, kinds)
         except ValueError as e:          # a measurement that got no sample (too short a text)
             raise OffloadError(f"tune: {e}") from None
     from placement.plan_file import plan_to_yaml
@@ -249,7 +254,8 @@ def main(argv=None) -> int:
         say(f"wrote the measured routing profile to {args.routing_out}")
     if out_path:
         write_atomic(out_path, plan_to_yaml(tuned, routing=result.routing_counts))
-        say(f"wrote n_max {result.section.n_max}, p_min {result.section.p_min:g} into {out_path}")
+        say(f"wrote drafter {result.section.type}, n_max {result.section.n_max}, p_min {result.section.p_min:g} "
+            f"into {out_path}")
     else:
         say("no plan written (give -o PLAN.yaml, or tune a --placement file)")
     if args.json:
@@ -261,7 +267,27 @@ def main(argv=None) -> int:
 # The phases.
 # ---------------------------------------------------------------------------------------------
 
-def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock) -> TuneResult:
+def tune_drafters(text: str | None, plan) -> list[str]:
+    """The drafters ``--spec-type`` names (default: mtp when the plan has a draft head, and
+    ngram, which any model has)."""
+    if text is None:
+        return (["mtp"] if plan.drafting != "none" else []) + ["ngram"]
+    kinds = []
+    for part in text.split(","):
+        kind = spec_type(part.strip())
+        if kind == "none":
+            raise OffloadError("offload tune --spec-type: plain decoding is always measured; name drafters")
+        if kind == "dspark":
+            raise OffloadError("offload tune --spec-type dspark: tuning the DSpark drafter is not supported yet")
+        if kind == "mtp" and plan.drafting == "none":
+            raise NoDraftHead(plan.model_path, "offload tune --spec-type mtp")
+        if kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
+def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock,
+         kinds: list[str] | None = None) -> TuneResult:
     from offload import tune as measure
     from placement.cost import SpecProfile, best_over_p_min, speculation_table
     from placement.cost_fit import fit_profile
@@ -269,12 +295,14 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     from placement.spec_section import SpecSection
     from placement.speculative import plan_footprint, plan_profile, predict
 
+    kinds = kinds if kinds is not None else tune_drafters(None, plan)
+    has_mtp = "mtp" in kinds
     max_n, n_tok = args.max_n, args.n_predict
     budget = clock.budget
     load0 = os.getloadavg()[0]
     say(f"{Path(plan.model_path).name}, {session.devices.describe()}; budget {budget:g}s, "
-        f"{len(prompts)} prompts x {n_tok} tokens, max-n {max_n}; load average {load0:.2f} on "
-        f"{os.cpu_count()} cores (loaded in {clock.elapsed():.1f}s)")
+        f"{len(prompts)} prompts x {n_tok} tokens, max-n {max_n}, drafters {', '.join(kinds)}; "
+        f"load average {load0:.2f} on {os.cpu_count()} cores (loaded in {clock.elapsed():.1f}s)")
 
     # 1. calibration: plain greedy decoding (the text and the plain loop's step time)
     t_phase = clock.elapsed()
@@ -293,7 +321,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
                                  loop_tokens=2 * (max_n + 1) + 1)
     verify_s, draft_s = passes.verify_s(), passes.draft_s()
     say("passes: T_verify(B) " + " ".join(f"{b}:{t * 1e3:.2f}" for b, t in verify_s.items())
-        + " ms, T_draft(B) " + " ".join(f"{b}:{t * 1e3:.2f}" for b, t in draft_s.items())
+        + " ms, T_draft(B) " + (" ".join(f"{b}:{t * 1e3:.2f}" for b, t in draft_s.items()) or "- (no head)")
         + f" ms, decode loop {statistics.median(r.step_s for r in passes.plain) * 1e3:.2f}"
         f" ms/step ({passes.rounds} rounds, {clock.elapsed() - t_phase:.1f}s)")
     routing, layers = measure.measure_routing(session, [c.prompt + c.tokens for c in calib], max_n + 1)
@@ -312,41 +340,58 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     rates = measure.measure_prefill_rates(session, model.tensors, batch=plan.settings.ubatch)
     say("op-offload rates: " + _rates_summary(rates))
 
-    # 3. acceptance per p_min (same prompts and length as the runs)
+    # 3. acceptance per drafter (MTP: per p_min), same prompts and length as the runs
     t_phase = clock.elapsed()
     accept = {}
-    for p_min in p_mins:
+    for p_min in p_mins if has_mtp else ():
         accept[p_min], _ = measure.measure_acceptance(session, prompts, n_max=max_n, p_min=p_min,
                                                       n_tokens=n_tok)
-        say(f"acceptance p_min {p_min:g}: a_j " + " ".join(f"{a:.3f}" for a in accept[p_min].accept)
+        say(f"acceptance mtp p_min {p_min:g}: a_j " + " ".join(f"{a:.3f}" for a in accept[p_min].accept)
             + ("" if p_min == 0 else "; c_j " + " ".join(f"{c:.3f}" for c in accept[p_min].cont)))
+    ngram_accept = None
+    if "ngram" in kinds:
+        ngram_accept, _ = measure.measure_acceptance(session, prompts, n_max=max_n, p_min=0.0, n_tokens=n_tok,
+                                                     spec_type="ngram")
+        say("acceptance ngram: a_j " + " ".join(f"{a:.3f}" for a in ngram_accept.accept)
+            + "; c_j (drafts made) " + " ".join(f"{c:.3f}" for c in ngram_accept.cont))
     say(f"acceptance: {clock.elapsed() - t_phase:.1f}s")
 
     # fit: pass times → hardware profile; loop overheads from the decode runs
     fp = plan_footprint(plan, model, draft)
     base_hw = plan_profile(plan).hardware
-    free = [p for p in FIT_FREE if p in base_hw.linear_params()]
-    fit = fit_profile(fp, base_hw, verify_s=verify_s, draft_s=draft_s, free=free, routing=routing)
+    free = [p for p in (FIT_FREE if draft_s else FIT_FREE_VERIFY_ONLY) if p in base_hw.linear_params()]
+    fit = fit_profile(fp, base_hw, verify_s=verify_s, draft_s=draft_s or None, free=free, routing=routing)
     step_s, spec_step_s = passes.loop_overheads()
     step_us, spec_step_us = step_s * 1e6, spec_step_s * 1e6
     hw = fit.profile.with_linear_params({"step": step_us * 1e-6, "spec_step": spec_step_us * 1e-6},
                                         source=f"measured by offload tune ({time.strftime('%Y-%m-%d')})")
     hw = with_prefill_rates(hw, rates)
     say(f"fit: {_fit_summary(fit)}; per step: loop {step_us / 1e3:.2f} ms, +{spec_step_us / 1e3:.2f} ms drafting")
-    tables = {p: speculation_table(fp, hw, acceptance=accept[p], max_n=max_n, routing=routing) for p in p_mins}
-    table = best_over_p_min(tables.values())
-    p_min = table.acceptance.p_min
+    tables = {p: speculation_table(fp, hw, acceptance=accept[p], max_n=max_n, routing=routing) for p in accept}
+    by_kind = {}
+    if has_mtp:
+        by_kind["mtp"] = best_over_p_min(tables.values())
+    if ngram_accept is not None:
+        by_kind["ngram"] = speculation_table(fp, hw, acceptance=ngram_accept, max_n=max_n, routing=routing,
+                                             draft_free=True)
+    p_min = by_kind["mtp"].acceptance.p_min if has_mtp else 0.0
 
-    # 4. runs: baseline and n_max values, interleaved
-    best = table.best.n
-    wanted = {0, best, best - 1, best + 1} | set(range(1, min(RUN_ALL_UP_TO, max_n) + 1))
-    stages = sorted(n for n in wanted if 0 <= n <= max_n)
-    core = sorted(n for n in {0, best, best - 1, best + 1, 1} if 0 <= n <= max_n)
-    per_rep = {n: len(prompts) * (n_tok - 1) / table.rows[n].tokens_per_s for n in range(max_n + 1)}
-    if sum(per_rep[n] for n in stages) > clock.left():
-        stages = core
-    say(f"runs: n_max {', '.join(map(str, stages))}; about {sum(per_rep[n] for n in stages):.1f}s per repeat, "
-        f"{clock.left():.1f}s left")
+    # 4. runs: the baseline and each drafter's n_max values, interleaved
+    def wanted(best: int, every: bool) -> list[int]:
+        ns = {best, best - 1, best + 1, 1} | (set(range(1, min(RUN_ALL_UP_TO, max_n) + 1)) if every else set())
+        return sorted(n for n in ns if 1 <= n <= max_n)
+
+    def stage_list(every: bool) -> list[tuple[str, int]]:
+        return [("none", 0)] + [(k, n) for k in kinds for n in wanted(by_kind[k].best.n, every)]
+
+    per_rep = {("none", 0): len(prompts) * (n_tok - 1) / next(iter(by_kind.values())).rows[0].tokens_per_s}
+    per_rep |= {(k, n): len(prompts) * (n_tok - 1) / by_kind[k].rows[n].tokens_per_s
+                for k in kinds for n in range(1, max_n + 1)}
+    stages = stage_list(True)
+    if sum(per_rep[st] for st in stages) > clock.left():
+        stages = stage_list(False)
+    say(f"runs: {', '.join(f'{k} {n}' if n else 'plain' for k, n in stages)}; about "
+        f"{sum(per_rep[st] for st in stages):.1f}s per repeat, {clock.left():.1f}s left")
     records: list[RunRecord] = []
     rep_times: list[float] = []
     rep = 0
@@ -356,33 +401,42 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         t_rep = clock.elapsed()
         order = stages if rep % 2 == 0 else stages[::-1]
         for i, ids in enumerate(prompts):
-            for n in order:
-                r = measure.decode(session, ids, n_tokens=n_tok, n_max=n, p_min=p_min if n else 0.0)
+            for kind, n in order:
+                r = measure.decode(session, ids, n_tokens=n_tok, n_max=n,
+                                   p_min=p_min if kind == "mtp" else 0.0, spec_type=kind if n else "mtp")
                 records.append(RunRecord(rep, names[i], r))
         rep_times.append(clock.elapsed() - t_rep)
         rep += 1
         row = _measured_rows(records, stages)
         say(f"runs: repeat {rep} ({rep_times[-1]:.1f}s): speedup "
-            + " ".join(f"n{m.n_max} {m.speedups[-1]:.3f}" for m in row if m.n_max))
+            + " ".join(f"{m.drafter} n{m.n_max} {m.speedups[-1]:.3f}" for m in row if m.n_max))
     measured = _measured_rows(records, stages)
-    chosen, rule = choose(table.best.n, measured)
-    hot, hot_note = compare_hot(session, plan, model, draft, prompts, counts, SpecProfile(hw, table.acceptance, routing),
-                                args, clock, max_n=max_n)
+    choices = {k: choose(by_kind[k].best.n, [m for m in measured if m.drafter in (k, "none")]) for k in kinds}
+    chosen_kind, runner_up = choose_drafter(choices, measured)
+    chosen, rule = choices[chosen_kind]
+    table = by_kind[chosen_kind]
+    hot, hot_note = compare_hot(session, plan, model, draft, prompts, counts,
+                                SpecProfile(hw, table.acceptance, routing), args, clock, max_n=max_n)
     say(f"hot experts: {hot_note}" if hot is None else "hot experts: compared (see the report)")
     load1 = os.getloadavg()[0]
 
-    # the plan section: predict()'s shape with the measured profile, then tune's choice
+    # the plan section: the chosen drafter's table with the measured profile, then tune's choice
     profile = SpecProfile(hw, table.acceptance, routing)
-    old = plan.speculative.entries() if plan.speculative is not None else {}
-    kept = {k: v for k, v in old.items() if k not in ("n_max", "p_min", "source")}
-    plan_in = dataclasses.replace(plan, speculative=SpecSection.of(kept) if kept else None)
-    entries = predict(plan_in, model, draft, profile=profile, max_n=max_n)[1].entries()
-    by_n = {m.n_max: m for m in measured}
+    if chosen_kind == "mtp":
+        old = plan.speculative.entries() if plan.speculative is not None else {}
+        kept = {k: v for k, v in old.items() if k not in ("type", "n_max", "p_min", "source", "runner_up")}
+        plan_in = dataclasses.replace(plan, speculative=SpecSection.of(kept) if kept else None)
+        entries = predict(plan_in, model, draft, profile=profile, max_n=max_n)[1].entries()
+    else:
+        entries = {"type": chosen_kind, "n_max": chosen, "p_min": 0.0, "source": "tune", **table.to_dict(),
+                   "profile": profile}
+    mine = {m.n_max: m for m in measured if m.drafter in (chosen_kind, "none")}
     entries.update({
-        "n_max": chosen, "p_min": p_min, "source": "tune",
-        "measured_speedup": round(by_n[chosen].speedup_mean, 4) if chosen in by_n else None,
-        "measured_best_n_max": max(measured, key=lambda m: m.speedup_mean).n_max,
+        "type": chosen_kind, "n_max": chosen, "p_min": p_min if chosen_kind == "mtp" else 0.0, "source": "tune",
+        "measured_speedup": round(mine[chosen].speedup_mean, 4) if chosen in mine else None,
+        "measured_best_n_max": max(mine.values(), key=lambda m: m.speedup_mean).n_max,
         "choice": rule,
+        "runner_up": runner_up,
         "measured_rows": [m.section_dict() for m in measured],
         "tune": {"date": time.strftime("%Y-%m-%d %H:%M"), "budget_s": budget, "seconds": round(clock.elapsed(), 1),
                  "prompts": len(prompts), "tokens_per_run": n_tok, "repeats": rep,
@@ -391,19 +445,43 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     # the profile last, where predict() puts it
     entries["profile"] = entries.pop("profile")
     section = SpecSection.of(entries)
+    # the baseline's row goes with the first drafter's (its prediction is T(0) for every drafter)
+    terms = [t for k in kinds for t in _terms(fp, hw, routing, by_kind[k].acceptance,
+                                              [m for m in measured if m.drafter == k or
+                                               (m.drafter == "none" and k == kinds[0])],
+                                              draft_free=k == "ngram")]
     return TuneResult(
         model=plan.model_path, devices=session.devices.describe(), budget_s=budget, seconds=clock.elapsed(),
         load_average=(load0, load1), tokens_per_run=n_tok, calibration_step_ms=plain_step * 1e3,
         plain_step_ms=statistics.median(r.step_s for r in passes.plain) * 1e3,
         loop_step_ms=step_us / 1e3, loop_spec_step_ms=spec_step_us / 1e3,
         verify_ms={b: t * 1e3 for b, t in verify_s.items()}, draft_ms={b: t * 1e3 for b, t in draft_s.items()},
-        terms=tuple(_terms(fp, hw, routing, table.acceptance, measured)),
+        terms=tuple(terms),
         pass_spread=passes.spread(), pass_rounds=passes.rounds,
         routing=routing, routing_layers=tuple(layers), routing_uniform=tuple(uniform),
         acceptance=accept, fit=fit, fit_free=tuple(free), hardware=hw, predicted=tables,
         p_min=p_min, stages=tuple(stages), repeats=rep, runs=tuple(records), measured=tuple(measured),
         chosen_n_max=chosen, choice=rule, section=section, prefill=rates, routing_counts=counts,
-        hot=hot, hot_note=hot_note)
+        hot=hot, hot_note=hot_note, tables=by_kind, chosen_drafter=chosen_kind, drafter_choices=choices,
+        runner_up=runner_up)
+
+
+def choose_drafter(choices: dict[str, tuple[int, str]], measured: list[MeasuredRow]) -> tuple[str, dict | None]:
+    """The drafter whose chosen n_max measured the highest speedup, and the runner-up (the
+    best of the others: type, n_max, its measured speedup, and the margin between them)."""
+    by_key = {(m.drafter, m.n_max): m for m in measured}
+
+    def speedup(kind: str) -> float:
+        n = choices[kind][0]
+        row = by_key.get((kind, n)) if n else by_key.get(("none", 0))
+        return row.speedup_mean if row is not None else 0.0
+
+    ranked = sorted(choices, key=lambda k: (-speedup(k), list(choices).index(k)))
+    if len(ranked) < 2:
+        return ranked[0], None
+    best, second = ranked[0], ranked[1]
+    return best, {"type": second, "n_max": choices[second][0], "measured_speedup": round(speedup(second), 4),
+                  "margin": round(speedup(best) - speedup(second), 4)}
 
 
 def compare_hot(session, plan, model, draft, prompts, counts, profile, args, clock: Clock, *,
@@ -457,9 +535,10 @@ def compare_hot(session, plan, model, draft, prompts, counts, profile, args, clo
                          virtual), ""
 
 
-def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow]) -> list[StepTerms]:
+def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow], *, draft_free: bool = False) -> list[StepTerms]:
     """Per run n_max: the predicted step split into draft passes, verify pass and the loop's
-    own time, beside what the runs' stats booked to each — which term a misprediction is in."""
+    own time, beside what the runs' stats booked to each — which term a misprediction is in.
+    ``draft_free``: a drafter that runs no weights (its predicted draft term is 0)."""
     from placement.cost import forward_time
 
     kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
@@ -468,14 +547,14 @@ def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow]) -> list[Ste
     for m in measured:
         n = m.n_max
         verify = [forward_time(fp.target, b, hw, **kw) for b in range(1, n + 2)]
-        draft = [forward_time(fp.draft, b, hw, **kw) for b in range(1, n + 2)]
+        draft = [0.0 if draft_free else forward_time(fp.draft, b, hw, **kw) for b in range(1, n + 2)]
         first = sum(p * draft[k] for k, p in enumerate(acceptance.accepted_distribution(n)))
         dist = acceptance.drafted_distribution(n)
         d_pred = sum(p * (first + (min(d + 1, n) - 1) * draft[0]) for d, p in enumerate(dist) if p and n)
         v_pred = sum(p * verify[d] for d, p in enumerate(dist))
         loop = params["step"] + (params["spec_step"] if n else 0.0)
         out.append(StepTerms(n, d_pred * 1e3, m.draft_ms, v_pred * 1e3, m.verify_ms,
-                             loop * 1e3, m.step_ms - m.draft_ms - m.verify_ms))
+                             loop * 1e3, m.step_ms - m.draft_ms - m.verify_ms, m.drafter))
     return out
 
 
@@ -507,32 +586,35 @@ def _fit_summary(fit) -> str:
     return ", ".join(parts) + f"; largest pass error {100 * fit.max_rel_error:.1f}%"
 
 
-def _measured_rows(records: list[RunRecord], stages: list[int]) -> list[MeasuredRow]:
-    """Per n_max: tokens/s over all prompts per repeat; speedup = that / the baseline's of the
-    same repeat; mean ± std over repeats; measured tokens per step and step time."""
+def _measured_rows(records: list[RunRecord], stages: list[tuple[str, int]]) -> list[MeasuredRow]:
+    """Per (drafter, n_max): tokens/s over all prompts per repeat; speedup = that / the
+    baseline's (("none", 0)) of the same repeat; mean ± std over repeats; measured tokens per
+    step and step time."""
     reps = sorted({r.repeat for r in records})
-    tps: dict[int, list[float]] = {n: [] for n in stages}
+    tps: dict[tuple[str, int], list[float]] = {st: [] for st in stages}
     for rep in reps:
-        for n in stages:
-            rs = [r.run for r in records if r.repeat == rep and r.run.n_max == n]
+        for st in stages:
+            rs = [r.run for r in records if r.repeat == rep and (r.run.drafter, r.run.n_max) == st]
             if rs:
-                tps[n].append(sum(r.produced for r in rs) / sum(r.eval_s for r in rs))
+                tps[st].append(sum(r.produced for r in rs) / sum(r.eval_s for r in rs))
+    base = tps[("none", 0)]
     out = []
-    for n in stages:
-        rs = [r.run for r in records if r.run.n_max == n]
-        k = min(len(tps[n]), len(tps[0]))
-        sp = tuple(tps[n][i] / tps[0][i] for i in range(k))
+    for st in stages:
+        rs = [r.run for r in records if (r.run.drafter, r.run.n_max) == st]
+        k = min(len(tps[st]), len(base))
+        sp = tuple(tps[st][i] / base[i] for i in range(k))
         steps = sum(r.steps for r in rs)
         out.append(MeasuredRow(
-            n_max=n, repeats=k,
-            tokens_per_s_mean=statistics.fmean(tps[n]),
-            tokens_per_s_std=statistics.stdev(tps[n]) if len(tps[n]) > 1 else 0.0,
+            n_max=st[1], repeats=k,
+            tokens_per_s_mean=statistics.fmean(tps[st]),
+            tokens_per_s_std=statistics.stdev(tps[st]) if len(tps[st]) > 1 else 0.0,
             speedup_mean=statistics.fmean(sp), speedup_std=statistics.stdev(sp) if k > 1 else 0.0,
             speedups=sp,
             expected_tokens=sum(r.produced for r in rs) / steps,
             step_ms=1e3 * sum(r.eval_s for r in rs) / steps,
             draft_ms=1e3 * sum(r.draft_s for r in rs) / steps,
-            verify_ms=1e3 * sum(r.verify_s for r in rs) / steps))
+            verify_ms=1e3 * sum(r.verify_s for r in rs) / steps,
+            drafter=st[0]))
     return out
 
 
@@ -565,15 +647,15 @@ def choose(predicted_best: int, measured: list[MeasuredRow]) -> tuple[int, str]:
 # ---------------------------------------------------------------------------------------------
 
 def format_report(r: TuneResult) -> str:
-    table = r.table
-    rows = {row.n: row for row in table.rows}
-    meas = {m.n_max: m for m in r.measured}
+    tables = r.tables or {"mtp": r.table}
+    meas = {(m.drafter, m.n_max): m for m in r.measured}
     hw = r.hardware.to_dict()
+    drafts = (", ".join(f"B={b} {t:.2f}" for b, t in r.draft_ms.items()) or "- (no draft head)")
     lines = [
         f"offload tune: {r.model} on {r.devices}; {r.seconds:.0f}s of a {r.budget_s:g}s budget, "
         f"load average {r.load_average[0]:.2f} -> {r.load_average[1]:.2f}",
         "measured passes: T_verify(B) " + ", ".join(f"B={b} {t:.2f}" for b, t in r.verify_ms.items())
-        + " ms; T_draft(B) " + ", ".join(f"B={b} {t:.2f}" for b, t in r.draft_ms.items())
+        + " ms; T_draft(B) " + drafts
         + f" ms; plain loop step {r.plain_step_ms:.2f} ms (loop's own "
         f"{r.loop_step_ms:.2f} ms, +{r.loop_spec_step_ms:.2f} ms when drafting)",
         "routing (distinct experts/layer, B=1..): measured " + " ".join(f"{d:.2f}" for d in r.routing.distinct)
@@ -582,34 +664,44 @@ def format_report(r: TuneResult) -> str:
         "fitted profile: " + ", ".join(f"{k} {v:.4g}" for k, v in hw.items()
                                        if isinstance(v, (int, float)))
         + f" (largest pass error {100 * r.fit.max_rel_error:.1f}%)",
-        "",
-        table.format(),
-        "",
-        f"predicted vs measured (p_min {r.p_min:g}, {r.repeats} repeats x {r.tokens_per_run} tokens "
-        "per prompt; measured E = tokens/step, T = ms/step):",
-        f"{'n_max':>5} {'E pred':>7} {'E meas':>7} {'T pred':>7} {'T meas':>7} {'S pred':>7} "
-        f"{'S measured':>15} {'diff':>7}",
     ]
-    for n in sorted(meas):
-        p, m = rows[n], meas[n]
-        diff = (p.speedup / m.speedup_mean - 1) * 100
-        lines.append(f"{n:>5} {p.expected_tokens:>7.2f} {m.expected_tokens:>7.2f} {p.step_s * 1e3:>7.2f} "
-                     f"{m.step_ms:>7.2f} {p.speedup:>7.3f} {m.speedup_mean:>7.3f} ± {m.speedup_std:.3f} "
-                     f"{diff:>+6.1f}%")
-    lines += ["", "per-step terms, predicted / measured in the runs (ms; draft: head passes and draft "
-              "sampling, verify: the target pass and acceptance, loop: the rest):",
-              f"{'n_max':>5} {'draft':>15} {'verify':>15} {'loop':>13}"]
+    base = meas.get(("none", 0))
+    for kind, table in tables.items():
+        rows = {row.n: row for row in table.rows}
+        p_min = r.p_min if kind == "mtp" else 0.0
+        lines += ["", f"drafter {kind}" + (" (no weights: draft passes cost nothing)" if kind == "ngram" else "")
+                  + ":", table.format(), "",
+                  f"predicted vs measured ({kind}, p_min {p_min:g}, {r.repeats} repeats x {r.tokens_per_run} "
+                  "tokens per prompt; measured E = tokens/step, T = ms/step):",
+                  f"{'n_max':>5} {'E pred':>7} {'E meas':>7} {'T pred':>7} {'T meas':>7} {'S pred':>7} "
+                  f"{'S measured':>15} {'diff':>7}"]
+        mine = ([base] if base is not None else []) + sorted(
+            (m for m in r.measured if m.drafter == kind), key=lambda m: m.n_max)
+        for m in mine:
+            p = rows[m.n_max]
+            diff = (p.speedup / m.speedup_mean - 1) * 100
+            lines.append(f"{m.n_max:>5} {p.expected_tokens:>7.2f} {m.expected_tokens:>7.2f} {p.step_s * 1e3:>7.2f} "
+                         f"{m.step_ms:>7.2f} {p.speedup:>7.3f} {m.speedup_mean:>7.3f} ± {m.speedup_std:.3f} "
+                         f"{diff:>+6.1f}%")
+        theirs = [m for m in r.measured if m.drafter == kind]
+        best_meas = max(theirs, key=lambda m: m.speedup_mean) if theirs else None
+        n, why = (r.drafter_choices or {kind: (r.chosen_n_max, r.choice)})[kind]
+        lines += [f"break-even n_max (predicted): {table.break_even_n}"
+                  f"{' (or more: the table ends at --max-n)' if table.break_even_n == max(rows) else ''}; "
+                  f"best n_max: predicted {table.best.n}"
+                  + (f", measured {best_meas.n_max} ({best_meas.speedup_mean:.3f}x)" if best_meas else ""),
+                  f"{kind}'s n_max: {n}: {why}"]
+    lines += ["", "per-step terms, predicted / measured in the runs (ms; draft: draft passes or lookups and "
+              "draft sampling, verify: the target pass and acceptance, loop: the rest):",
+              f"{'drafter':>7} {'n_max':>5} {'draft':>15} {'verify':>15} {'loop':>13}"]
     for t in r.terms:
-        lines.append(f"{t.n_max:>5} {t.draft_pred:>7.2f}/{t.draft_meas:<7.2f} "
+        lines.append(f"{t.drafter:>7} {t.n_max:>5} {t.draft_pred:>7.2f}/{t.draft_meas:<7.2f} "
                      f"{t.verify_pred:>7.2f}/{t.verify_meas:<7.2f} {t.loop_pred:>6.2f}/{t.loop_meas:<6.2f}")
-    lines += ["", r.hot.format() if r.hot is not None else f"hot experts: {r.hot_note}"]
-    best_meas = max(r.measured, key=lambda m: m.speedup_mean)
-    lines += [
-        "",
-        f"break-even n_max (predicted): {table.break_even_n}"
-        f"{' (or more: the table ends at --max-n)' if table.break_even_n == max(rows) else ''}; "
-        f"best n_max: predicted {table.best.n}, "
-        f"measured {best_meas.n_max} ({best_meas.speedup_mean:.3f}x)",
-        f"chosen n_max: {r.chosen_n_max} (p_min {r.p_min:g}): {r.choice}",
-    ]
+    lines += ["", r.hot.format() if r.hot is not None else f"hot experts: {r.hot_note}", ""]
+    p_min = r.p_min if r.chosen_drafter == "mtp" else 0.0
+    lines.append(f"chosen: drafter {r.chosen_drafter}, n_max {r.chosen_n_max} (p_min {p_min:g}): {r.choice}")
+    if r.runner_up is not None:
+        u = r.runner_up
+        lines.append(f"runner-up: drafter {u['type']}, n_max {u['n_max']} ({u['measured_speedup']:.3f}x measured); "
+                     f"margin {u['margin']:+.3f}x of the plain speed")
     return "\n".join(lines)

@@ -116,4 +116,4 @@ def test_run_bench_tune_end_to_end(tmp_path, capsys):
     assert main(["plan", str(tiny.path), *gpu, "-o", str(plan)]) == 0
     assert main(["tune", "--placement", str(plan), "--max-n", "2", "--budget", "20s", "-n", "16",
                  "--virtual-gpus"]) == 0
-    assert "chosen n_max" in capsys.readouterr().out
+    assert "chosen: drafter" in capsys.readouterr().out

@@ -43,7 +43,7 @@ CASES = [
     (("speculative", "p_min"), "high", "speculative.p_min must be a number in [0, 1), got 'high'"),
     (("speculative", "best_n_max"), -1, "speculative.best_n_max must be an integer >= 0, got -1"),
     (("speculative", "predicted_speedup"), float("nan"), "speculative.predicted_speedup must be a finite number"),
-    (("speculative", "type"), "eagle", "speculative.type must be mtp, got 'eagle'"),
+    (("speculative", "type"), "eagle", "speculative.type must be one of mtp, dspark, ngram, got 'eagle'"),
     (("speculative", "frobnicate"), 1, "speculative: unknown key 'frobnicate'"),
     (("speculative", "rows"), "many", "speculative.rows must be a list of mappings"),
     (("speculative", "profile"), {"hardware": 3}, "speculative.profile: "),

@@ -99,3 +99,28 @@ def test_ngram_forecast_for_every_model(fixture_paths):
     assert doc["speculative"] is None and "ngram_forecast" in doc
     r = offload("plan", fixture_paths["glm-4.5-air"], *GLM_BOX, "--spec-type", "medusa")
     assert r.returncode == 2 and "--spec-type" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_plan_tuned_for_ngram_gives_llama_cpp_its_ngram_kind(fixture_paths):
+    """A plan whose speculative section drafts with n-grams (``offload tune`` chose them) reads
+    back, and its llama.cpp line asks for llama.cpp's nearest kind with the same draft length."""
+    import dataclasses
+
+    from offload.gguf_model import open_model
+    from placement.devices import parse_devices
+    from placement.llama_args import llama_cpp_args
+    from placement.plan_file import load_plan_file, plan_to_yaml
+    from placement.planner import PlanOptions, make_plan
+    from placement.spec_section import SpecSection
+
+    model = open_model(fixture_paths["qwen3-30b-a3b"])
+    plan = make_plan(model, parse_devices("CUDA0=24GiB,CPU=128GiB"), PlanOptions())
+    tuned = dataclasses.replace(plan, speculative=SpecSection.of(
+        {"type": "ngram", "n_max": 3, "p_min": 0.0, "source": "tune",
+         "runner_up": {"type": "mtp", "n_max": 1, "measured_speedup": 1.02, "margin": 0.11}}))
+    back = load_plan_file(plan_to_yaml(tuned), "plan.yaml")
+    assert back.speculative.type == "ngram" and back.speculative.runner_up["margin"] == 0.11
+    args = llama_cpp_args(tuned)
+    assert args[args.index("--spec-type"):] == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "12",
+                                                "--spec-ngram-simple-size-m", "3"]
+    assert "--spec-type" not in llama_cpp_args(plan)

@@ -73,29 +73,40 @@ def test_tune_writes_a_plan_that_run_uses(capsys, tmp_path, plan_file):
     assert after["routing"]["kind"] == "routing" and sorted(after["routing"]["layers"]) == \
         ["blk.1", "blk.2", "blk.3", "blk.4"]                 # the measured profile, NextN block included
     spec = after["speculative"]
-    assert spec["source"] == "tune" and spec["type"] == "mtp" and spec["p_min"] == 0.0
+    # both drafters were measured (the MTP head and n-gram lookup); the plan names the chosen
+    # one, the other is the runner-up with the measured margin between them
+    assert spec["source"] == "tune" and spec["type"] in ("mtp", "ngram") and spec["p_min"] == 0.0
+    assert spec["runner_up"]["type"] == ({"mtp", "ngram"} - {spec["type"]}).pop()
+    assert spec["runner_up"]["margin"] >= 0
     assert spec["n_max"] in (0, 1, 2)
     assert [r["n_max"] for r in spec["rows"]] == [0, 1, 2]
     # tune runs every n_max when the budget left holds a repeat of all of them, else the core
     # set around the forecast's best (plain, n_max 1, best ± 1): which one depends on this
     # box's speed, so the rows must be what tune announced it would run, core included
-    announced = re.search(r"runs: n_max ([\d, ]+);", err)
+    announced = re.search(r"runs: (plain(?:, \w+ \d+)*); about", err)
     assert announced, err
-    stages = [int(n) for n in announced.group(1).split(", ")]
-    assert [r["n_max"] for r in spec["measured_rows"]] == stages and {0, 1} <= set(stages) <= {0, 1, 2}
-    assert spec["n_max"] in stages
+    stages = [("none", 0)] + [(k, int(n)) for k, n in (x.split() for x in announced.group(1).split(", ")[1:])]
+    assert [(r["drafter"], r["n_max"]) for r in spec["measured_rows"]] == stages
+    assert {("none", 0), ("mtp", 1), ("ngram", 1)} <= set(stages) <= {("none", 0)} | {
+        (k, n) for k in ("mtp", "ngram") for n in (1, 2)}
+    assert (spec["type"] if spec["n_max"] else "none", spec["n_max"]) in stages
     assert all(r["tokens_per_s_mean"] > 0 and r["repeats"] >= 1 for r in spec["measured_rows"])
     prof = spec["profile"]
     assert prof["hardware"]["source"].startswith("measured")
     assert prof["acceptance"]["source"] == "measured" and len(prof["acceptance"]["accept"]) <= 2
     assert prof["routing"]["source"] == "measured" and len(prof["routing"]["distinct"]) == 3
-    assert "predicted vs measured" in out and "chosen n_max" in out
+    assert "predicted vs measured" in out and "drafter mtp" in out and "drafter ngram" in out
+    assert f"chosen: drafter {spec['type']}, n_max {spec['n_max']}" in out and "runner-up" in out
     assert "calibrate" in err and "passes" in err and "acceptance" in err and "runs" in err
     d = json.loads(out_json.read_text())
     assert d["chosen_n_max"] == spec["n_max"] and set(d["verify_ms"]) == {"1", "2", "3"}
     assert set(d["draft_ms"]) == {"1", "2", "3"}
     assert all(v > 0 for v in d["verify_ms"].values()) and all(v > 0 for v in d["draft_ms"].values())
-    assert [t["n_max"] for t in d["terms"]] == [0, 1, 2] and d["terms"][0]["draft_pred"] == 0.0
+    assert [(t["drafter"], t["n_max"]) for t in d["terms"]] == [s for s in stages if s[0] != "ngram"] + \
+        [s for s in stages if s[0] == "ngram"]
+    assert d["terms"][0]["draft_pred"] == 0.0
+    assert all(t["draft_pred"] == 0.0 for t in d["terms"] if t["drafter"] == "ngram")
+    assert d["chosen_drafter"] == spec["type"] and set(d["drafters"]) == {"mtp", "ngram"}
 
     # offload run takes the plan's n_max (and says so); its stats carry it
     stats = tmp_path / "stats.json"
@@ -232,6 +243,25 @@ def test_read_prompts(tmp_path):
 
 # -- bad input -------------------------------------------------------------------------------
 
+def test_tune_without_a_draft_head_chooses_among_ngram_and_plain(capsys, tmp_path):
+    """A model without a NextN head (the shipped trunk) is tuned with the n-gram drafter:
+    verify passes only (no head), a plan section of type ngram (or n_max 0) that run uses."""
+    trunk = tmp_path / "trunk.gguf"
+    split_nextn(SHIPPED, trunk, tmp_path / "mtp.gguf")
+    plan = tmp_path / "plan.yaml"
+    rc, out, err = cli(capsys, "tune", trunk, "--devices", "CPU=16GiB", "--max-n", "2", "--budget", "20s",
+                       "-n", "24", "-o", plan)
+    assert rc == 0, err
+    spec = yaml.safe_load(plan.read_text())["speculative"]
+    assert spec["type"] == "ngram" and spec["runner_up"] is None and spec["source"] == "tune"
+    assert {r["drafter"] for r in spec["measured_rows"]} == {"none", "ngram"}
+    assert "drafter ngram" in out and "drafter mtp" not in out and "no draft head" in out
+    rc, _, err = cli(capsys, "run", "--placement", plan, "-n", "8", "--ignore-eos")
+    assert rc == 0, err
+    assert (f"ngram from the context (longest lookup 12), n_max {spec['n_max']} (from the plan's" in err
+            if spec["n_max"] else "n_max 0 from the plan's speculative.n_max (tune)" in err), err
+
+
 def test_bad_input_is_one_line_status_2_and_leaves_the_plan(capsys, tmp_path, plan_file):
     trunk, draft = tmp_path / "trunk.gguf", tmp_path / "mtp.gguf"
     split_nextn(SHIPPED, trunk, draft)
@@ -254,8 +284,9 @@ def test_bad_input_is_one_line_status_2_and_leaves_the_plan(capsys, tmp_path, pl
         (("--placement", plan_file, "--prompts", binary), "not UTF-8"),
         (("--placement", plan_file, "--prompts", long_prompt), "context"),
         ((trunk, "--placement", plan_file), "is a plan for"),
-        (("--placement", other_plan), "no NextN"),
-        ((trunk, "--devices", "CPU=16GiB", "-o", tmp_path / "never.yaml"), "no NextN"),
+        (("--placement", other_plan, "--spec-type", "mtp"), "no NextN"),
+        (("--placement", plan_file, "--spec-type", "eagle3"), "--spec-type"),
+        ((trunk, "--devices", "CPU=16GiB", "--spec-type", "draft-mtp", "-o", tmp_path / "never.yaml"), "no NextN"),
     ]
     for args, needle in cases:
         rc, out, err = cli(capsys, "tune", *args, "--json", never)
@@ -282,10 +313,12 @@ def test_measured_rows_hand_computed():
     from offload.tune_result import RunRecord
 
     def rec(rep, n, eval_s, steps):
-        return RunRecord(rep, "p", measure.Decode([1], [1] * 10, n, eval_s, steps, 0, 0, 0.0, eval_s, [], [], []))
-    rows = _measured_rows([rec(0, 0, 1.0, 9), rec(0, 1, 0.5, 5), rec(1, 0, 1.0, 9), rec(1, 1, 0.75, 5)], [0, 1])
+        return RunRecord(rep, "p", measure.Decode([1], [1] * 10, n, eval_s, steps, 0, 0, 0.0, eval_s, [], [], [],
+                                                  "ngram" if n else "none"))
+    rows = _measured_rows([rec(0, 0, 1.0, 9), rec(0, 1, 0.5, 5), rec(1, 0, 1.0, 9), rec(1, 1, 0.75, 5)],
+                          [("none", 0), ("ngram", 1)])
     base, one = rows
-    assert base.speedups == (1.0, 1.0) and one.repeats == 2
+    assert base.speedups == (1.0, 1.0) and one.repeats == 2 and (base.drafter, one.drafter) == ("none", "ngram")
     assert one.speedups == pytest.approx((2.0, 4 / 3)) and one.speedup_mean == pytest.approx(5 / 3)
     assert one.expected_tokens == pytest.approx(1.8) and one.step_ms == pytest.approx(125.0)
     assert one.section_dict()["speedup_mean"] == 1.6667 and "speedups" not in one.section_dict()
