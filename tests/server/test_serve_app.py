@@ -108,3 +108,29 @@ def test_bad_serve_flags_are_one_line_and_status_2(tmp_path, capsys):
             assert "Traceback" not in "\n".join(err)
     finally:
         taken.close()
+
+
+def test_an_ngram_drafting_server_drafts_and_reuses_the_prompt_cache():
+    """A server started with ``--spec-type ngram`` drafts from the context on a request's
+    n_max (greedy: the text is plain decoding's with exact verify), and the prompt cache
+    works for it (no head cache to follow: the whole common prefix is reused)."""
+    import offload.runtime as rt
+
+    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
+    with rt.load(model, devices="CPU=16GiB", quiet=True) as session:
+        eng = Engine(lambda: session, model_name="m", template=ChatTemplate("{{ messages }}", origin="test"),
+                     spec=SpecOptions(n_max=3, type="ngram", verify="exact"), max_queue=2,
+                     on_load_error=lambda message: None)
+        prompt = '"""HTTP status codes.\n\n    200 OK\n    404 Not Found\n"""\n\nREASONS = {\n'
+        body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        with TestClient(build_app(eng, model_meta={"n_ctx": 512})) as client:
+            for _ in range(200):
+                if client.get("/health").status_code == 200:
+                    break
+                threading.Event().wait(0.05)
+            plain = client.post("/v1/completions", json=body | {"n_max": 0}).json()
+            drafted = client.post("/v1/completions", json=body).json()
+            again = client.post("/v1/completions", json=body).json()
+        assert drafted["timings"]["n_max"] == 3 and drafted["timings"]["draft_n"] > 0
+        assert drafted["choices"][0]["text"] == plain["choices"][0]["text"] == again["choices"][0]["text"]
+        assert again["timings"]["cache_n"] == again["usage"]["prompt_tokens"] - 1
