@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from offload.errors import OffloadError
 from placement.hardware import HardwareProfile, ProfileError
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
@@ -218,7 +219,6 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
     from offload import runtime
     from offload import tune
     from offload.bench_tasks import TASKS
-    from offload.errors import OffloadError
     from offload.gguf_model import open_model
     from placement.cost_fit import fit_profile
     from placement.devices import parse_devices
@@ -275,3 +275,49 @@ def calibrate(*, refresh: bool = False, **probe) -> tuple[ProbeResult, str]:
     result = measure(**probe)
     why = write_cache(path, result)
     return result, f"probe ran {result.seconds:.1f}s" + (f" ({why})" if why else f", cached in {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Named profiles: a box's probe written on it, read by name where plans for it are made.
+# ---------------------------------------------------------------------------------------------
+
+PROFILES_ENV = "OFFLOAD_PROFILES"      # more folders of named hardware profiles (path-separated)
+SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "bench" / "profiles"
+
+
+def user_profiles() -> Path:
+    """This user's folder of named profiles (``offload probe --write NAME`` writes there)."""
+    return Path.home() / ".config" / "offload" / "profiles"
+
+
+def profile_dirs() -> list[Path]:
+    """Where ``--hw-profile NAME`` looks, in order: $OFFLOAD_PROFILES, ~/.config/offload/profiles
+    (where ``offload probe --write NAME`` puts a box's profile), the repository's bench/profiles."""
+    extra = [Path(p) for p in os.environ.get(PROFILES_ENV, "").split(os.pathsep) if p]
+    return extra + [user_profiles(), SHIPPED_PROFILES]
+
+
+def hw_profile_path(text: str) -> Path:
+    """``--hw-profile``: a YAML file, or the name of one in ``profile_dirs()`` (``rtx4090_epyc``
+    for bench/profiles/rtx4090_epyc.yaml); a name nobody has is a one-line error listing the
+    names there are."""
+    path = Path(text)
+    if path.is_file() or path.suffix in (".yaml", ".yml") or os.sep in text:
+        return path                       # a path (HardwareProfile.from_yaml says if it is missing)
+    for folder in profile_dirs():
+        for suffix in (".yaml", ".yml"):
+            if (folder / f"{text}{suffix}").is_file():
+                return folder / f"{text}{suffix}"
+    names = sorted({f.stem for d in profile_dirs() if d.is_dir() for f in d.glob("*.y*ml")})
+    raise OffloadError(f"--hw-profile {text}: no such file, and no profile of that name "
+                       f"(named profiles: {', '.join(names) or 'none'}; folders: "
+                       f"{', '.join(str(d) for d in profile_dirs())})")
+
+
+def named_profile_target(text: str) -> Path:
+    """``--write``: a path, or a bare NAME, which goes to ~/.config/offload/profiles/NAME.yaml
+    (where ``offload plan --hw-profile NAME`` finds it; copy the file to another box's folder)."""
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml") or os.sep in text:
+        return path
+    return user_profiles() / f"{text}.yaml"

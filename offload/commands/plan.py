@@ -22,7 +22,7 @@ import sys
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.gguf_model import ModelFile, check_shapes, open_model
 from offload.plans import open_draft, plan_from_file, read_plan_file
-from offload.probe import CACHE_ENV
+from offload.probe import CACHE_ENV, hw_profile_path
 from placement.devices import resolve_devices
 from placement.draft import NoDraftHead, check_n_max, spec_type
 from placement.llama_args import format_args, llama_cpp_args
@@ -151,9 +151,11 @@ def build_parser() -> ArgumentParser:
                            "speculative forecast")
     spec.add_argument("--spec-max-n", type=int, default=DEFAULT_MAX_N, metavar="N",
                       help=f"largest draft length in the n_max table (default {DEFAULT_MAX_N})")
-    spec.add_argument("--hw-profile", metavar="YAML",
+    spec.add_argument("--hw-profile", metavar="YAML|NAME",
                       help="hardware profile (cpu_read_gbps, gpus: {CUDA0: {name|read_gbps|link_gbps}}, "
-                           "fixed costs), e.g. written by `offload probe --write` on the box the plan is for; "
+                           "fixed costs), e.g. written by `offload probe --write NAME` on the box the plan is "
+                           "for; a NAME is looked up in $OFFLOAD_PROFILES, ~/.config/offload/profiles and "
+                           "bench/profiles; "
                            "default: the probe on this box, or the plan file's measured profile")
     probe = spec.add_mutually_exclusive_group()
     probe.add_argument("--no-probe", action="store_true",
@@ -218,7 +220,7 @@ def forecast_profile(args: argparse.Namespace, plan: Plan) -> tuple[SpecProfile 
     this box (``for_this_box``)."""
     if args.hw_profile:
         base = plan.speculative.profile if plan.speculative is not None else None
-        hw = complete_hardware(HardwareProfile.from_yaml(args.hw_profile), plan)
+        hw = complete_hardware(HardwareProfile.from_yaml(hw_profile_path(args.hw_profile)), plan)
         return (SpecProfile(hw) if base is None else dataclasses.replace(base, hardware=hw)), ""
     if for_this_box(args, plan):
         return probed_profile(plan, refresh=args.refresh_probe)

@@ -1,6 +1,6 @@
 """``offload probe``: measure this box's fixed costs for the plan's forecast (about 2 s).
 
-    offload probe [--write PROFILE.yaml] [--refresh] [-t THREADS]
+    offload probe [--write PROFILE.yaml|NAME] [--refresh] [-t THREADS]
 
 Prints the CPU terms the forecast of ``offload plan`` needs (read rate, fixed cost per CPU
 block and per forward pass, the decode loop's own time per step; ``offload.probe``), from the
@@ -17,14 +17,16 @@ import sys
 import yaml
 
 from offload.errors import ArgumentParser, OffloadError, write_atomic
-from offload.probe import CACHE_ENV, PROBE_SECONDS, calibrate
+from offload.probe import CACHE_ENV, PROBE_SECONDS, calibrate, named_profile_target
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="offload probe", description=__doc__.split("\n\n")[0].replace("``", ""),
                        epilog=__doc__.split("\n\n", 2)[2].replace("``", ""),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--write", metavar="PROFILE.yaml", help="write the measured terms as a hardware profile")
+    p.add_argument("--write", metavar="PROFILE.yaml|NAME",
+                   help="write the measured terms as a hardware profile: a file, or NAME for "
+                        "~/.config/offload/profiles/NAME.yaml (`offload plan --hw-profile NAME` reads it)")
     p.add_argument("--refresh", action="store_true",
                    help=f"measure again instead of reading the cache (${CACHE_ENV} relocates it)")
     p.add_argument("--seconds", type=float, default=PROBE_SECONDS,
@@ -47,8 +49,11 @@ def main(argv=None) -> int:
     print(f"offload probe: {result.cpu}, offload {result.version}, {result.threads} threads; {how}")
     print(f"measured: {result.describe()}")
     if args.write:
+        target = named_profile_target(args.write)
         header = (f"# offload probe on {result.cpu} ({result.threads} threads, offload {result.version}, "
                   f"{result.date}): give to `offload plan --hw-profile`; add this box's gpus: by name\n")
-        write_atomic(args.write, header + yaml.safe_dump(result.hardware.to_dict(), sort_keys=False))
-        print(f"offload probe: wrote {args.write}", file=sys.stderr)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target, header + yaml.safe_dump(result.hardware.to_dict(), sort_keys=False))
+        print(f"offload probe: wrote {target}" + (f" (plan with --hw-profile {args.write})"
+                                                  if str(target) != args.write else ""), file=sys.stderr)
     return 0

@@ -151,3 +151,26 @@ def test_a_model_without_draft_head_gets_a_plain_forecast(fixture_paths, probed,
     assert lo <= doc["predicted_plain_tps"] <= hi and doc["forecast_interval"]["measured"]
     code, out, _ = _cli(capsys, "plan", qwen, *box, "--no-probe")
     assert "predicted plain decode" not in out and "uncalibrated" not in out
+
+
+def test_named_profiles_are_written_and_read_by_name(cache, capsys, tmp_path, monkeypatch):
+    """`offload probe --write NAME` puts the box's profile in ~/.config/offload/profiles;
+    `offload plan --hw-profile NAME` finds it there (or in $OFFLOAD_PROFILES, or bench/profiles);
+    an unknown name is one line listing the names there are."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    code, _, err = _cli(capsys, "probe", "--write", "thisbox")            # the probe's cache answers
+    written = tmp_path / ".config" / "offload" / "profiles" / "thisbox.yaml"
+    assert code == 0 and written.is_file() and "--hw-profile thisbox" in err
+    code, out, _ = _cli(capsys, "plan", MODEL, "--devices", "CPU=16GiB", "--hw-profile", "thisbox")
+    assert code == 0 and "measured on this box" in out
+    other = tmp_path / "team"
+    other.mkdir()
+    (other / "bigbox.yaml").write_text("cpu_read_gbps: 123\n")
+    monkeypatch.setenv("OFFLOAD_PROFILES", str(other))
+    code, out, _ = _cli(capsys, "plan", MODEL, "--devices", "CPU=16GiB", "--hw-profile", "bigbox", "--json")
+    assert code == 0 and json.loads(out)["speculative"]["profile"]["hardware"]["cpu_read_gbps"] == 123
+    code, out, _ = _cli(capsys, "plan", MODEL, "--devices", "CPU=16GiB", "--hw-profile", "rtx4090_epyc", "--json")
+    assert code == 0 and json.loads(out)["speculative"]["profile"]["hardware"]["cpu_read_gbps"] == 250
+    code, _, err = _cli(capsys, "plan", MODEL, "--devices", "CPU=16GiB", "--hw-profile", "nosuchbox")
+    assert code == 2 and err.count("\n") == 1 and "nosuchbox" in err
+    assert "bigbox" in err and "thisbox" in err and "rtx4090_epyc" in err

@@ -243,6 +243,7 @@ def test_read_prompts(tmp_path):
 
 # -- bad input -------------------------------------------------------------------------------
 
+@pytest.mark.full      # a second 20 s tune; the default tier's tune measures n-grams beside MTP
 def test_tune_without_a_draft_head_chooses_among_ngram_and_plain(capsys, tmp_path):
     """A model without a NextN head (the shipped trunk) is tuned with the n-gram drafter:
     verify passes only (no head), a plan section of type ngram (or n_max 0) that run uses."""
