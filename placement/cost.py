@@ -277,39 +277,60 @@ class SpecTable:
         return "\n".join(lines)
 
 
+# How a drafter's passes are spent per step (``step_weights``):
+#   chain  an MTP head: a first pass over the previous step's 1 + accepted tokens, then one
+#          chained pass per further draft;
+#   block  a block drafter (DSpark): one pass over the n tokens of the block, and the
+#          previous step's 1 + accepted tokens injected into its context (``inject_s``);
+#   free   no weights at all (n-gram lookup): the passes cost nothing.
+DRAFT_KINDS = ("chain", "block", "free")
+
+
 def step_time(n: int, *, draft_s: float | Sequence[float], verify_s: Sequence[float],
-              acceptance: AcceptanceProfile, step_s: float = 0.0, spec_step_s: float = 0.0) -> float:
+              acceptance: AcceptanceProfile, step_s: float = 0.0, spec_step_s: float = 0.0,
+              kind: str = "chain", inject_s: Sequence[float] | None = None) -> float:
     """T(n) with ``verify_s[b-1]`` = T_verify(b); ``step_s`` / ``spec_step_s``: the loop's own
     work per step / extra per drafting step (``HardwareProfile.step_us`` / ``spec_step_us``).
 
-    ``draft_s``: one draft pass, or ``draft_s[b-1]`` = a head pass over b tokens. The first
-    pass of a step runs the pairs the previous step produced (1 + its accepted drafts; their
-    distribution follows from a_j), the chained ones one token each; a scalar is used for all.
-    With p_min = 0 and a scalar this is n·T_draft + T_verify(n+1) + T_step. Under p_min the
-    drafter stops after D < n tokens (the pass that fell below p_min still ran), so the
-    expectation runs over D.
+    ``draft_s``: one draft pass, or ``draft_s[b-1]`` = a draft pass over b tokens. For a
+    chain (``kind``, see DRAFT_KINDS) the first pass of a step runs the pairs the previous
+    step produced (1 + its accepted drafts; their distribution follows from a_j), the chained
+    ones one token each; a scalar is used for all. With p_min = 0 and a scalar this is
+    n·T_draft + T_verify(n+1) + T_step. Under p_min the drafter stops after D < n tokens (the
+    pass that fell below p_min still ran), so the expectation runs over D. A block drafter
+    pays T_draft(n) and ``inject_s[b-1]`` for the b = 1 + accepted tokens it takes in.
     """
     if n == 0:
         return verify_s[0] + step_s
     per_b = [float(draft_s)] if isinstance(draft_s, (int, float)) else [float(x) for x in draft_s]
-    w_draft, w_verify = step_weights(n, acceptance, len(per_b))
-    return (step_s + spec_step_s + sum(w * t for w, t in zip(w_draft, per_b))
+    w_draft, w_verify = step_weights(n, acceptance, len(per_b), kind)
+    inject = 0.0
+    if kind == "block" and inject_s is not None:
+        inject = sum(q * inject_s[min(m, len(inject_s) - 1)] for m, q in enumerate(acceptance.accepted_distribution(n)))
+    return (step_s + spec_step_s + inject + sum(w * t for w, t in zip(w_draft, per_b))
             + sum(w * verify_s[b] for b, w in enumerate(w_verify)))
 
 
-def step_weights(n: int, acceptance: AcceptanceProfile, draft_sizes: int) -> tuple[list[float], list[float]]:
+def step_weights(n: int, acceptance: AcceptanceProfile, draft_sizes: int,
+                 kind: str = "chain") -> tuple[list[float], list[float]]:
     """The expectation ``step_time`` takes for n >= 1, as weights: T(n) - loop terms =
     sum_b w_draft[b]·T_draft(b+1) + sum_b w_verify[b]·T_verify(b+1), with the draft passes over
     more than ``draft_sizes`` tokens costed as the largest given (one size: every pass alike).
-    Linear in the pass times, so ``placement.uncertainty`` takes the same weights over their
-    cost-term coefficients."""
+    ``kind``: DRAFT_KINDS (a block's injection is ``step_time``'s own term). Linear in the
+    pass times, so ``placement.uncertainty`` takes the same weights over their cost-term
+    coefficients."""
+    if kind not in DRAFT_KINDS:
+        raise ValueError(f"draft kind {kind!r}: one of {', '.join(DRAFT_KINDS)}")
     accepted = acceptance.accepted_distribution(n)
     w_draft, w_verify = [0.0] * draft_sizes, [0.0] * (n + 1)
     for d, p in enumerate(acceptance.drafted_distribution(n)):
         if p > 0:
-            for m, q in enumerate(accepted):       # the first pass: the previous step's tokens
-                w_draft[min(m, draft_sizes - 1)] += p * q
-            w_draft[0] += p * (min(d + 1, n) - 1)  # the chained passes, one token each
+            if kind == "chain":
+                for m, q in enumerate(accepted):       # the first pass: the previous step's tokens
+                    w_draft[min(m, draft_sizes - 1)] += p * q
+                w_draft[0] += p * (min(d + 1, n) - 1)  # the chained passes, one token each
+            elif kind == "block":
+                w_draft[min(n, draft_sizes) - 1] += p  # the whole block, whatever p_min keeps of it
             w_verify[d] += p
     return w_draft, w_verify
 
@@ -317,11 +338,12 @@ def step_weights(n: int, acceptance: AcceptanceProfile, draft_sizes: int) -> tup
 def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
                       acceptance: AcceptanceProfile = DEFAULT_MTP, max_n: int = 6,
                       routing: RoutingProfile | None = None, hits: RoutingCounts | None = None,
-                      draft_free: bool = False) -> SpecTable:
+                      draft_kind: str = "chain", inject: ForwardFootprint | None = None) -> SpecTable:
     """Predicted E(n), T(n), t/s and S(n) for n = 0..max_n (``hits``: ``forward_features``).
-    ``draft_free``: a drafter that runs no weights (n-gram lookup): its passes cost nothing
-    beyond the loop's own per-step time, and the model needs no draft head."""
-    if fp.draft is None and not draft_free:
+    ``draft_kind`` (DRAFT_KINDS): how the draft passes are spent; ``free`` (n-gram lookup)
+    costs nothing beyond the loop's own per-step time and needs no draft head. ``inject``: a
+    block drafter's pass over the tokens it takes in each step (fc and its stages' keys)."""
+    if fp.draft is None and draft_kind != "free":
         raise FootprintError("model has no draft head (no NextN layer): nothing to speculate with")
     if max_n < 0:
         raise ValueError(f"max_n must be >= 0, got {max_n}")
@@ -329,14 +351,15 @@ def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
     kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing, hits=hits)
     feats = [forward_features(fp.target, b, **kw) for b in range(1, max_n + 2)]
     verify = [pass_time(fp.target, b, params, **kw) for b in range(1, max_n + 2)]
-    drafts = ([0.0] * (max_n + 1) if draft_free else
+    drafts = ([0.0] * (max_n + 1) if draft_kind == "free" else
               [pass_time(fp.draft, b, params, **kw) for b in range(1, max_n + 2)])
+    injects = (None if inject is None else [pass_time(inject, b, params, **kw) for b in range(1, max_n + 2)])
     draft = drafts[0]
     rows = []
     for n in range(max_n + 1):
         e = acceptance.expected_tokens(n)
         t = step_time(n, draft_s=drafts, verify_s=verify, acceptance=acceptance,
-                      step_s=params["step"], spec_step_s=params["spec_step"])
+                      step_s=params["step"], spec_step_s=params["spec_step"], kind=draft_kind, inject_s=injects)
         rows.append(SpecRow(n, e, t, e / t, e * rows[0].step_s / t if rows else 1.0))
     source = "uniform" if routing is None else routing.source
     breakdown = _breakdown({**feats[0], "step": 1.0}, params)
@@ -347,14 +370,14 @@ def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
 
 def break_even_acceptance(fp: DecodeFootprint, hw: HardwareProfile, *, max_n: int = 6,
                           routing: RoutingProfile | None = None, hits: RoutingCounts | None = None,
-                          draft_free: bool = True) -> list[float | None]:
+                          draft_kind: str = "free") -> list[float | None]:
     """Per n = 1..max_n: the least acceptance a (the same a_j at every position, a draft of n
     tokens every step) at which drafting n tokens pays (S(n) >= 1); None where even a = 1 does
     not. For a drafter whose acceptance is the text's (n-gram), this is the forecast a plan can
     make before measuring: S(n) rises with a, so bisection finds it (to 1e-3)."""
     def speedup(a: float, n: int) -> float:
         table = speculation_table(fp, hw, acceptance=AcceptanceProfile(accept=(a,), source="break-even"),
-                                  max_n=n, routing=routing, hits=hits, draft_free=draft_free)
+                                  max_n=n, routing=routing, hits=hits, draft_kind=draft_kind)
         return table.rows[n].speedup
 
     out: list[float | None] = []

@@ -30,6 +30,8 @@ def check_p_min(value: object, name: str = "p_min") -> float:
 
 
 SPEC_TYPES = ("mtp", "dspark", "ngram")      # the drafters; "none" = plain decoding
+# how each drafter spends its passes, as the cost model counts them (placement.cost.DRAFT_KINDS)
+DRAFTER_KIND = {"mtp": "chain", "dspark": "block", "ngram": "free"}
 _LLAMA_SPELLINGS = {"draft-mtp": "mtp", "draft-dspark": "dspark", "suffix": "ngram"}
 NGRAM_SIZE = 12        # longest n-gram looked up (llama.cpp's ngram-simple default size_n)
 

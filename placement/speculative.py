@@ -24,6 +24,7 @@ from typing import Any
 
 from placement.cost import SpecProfile, SpecTable, predicted_decode_tps, speculation_table
 from placement.devices import CPU
+from placement.draft import DRAFTER_KIND
 from placement.footprint import DecodeFootprint, footprint_from_tensors
 from placement.hardware import HardwareProfile
 from placement.plan import Plan, PlannedModel
@@ -95,7 +96,7 @@ def predict(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *,
     # a section ``offload tune`` gave to the n-gram drafter keeps predicting for it (no weights)
     table = speculation_table(plan_footprint(plan, model, draft), forecast_hardware(plan, profile.hardware),
                               acceptance=profile.acceptance, max_n=max_n, routing=profile.routing, hits=hits,
-                              draft_free=old.get("type") == "ngram")
+                              draft_kind=DRAFTER_KIND.get(old.get("type") or "mtp", "chain"))
     section: dict[str, Any] = {"type": "mtp", "n_max": table.best.n, "p_min": profile.acceptance.p_min,
                                "source": "predicted"}
     section.update({k: v for k, v in old.items() if k not in ("rows", "profile")})

@@ -70,7 +70,7 @@ from offload.commands.run import add_session_arguments, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.plans import read_plan_file
 from offload.tune_result import HotComparison, MeasuredRow, RunRecord, StepTerms, TuneResult
-from placement.draft import NoDraftHead, check_p_min, spec_type
+from placement.draft import DRAFTER_KIND, NoDraftHead, check_p_min, spec_type
 from placement.errors import PlacementError
 
 DEFAULT_MAX_N = 6
@@ -373,7 +373,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         by_kind["mtp"] = best_over_p_min(tables.values())
     if ngram_accept is not None:
         by_kind["ngram"] = speculation_table(fp, hw, acceptance=ngram_accept, max_n=max_n, routing=routing,
-                                             draft_free=True)
+                                             draft_kind="free")
     p_min = by_kind["mtp"].acceptance.p_min if has_mtp else 0.0
 
     # 4. runs: the baseline and each drafter's n_max values, interleaved
@@ -449,7 +449,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     terms = [t for k in kinds for t in _terms(fp, hw, routing, by_kind[k].acceptance,
                                               [m for m in measured if m.drafter == k or
                                                (m.drafter == "none" and k == kinds[0])],
-                                              draft_free=k == "ngram")]
+                                              draft_kind=DRAFTER_KIND[k])]
     return TuneResult(
         model=plan.model_path, devices=session.devices.describe(), budget_s=budget, seconds=clock.elapsed(),
         load_average=(load0, load1), tokens_per_run=n_tok, calibration_step_ms=plain_step * 1e3,
@@ -535,10 +535,10 @@ def compare_hot(session, plan, model, draft, prompts, counts, profile, args, clo
                          virtual), ""
 
 
-def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow], *, draft_free: bool = False) -> list[StepTerms]:
+def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow], *, draft_kind: str = "chain") -> list[StepTerms]:
     """Per run n_max: the predicted step split into draft passes, verify pass and the loop's
     own time, beside what the runs' stats booked to each — which term a misprediction is in.
-    ``draft_free``: a drafter that runs no weights (its predicted draft term is 0)."""
+    ``draft_kind``: ``free`` for a drafter that runs no weights (its predicted draft term is 0)."""
     from placement.cost import forward_time
 
     kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
@@ -547,7 +547,7 @@ def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow], *, draft_fr
     for m in measured:
         n = m.n_max
         verify = [forward_time(fp.target, b, hw, **kw) for b in range(1, n + 2)]
-        draft = [0.0 if draft_free else forward_time(fp.draft, b, hw, **kw) for b in range(1, n + 2)]
+        draft = [0.0 if draft_kind == "free" else forward_time(fp.draft, b, hw, **kw) for b in range(1, n + 2)]
         first = sum(p * draft[k] for k, p in enumerate(acceptance.accepted_distribution(n)))
         dist = acceptance.drafted_distribution(n)
         d_pred = sum(p * (first + (min(d + 1, n) - 1) * draft[0]) for d, p in enumerate(dist) if p and n)

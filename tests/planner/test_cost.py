@@ -267,7 +267,7 @@ def test_draft_free_table_and_break_even_acceptance_hand_computed():
     headless = DecodeFootprint(fp.target, None, fp.n_embd)
     v = [0.01 + 0.02 + 2 * (0.01 + 0.01 * u + 0.003) + 5 * b * 4000 / 10e9
          for b, u in ((1, 2), (2, 3), (3, 3.5))]
-    tab = speculation_table(headless, hw, acceptance=AcceptanceProfile(accept=(0.5,)), max_n=2, draft_free=True)
+    tab = speculation_table(headless, hw, acceptance=AcceptanceProfile(accept=(0.5,)), max_n=2, draft_kind="free")
     assert [r.step_s for r in tab.rows] == pytest.approx(v, rel=1e-12) and tab.draft_s == 0.0
     with pytest.raises(FootprintError):
         speculation_table(headless, hw, max_n=2)
@@ -709,3 +709,24 @@ def test_fit_recovers_parameters_on_a_hot_footprint():
     assert fit.fitted["forward"] == pytest.approx(7000e-6, rel=1e-9)
     assert fit.fitted["cpu_read"] == pytest.approx(1 / 12e9, rel=1e-9)
     assert fit.max_rel_error < 1e-9
+
+
+def test_block_drafter_step_time_hand_computed():
+    """A block drafter (DSpark) pays one pass over the n tokens of its block and the injection
+    of the previous step's 1 + accepted tokens: a = (0.5, 0.5) accepts 0, 1, 2 with 1/2, 1/4,
+    1/4 at n = 2, so injection costs 0.5 i1 + 0.25 i2 + 0.25 i3; under p_min the block is still
+    computed whole and only the verify batch shrinks."""
+    acc = AcceptanceProfile(accept=(0.5, 0.5))
+    draft, verify, inject = [1.0, 2.0, 3.0], [10.0, 20.0, 30.0], [0.1, 0.2, 0.3]
+    got = step_time(2, draft_s=draft, verify_s=verify, acceptance=acc, kind="block", inject_s=inject)
+    assert got == pytest.approx(2.0 + 30.0 + 0.5 * 0.1 + 0.25 * 0.2 + 0.25 * 0.3, rel=1e-12)
+    # n = 1: the block is one token
+    assert step_time(1, draft_s=draft, verify_s=verify, acceptance=acc, kind="block") == pytest.approx(1.0 + 20.0)
+    # p_min: cont = (1, 0.5): D = 1 or 2 with 1/2 each; the block pass over 2 tokens either way
+    gated = AcceptanceProfile(accept=(0.9, 0.5), cont=(1.0, 0.5), p_min=0.3)
+    assert step_time(2, draft_s=draft, verify_s=verify, acceptance=gated, kind="block") == \
+        pytest.approx(2.0 + 0.5 * 20.0 + 0.5 * 30.0, rel=1e-12)
+    # the same block with a chained head instead: first pass (0.5 x 1 + 0.25 x 2 + 0.25 x 3) + one chained pass
+    assert step_time(2, draft_s=draft, verify_s=verify, acceptance=acc) == pytest.approx(1.75 + 1.0 + 30.0)
+    with pytest.raises(ValueError):
+        step_time(2, draft_s=draft, verify_s=verify, acceptance=acc, kind="tree")
