@@ -341,16 +341,20 @@ def test_mtp_head_matches_a_transformers_built_reference(mtp_tiny):
     assert len(state.nextn_cache) == t - 1
 
 
-@pytest.mark.parametrize("verify", ["batched", "exact"])
-def test_mtp_drafting_gives_plain_greedy_tokens(mtp_tiny, verify):
-    """Speculative decoding with the MTP head (chained drafts up to 3, greedy): the same
-    tokens as plain decoding, across the HCA window boundary at 128."""
+def test_drafting_gives_plain_greedy_tokens(mtp_tiny):
+    """Speculative decoding with the MTP head (chained drafts) and with n-grams of the
+    context, greedy, exact verify at every n_max 1-5 and batched at 3: the same tokens as
+    plain decoding, across the HCA window boundary at 128."""
     prompt = IDS[:120]
     with load(mtp_tiny.path) as s:
         plain = list(s.generate(prompt, max_tokens=24, stop_at_eos=False))
-        spec = list(s.generate(prompt, max_tokens=24, stop_at_eos=False, n_max=3, verify=verify))
-        assert s.stats.drafted > 0
-    assert spec == plain
+        runs = [(kind, n, "exact") for kind in ("mtp", "ngram") for n in (1, 2, 3, 4, 5)]
+        for kind, n_max, verify in runs + [("mtp", 3, "batched"), ("ngram", 3, "batched")]:
+            spec = list(s.generate(prompt, max_tokens=24, stop_at_eos=False, n_max=n_max, verify=verify,
+                                   spec_type=kind))
+            assert spec == plain, (kind, n_max, verify)
+            assert s.stats.drafted > 0 or kind == "ngram"
+            assert s.stats.spec["type"] == kind
 
 
 def test_mtp_sidecar_drafts_as_the_bundled_head(mtp_tiny, tmp_path):
