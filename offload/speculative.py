@@ -284,15 +284,16 @@ def _mtp_drafter(head, state, sampler, options, ubatch, guide) -> MtpDrafter:
 
 
 NGRAM_MIN = 2             # shortest n-gram looked up: a single token repeats too often to draft well
-NGRAM_ENTRIES = 1 << 16   # per n-gram length: the table is bounded, oldest entries go first
+NGRAM_ENTRIES = 1 << 15   # per n-gram length: the table is bounded (a few MB), oldest entries go first
 
 
 class NgramDrafter:
     """Self-drafting from the context (prompt lookup): the continuation of the longest earlier
     occurrence of the last tokens, no weights, no cache.
 
-    For each length k in NGRAM_MIN..``options.ngram_size`` a table maps a k-gram to where its
-    latest occurrence ended; a token's arrival indexes the k-grams that end just before it (so
+    For each length k in NGRAM_MIN..``options.ngram_size`` a table maps a k-gram's hash to
+    where its latest occurrence ended (a hit is checked against the tokens, so a collision
+    only costs a draft); a token's arrival indexes the k-grams that end just before it (so
     the current suffix is never its own match). A draft copies the tokens after the longest
     matching k-gram, up to n_cap; copying may run into the draft itself, which continues a
     period (``abab`` → ``ab...``). The drafts are proposals with no distribution (``judge``
@@ -305,7 +306,7 @@ class NgramDrafter:
         self.sizes = range(options.ngram_size, NGRAM_MIN - 1, -1)       # longest first
         self.guide = guide
         self.tokens: list[int] = []
-        self.tables: dict[int, dict[tuple[int, ...], int]] = {k: {} for k in self.sizes}
+        self.tables: dict[int, dict[int, int]] = {k: {} for k in self.sizes}
         self.indexed = 0       # k-grams ending before tokens[indexed] are in the tables
 
     def _extend(self, tokens: Sequence[int]) -> None:
@@ -314,7 +315,7 @@ class NgramDrafter:
         for end in range(max(self.indexed, 1), len(seq)):
             for k, table in self.tables.items():
                 if end >= k:
-                    key = tuple(seq[end - k:end])
+                    key = hash(tuple(seq[end - k:end]))    # the hash, not the tuple: a few MB per table
                     table.pop(key, None)         # re-insert: the dict's order is recency
                     table[key] = end
                     if len(table) > NGRAM_ENTRIES:
@@ -332,8 +333,9 @@ class NgramDrafter:
         for k in self.sizes:
             if len(seq) <= k:
                 continue
-            end = self.tables[k].get(tuple(seq[-k:]))
-            if end is None:
+            suffix = seq[-k:]
+            end = self.tables[k].get(hash(tuple(suffix)))
+            if end is None or seq[end - k:end] != suffix:
                 continue
             drafts: list[int] = []
             guide = self.guide.fork() if self.guide is not None else None

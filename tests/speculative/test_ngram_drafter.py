@@ -131,3 +131,15 @@ def test_bad_ngram_options_are_one_line_errors():
         SpecOptions(n_max=2, type="ngram", ngram_size=1)
     with pytest.raises(USER_ERRORS, match="--spec-type"):
         SpecOptions(n_max=2, type="medusa")
+
+
+def test_a_hash_collision_costs_a_draft_never_a_wrong_one(monkeypatch):
+    """The tables keep hashes; a hit is checked against the tokens. With every k-gram hashing
+    alike the table remembers only the latest k-gram per length, so most lookups miss — but
+    no draft continues a k-gram other than the current suffix."""
+    monkeypatch.setattr(speculative, "hash", lambda key: 0, raising=False)
+    d = _drafter([5, 6, 7, 1, 9, 6, 7, 2, 8, 5])
+    assert d.draft(6, 10, 3) == ([], [])          # (5, 6) was overwritten by later k-grams
+    # the one 2-gram left is the latest, (4, 5) ending at 2: the suffix (4, 5) really is it
+    d = _drafter([4, 5, 4])
+    assert d.draft(5, 3, 1)[0] == [4]
