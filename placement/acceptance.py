@@ -118,3 +118,13 @@ DEFAULT_MTP = AcceptanceProfile(
     accept=(0.77, 0.77, 0.57),
     source="default: DeepSeek-V4-Flash MTP user runs, see placement/acceptance.py",
 )
+
+# DSpark (a block drafter, DeepSeek-V4-Flash-0731), from ggml-org/llama.cpp PR 25784's bench
+# with --spec-type draft-dspark --spec-draft-n-max 5 (DGX Spark, 7 tasks): 1,038 of 2,236
+# drafted tokens accepted over 447 steps, so 2.32 accepted per step at n = 5. Positions 3-5
+# keep the conditional 0.57 quoted above (the same thread's per-position rates); a_1 = a_2 =
+# x then solves x + 2.08 x^2 = 2.32: x = 0.84, and E(5) = 3.32 as measured there.
+DEFAULT_DSPARK = AcceptanceProfile(
+    accept=(0.84, 0.84, 0.57),
+    source="default: DeepSeek-V4-Flash DSpark run in llama.cpp PR 25784, see placement/acceptance.py",
+)

@@ -730,3 +730,10 @@ def test_block_drafter_step_time_hand_computed():
     assert step_time(2, draft_s=draft, verify_s=verify, acceptance=acc) == pytest.approx(1.75 + 1.0 + 30.0)
     with pytest.raises(ValueError):
         step_time(2, draft_s=draft, verify_s=verify, acceptance=acc, kind="tree")
+
+
+def test_dspark_prior_reproduces_its_source():
+    """The DSpark prior's E(5) is the tokens per step of the run it comes from (llama.cpp PR
+    25784: 1,038 accepted over 447 steps at n_max 5), to the rounding of its two-digit a_j."""
+    from placement.acceptance import DEFAULT_DSPARK
+    assert DEFAULT_DSPARK.expected_tokens(5) == pytest.approx(1 + 1038 / 447, abs=0.02)
