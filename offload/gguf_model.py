@@ -82,6 +82,13 @@ NEWER_KINDS: dict[str, tuple[str, Role]] = {
        for who in ("ATTN", "INDEXER") for w, n in (("WKV", "kv"), ("WGATE", "gate"), ("APE", "ape"),
                                                    ("NORM", "norm"))},
     "FFN_GATE_TID2EID": ("blk.{bid}.ffn_gate_tid2eid", Role.ROUTER),
+    # a DSpark drafter (arch dflash): the taps' projection and norm, the Markov and
+    # confidence heads — draft-head glue, placed with the drafter
+    "FC": ("fc", Role.NEXTN),
+    "ENC_OUTPUT_NORM": ("enc.output_norm", Role.NEXTN),
+    "DSPARK_MARKOV_W1": ("markov_w1", Role.NEXTN),
+    "DSPARK_MARKOV_W2": ("markov_w2", Role.NEXTN),
+    "DSPARK_CONF_PROJ": ("conf_proj", Role.NEXTN),
 }
 _BLOCK_PREFIX = "blk.{bid}."
 _KIND_NAMES: dict[MODEL_TENSOR | str, str] = {

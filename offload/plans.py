@@ -14,15 +14,45 @@ from placement.plan_file import PlanFile, load_plan_file
 from placement.tensors import Role
 
 
+# drafter architectures (a GGUF of its own, told by its header) and the trunks they draft for
+DRAFTER_ARCHS = {"dflash": ("deepseek4",)}
+
+
 def open_draft(path: str, model: ModelFile) -> ModelFile:
-    """A ``--draft`` GGUF: a NextN block of the same architecture and width as the model."""
+    """A ``--draft`` GGUF: a NextN block of the same architecture and width as the model, or a
+    drafter of its own architecture (``DRAFTER_ARCHS``: DSpark's ``dflash`` for deepseek4),
+    recognised by its header and checked against the trunk before any weight is read."""
     draft = open_model(path)
+    if draft.spec.arch in DRAFTER_ARCHS:
+        check_drafter(draft, model)
+        return draft
     if not any(t.role is Role.NEXTN for t in draft.tensors):
         raise OffloadError(f"{path}: --draft needs a GGUF holding a NextN block (no blk.N.nextn.* tensors)")
     if (draft.spec.arch, draft.spec.n_embd) != (model.spec.arch, model.spec.n_embd):
         raise OffloadError(f"{path}: draft is {draft.spec.arch} with n_embd {draft.spec.n_embd}, "
                            f"the model is {model.spec.arch} with n_embd {model.spec.n_embd}")
     return draft
+
+
+def check_drafter(draft: ModelFile, model: ModelFile) -> None:
+    """A DSpark (``dflash``) drafter fits ``model``: its trunk architecture, width, vocabulary
+    (the Markov head's rows), and tapped layers within the trunk (``dflash.target_layers``
+    counts block inputs, so n_layer is the output of the last block)."""
+    arch, path = draft.spec.arch, draft.path
+    if model.spec.arch not in DRAFTER_ARCHS[arch]:
+        raise OffloadError(f"{path}: a {arch} drafter drafts for {', '.join(DRAFTER_ARCHS[arch])}, "
+                           f"not for {model.spec.arch}")
+    if draft.spec.n_embd != model.spec.n_embd:
+        raise OffloadError(f"{path}: the drafter's width {draft.spec.n_embd} is not the model's {model.spec.n_embd}")
+    markov = next((t for t in draft.tensors if t.name == "markov_w1.weight"), None)
+    if markov is not None and markov.shape[0] != model.spec.n_vocab:
+        raise OffloadError(f"{path}: the drafter's vocabulary is {markov.shape[0]} tokens, the model's "
+                           f"{model.spec.n_vocab}")
+    taps = draft.metadata.get(f"{arch}.target_layers")
+    trunk = model.spec.n_layer - model.spec.n_nextn
+    if not taps or any(not isinstance(t, int) or not 1 <= t <= trunk for t in taps):
+        raise OffloadError(f"{path}: {arch}.target_layers {taps!r} must name block inputs 1..{trunk} "
+                           f"of the model ({trunk} trunk blocks)")
 
 
 def read_plan_file(path: str) -> PlanFile:

@@ -30,8 +30,10 @@ from placement.tensors import Role, TensorInfo
 
 
 def output_slot_member(t: TensorInfo) -> bool:
-    """``output.weight`` and ``output_norm`` form llama.cpp's output layer."""
-    return t.layer is None and (t.role is Role.OUTPUT or t.name.startswith("output_norm."))
+    """``output.weight`` and ``output_norm`` form llama.cpp's output layer; so does a block
+    drafter's glue outside its blocks (DSpark's fc, enc.output_norm, Markov and confidence
+    heads: ``LLM_TENSOR_LAYER_OUTPUT`` in llama.cpp's llama-arch.cpp)."""
+    return t.layer is None and (t.role in (Role.OUTPUT, Role.NEXTN) or t.name.startswith("output_norm."))
 
 
 def input_layer(t: TensorInfo) -> bool:

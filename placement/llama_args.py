@@ -19,7 +19,7 @@ from placement.plan import Plan
 DEFAULT_UBATCH = 512
 # The --spec-type llama.cpp needs to draft with a separate GGUF of these architectures' MTP
 # block (deepseek4's sidecar: ``-md mtp.gguf --spec-type draft-mtp``, llama.cpp PR #25784).
-DRAFT_SPEC_TYPE = {"deepseek4": "draft-mtp"}
+DRAFT_SPEC_TYPE = {"deepseek4": "draft-mtp", "dflash": "draft-dspark"}
 
 
 def _number(x: float) -> str:

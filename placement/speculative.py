@@ -18,14 +18,16 @@ tune (date, budget, seconds, prompts, tokens per run, repeats, load average).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from placement.acceptance import DEFAULT_DSPARK, DEFAULT_MTP
 from placement.cost import SpecProfile, SpecTable, predicted_decode_tps, speculation_table
 from placement.devices import CPU
 from placement.draft import DRAFTER_KIND
-from placement.footprint import DecodeFootprint, footprint_from_tensors
+from placement.footprint import DecodeFootprint, ForwardFootprint, LayerFootprint, footprint_from_tensors
 from placement.hardware import HardwareProfile
 from placement.plan import Plan, PlannedModel
 from placement.routing import RoutingCounts
@@ -37,11 +39,26 @@ DEFAULT_MAX_N = 6
 
 
 
+# drafter architectures whose GGUF is a block drafter of its own (DSpark), not a NextN block
+BLOCK_DRAFTERS = ("dflash",)
+# a block drafter's tensors run per step on the tokens it takes in (the injection), not per draft pass
+_INJECT = re.compile(r"^(fc|enc\.output_norm)\.|^blk\.\d+\.(attn_kv|attn_kv_a_norm)\.")
+
+
+def drafter_kind(plan: Plan, draft: PlannedModel | None) -> str:
+    """How the plan's drafter spends its passes (``placement.cost.DRAFT_KINDS``)."""
+    return "block" if draft is not None and draft.spec.arch in BLOCK_DRAFTERS else "chain"
+
+
 def plan_footprint(plan: Plan, model: PlannedModel, draft: PlannedModel | None) -> DecodeFootprint:
     """What one target pass and one draft pass read, and on which device, under ``plan``.
 
-    With a separate ``--draft`` GGUF its NextN block replaces any in-model one.
+    With a separate ``--draft`` GGUF its NextN block replaces any in-model one. A block
+    drafter (DSpark) draft pass runs all its stages, its heads and the target's output head
+    (its stages and glue are renumbered after the trunk's blocks, out of their names' way).
     """
+    if draft is not None and draft.spec.arch in BLOCK_DRAFTERS:
+        return _block_drafter_footprint(plan, model, draft)[0]
     tensors: list[TensorInfo] = list(model.tensors)
     tmap: dict[str, str] = dict(plan.tensors)
     draft_layers: Sequence[int] | None = None
@@ -54,6 +71,34 @@ def plan_footprint(plan: Plan, model: PlannedModel, draft: PlannedModel | None) 
     return footprint_from_tensors(tensors, tmap, n_expert_used=max(model.spec.n_expert_used, 1),
                                   draft_layers=draft_layers, n_embd=model.spec.n_embd,
                                   hot_experts=plan.hot_experts)
+
+
+def _block_drafter_footprint(plan: Plan, model: PlannedModel,
+                             draft: PlannedModel) -> tuple[DecodeFootprint, ForwardFootprint]:
+    """(footprint, injection pass) of a block drafter: the draft pass reads every stage
+    (blk.0..S-1 as layers n_layer..n_layer+S-1) with the drafter's heads (Markov, confidence,
+    hc head, norm) on its last stage; the injection reads ``fc`` and each stage's K projection
+    (deepseek4.md §2.11: K = rope(rms(main_x · Wkv)) into each stage's window ring)."""
+    base = model.spec.n_layer
+    stages = sorted({t.layer for t in draft.tensors if t.layer is not None})
+    last = base + stages[-1]
+    renamed, inject = [], []
+    for t in draft.tensors:
+        name = f"draft:{t.name}"
+        layer = last if t.layer is None else base + t.layer
+        r = replace(t, name=name, layer=layer, nextn=True)
+        (inject if _INJECT.match(t.name) else renamed).append(r)
+    tmap = dict(plan.tensors) | {f"draft:{n}": d for n, d in plan.draft_tensors.items()}
+    trunk = [t for t in model.tensors if not t.nextn]
+    fp = footprint_from_tensors(trunk + renamed, tmap, n_expert_used=max(model.spec.n_expert_used, 1),
+                                draft_layers=[base + s for s in stages], n_embd=model.spec.n_embd,
+                                hot_experts=plan.hot_experts)
+    home = fp.draft.head_home
+    reads: dict[str, int] = {}
+    for t in inject:
+        reads[tmap[t.name]] = reads.get(tmap[t.name], 0) + t.n_bytes
+    injection = ForwardFootprint(home, (LayerFootprint(base, home, tuple(reads.items())),), home, ())
+    return fp, injection
 
 
 def default_profile(plan: Plan) -> SpecProfile:
@@ -93,12 +138,20 @@ def predict(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *,
     old = plan.speculative.entries() if plan.speculative is not None else {}
     if profile is None:
         profile = plan_profile(plan)
+    kind, inject = drafter_kind(plan, draft), None
     # a section ``offload tune`` gave to the n-gram drafter keeps predicting for it (no weights)
-    table = speculation_table(plan_footprint(plan, model, draft), forecast_hardware(plan, profile.hardware),
-                              acceptance=profile.acceptance, max_n=max_n, routing=profile.routing, hits=hits,
-                              draft_kind=DRAFTER_KIND.get(old.get("type") or "mtp", "chain"))
-    section: dict[str, Any] = {"type": "mtp", "n_max": table.best.n, "p_min": profile.acceptance.p_min,
-                               "source": "predicted"}
+    if old.get("type") == "ngram":
+        kind = DRAFTER_KIND["ngram"]
+    if kind == "block":
+        fp, inject = _block_drafter_footprint(plan, model, draft)
+        if profile.acceptance is DEFAULT_MTP:          # nothing measured or given: DSpark's own prior
+            profile = replace(profile, acceptance=DEFAULT_DSPARK)
+    else:
+        fp = plan_footprint(plan, model, draft)
+    table = speculation_table(fp, forecast_hardware(plan, profile.hardware), acceptance=profile.acceptance,
+                              max_n=max_n, routing=profile.routing, hits=hits, draft_kind=kind, inject=inject)
+    section: dict[str, Any] = {"type": "dspark" if kind == "block" else "mtp", "n_max": table.best.n,
+                               "p_min": profile.acceptance.p_min, "source": "predicted"}
     section.update({k: v for k, v in old.items() if k not in ("rows", "profile")})
     section.update(table.to_dict())
     section["profile"] = profile

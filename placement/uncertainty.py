@@ -82,11 +82,12 @@ def _shifted(acceptance: AcceptanceProfile, delta: float) -> AcceptanceProfile:
 
 
 def step_coefficients(fp: DecodeFootprint, n: int, acceptance: AcceptanceProfile, *,
-                      routing: RoutingProfile | None = None,
-                      hits: RoutingCounts | None = None) -> tuple[dict[str, float], dict[str, float]]:
+                      routing: RoutingProfile | None = None, hits: RoutingCounts | None = None,
+                      draft_kind: str = "chain") -> tuple[dict[str, float], dict[str, float]]:
     """T(n) as (verify and loop part, draft part): coefficients over ``linear_params``, with
     ``placement.cost.step_weights`` (the expectation ``step_time`` takes) over each pass's
-    ``forward_features``."""
+    ``forward_features``. A block drafter's injection is left out of the range (its reads are
+    a small share of the block pass)."""
     kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing, hits=hits)
     verify: dict[str, float] = defaultdict(float, {"step": 1.0})
     draft: dict[str, float] = defaultdict(float)
@@ -99,7 +100,7 @@ def step_coefficients(fp: DecodeFootprint, n: int, acceptance: AcceptanceProfile
         add(verify, forward_features(fp.target, 1, **kw), 1.0)
         return dict(verify), {}
     verify["spec_step"] += 1.0
-    w_draft, w_verify = step_weights(n, acceptance, n + 1)
+    w_draft, w_verify = step_weights(n, acceptance, n + 1, draft_kind)
     for b, w in enumerate(w_draft):
         if w:
             add(draft, forward_features(fp.draft, b + 1, **kw), w)
@@ -136,7 +137,7 @@ class ForecastInterval:
 
 def forecast_interval(fp: DecodeFootprint, hw: HardwareProfile, table: SpecTable | None, *,
                       routing: RoutingProfile | None = None, hits: RoutingCounts | None = None,
-                      spread: InputSpread | None = None) -> ForecastInterval:
+                      spread: InputSpread | None = None, draft_kind: str = "chain") -> ForecastInterval:
     """The interval of ``table`` (``speculation_table`` of the same inputs) over the ranges of
     its inputs (``InputSpread.of(hw, table.acceptance)`` unless given). ``table`` None: plain
     decoding only (a model without a draft head), around ``predicted_decode_tps``."""
@@ -148,7 +149,8 @@ def forecast_interval(fp: DecodeFootprint, hw: HardwareProfile, table: SpecTable
     nominal_tps = table.plain_tps if table is not None else \
         predicted_decode_tps(fp, hw, routing=routing, hits=hits)
     accs = [_shifted(acceptance, -spread.accept_delta), _shifted(acceptance, spread.accept_delta)]
-    coeffs = [[step_coefficients(fp, n, acc, routing=routing, hits=hits) for n in range(max_n + 1)] for acc in accs]
+    coeffs = [[step_coefficients(fp, n, acc, routing=routing, hits=hits, draft_kind=draft_kind)
+               for n in range(max_n + 1)] for acc in accs]
     used = sorted({k for per_acc in coeffs for v, g in per_acc for k in (*v, *g)})
     kinds = sorted({_kind(k) for k in used})
     # corners: one factor per kind (lo or hi), as rows of the parameter vector over `used`

@@ -36,8 +36,8 @@ from placement.footprint import FootprintError
 from placement.hardware import HardwareProfile
 from placement.hot_experts import describe
 from placement.routing import RoutingCounts
-from placement.speculative import (DEFAULT_MAX_N, complete_hardware, forecast_hardware, hot_gain, plan_footprint,
-                                   plan_profile, predict)
+from placement.speculative import (DEFAULT_MAX_N, complete_hardware, drafter_kind, forecast_hardware, hot_gain,
+                                   plan_footprint, plan_profile, predict)
 from placement.uncertainty import forecast_interval, format_inputs
 
 # what a plan file fixes, so it cannot be combined with --placement
@@ -259,7 +259,8 @@ def main(argv: list[str]) -> int:
         if not args.no_probe:
             fp, used = plan_footprint(plan, model, draft), plan_profile(plan)
             interval = forecast_interval(fp, forecast_hardware(plan, used.hardware), table,
-                                         routing=used.routing, hits=hits)
+                                         routing=used.routing, hits=hits,
+                                         draft_kind=drafter_kind(plan, draft))
     if plan.drafting == "none" and not args.no_probe:
         # no draft head: no n_max table, but the plain decode forecast and its range
         profile, probe_note = forecast_profile(args, plan)
@@ -307,7 +308,8 @@ def main(argv: list[str]) -> int:
     else:
         sys.stdout.write(format_plan(plan, model, draft))
         if table is not None:
-            print(f"\nspeculative decoding ({plan.drafting} draft head; predicted, "
+            head = "DSpark block drafter (--draft)" if draft_arch == "dflash" else f"{plan.drafting} draft head"
+            print(f"\nspeculative decoding ({head}; predicted, "
                   f"profile: {plan_profile(plan).hardware.source}):")
             if interval is not None:
                 print(format_inputs(forecast_hardware(plan, plan_profile(plan).hardware), interval.spread, fp))

@@ -151,3 +151,62 @@ def test_plan_file_round_trip_with_the_sidecar(tmp_path, fixture_paths):
     assert first.returncode == 0 and again.returncode == 0, again.stderr
     a, b = json.loads(first.stdout), json.loads(again.stdout)
     assert (a["tensors"], a["draft_tensors"], a["devices"]) == (b["tensors"], b["draft_tensors"], b["devices"])
+
+
+@pytest.mark.parametrize("box", BOXES)
+def test_the_three_boxes_with_the_dspark_drafter(fixture_paths, models, box):
+    """V4-Flash-0731's DSpark drafter (arch dflash, recognised by its header) on issue 31's
+    boxes, --fit on, 32k context: every drafter tensor sits on one GPU (its glue outside the
+    stages as llama.cpp's output layer), the fit counts its weights and its three window
+    caches, the forecast is a block drafter's (DSpark's prior acceptance, S(n) from one block
+    pass per step), and llama.cpp is told draft-dspark."""
+    trunk, dspark = fixture_paths["deepseek-v4-flash"], fixture_paths["deepseek-v4-flash-dspark"]
+    r = offload("plan", trunk, "--draft", dspark, "--devices", BOXES[box], "--fit", "on", "-c", "32768",
+                "--no-probe", "--json")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    doc = json.loads(r.stdout)
+    for d in doc["devices"]:
+        assert d["free_after_bytes"] >= d["target_bytes"], d
+    head = doc["draft_placement"]["device"]
+    assert head.startswith("CUDA") and set(doc["draft_tensors"].values()) == {head}
+    assert len(doc["draft_tensors"]) == len(models["deepseek-v4-flash-dspark"].tensors)
+    spec = models["deepseek-v4-flash"].spec
+    draft_spec = models["deepseek-v4-flash-dspark"].spec
+    want = sum(kv_bytes(spec, i, MemorySettings(32768)) for i in range(43)) + \
+        sum(kv_bytes(draft_spec, i, MemorySettings(32768)) for i in range(3))
+    assert sum(d["kv_bytes"] for d in doc["devices"]) == want
+    s = doc["speculative"]
+    assert s["type"] == "dspark" and s["profile"]["acceptance"]["accept"] == [0.84, 0.84, 0.57]
+    assert s["best_n_max"] >= 1 and s["break_even_n_max"] >= s["best_n_max"]
+    args = doc["llama_cpp_args"]
+    assert args[args.index("-md"):args.index("-md") + 4] == ["-md", dspark, "--spec-type", "draft-dspark"]
+
+
+def test_dspark_drafter_mismatches_are_one_line(tmp_path, fixture_paths):
+    """A dflash drafter for another architecture, width, vocabulary or tap set is refused in
+    one line before any weight is read; offload run refuses to draft with it (not built yet)."""
+    from tests.fixtures.real_models import ALL
+
+    def variant(name, edit):
+        m = ALL["deepseek-v4-flash-dspark"]()
+        m.name = f"dspark-{name}"
+        edit(m)
+        return str(write_fixture(m, tmp_path, tokenizer="none"))
+
+    def taps(m):
+        m.metadata["dflash.target_layers"] = (m.metadata["dflash.target_layers"][0], [41, 42, 99])
+
+    def vocab(m):
+        m.tensors = [(n, (1000, 256) if n == "markov_w1.weight" else shape, q) for n, shape, q in m.tensors]
+
+    trunk = fixture_paths["deepseek-v4-flash"]
+    cases = [(fixture_paths["qwen3-30b-a3b"], fixture_paths["deepseek-v4-flash-dspark"], "not for qwen3moe"),
+             (trunk, variant("taps", taps), "target_layers"),
+             (trunk, variant("vocab", vocab), "vocabulary is 1000 tokens")]
+    for model, draft, needle in cases:
+        r = offload("plan", model, "--draft", draft, "--devices", BOXES["1x96GB+768GB"], "-c", "4096")
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, (needle, r.stderr)
+    r = offload("run", trunk, "--draft", fixture_paths["deepseek-v4-flash-dspark"], "--devices",
+                BOXES["1x96GB+768GB"], "-c", "4096", "--virtual-gpus", "-n", "1")
+    assert r.returncode == 2 and "cannot draft with it yet" in r.stderr.splitlines()[-1]
+    assert "Traceback" not in r.stderr
