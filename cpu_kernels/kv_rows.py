@@ -253,17 +253,19 @@ def _kv_dot(tag, buf, row, x, xo, d):
         k = kernel_by_name(tag.qname)
         scales, quants, size = k.scales, k.quants, k.type_size
 
-        # one block: d · (x · v) + m · Σx (both halves share d and m: same_d, one sub-block)
+        # per block d · (x · v) + m · Σx (both halves share d and m: same_d, one sub-block),
+        # kept in lanes: one horizontal sum per row, not two per block
         def dot(tag, buf, row, x, xo, d):
-            s = f32(0)
+            a = vzero()
             for b in range(d // 32):
                 ob = row + b * size
                 vd, vm = scales(buf, ob)
                 v0, v1 = quants(buf, ob, 0)
                 x0 = vload(x, xo + 32 * b)
                 x1 = vload(x, xo + 32 * b + 16)
-                s += vlane(vd, 0) * vsum(vfma(x0, v0, x1 * v1)) + vlane(vm, 0) * vsum(x0 + x1)
-            return s
+                a = vfma(vsplat(vlane(vd, 0)), vfma(x0, v0, x1 * v1), a)
+                a = vfma(vsplat(vlane(vm, 0)), x0 + x1, a)
+            return vsum(a)
         return dot
     return None
 

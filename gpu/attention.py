@@ -9,9 +9,11 @@ no value: it takes probability mass away from the keys without adding anything. 
 attention has no such column, so attention with sinks is computed explicitly, a chunk of
 queries at a time (at most ``placement.limits.SCORE_VALUES`` float32 scores live at once).
 
-A quantized cache (``gpu.kv_cache.QuantRows``) is read a tile of ``KV_TILE_CELLS`` cells at a
-time: each tile is dequantized, scored and folded into a running softmax (flash attention's
-online rescaling), so no float copy of the whole cache exists at any moment.
+A quantized cache (``gpu.kv_cache.QuantRows``) is read a tile of cells at a time: each tile is
+dequantized, scored and folded into a running softmax (flash attention's online rescaling), so
+no float copy of the whole cache exists at once. A tile holds at most ``CHUNK_VALUES``
+dequantized values and ``SCORE_VALUES`` scores (``kv_tile``): few tiles, so few kernel launches
+on a GPU, and bounded temporaries.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from gpu.kv_cache import KVCache, QuantRows
 from gpu.norm import RMSNorm
 from gpu.rope import Rope
-from placement.limits import KV_TILE_CELLS, SCORE_VALUES
+from placement.limits import CACHE_PAD, CHUNK_VALUES, SCORE_VALUES
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -132,9 +134,15 @@ def _tile(rows, j0: int, j1: int) -> torch.Tensor:
     return rows.tile(j0, j1) if isinstance(rows, QuantRows) else rows[:, j0:j1].float()
 
 
+def kv_tile(n_head: int, n_kv: int, t: int, width: int) -> int:
+    """Cells per tile of ``attend_tiles``: at most CHUNK_VALUES dequantized K (or V) values and
+    SCORE_VALUES scores, at least one cache pad of cells."""
+    return max(CACHE_PAD, min(CHUNK_VALUES // (n_kv * width), SCORE_VALUES // (n_head * t)))
+
+
 def attend_tiles(q: torch.Tensor, keys, values, *, scale: float | None = None,
                  sinks: torch.Tensor | None = None, window: int = 0,
-                 tile: int = KV_TILE_CELLS) -> torch.Tensor:
+                 tile: int | None = None) -> torch.Tensor:
     """``attend`` over keys/values read ``tile`` cells at a time (either may be ``QuantRows``):
     per tile scores (H_kv, G·T, c) → masked → folded into the running max ``m``, sum ``l`` and
     output ``acc`` (rescaled by exp(m_old − m_new)). A sink starts each row's sum at 1 with
@@ -152,6 +160,7 @@ def attend_tiles(q: torch.Tensor, keys, values, *, scale: float | None = None,
         total = torch.ones(n_kv, g * t, 1, device=q.device)
     acc = torch.zeros(n_kv, g * t, dv, device=q.device)
     seen = visible(n_keys - t, t, n_keys, window, q.device)           # (T, L)
+    tile = tile or kv_tile(n_head, n_kv, t, max(dk, dv))
     for j0 in range(0, n_keys, tile):
         j1 = min(n_keys, j0 + tile)
         kt = _tile(keys, j0, j1)                                        # (H_kv, c, Dk)

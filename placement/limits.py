@@ -38,10 +38,9 @@ XQ_PAD = 64
 DX_PAD = 16
 S4_PAD = 16
 
-# GPU-resident matrices dequantize at most this many values per step (gpu.quant).
+# GPU-resident matrices dequantize at most this many values per step (gpu.quant), and so do
+# the tiles of attention over a quantized KV cache (gpu.attention.kv_tile).
 CHUNK_VALUES = 16 << 20
-# Attention over a quantized KV cache dequantizes this many cells per tile (gpu.attention).
-KV_TILE_CELLS = 256
 # Attention with sinks keeps at most this many float32 scores live at once (gpu.attention).
 SCORE_VALUES = 16 << 20
 # Op offload copies an expert tensor's touched experts in chunks of at most this many bytes

@@ -133,6 +133,26 @@ def test_compiled_block_reads_and_writes_the_torch_paths_q8_0_bytes():
     assert same.mean() > 0.99
 
 
+def test_compiled_rollback_is_exact():
+    """The compiled block writes its q8_0 rows in place: a drafted batch rolled back leaves the
+    kept cells as they were, and the token accepted instead lands as if never drafted."""
+    with rt.load(SHIPPED, devices="CPU=16GiB", cache_type="q8_0", quiet=True) as s, torch.inference_mode():
+        m = s.model
+        drafted, plain = m.new_state(None), m.new_state(None)
+        for state in (drafted, plain):
+            m.forward(torch.tensor(PROMPT[:6]), state, logits="none")
+        before = [(c.k[:, :6].clone(), c.v[:, :6].clone()) for c in drafted.caches]
+        m.forward(torch.tensor(PROMPT[6:9]), drafted, logits="none")        # three drafted tokens
+        for c in drafted.caches:
+            c.truncate(6)
+        assert all(torch.equal(c.k[:, :6], k) and torch.equal(c.v[:, :6], v) for c, (k, v) in zip(drafted.caches, before))
+        for state in (drafted, plain):
+            m.forward(torch.tensor(PROMPT[9:10]), state, logits="none")
+        assert all(torch.equal(a.k[:, :7], b.k[:, :7]) and torch.equal(a.v[:, :7], b.v[:, :7])
+                   for a, b in zip(drafted.caches, plain.caches))
+        assert {b.path for b in m.blocks} == {"compiled"}
+
+
 def cache_blocks(model) -> np.ndarray:
     """Every q8_0 block (34 bytes) of the trunk's caches after a 12-token prompt."""
     state = model.new_state(None)
