@@ -12,8 +12,8 @@ queries at a time (at most ``placement.limits.SCORE_VALUES`` float32 scores live
 A quantized cache (``gpu.kv_cache.QuantRows``) is read a tile of cells at a time: each tile is
 dequantized, scored and folded into a running softmax (flash attention's online rescaling), so
 no float copy of the whole cache exists at once. A tile holds at most ``CHUNK_VALUES``
-dequantized values and ``SCORE_VALUES`` scores (``kv_tile``): few tiles, so few kernel launches
-on a GPU, and bounded temporaries.
+dequantized values and ``SCORE_VALUES`` scores (``placement.limits.kv_tile_cells``): few
+tiles, so few kernel launches on a GPU, and bounded temporaries.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from gpu.kv_cache import KVCache, QuantRows
 from gpu.norm import RMSNorm
 from gpu.rope import Rope
-from placement.limits import CACHE_PAD, CHUNK_VALUES, SCORE_VALUES
+from placement.limits import SCORE_VALUES, kv_tile_cells
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -134,19 +134,15 @@ def _tile(rows, j0: int, j1: int) -> torch.Tensor:
     return rows.tile(j0, j1) if isinstance(rows, QuantRows) else rows[:, j0:j1].float()
 
 
-def kv_tile(n_head: int, n_kv: int, t: int, width: int) -> int:
-    """Cells per tile of ``attend_tiles``: at most CHUNK_VALUES dequantized K (or V) values and
-    SCORE_VALUES scores, at least one cache pad of cells."""
-    return max(CACHE_PAD, min(CHUNK_VALUES // (n_kv * width), SCORE_VALUES // (n_head * t)))
-
-
 def attend_tiles(q: torch.Tensor, keys, values, *, scale: float | None = None,
                  sinks: torch.Tensor | None = None, window: int = 0,
                  tile: int | None = None) -> torch.Tensor:
-    """``attend`` over keys/values read ``tile`` cells at a time (either may be ``QuantRows``):
-    per tile scores (H_kv, G·T, c) → masked → folded into the running max ``m``, sum ``l`` and
-    output ``acc`` (rescaled by exp(m_old − m_new)). A sink starts each row's sum at 1 with
-    ``m`` at the sink logit: the same softmax column ``attend_with_sinks`` adds."""
+    """``attend`` over keys/values read ``tile`` cells at a time (either may be ``QuantRows``;
+    default ``placement.limits.kv_tile_cells``): per tile scores (H_kv, G·T, c) → masked →
+    folded in place into the running max ``m``, sum ``total`` and output ``acc`` (rescaled by
+    exp(m_old − m_new)). A sink starts each row's sum at 1 with ``m`` at the sink logit: the
+    same softmax column ``attend_with_sinks`` adds. ``placement.compute.tiled_attention_bytes``
+    counts its peak."""
     t, n_head, dk = q.shape
     n_kv, n_keys, dv = values.shape
     g = n_head // n_kv                       # query head h reads KV head h // g
@@ -160,7 +156,7 @@ def attend_tiles(q: torch.Tensor, keys, values, *, scale: float | None = None,
         total = torch.ones(n_kv, g * t, 1, device=q.device)
     acc = torch.zeros(n_kv, g * t, dv, device=q.device)
     seen = visible(n_keys - t, t, n_keys, window, q.device)           # (T, L)
-    tile = tile or kv_tile(n_head, n_kv, t, max(dk, dv))
+    tile = tile or kv_tile_cells(n_head, n_kv, t, max(dk, dv))
     for j0 in range(0, n_keys, tile):
         j1 = min(n_keys, j0 + tile)
         kt = _tile(keys, j0, j1)                                        # (H_kv, c, Dk)
@@ -169,11 +165,12 @@ def attend_tiles(q: torch.Tensor, keys, values, *, scale: float | None = None,
         s.masked_fill_(~seen[:, j0:j1], float("-inf"))
         s = s.view(n_kv, g * t, j1 - j0)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # rows all masked so far
-        p = torch.exp(s - base)
-        corr = torch.exp(m - base)
-        total = total * corr + p.sum(-1, keepdim=True)
-        acc = acc * corr + torch.matmul(p, vt[..., :dv])
+        base = m_new.masked_fill(torch.isinf(m_new), 0.0)              # rows all masked so far
+        p = s.sub_(base).exp_()
+        corr = (m - base).exp_()
+        total.mul_(corr).add_(p.sum(-1, keepdim=True))
+        acc.mul_(corr).baddbmm_(p, vt[..., :dv])
         m = m_new
+        del kt, vt, s, p                     # freed before the next tile is dequantized
     out = (acc / total).view(n_kv, g, t, dv).reshape(n_head, t, dv)
     return out.transpose(0, 1)

@@ -271,7 +271,14 @@ def forward_model(spec: ModelSpec, tensors: Sequence[TensorInfo], s: MemorySetti
     return ForwardModel(spec, tensors, s.ubatch, s.ctx, cache_value_bytes(s),
                         Devices(s.gpu_dtype, s.host_backed), lambda layer: kv_bytes(spec, layer, s),
                         kv_cells=lambda layer: kv_cells(spec, layer, s),
-                        dsv4_cache=(lambda layer: dsv4_cache(spec, layer, s)) if spec.compress_ratios else None)
+                        dsv4_cache=(lambda layer: dsv4_cache(spec, layer, s)) if spec.compress_ratios else None,
+                        tiled_cache=quantized_cache(s))
+
+
+def quantized_cache(s: MemorySettings) -> tuple[GGMLQuantizationType, GGMLQuantizationType] | None:
+    """(K type, V type) when either is block-quantized (attention then reads the cache in tiles)."""
+    k, v = cache_type(s.cache_type), cache_type(s.v_type)
+    return None if k in FLOAT_CACHE_TYPES and v in FLOAT_CACHE_TYPES else (k, v)
 
 
 def forward_steps(spec: ModelSpec, tensors: Sequence[TensorInfo], placement: Mapping[str, str],
