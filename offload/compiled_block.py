@@ -11,7 +11,7 @@ goes straight to those compiled entry points — no registry lookup, type dispat
 argument typing per call (measured on this box: ~0.8 µs for a 50-argument call, against
 ~30 µs through the dispatcher). Larger batches (prompt prefill) go to the reference block,
 whose matmuls amortise their dispatch over many tokens and whose torch attention is faster
-there. Both paths share the block's KV cache (``gpu.kv_cache.KVCache``, f32/f16/bf16), so
+there. Both paths share the block's KV cache (``gpu.kv_cache.KVCache``, float or block-quantized), so
 ``length`` / ``truncate(n)`` — the speculative loop's rollback — work unchanged, and a
 prefill by one path is read by the other.
 
@@ -464,8 +464,8 @@ def block_runs(blocks) -> list[tuple[object, int, int]]:
 
 def compile_block(block, parts: CompiledParts):
     """``CompiledBlock`` for a wholly CPU-resident block whose halves ``parts`` declares (GQA
-    attention, an MoE or dense FFN) with a KV cache of a ``kv_rows.KV_TYPES`` type; the block itself otherwise
-    (or when ``OFFLOAD_BLOCKS=reference``), its ``path`` saying why. Either way the block's
+    attention, an MoE or dense FFN) with a KV cache of ``kv_rows.KV_TYPES``; the block itself
+    otherwise (or when ``OFFLOAD_BLOCKS=reference``), its ``path`` saying why. Either way the block's
     ``path`` is "compiled" or "reference: <why>" (``path_lines`` lists them at load)."""
     if not parts.handoff and isinstance(block.ffn, MoE):
         block.ffn.compiled_handoff = False

@@ -238,6 +238,20 @@ def sink_attention_bytes(T: int, L: int, H: int, Qw: int, KVw: int, cache_bytes:
             + 2 * c * Qw * f + 2 * H * c * f)
 
 
+# Peak bytes per value while gpu.quantize quantizes appended KV rows (a quantized cache):
+# the float copy, its block views, the scale and code temporaries and the packed result;
+# measured with the torch profiler (tests/runtime/test_memory_runtime.py), rounded up.
+QUANTIZE_BYTES: dict[Q, float] = {Q.Q8_0: 24.25, Q.Q4_0: 14.25, Q.Q4_1: 14.5, Q.Q5_0: 28.25, Q.Q5_1: 28.5,
+                                  Q.IQ4_NL: 36.5}
+
+
+def append_bytes(T: int, k_width: int, v_width: int, k_type: Q, v_type: Q, cache_bytes: float) -> int:
+    """KVCache.append of T rows: K then V encoded into the cache's format one after the other,
+    each quantized (QUANTIZE_BYTES) or cast (``cache_bytes`` per value) while the other is not."""
+    enc = lambda t, w: T * w * QUANTIZE_BYTES.get(t, cache_bytes)   # noqa: E731
+    return int(max(enc(k_type, k_width), enc(v_type, v_width)))
+
+
 def tiled_attention_bytes(T: int, L: int, H: int, Hkv: int, Dk: int, Dv: int, k_type: Q, v_type: Q, *,
                           shared: bool = False) -> int:
     """gpu.attention.attend_tiles's peak (attention over a quantized KV cache): q's head-major
@@ -404,7 +418,9 @@ class ForwardModel:
         moments.append(_plus(qkv, rows, {h: 3 * T * Qw * f}))
         qkv = _plus(qkv, rows)
         # KVCache.append: k, v cast to the cache dtype; growing storage holds the old copy too
-        moments.append(_plus(qkv, {h: int(T * (Kw + Vw) * self.kvb) + self.kv_block_bytes(i) // 2}))
+        append = (int(T * (Kw + Vw) * self.kvb) if self.tiled_cache is None
+                  else append_bytes(T, Kw, Vw, *self.tiled_cache, self.kvb))
+        moments.append(_plus(qkv, {h: append + self.kv_block_bytes(i) // 2}))
         mask = T * L + (T + L) * INT64                          # bool (T, L) mask + its index vectors
         if self.tiled_cache is not None:                        # quantized: tiles, mask inside
             sdpa = tiled_attention_bytes(T, L, H, Hkv, Dk, Dv, *self.tiled_cache)
@@ -481,7 +497,9 @@ class ForwardModel:
         grow = self.kv_block_bytes(i) // 2                      # KVCache storage doubling
         if absorbed:
             row = T * (C + R)
-            moments.append(_plus(live, {h: int(row * f + row * self.kvb) + grow}))    # cat + append
+            append = (int(row * self.kvb) if self.tiled_cache is None
+                      else append_bytes(T, C + R, 0, *self.tiled_cache, self.kvb))
+            moments.append(_plus(live, {h: row * f + append + grow}))    # cat + append
             moments.append(_plus(live, self.per_head(b.heads.get("attn_k_b"), h, device_of)))
             live = _plus(live, {h: T * H * C * f})              # q_lat
             qcat = T * H * (C + R) * f
@@ -496,7 +514,9 @@ class ForwardModel:
             moments.append(_plus(live, proj("attn_kv_b")))
             live = _plus(live, {h: T * H * (N + Dv) * f})       # kv
             k = T * H * Dq * f
-            moments.append(_plus(live, {h: k + int(T * H * (Dq + Dv) * self.kvb) + grow}))
+            append = (int(T * H * (Dq + Dv) * self.kvb) if self.tiled_cache is None
+                      else append_bytes(T, H * Dq, H * Dv, *self.tiled_cache, self.kvb))
+            moments.append(_plus(live, {h: k + append + grow}))
             live = _plus(live, {h: k + T * H * Dq * f})         # k, the cat'd query
             sdpa = (mask + T * L * f + 3 * H * T * L * f + H * L * Dq * f
                     + H * L * (Dq + Dv) * upcast + T * H * Dv * f)

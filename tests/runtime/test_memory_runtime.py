@@ -339,3 +339,15 @@ def test_tiled_attention_bound_matches_torch_allocations(t, n_keys, k_type, v_ty
     print(f"tiled attention: measured/planned {measured / planned:.3f}")
     assert measured <= planned, (measured, planned)
     assert measured >= 0.85 * planned, (measured, planned)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL], ids=lambda t: t.name)
+def test_kv_append_quantize_bound_matches_torch_allocations(qtype):
+    """gpu.quantize on appended rows (K as attention passes it: (H_kv, T, D), not contiguous)
+    against QUANTIZE_BYTES: bounded and within 2% (the table is the measurement rounded up)."""
+    from gpu.quantize import quantize
+    from placement.compute import QUANTIZE_BYTES
+    x = torch.randn(512, 2, 128, generator=torch.Generator().manual_seed(0)).transpose(0, 1)
+    measured = torch_peak(lambda: quantize(x, qtype))
+    planned = x.numel() * QUANTIZE_BYTES[qtype]
+    assert 0.98 * planned <= measured <= planned, (measured, planned)
