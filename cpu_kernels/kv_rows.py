@@ -22,7 +22,7 @@ from numba import njit
 from numba.extending import overload
 
 from .registry import QTagType, kernel_by_name
-from .simd import (st_bf16, st_f16, st_f32, st_u8, vbf16, vf16, vf32, vfma, vlane, vload, vsplat,
+from .simd import (ld_u8, st_bf16, st_f16, st_f32, st_u8, vbf16, vf16, vf32, vfma, vlane, vload, vsplat,
                    vstore, vsum, vzero)
 
 f32 = np.float32
@@ -57,21 +57,13 @@ def _signed_max(x, xo):
     return mx
 
 
+# Codes are packed as they are made (pairs j, j + 16 share a byte: low nibbles are values
+# 0..15), with no scratch array: this runs per block of every appended row.
 @njit(**_exact)
-def _pack_nibbles(q, buf, at):
-    """qs[j] = q[j] | q[j + 16] << 4 (low nibbles are values 0..15)."""
-    for j in range(16):
-        st_u8(buf, at + j, (q[j] & 15) | ((q[j + 16] & 15) << 4))
-
-
-@njit(**_exact)
-def _pack_high(q, buf, at):
-    """qh: bit j of a little-endian u32 = bit 4 of q[j] (Q5_0/Q5_1)."""
+def _put_high_bits(h, buf, at):
+    """qh (Q5_0/Q5_1): bit j of a little-endian u32 = bit 4 of code j."""
     for b in range(4):
-        v = 0
-        for j in range(8):
-            v |= ((q[8 * b + j] >> 4) & 1) << j
-        st_u8(buf, at + b, v)
+        st_u8(buf, at + b, (h >> (8 * b)) & 255)
 
 
 # block_q8_0 { ggml_half d; int8_t qs[32]; }: d = amax / 127, q = roundf(x / d)
@@ -93,10 +85,10 @@ def quantize_q4_0(x, xo, buf, at):
     d = _signed_max(x, xo) / f32(-8)
     inv = f32(1) / d if d != 0 else f32(0)
     st_f16(buf, at, d)
-    q = np.empty(32, np.int32)
-    for j in range(32):
-        q[j] = min(15, np.int32(x[xo + j] * inv + f32(8.5)))
-    _pack_nibbles(q, buf, at + 2)
+    for j in range(16):
+        lo = min(15, np.int32(x[xo + j] * inv + f32(8.5)))
+        hi = min(15, np.int32(x[xo + j + 16] * inv + f32(8.5)))
+        st_u8(buf, at + 2 + j, lo | (hi << 4))
 
 
 # block_q5_0 { ggml_half d; uint8_t qh[4]; uint8_t qs[16]; }: d = max / -16, q = min(31, (int)(x / d + 16.5))
@@ -105,47 +97,53 @@ def quantize_q5_0(x, xo, buf, at):
     d = _signed_max(x, xo) / f32(-16)
     inv = f32(1) / d if d != 0 else f32(0)
     st_f16(buf, at, d)
-    q = np.empty(32, np.int32)
-    for j in range(32):
-        q[j] = min(31, np.int32(x[xo + j] * inv + f32(16.5)))
-    _pack_high(q, buf, at + 2)
-    _pack_nibbles(q, buf, at + 6)
+    h = 0
+    for j in range(16):
+        lo = min(31, np.int32(x[xo + j] * inv + f32(16.5)))
+        hi = min(31, np.int32(x[xo + j + 16] * inv + f32(16.5)))
+        st_u8(buf, at + 6 + j, (lo & 15) | ((hi & 15) << 4))
+        h |= ((lo >> 4) & 1) << j | ((hi >> 4) & 1) << (j + 16)
+    _put_high_bits(h, buf, at + 2)
 
 
 @njit(**_exact)
-def _min_max_codes(x, xo, levels, q):
-    """ggml's q4_1/q5_1: m = min, d = (max - min) / levels, q = min(levels, (int)((x - m) / d + 0.5))."""
+def _min_max(x, xo, levels):
+    """ggml's q4_1/q5_1 scale: (d = (max - min) / levels, m = min, 1 / d or 0); codes are
+    min(levels, (int)((x - m) / d + 0.5))."""
     lo = x[xo]
     hi = x[xo]
     for j in range(1, 32):
         lo = min(lo, x[xo + j])
         hi = max(hi, x[xo + j])
     d = (hi - lo) / f32(levels)
-    inv = f32(1) / d if d != 0 else f32(0)
-    for j in range(32):
-        q[j] = min(levels, np.int32((x[xo + j] - lo) * inv + f32(0.5)))
-    return d, lo
+    return d, lo, (f32(1) / d if d != 0 else f32(0))
 
 
 # block_q4_1 { ggml_half d; ggml_half m; uint8_t qs[16]; }
 @njit(**_exact)
 def quantize_q4_1(x, xo, buf, at):
-    q = np.empty(32, np.int32)
-    d, m = _min_max_codes(x, xo, 15, q)
+    d, m, inv = _min_max(x, xo, 15)
     st_f16(buf, at, d)
     st_f16(buf, at + 2, m)
-    _pack_nibbles(q, buf, at + 4)
+    for j in range(16):
+        lo = min(15, np.int32((x[xo + j] - m) * inv + f32(0.5)))
+        hi = min(15, np.int32((x[xo + j + 16] - m) * inv + f32(0.5)))
+        st_u8(buf, at + 4 + j, lo | (hi << 4))
 
 
 # block_q5_1 { ggml_half d; ggml_half m; uint8_t qh[4]; uint8_t qs[16]; }
 @njit(**_exact)
 def quantize_q5_1(x, xo, buf, at):
-    q = np.empty(32, np.int32)
-    d, m = _min_max_codes(x, xo, 31, q)
+    d, m, inv = _min_max(x, xo, 31)
     st_f16(buf, at, d)
     st_f16(buf, at + 2, m)
-    _pack_high(q, buf, at + 4)
-    _pack_nibbles(q, buf, at + 8)
+    h = 0
+    for j in range(16):
+        lo = min(31, np.int32((x[xo + j] - m) * inv + f32(0.5)))
+        hi = min(31, np.int32((x[xo + j + 16] - m) * inv + f32(0.5)))
+        st_u8(buf, at + 8 + j, (lo & 15) | ((hi & 15) << 4))
+        h |= ((lo >> 4) & 1) << j | ((hi >> 4) & 1) << (j + 16)
+    _put_high_bits(h, buf, at + 4)
 
 
 @njit(**_exact)
@@ -167,8 +165,9 @@ def _best_index(v, x):
 
 # block_iq4_nl { ggml_half d; uint8_t qs[16]; }: w = d * kvalues[q]. ggml's
 # quantize_row_iq4_nl_ref (quantize_row_iq4_nl_impl with ntry -1, what llama.cpp's CPU cache
-# stores): codes for d = max / kvalues[0], then d refit by least squares with weights x²;
-# a block below GROUP_MAX_EPS keeps d = 0 (its codes are then any: ggml leaves them unset).
+# stores): codes for d = max / kvalues[0], then d refit by least squares with weights x²,
+# summed in ggml's order (j = 0..31); a block below GROUP_MAX_EPS keeps d = 0 and codes 0
+# (ggml leaves them unset: any codes decode to 0 there).
 @njit(**_exact)
 def quantize_iq4_nl(x, xo, buf, at):
     v = IQ4_NL_VALUES
@@ -178,22 +177,26 @@ def quantize_iq4_nl(x, xo, buf, at):
         if abs(x[xo + j]) > amax:
             amax = abs(x[xo + j])
             mx = x[xo + j]
-    d = f32(0)
-    q = np.zeros(32, np.int32)
-    if amax >= f32(1e-15):
-        inv = f32(1) / (mx / v[0])
-        sqx = f32(0)
-        sq2 = f32(0)
-        for j in range(32):
-            xj = x[xo + j]
-            q[j] = _best_index(v, inv * xj)
-            c = v[q[j]]
-            w = xj * xj
-            sqx += w * c * xj
-            sq2 += w * c * c
-        d = sqx / sq2
-    st_f16(buf, at, d)
-    _pack_nibbles(q, buf, at + 2)
+    if amax < f32(1e-15):
+        st_f16(buf, at, f32(0))
+        for j in range(16):
+            st_u8(buf, at + 2 + j, 0)
+        return
+    inv = f32(1) / (mx / v[0])
+    sqx = f32(0)
+    sq2 = f32(0)
+    for j in range(32):
+        xj = x[xo + j]
+        q = _best_index(v, inv * xj)
+        c = v[q]
+        w = xj * xj
+        sqx += w * c * xj
+        sq2 += w * c * c
+        if j < 16:
+            st_u8(buf, at + 2 + j, q)
+        else:
+            st_u8(buf, at + 2 + j - 16, ld_u8(buf, at + 2 + j - 16) | (q << 4))
+    st_f16(buf, at, sqx / sq2)
 
 
 _QUANTIZE = {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0, "Q4_1": quantize_q4_1,
