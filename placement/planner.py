@@ -76,8 +76,8 @@ class PlanOptions:
         False = not given): ``override_tensor`` a list of ``-ot`` values (or one), ``tensor_split``
         "3,1" or numbers, ``fit_target`` "1024,2048" or 1024 or [1024, 2048] (MiB, or sizes like "2GiB");
         ``cpu_moe``, ``n_cpu_moe``, ``n_gpu_layers``, ``fit``, ``fit_ctx``, ``ctx``,
-        ``cache_type`` (``cache_type_k``, ``cache_type_v``), ``ubatch`` as typed values; ``routing`` a routing profile's path (or a
-        ``RoutingCounts``)."""
+        ``cache_type`` (``cache_type_k``, ``cache_type_v``), ``ubatch`` as typed values;
+        ``routing`` a routing profile's path (or a ``RoutingCounts``)."""
         unknown = sorted(set(flags) - set(FLAG_NAMES))
         if unknown:
             raise PlacementError(f"unknown planning option {unknown[0]!r} (options: {', '.join(FLAG_NAMES)})")

@@ -145,7 +145,8 @@ def test_compiled_rollback_is_exact():
         m.forward(torch.tensor(PROMPT[6:9]), drafted, logits="none")        # three drafted tokens
         for c in drafted.caches:
             c.truncate(6)
-        assert all(torch.equal(c.k[:, :6], k) and torch.equal(c.v[:, :6], v) for c, (k, v) in zip(drafted.caches, before))
+        assert all(torch.equal(c.k[:, :6], k) and torch.equal(c.v[:, :6], v)
+                   for c, (k, v) in zip(drafted.caches, before))
         for state in (drafted, plain):
             m.forward(torch.tensor(PROMPT[9:10]), state, logits="none")
         assert all(torch.equal(a.k[:, :7], b.k[:, :7]) and torch.equal(a.v[:, :7], b.v[:, :7])

@@ -29,7 +29,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_mla(tmp_path_factory):
     """deepseek2 with a latent row of 64 + 32 = 96 values (three blocks of 32)."""
-    return write_tiny_model(tmp_path_factory.mktemp("kvq") / "ds2.gguf", TinySpec(arch="deepseek2", n_layer=3, n_rot=32))
+    return write_tiny_model(tmp_path_factory.mktemp("kvq") / "ds2.gguf",
+                            TinySpec(arch="deepseek2", n_layer=3, n_rot=32))
 
 
 def kv_after_full_context(path, monkeypatch, **options):
