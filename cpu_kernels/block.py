@@ -33,10 +33,10 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from .kv_rows import kv_axpy, kv_dot, kv_store_row
 from .moe import _silu_glu, bsums_of_rows, routed_ffn, routed_scratch
-from .registry import QTagType, source_digest
+from .registry import source_digest
 from .rowdot import rows4, rows4_scratch
-from .simd import st_bf16, st_f16, st_f32, vbf16, vf16, vf32, vfma, vload, vsplat, vstore, vsum, vzero
 
 f32 = np.float32
 SIGMOID, SOFTMAX = 0, 1        # router kinds (gpu.router.SigmoidRouter / SoftmaxRouter)
@@ -44,50 +44,9 @@ SIGMOID, SOFTMAX = 0, 1        # router kinds (gpu.router.SigmoidRouter / Softma
 _kw = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
 
 
-# The KV cache is raw bytes (H_kv, cells, D · element size) in F32, F16 or BF16 (the plan's
-# --cache-type); its QTag selects how 16 values are read and one is written.
-_KV_READ = {"F32": vf32, "F16": vf16, "BF16": vbf16}
-_KV_WRITE = {"F32": st_f32, "F16": st_f16, "BF16": st_bf16}
-KV_TYPES = tuple(_KV_READ)
-
-
-def kv_read16(tag, buf, off):
-    """16 cache values at byte off as a float32 vector (jitted code only)."""
-    raise NotImplementedError("only callable from jitted code")
-
-
-def kv_write(tag, buf, off, x):
-    """Store float32 x at byte off in the cache's format (jitted code only)."""
-    raise NotImplementedError("only callable from jitted code")
-
-
-def kv_size(tag):
-    """Bytes per cache value (jitted code only)."""
-    raise NotImplementedError("only callable from jitted code")
-
-
-@overload(kv_read16)
-def _kv_read16(tag, buf, off):
-    if isinstance(tag, QTagType) and tag.qname in _KV_READ:
-        fn = _KV_READ[tag.qname]
-        return lambda tag, buf, off: fn(buf, off)
-    return None
-
-
-@overload(kv_write)
-def _kv_write(tag, buf, off, x):
-    if isinstance(tag, QTagType) and tag.qname in _KV_WRITE:
-        fn = _KV_WRITE[tag.qname]
-        return lambda tag, buf, off, x: fn(buf, off, x)
-    return None
-
-
-@overload(kv_size)
-def _kv_size(tag):
-    if isinstance(tag, QTagType) and tag.qname in _KV_READ:
-        n = 4 if tag.qname == "F32" else 2
-        return lambda tag: n
-    return None
+# The KV cache is raw bytes (H_kv, cells, row bytes) of its type (the plan's --cache-type:
+# F32, F16, BF16 or a block-quantized type; K and V may differ): ``kvt`` = (K tag, V tag)
+# selects how a row is stored, dotted and accumulated (``kv_rows``).
 
 
 def n_groups(w):
@@ -127,12 +86,13 @@ def _build(salt):
     def attend(q, kvt, kc, vc, n_past, out, n_head, scale):
         """out (T, H·D) = softmax(q·K^T·scale) V per head over cache cells 0..n_past+i
         (query i sits at cell n_past + i: causal). kc, vc: raw cache bytes (H_kv, cells,
-        D · size) of type ``kvt``; D is a multiple of 16 (one vector per 16 dims)."""
+        row bytes) of the types ``kvt`` = (K tag, V tag); D is a multiple of 16 (32 for a
+        quantized type), read in place (a quantized row decodes block by block)."""
         _salt = salt  # noqa: F841
+        kt, vt = kvt
         t = q.shape[0]
         n_kv = kc.shape[0]
         d = q.shape[1] // n_head
-        es = kv_size(kvt)
         ks0, ks1 = kc.strides[0], kc.strides[1]
         vs0, vs1 = vc.strides[0], vc.strides[1]
         group = n_head // n_kv
@@ -146,11 +106,7 @@ def _build(salt):
                 qo = (i * n_head + h) * d
                 m = f32(0)
                 for j in range(n_keys):
-                    ko = g * ks0 + j * ks1
-                    a = vzero()
-                    for c in range(0, d, 16):
-                        a = vfma(vload(qf, qo + c), kv_read16(kvt, kc, ko + c * es), a)
-                    sj = vsum(a) * scale
+                    sj = kv_dot(kt, kc, g * ks0 + j * ks1, qf, qo, d) * scale
                     s[j] = sj
                     m = sj if j == 0 else max(m, sj)
                 tot = f32(0)
@@ -159,13 +115,10 @@ def _build(salt):
                     s[j] = e
                     tot += e
                 inv = f32(1) / tot
-                for c in range(0, d, 16):
-                    vstore(of, qo + c, vzero())
+                for c in range(d):
+                    of[qo + c] = f32(0)
                 for j in range(n_keys):
-                    p = vsplat(s[j] * inv)
-                    vo = g * vs0 + j * vs1
-                    for c in range(0, d, 16):
-                        vstore(of, qo + c, vfma(p, kv_read16(kvt, vc, vo + c * es), vload(of, qo + c)))
+                    kv_axpy(vt, s[j] * inv, vc, g * vs0 + j * vs1, of, qo, d)
 
     return matmuls_sharing_x, attend
 
@@ -309,13 +262,13 @@ def _build_entries(salt):
 
         ``w*`` raw GGUF rows, ``t*`` their QTags, ``b*`` biases or None, ``q_norm``/``k_norm``
         per-head RMSNorm weights or None; ``cos``/``sin`` (positions, n_rot/2) tables; ``kc``,
-        ``vc`` the cache's raw bytes, ``kvt`` its type's QTag.
+        ``vc`` the cache's raw bytes, ``kvt`` its (K, V) types' QTags.
         """
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         t_n, n_embd = x.shape
         n_kv = kc.shape[0]
         d = wq.shape[0] // n_head
-        es = kv_size(kvt)
+        kt, vt = kvt
         xn, xs = _norm_and_bsums(x, attn_norm, eps)
         q = np.empty((t_n, n_head * d), f32)
         k = np.empty((t_n, n_kv * d), f32)
@@ -327,13 +280,12 @@ def _build_entries(salt):
             for t in range(t_n):
                 for c in range(n_kv * d):
                     v[t, c] += bv[c]
-        for t in range(t_n):
+        kf, vf = k.reshape(-1), v.reshape(-1)
+        for t in range(t_n):                 # one row per head and token (a quantized one: D / 32 blocks)
             for g in range(n_kv):
-                ko = g * kc.strides[0] + (n_past + t) * kc.strides[1]
-                vo = g * vc.strides[0] + (n_past + t) * vc.strides[1]
-                for c in range(d):
-                    kv_write(kvt, kc, ko + c * es, k[t, g * d + c])
-                    kv_write(kvt, vc, vo + c * es, v[t, g * d + c])
+                cell = n_past + t
+                kv_store_row(kt, kc, g * kc.strides[0] + cell * kc.strides[1], kf, (t * n_kv + g) * d, d)
+                kv_store_row(vt, vc, g * vc.strides[0] + cell * vc.strides[1], vf, (t * n_kv + g) * d, d)
         att = np.empty((t_n, n_head * d), f32)
         attend(q, kvt, kc, vc, n_past, att, n_head, f32(1) / np.sqrt(f32(d)))
         atts = np.empty((t_n, n_head * d // 16), f32)

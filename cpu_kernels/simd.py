@@ -435,6 +435,19 @@ def _scalar_store(convert):
     return store
 
 
+@intrinsic
+def st_u8(typingctx, arr, off, x):
+    """Write the low byte of integer ``x`` at byte ``off`` of ``arr`` (any rank: raw cache bytes)."""
+    if not (_is_array(arr) and _is_int(off) and _is_int(x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        builder.store(builder.trunc(args[2], _I8) if args[2].type.width > 8 else args[2], p, align=1)
+        return context.get_dummy_value()
+    return types.none(arr, off, x), codegen
+
+
 def _to_bf16(builder, x):
     """float32 -> bfloat16 bits, round to nearest even, NaN kept NaN (as torch converts)."""
     b = builder.bitcast(x, _I32)

@@ -8,6 +8,12 @@ A sink is a learned per-head logit that joins each query's softmax as one more c
 no value: it takes probability mass away from the keys without adding anything. torch's fused
 attention has no such column, so attention with sinks is computed explicitly, a chunk of
 queries at a time (at most ``placement.limits.SCORE_VALUES`` float32 scores live at once).
+
+A quantized cache (``gpu.kv_cache.QuantRows``) is read a tile of cells at a time: each tile is
+dequantized, scored and folded into a running softmax (flash attention's online rescaling), so
+no float copy of the whole cache exists at once. A tile holds at most ``CHUNK_VALUES``
+dequantized values and ``SCORE_VALUES`` scores (``placement.limits.kv_tile_cells``): few
+tiles, so few kernel launches on a GPU, and bounded temporaries.
 """
 from __future__ import annotations
 
@@ -16,10 +22,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from gpu.kv_cache import KVCache
+from gpu.kv_cache import KVCache, QuantRows
 from gpu.norm import RMSNorm
 from gpu.rope import Rope
-from placement.limits import SCORE_VALUES
+from placement.limits import SCORE_VALUES, kv_tile_cells
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -53,8 +59,7 @@ class Attention:
             k = self.k_norm(k)
         q = self.rope(q, positions)
         k = self.rope(k, positions)
-        keys, values = cache.append(k.transpose(0, 1).to(cache.k.dtype),
-                                    v.transpose(0, 1).to(cache.v.dtype))  # (Hkv, L, D)
+        keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))  # (Hkv, L, D)
         out = attend(q, keys, values, scale=self.scale, sinks=self.sinks, window=self.window)  # (T, H, D)
         return self.o(out.reshape(t, self.n_head * self.head_dim))
 
@@ -73,7 +78,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
     theirs (cache index order is sequence order). q: (T, H, Dk); keys: (Hkv, L, Dk); values:
     (Hkv, L, Dv) with H a multiple of Hkv → (T, H, Dv) float32. ``scale``: default 1/√Dk.
     ``sinks``: (H,) per-head sink logits; ``window``: a query sees only the last ``window``
-    positions (0: all)."""
+    positions (0: all). keys/values may be ``QuantRows`` (a quantized cache; ``values is keys``
+    for MLA's latent, one tile serving both)."""
+    if isinstance(keys, QuantRows) or isinstance(values, QuantRows):
+        return attend_tiles(q, keys, values, scale=scale, sinks=sinks, window=window)
     if sinks is not None:
         return attend_with_sinks(q, keys, values, sinks, scale=scale, window=window)
     t, n_head = q.shape[0], q.shape[1]
@@ -119,4 +127,50 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         s.sub_(m).exp_()
         s.div_(s.sum(-1, keepdim=True) + torch.exp(sink - m))
         out[:, c0:c0 + c] = torch.matmul(s.view(n_kv, g * c, n_keys), v).view(n_head, c, dv)
+    return out.transpose(0, 1)
+
+
+def _tile(rows, j0: int, j1: int) -> torch.Tensor:
+    return rows.tile(j0, j1) if isinstance(rows, QuantRows) else rows[:, j0:j1].float()
+
+
+def attend_tiles(q: torch.Tensor, keys, values, *, scale: float | None = None,
+                 sinks: torch.Tensor | None = None, window: int = 0,
+                 tile: int | None = None) -> torch.Tensor:
+    """``attend`` over keys/values read ``tile`` cells at a time (either may be ``QuantRows``;
+    default ``placement.limits.kv_tile_cells``): per tile scores (H_kv, G·T, c) → masked →
+    folded in place into the running max ``m``, sum ``total`` and output ``acc`` (rescaled by
+    exp(m_old − m_new)). A sink starts each row's sum at 1 with ``m`` at the sink logit: the
+    same softmax column ``attend_with_sinks`` adds. ``placement.compute.tiled_attention_bytes``
+    counts its peak."""
+    t, n_head, dk = q.shape
+    n_kv, n_keys, dv = values.shape
+    g = n_head // n_kv                       # query head h reads KV head h // g
+    scale = dk ** -0.5 if scale is None else scale
+    qh = q.float().permute(1, 0, 2).reshape(n_kv, g * t, dk)
+    if sinks is None:
+        m = torch.full((n_kv, g * t, 1), float("-inf"), device=q.device)
+        total = torch.zeros(n_kv, g * t, 1, device=q.device)
+    else:
+        m = sinks.float().to(q.device).view(n_kv, g, 1, 1).expand(n_kv, g, t, 1).reshape(n_kv, g * t, 1)
+        total = torch.ones(n_kv, g * t, 1, device=q.device)
+    acc = torch.zeros(n_kv, g * t, dv, device=q.device)
+    seen = visible(n_keys - t, t, n_keys, window, q.device)           # (T, L)
+    tile = tile or kv_tile_cells(n_head, n_kv, t, max(dk, dv))
+    for j0 in range(0, n_keys, tile):
+        j1 = min(n_keys, j0 + tile)
+        kt = _tile(keys, j0, j1)                                        # (H_kv, c, Dk)
+        vt = kt if values is keys else _tile(values, j0, j1)
+        s = torch.matmul(qh, kt.transpose(1, 2)).mul_(scale).view(n_kv, g, t, j1 - j0)
+        s.masked_fill_(~seen[:, j0:j1], float("-inf"))
+        s = s.view(n_kv, g * t, j1 - j0)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        base = m_new.masked_fill(torch.isinf(m_new), 0.0)              # rows all masked so far
+        p = s.sub_(base).exp_()
+        corr = (m - base).exp_()
+        total.mul_(corr).add_(p.sum(-1, keepdim=True))
+        acc.mul_(corr).baddbmm_(p, vt[..., :dv])
+        m = m_new
+        del kt, vt, s, p                     # freed before the next tile is dequantized
+    out = (acc / total).view(n_kv, g, t, dv).reshape(n_head, t, dv)
     return out.transpose(0, 1)

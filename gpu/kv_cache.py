@@ -8,26 +8,84 @@ holds more than the plan counted.
 ``head_dim_v=0`` makes a K-only cache: MLA's compressed latent (one row of
 ``kv_lora_rank + rope dims`` per token, whose first ``kv_lora_rank`` values serve as V), as
 llama.cpp's V-less MLA cache and the planner count it.
+
+A cache type is a torch float dtype, or a block-quantized GGUF type (a quantized
+``--cache-type``: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL). A quantized cache stores each
+head's row of D values as D / 32 GGUF blocks (uint8 storage, exactly the planner's bytes),
+quantized as it is appended (``gpu.quantize``, ggml's reference rounding); rows never share
+a block, so appending and rolling back are exact, byte for byte. Its ``append`` returns
+``QuantRows``, which attention dequantizes a tile of cells at a time. K and V may have
+different types (llama.cpp's ``-ctk`` / ``-ctv``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from gpu.quant import dequantize
+from gpu.quantize import QUANTIZERS, quantize
+
+CacheType = torch.dtype | Q
+# the compiled CPU block's names for the float cache types (cpu_kernels.kv_rows)
+FLOAT_TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def type_name(t: CacheType) -> str:
+    """The cache type's GGUF name (F16, Q8_0, ...)."""
+    return t.name if isinstance(t, Q) else FLOAT_TYPE_NAMES[t]
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """The first cells of a quantized cache: raw (H_kv, cells, D / 32 · block bytes)."""
+    raw: torch.Tensor
+    qtype: Q
+    width: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.raw.shape[0], self.raw.shape[1], self.width
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    def tile(self, j0: int, j1: int) -> torch.Tensor:
+        """Cells j0..j1-1 as float32 (H_kv, j1 - j0, D)."""
+        return dequantize(self.raw[:, j0:j1], self.qtype)
+
+    def float(self) -> torch.Tensor:
+        return self.tile(0, self.raw.shape[1])
+
+
+def _storage(n_head: int, cap: int, width: int, t: CacheType, device) -> torch.Tensor:
+    if isinstance(t, Q):
+        if t not in QUANTIZERS:
+            raise ValueError(f"no KV cache of type {t.name}")
+        block, size = GGML_QUANT_SIZES[t]
+        if width % block:
+            raise ValueError(f"a {t.name} KV cache needs rows of a multiple of {block} values, not {width}")
+        return torch.empty(n_head, cap, width // block * size, device=device, dtype=torch.uint8)
+    return torch.empty(n_head, cap, width, device=device, dtype=t)
 
 
 class KVCache:
     start = 0      # the position of the oldest row kept (a window cache drops old rows)
 
     def __init__(self, n_head_kv: int, head_dim: int, *, head_dim_v: int | None = None,
-                 device: torch.device, dtype: torch.dtype = torch.float32, capacity: int = 256,
-                 max_cells: int | None = None):
+                 device: torch.device, dtype: CacheType = torch.float32, dtype_v: CacheType | None = None,
+                 capacity: int = 256, max_cells: int | None = None):
         if max_cells is not None:
             capacity = min(capacity, max_cells)
         self.max_cells = max_cells
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        self.k = torch.empty(n_head_kv, capacity, head_dim, device=device, dtype=dtype)
-        self.v = (torch.empty(n_head_kv, capacity, head_dim_v, device=device, dtype=dtype)
-                  if head_dim_v else None)
+        self.k_type, self.v_type = dtype, dtype if dtype_v is None else dtype_v
+        self.head_dim, self.head_dim_v = head_dim, head_dim_v
+        self.k = _storage(n_head_kv, capacity, head_dim, self.k_type, device)
+        self.v = _storage(n_head_kv, capacity, head_dim_v, self.v_type, device) if head_dim_v else None
         self.length = 0
         self._raw: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -44,11 +102,12 @@ class KVCache:
         """k, v: (H_kv, T, D) (v None for a K-only cache). Returns the cached keys/values
         (H_kv, length, D) incl. these (values None for a K-only cache)."""
         need = self.reserve(k.shape[1])
-        self.k[:, self.length:need] = k
+        self.k[:, self.length:need] = _encode(k, self.k_type)
         if self.v is not None:
-            self.v[:, self.length:need] = v
+            self.v[:, self.length:need] = _encode(v, self.v_type)
         self.length = need
-        return self.k[:, :need], (None if self.v is None else self.v[:, :need])
+        return (_rows(self.k, need, self.k_type, self.head_dim),
+                None if self.v is None else _rows(self.v, need, self.v_type, self.head_dim_v))
 
     def reserve(self, t: int) -> int:
         """Make room for t more positions (a compiled block writes them in place, then
@@ -81,6 +140,20 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
 
+    @property
+    def type_names(self) -> tuple[str, str]:
+        """GGUF names of the K and V types (the compiled CPU block's cache tags)."""
+        return type_name(self.k_type), type_name(self.v_type)
+
+
+def _encode(x: torch.Tensor, t: CacheType) -> torch.Tensor:
+    """Rows (H, T, D) as the cache stores them."""
+    return quantize(x, t) if isinstance(t, Q) else x.to(t)
+
+
+def _rows(buf: torch.Tensor, n: int, t: CacheType, width: int) -> torch.Tensor | QuantRows:
+    return QuantRows(buf[:, :n], t, width) if isinstance(t, Q) else buf[:, :n]
+
 
 class WindowKVCache(KVCache):
     """The cache of a sliding-window block: only the keys a query can still see are kept.
@@ -94,9 +167,10 @@ class WindowKVCache(KVCache):
     verify needs; further back raises."""
 
     def __init__(self, n_head_kv: int, head_dim: int, *, window: int, max_cells: int | None,
-                 device: torch.device, dtype: torch.dtype = torch.float32, head_dim_v: int | None = None):
-        super().__init__(n_head_kv, head_dim, device=device, dtype=dtype, max_cells=max_cells,
-                         head_dim_v=head_dim_v)
+                 device: torch.device, dtype: CacheType = torch.float32, dtype_v: CacheType | None = None,
+                 head_dim_v: int | None = None):
+        super().__init__(n_head_kv, head_dim, device=device, dtype=dtype, dtype_v=dtype_v,
+                         max_cells=max_cells, head_dim_v=head_dim_v)
         self.window, self.start = window, 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor | None = None):

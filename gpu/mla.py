@@ -55,7 +55,7 @@ class LatentAttention:
         c = self.kv_a_norm(ckv[:, :self.kv_lora])                         # (T, kv_lora)
         k_pe = self.rope(ckv[:, None, self.kv_lora:], positions)          # (T, 1, rope)
         if self.absorbed:
-            latent, _ = cache.append(torch.cat((c, k_pe[:, 0]), -1)[None].to(cache.k.dtype))  # (1, L, kv_lora+rope)
+            latent, _ = cache.append(torch.cat((c, k_pe[:, 0]), -1)[None])  # (1, L, kv_lora+rope)
             q_lat = self.k_b(q_nope)                                      # (T, H, kv_lora)
             # V = c; the whole row serves as V so keys and values are one tensor of one width
             # (torch's fused kernel, no per-head expansion) and the rope columns are dropped
@@ -64,7 +64,6 @@ class LatentAttention:
         else:
             kv = self.kv_b(c).view(t, h, self.nope + self.v_dim)
             k = torch.cat((kv[..., :self.nope], k_pe.expand(t, h, self.rope_dims)), -1)
-            keys, values = cache.append(k.transpose(0, 1).to(cache.k.dtype),
-                                        kv[..., self.nope:].transpose(0, 1).to(cache.v.dtype))
+            keys, values = cache.append(k.transpose(0, 1), kv[..., self.nope:].transpose(0, 1))
             out = attend(torch.cat((q_nope, q_pe), -1), keys, values, scale=self.scale)  # (T, H, v)
         return self.o(out.reshape(t, h * self.v_dim))

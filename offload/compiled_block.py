@@ -11,7 +11,7 @@ goes straight to those compiled entry points — no registry lookup, type dispat
 argument typing per call (measured on this box: ~0.8 µs for a 50-argument call, against
 ~30 µs through the dispatcher). Larger batches (prompt prefill) go to the reference block,
 whose matmuls amortise their dispatch over many tokens and whose torch attention is faster
-there. Both paths share the block's KV cache (``gpu.kv_cache.KVCache``, f32/f16/bf16), so
+there. Both paths share the block's KV cache (``gpu.kv_cache.KVCache``, float or block-quantized), so
 ``length`` / ``truncate(n)`` — the speculative loop's rollback — work unchanged, and a
 prefill by one path is read by the other.
 
@@ -42,6 +42,7 @@ from numba.typed import List
 from cpu_kernels import block as kb
 from cpu_kernels import settings
 from cpu_kernels.entry import first_call
+from cpu_kernels.kv_rows import KV_TYPES
 from cpu_kernels.layout import weight_bytes
 from cpu_kernels.registry import get_kernel
 from gpu.attention import Attention
@@ -52,7 +53,6 @@ from offload.cpu_ops import CpuExperts, RawLinear, to_host
 from offload.moe import MoE
 from placement.limits import DECODE_TOKENS
 
-KV_TYPES = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 ENV = "OFFLOAD_BLOCKS"   # "reference": the torch path for every block
 
 
@@ -180,7 +180,7 @@ class DenseArgs(_KernelArgs):
 @dataclass(frozen=True, eq=False)
 class Bound:
     """What ``_bind`` found for a block: the norms' eps, each half's record and the KV cache
-    type's QTag."""
+    (K, V) types' QTags."""
     eps: float
     attention: AttentionArgs
     ffn: MoeArgs | DenseArgs
@@ -234,8 +234,8 @@ def _bind(block, parts: CompiledParts) -> Bound | str:
     cache = block.new_cache()
     if type(cache) is not KVCache:            # the plain cache the kernel reads and writes raw
         return f"KV cache {type(cache).__name__}"
-    if cache.k.dtype not in KV_TYPES or cache.k.device.type != "cpu":
-        return f"KV cache {cache.k.dtype} on {cache.k.device}"
+    if cache.k.device.type != "cpu" or any(n not in KV_TYPES for n in cache.type_names):
+        return f"KV cache {'/'.join(cache.type_names)} on {cache.k.device}"
     attention = AttentionArgs(
         _vec(block.attn_norm.weight), tq, wq, _vec(attn.q.bias), tk, wk, _vec(attn.k.bias), tv, wv,
         _vec(attn.v.bias), to, wo, None if attn.q_norm is None else _vec(attn.q_norm.weight),
@@ -246,7 +246,7 @@ def _bind(block, parts: CompiledParts) -> Bound | str:
         ffn_args = _bind_moe(block, ffn) if "moe" in parts.ffn else "MoE FFN not declared"
     if isinstance(ffn_args, str):
         return ffn_args
-    return Bound(block.attn_norm.eps, attention, ffn_args, get_kernel(KV_TYPES[cache.k.dtype]).tag)
+    return Bound(block.attn_norm.eps, attention, ffn_args, tuple(get_kernel(Q[n]).tag for n in cache.type_names))
 
 
 def _bind_dense(block, ffn: SwiGLU) -> DenseArgs | str:
@@ -439,7 +439,7 @@ def _run_key(block):
     """Blocks with equal keys can share one ``blocks_run`` call."""
     if not isinstance(block, CompiledBlock):
         return None
-    return (block._ffn_half, block.rope, block._kv_tag.name,
+    return (block._ffn_half, block.rope, tuple(t.name for t in block._kv_tag),
             numba.typeof((block._eps, block._attn_args)), numba.typeof(block._ffn_args))
 
 
@@ -464,8 +464,8 @@ def block_runs(blocks) -> list[tuple[object, int, int]]:
 
 def compile_block(block, parts: CompiledParts):
     """``CompiledBlock`` for a wholly CPU-resident block whose halves ``parts`` declares (GQA
-    attention, an MoE or dense FFN) with an f32/f16/bf16 KV cache; the block itself otherwise
-    (or when ``OFFLOAD_BLOCKS=reference``), its ``path`` saying why. Either way the block's
+    attention, an MoE or dense FFN) with a KV cache of ``kv_rows.KV_TYPES``; the block itself
+    otherwise (or when ``OFFLOAD_BLOCKS=reference``), its ``path`` saying why. Either way the block's
     ``path`` is "compiled" or "reference: <why>" (``path_lines`` lists them at load)."""
     if not parts.handoff and isinstance(block.ffn, MoE):
         block.ffn.compiled_handoff = False

@@ -11,6 +11,7 @@ import torch
 
 from cpu_kernels import set_num_threads
 from cpu_kernels.simd8 import has_vnni
+from gpu.kv_cache import CacheType
 from offload.cpu_ops import DECODE_ACTIVATIONS
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
@@ -26,13 +27,19 @@ from offload.tokenizer import Tokenizer
 from offload.weights import WeightStore
 from placement.devices import resolve_devices
 from placement.limits import INT8_FROM
-from placement.memory import dsv4_cache, kv_cells
+from placement.memory import cache_type, dsv4_cache, kv_cells
 from placement.plan import Plan
 from placement.planner import PlanOptions, make_plan
 from placement.speculative import BLOCK_DRAFTERS
 
 # the torch dtype of each name --gpu-dtype and --cache-type take
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def kv_cache_type(name: str) -> CacheType:
+    """A --cache-type name as ``gpu.kv_cache`` takes it: a torch float dtype, or the GGUF type of
+    a block-quantized cache (every type the planner accepts, ``placement.memory.CACHE_TYPES``)."""
+    return TORCH_DTYPES.get(name.lower()) or cache_type(name)
 
 
 def compute_dtypes(devices: DeviceMap, gpu_dtype: str) -> dict[str, torch.dtype]:
@@ -109,9 +116,6 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
             raise OffloadError(f"threads must be >= 1, got {threads}")
         set_num_threads(threads)
     arch = architecture(model.spec.arch)
-    if plan.settings.cache_type not in TORCH_DTYPES:
-        raise OffloadError(f"the runtime keeps its KV cache in f32, f16 or bf16, not "
-                           f"--cache-type {plan.settings.cache_type}")
     devices = resolve(set(plan.tensors.values()) | set(plan.draft_tensors.values()), virtual_gpus=virtual_gpus)
     if devices.virtual and not quiet:
         print(f"offload: note: {', '.join(devices.virtual)} backed by the CPU (--virtual-gpus); "
@@ -143,7 +147,8 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     draft_weights = (WeightStore(draft, plan.draft_tensors, devices, compute_dtype=dtypes, profile=profile,
                                  progress=bar, int8_batch=int8_batch, decode_activations=decode_activations)
                      if draft is not None else None)
-    ctx = BuildContext(profile=profile, pool=pool, kv_dtype=TORCH_DTYPES[plan.settings.cache_type],
+    ctx = BuildContext(profile=profile, pool=pool, kv_dtype=kv_cache_type(plan.settings.cache_type),
+                       kv_dtype_v=kv_cache_type(plan.settings.v_type),
                        kv_cells=lambda layer: kv_cells(model.spec, layer, plan.settings),
                        dsv4_cache=lambda layer: dsv4_cache(model.spec, layer, plan.settings))
     with torch.inference_mode():

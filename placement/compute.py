@@ -76,11 +76,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gguf import GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from placement.devices import CPU
 from placement.limits import (CHUNK_VALUES, DECODE_TOKENS, DX_PAD, FLOAT_ACTIVATION_TYPES, INT8_FROM, S4_PAD,
-                              SCORE_VALUES, XQ_PAD, int8_request, staging_buffer_bytes, wants_int8)
+                              SCORE_VALUES, XQ_PAD, int8_request, kv_tile_cells, staging_buffer_bytes,
+                              wants_int8)
 from placement.tensors import ModelSpec, Role, TensorInfo
 
 Moment = dict[str, int]     # bytes live on each device at one point of the pass
@@ -237,6 +238,43 @@ def sink_attention_bytes(T: int, L: int, H: int, Qw: int, KVw: int, cache_bytes:
             + 2 * c * Qw * f + 2 * H * c * f)
 
 
+# Peak bytes per value while gpu.quantize quantizes appended KV rows (a quantized cache):
+# the float copy, its block views, the scale and code temporaries and the packed result;
+# measured with the torch profiler (tests/runtime/test_memory_runtime.py), rounded up.
+QUANTIZE_BYTES: dict[Q, float] = {Q.Q8_0: 24.25, Q.Q4_0: 14.25, Q.Q4_1: 14.5, Q.Q5_0: 28.25, Q.Q5_1: 28.5,
+                                  Q.IQ4_NL: 36.5}
+
+
+def append_bytes(T: int, k_width: int, v_width: int, k_type: Q, v_type: Q, cache_bytes: float) -> int:
+    """KVCache.append of T rows: K then V encoded into the cache's format one after the other,
+    each quantized (QUANTIZE_BYTES) or cast (``cache_bytes`` per value) while the other is not."""
+    enc = lambda t, w: T * w * QUANTIZE_BYTES.get(t, cache_bytes)   # noqa: E731
+    return int(max(enc(k_type, k_width), enc(v_type, v_width)))
+
+
+def tiled_attention_bytes(T: int, L: int, H: int, Hkv: int, Dk: int, Dv: int, k_type: Q, v_type: Q, *,
+                          shared: bool = False) -> int:
+    """gpu.attention.attend_tiles's peak (attention over a quantized KV cache): q's head-major
+    copy, the running output and softmax state and the (T, L) bool mask throughout; per tile
+    of c cells (``kv_tile_cells``) the K tile's dequantization (its raw cells copied, as they
+    are not contiguous across heads), then the V tile's beside it, then both tiles beside the
+    (H, T, c) scores and the tile's inverted mask; at the end the normalised output beside the
+    running one. ``shared``: V is K's tile (MLA's latent). A float V (-ctv f16) is one float32
+    copy per value."""
+    f = F32
+    c = min(L, kv_tile_cells(H, Hkv, T, max(Dk, Dv)))
+
+    def tile(t: Q, width: int) -> int:      # raw copy + dequantizer scratch and result
+        block, size = GGML_QUANT_SIZES[t]
+        return int(c * Hkv * width * (size / block + DEQUANT_BYTES.get(t, f)))
+
+    fixed = T * H * (Dk + Dv + 2) * f + T * L + (T + L) * INT64
+    tiles = c * Hkv * (Dk + (0 if shared else Dv)) * f
+    loop = max(tile(k_type, Dk), 0 if shared else c * Hkv * Dk * f + tile(v_type, Dv),
+               tiles + H * T * c * f + 2 * T * c)
+    return fixed + max(loop, T * H * Dv * f)
+
+
 def _plus(*parts: Moment) -> Moment:
     out: Moment = {}
     for p in parts:
@@ -298,8 +336,11 @@ class ForwardModel:
 
     def __init__(self, spec: ModelSpec, tensors: Sequence[TensorInfo], T: int, L: int,
                  cache_bytes: float, kinds: Devices, kv_block_bytes: Callable[[int], int],
-                 kv_cells: Callable[[int], int] | None = None, dsv4_cache: Callable[[int], Any] | None = None):
+                 kv_cells: Callable[[int], int] | None = None, dsv4_cache: Callable[[int], Any] | None = None,
+                 tiled_cache: tuple[Q, Q] | None = None):
         self.spec, self.kinds = spec, kinds
+        # (K type, V type) of a quantized cache: attention reads it in tiles (attend_tiles)
+        self.tiled_cache = tiled_cache
         self.T, self.L, self.kvb = T, L, cache_bytes
         self.kv_block_bytes = kv_block_bytes
         self.kv_cells = kv_cells
@@ -377,9 +418,15 @@ class ForwardModel:
         moments.append(_plus(qkv, rows, {h: 3 * T * Qw * f}))
         qkv = _plus(qkv, rows)
         # KVCache.append: k, v cast to the cache dtype; growing storage holds the old copy too
-        moments.append(_plus(qkv, {h: int(T * (Kw + Vw) * self.kvb) + self.kv_block_bytes(i) // 2}))
+        append = (int(T * (Kw + Vw) * self.kvb) if self.tiled_cache is None
+                  else append_bytes(T, Kw, Vw, *self.tiled_cache, self.kvb))
+        moments.append(_plus(qkv, {h: append + self.kv_block_bytes(i) // 2}))
         mask = T * L + (T + L) * INT64                          # bool (T, L) mask + its index vectors
-        if b.sinks:
+        if self.tiled_cache is not None:                        # quantized: tiles, mask inside
+            sdpa = tiled_attention_bytes(T, L, H, Hkv, Dk, Dv, *self.tiled_cache)
+            after = 2 * T * Qw * f
+            mask = 0
+        elif b.sinks:
             sdpa = sink_attention_bytes(T, L, H, Qw, Kw + Vw, self.kvb)
             after = 2 * T * Qw * f                              # the output + its (T, H·D) copy
         elif self.kinds.torch_cpu(h):
@@ -391,7 +438,7 @@ class ForwardModel:
             # CUDA: q cast to the cache dtype; the mask as a bias in that dtype; output in it
             sdpa = mask + int(T * Qw * self.kvb * 2 + T * L * self.kvb)
             after = mask + int(T * Qw * self.kvb) + T * Qw * (f + int(self.kvb))
-        mask = 0 if b.sinks else mask
+        mask = 0 if b.sinks or self.tiled_cache is not None else mask
         moments += [_plus(qkv, {h: sdpa}), _plus(qkv, {h: after}),
                     _plus(qkv, {h: mask + T * Qw * f}, proj("attn_output")),
                     {h: 3 * te}]                       # x, attn output, x + attn → h
@@ -450,11 +497,15 @@ class ForwardModel:
         grow = self.kv_block_bytes(i) // 2                      # KVCache storage doubling
         if absorbed:
             row = T * (C + R)
-            moments.append(_plus(live, {h: int(row * f + row * self.kvb) + grow}))    # cat + append
+            append = (int(row * self.kvb) if self.tiled_cache is None
+                      else append_bytes(T, C + R, 0, *self.tiled_cache, self.kvb))
+            moments.append(_plus(live, {h: row * f + append + grow}))    # cat + append
             moments.append(_plus(live, self.per_head(b.heads.get("attn_k_b"), h, device_of)))
             live = _plus(live, {h: T * H * C * f})              # q_lat
             qcat = T * H * (C + R) * f
             sdpa = mask + (T * L * f if T > 1 else 0) + 2 * L * (C + R) * upcast + qcat
+            if self.tiled_cache is not None:
+                sdpa = tiled_attention_bytes(T, L, H, 1, C + R, C + R, *self.tiled_cache, shared=True) + qcat
             moments.append(_plus(live, {h: qcat + sdpa}))
             live = _plus(live, {h: qcat})                       # the attention output (T, H, C + R)
             moments.append(_plus(live, self.per_head(b.heads.get("attn_v_b"), h, device_of)))
@@ -463,10 +514,14 @@ class ForwardModel:
             moments.append(_plus(live, proj("attn_kv_b")))
             live = _plus(live, {h: T * H * (N + Dv) * f})       # kv
             k = T * H * Dq * f
-            moments.append(_plus(live, {h: k + int(T * H * (Dq + Dv) * self.kvb) + grow}))
+            append = (int(T * H * (Dq + Dv) * self.kvb) if self.tiled_cache is None
+                      else append_bytes(T, H * Dq, H * Dv, *self.tiled_cache, self.kvb))
+            moments.append(_plus(live, {h: k + append + grow}))
             live = _plus(live, {h: k + T * H * Dq * f})         # k, the cat'd query
             sdpa = (mask + T * L * f + 3 * H * T * L * f + H * L * Dq * f
                     + H * L * (Dq + Dv) * upcast + T * H * Dv * f)
+            if self.tiled_cache is not None:
+                sdpa = tiled_attention_bytes(T, L, H, H, Dq, Dv, *self.tiled_cache)
             moments.append(_plus(live, {h: sdpa}))
             live = _plus(live, {h: T * H * Dv * f})
         moments += [_plus(live, {h: T * H * Dv * f}, proj("attn_output")),   # reshape copy + o

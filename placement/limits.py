@@ -38,10 +38,20 @@ XQ_PAD = 64
 DX_PAD = 16
 S4_PAD = 16
 
-# GPU-resident matrices dequantize at most this many values per step (gpu.quant).
+# GPU-resident matrices dequantize at most this many values per step (gpu.quant), and so do
+# the tiles of attention over a quantized KV cache (gpu.attention.kv_tile).
 CHUNK_VALUES = 16 << 20
 # Attention with sinks keeps at most this many float32 scores live at once (gpu.attention).
 SCORE_VALUES = 16 << 20
+
+
+def kv_tile_cells(n_head: int, n_kv: int, t: int, width: int) -> int:
+    """Cells per tile of attention over a quantized KV cache (gpu.attention.attend_tiles): at
+    most CHUNK_VALUES dequantized K (or V) values and SCORE_VALUES scores, at least one cache
+    pad (256) of cells."""
+    return max(CACHE_PAD, min(CHUNK_VALUES // (n_kv * width), SCORE_VALUES // (n_head * t)))
+
+
 # Op offload copies an expert tensor's touched experts in chunks of at most this many bytes
 # (gpu.experts): large enough that each copy runs at the link's speed.
 STAGING_CHUNK_BYTES = 256 << 20

@@ -13,7 +13,7 @@ import shlex
 
 from placement.devices import CPU
 from placement.draft import NGRAM_SIZE
-from placement.memory import cache_type
+from placement.memory import FLOAT_CACHE_TYPES, cache_type
 from placement.plan import Plan
 
 DEFAULT_UBATCH = 512
@@ -34,9 +34,11 @@ def llama_cpp_args(plan: Plan, draft_arch: str | None = None) -> list[str]:
     if s.ubatch != DEFAULT_UBATCH:
         args += ["-ub", str(s.ubatch)]
     if s.cache_type != "f16":
-        args += ["-ctk", s.cache_type, "-ctv", s.cache_type]
-        if cache_type(s.cache_type).name not in ("F16", "F32", "BF16"):
-            args += ["-fa", "on"]           # llama.cpp needs flash attention for a quantized V cache
+        args += ["-ctk", s.cache_type]
+    if s.v_type != "f16":
+        args += ["-ctv", s.v_type]
+    if cache_type(s.v_type) not in FLOAT_CACHE_TYPES:
+        args += ["-fa", "on"]               # llama.cpp needs flash attention for a quantized V cache
     if layout.gpus:
         args += ["-dev", ",".join(layout.gpus), "-ngl", str(layout.n_gpu_layers),
                  "-ts", ",".join(_number(x) for x in layout.tensor_split)]

@@ -7,8 +7,8 @@ device of the output layer when that is not token_embd's device, as llama.cpp do
 **KV cache** — per block, on the device of the block's attention weights (its largest
 attention tensor)::
 
-    kv(block) = cells × (row_bytes(cache_type, n_head_kv·head_dim_k)
-                         + row_bytes(cache_type, n_head_kv·head_dim_v))
+    kv(block) = cells × n_head_kv × (row_bytes(cache_type, head_dim_k)
+                                     + row_bytes(cache_type, head_dim_v))
 
 * ``cells`` = the context rounded up to a multiple of 256 (llama.cpp pads the cache); for a
   sliding-window block ``min(cells, pad256(sliding_window + ubatch))``.
@@ -24,7 +24,9 @@ attention tensor)::
   at f16: 263.4 MiB at 32k, 908.4 MiB at 128k, 6.77 GiB at 1M for its 43 blocks (6880 B a
   token of compressed caches, 32.25 MiB of rings, 16 MiB of state); an MTP block keeps only
   its ring (768 cells, 0.75 MiB).
-* ``row_bytes(t, n) = n / block_size(t) × type_size(t)`` (ggml_row_size).
+* ``row_bytes(t, n) = n / block_size(t) × type_size(t)`` (ggml_row_size). A block-quantized
+  cache type quantizes each head's row on its own, so head_dim must be whole blocks of 32.
+  deepseek4's compressed caches take float types only (refused here, at plan time).
 
 **Compute buffer** — what *offload's runtime* allocates beyond weights and KV during one
 forward pass of ``T = ubatch`` tokens attending to ``L = ctx`` keys (the last prompt chunk of
@@ -129,6 +131,9 @@ CACHE_TYPES: dict[str, GGMLQuantizationType] = {
 }
 
 
+FLOAT_CACHE_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+
+
 def cache_type(name: str) -> GGMLQuantizationType:
     try:
         return CACHE_TYPES[name.lower()]
@@ -150,17 +155,30 @@ GPU_DTYPES = ("auto", "f32", "f16", "bf16")
 @dataclass(frozen=True)
 class MemorySettings:
     ctx: int
-    cache_type: str = "f16"
+    cache_type: str = "f16"              # K's (and V's, unless cache_type_v says otherwise)
     ubatch: int = 512
     gpu_dtype: str = "auto"              # what GPU-resident weights are dequantized into
     host_backed: tuple[str, ...] = ()    # GPU devices backed by host RAM (--virtual-gpus)
+    cache_type_v: str | None = None      # V's type where it differs from K's (llama.cpp's -ctv)
 
     def __post_init__(self) -> None:
         cache_type(self.cache_type)
+        if self.cache_type_v is not None:
+            cache_type(self.cache_type_v)
         if self.ctx < 1 or self.ubatch < 1:
             raise PlacementError(f"context and ubatch must be >= 1 (got {self.ctx}, {self.ubatch})")
         if self.gpu_dtype not in GPU_DTYPES:
             raise PlacementError(f"unknown GPU compute dtype {self.gpu_dtype!r} (one of {', '.join(GPU_DTYPES)})")
+
+    @property
+    def v_type(self) -> str:
+        """V's cache type name (K's unless -ctv set another)."""
+        return self.cache_type if self.cache_type_v is None else self.cache_type_v
+
+    @property
+    def type_label(self) -> str:
+        """"q8_0", or "q8_0/f16" for K and V of different types."""
+        return self.cache_type if self.v_type == self.cache_type else f"{self.cache_type}/{self.v_type}"
 
 
 def kv_cells(spec: ModelSpec, layer: int, s: MemorySettings) -> int:
@@ -211,18 +229,35 @@ def dsv4_cache(spec: ModelSpec, layer: int, s: MemorySettings) -> Dsv4Cache:
                      rows, 2 * coff * spec.indexer_head_dim)
 
 
+def kv_row_bytes(t: GGMLQuantizationType, width: int, what: str) -> int:
+    """Bytes of one cached row of ``width`` values: each head's row is quantized on its own (rows
+    never share a block, so a token appends and rolls back exactly), so a block-quantized cache
+    type needs each row to be whole blocks."""
+    block, size = GGML_QUANT_SIZES[t]
+    if width % block:
+        raise PlacementError(f"--cache-type {t.name.lower()} needs KV rows of a multiple of {block} "
+                             f"values; this model's {what} rows have {width}")
+    return width // block * size
+
+
 def kv_bytes(spec: ModelSpec, layer: int, s: MemorySettings) -> int:
     """KV cache bytes of one block at ``s.ctx`` (see the module docstring)."""
-    t = cache_type(s.cache_type)
+    t, tv = cache_type(s.cache_type), cache_type(s.v_type)
+    if (spec.compress_ratios or spec.is_mla) and tv != t:
+        raise PlacementError(f"-ctv {s.v_type} differs from -ctk {s.cache_type}: {spec.arch}'s cache keeps "
+                             "K only (V is read from the K rows), so K and V take one type")
     if spec.compress_ratios:
+        if t not in FLOAT_CACHE_TYPES:
+            raise PlacementError(f"--cache-type {s.cache_type}: deepseek4's compressed caches are kept in "
+                                 "f32, f16 or bf16 only (quantized ones are not implemented)")
         c = dsv4_cache(spec, layer, s)
         return ((c.window_cells + c.compressed_rows) * row_bytes(t, spec.head_dim_k)
                 + c.indexer_rows * row_bytes(t, spec.indexer_head_dim)
                 + 4 * (c.state_rows * c.state_width + c.indexer_state_rows * c.indexer_state_width))
     n_kv = spec.n_head_kv[layer]
-    per_cell = row_bytes(t, n_kv * spec.head_dim_k)
+    per_cell = n_kv * kv_row_bytes(t, spec.head_dim_k, "K (head_dim_k)")
     if not spec.is_mla:  # MLA: V is a view of the latent K row
-        per_cell += row_bytes(t, n_kv * spec.head_dim_v)
+        per_cell += n_kv * kv_row_bytes(tv, spec.head_dim_v, "V (head_dim_v)")
     return kv_cells(spec, layer, s) * per_cell
 
 
@@ -236,7 +271,14 @@ def forward_model(spec: ModelSpec, tensors: Sequence[TensorInfo], s: MemorySetti
     return ForwardModel(spec, tensors, s.ubatch, s.ctx, cache_value_bytes(s),
                         Devices(s.gpu_dtype, s.host_backed), lambda layer: kv_bytes(spec, layer, s),
                         kv_cells=lambda layer: kv_cells(spec, layer, s),
-                        dsv4_cache=(lambda layer: dsv4_cache(spec, layer, s)) if spec.compress_ratios else None)
+                        dsv4_cache=(lambda layer: dsv4_cache(spec, layer, s)) if spec.compress_ratios else None,
+                        tiled_cache=quantized_cache(s))
+
+
+def quantized_cache(s: MemorySettings) -> tuple[GGMLQuantizationType, GGMLQuantizationType] | None:
+    """(K type, V type) when either is block-quantized (attention then reads the cache in tiles)."""
+    k, v = cache_type(s.cache_type), cache_type(s.v_type)
+    return None if k in FLOAT_CACHE_TYPES and v in FLOAT_CACHE_TYPES else (k, v)
 
 
 def forward_steps(spec: ModelSpec, tensors: Sequence[TensorInfo], placement: Mapping[str, str],

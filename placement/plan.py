@@ -121,6 +121,7 @@ class Plan:
             "mode": self.mode,
             "context": self.settings.ctx,
             "cache_type": self.settings.cache_type,
+            "cache_type_v": self.settings.v_type,
             "ubatch": self.settings.ubatch,
             "devices": [{
                 "name": t.name, "budget_bytes": t.budget_bytes, "target_bytes": t.target_bytes,

@@ -56,7 +56,7 @@ SPEC_COUNTS = ("break_even_n_max", "best_n_max", "measured_best_n_max")
 SPEC_TEXT = ("type", "source", "routing", "choice")
 SPEC_LISTS = ("rows", "measured_rows")
 SPEC_KEYS = frozenset(SECTION_KEYS)
-TOP_KEYS = {"version", "model", "draft", "context", "cache_type", "ubatch", "devices", "layout",
+TOP_KEYS = {"version", "model", "draft", "context", "cache_type", "cache_type_v", "ubatch", "devices", "layout",
             "rules", "draft_placement", "speculative", "totals", "notes", "hot_experts", "routing"}
 
 
@@ -85,6 +85,7 @@ def plan_to_yaml(plan: Plan, *, routing: RoutingCounts | None = None) -> str:
         "draft": plan.draft_path,
         "context": plan.settings.ctx,
         "cache_type": plan.settings.cache_type,
+        **({"cache_type_v": plan.settings.cache_type_v} if plan.settings.cache_type_v else {}),
         "ubatch": plan.settings.ubatch,
         "devices": [{"name": d.name, "budget": d.budget_bytes, "target": plan.targets.get(d.name, 0)}
                     for d in plan.devices],
@@ -266,10 +267,11 @@ def load_plan_file(text: str, source: str) -> PlanFile:
     ctx = _positive(doc, top, "context")
     ubatch = _positive(doc, top, "ubatch", default=512)
     cache = _get(doc, top, (), "cache_type", (str,), required=False, default="f16")
+    cache_v = _get(doc, top, (), "cache_type_v", (str,), required=False)
     try:
-        settings = MemorySettings(ctx, cache, ubatch)
+        settings = MemorySettings(ctx, cache, ubatch, cache_type_v=None if cache_v == cache else cache_v)
     except PlacementError as exc:
-        doc.fail(("cache_type",), f"cache_type: {exc}")
+        doc.fail(("cache_type_v" if cache_v is not None else "cache_type",), f"cache_type: {exc}")
 
     devs = _get(doc, top, (), "devices", (list,))
     devices, targets = [], {}

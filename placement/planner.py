@@ -52,7 +52,9 @@ class PlanOptions:
     fit_target: tuple[int, ...] = (DEFAULT_FIT_TARGET_MIB << 20,)   # bytes kept free: one for all GPUs or one each
     fit_ctx: int = DEFAULT_FIT_CTX                  # the fit may shrink the context to this when ctx is None
     ctx: int | None = None                          # None: the model's training context
-    cache_type: str = "f16"
+    cache_type: str | None = None                   # --cache-type: K and V (default f16)
+    cache_type_k: str | None = None                 # -ctk / --cache-type-k (llama.cpp's): K, over --cache-type
+    cache_type_v: str | None = None                 # -ctv / --cache-type-v: V, over --cache-type
     ubatch: int = DEFAULT_UBATCH
     routing: RoutingCounts | None = None            # --routing: fill the GPUs' room with hot experts
 
@@ -74,8 +76,8 @@ class PlanOptions:
         False = not given): ``override_tensor`` a list of ``-ot`` values (or one), ``tensor_split``
         "3,1" or numbers, ``fit_target`` "1024,2048" or 1024 or [1024, 2048] (MiB, or sizes like "2GiB");
         ``cpu_moe``, ``n_cpu_moe``, ``n_gpu_layers``, ``fit``, ``fit_ctx``, ``ctx``,
-        ``cache_type``, ``ubatch`` as typed values; ``routing`` a routing profile's path (or a
-        ``RoutingCounts``)."""
+        ``cache_type`` (``cache_type_k``, ``cache_type_v``), ``ubatch`` as typed values;
+        ``routing`` a routing profile's path (or a ``RoutingCounts``)."""
         unknown = sorted(set(flags) - set(FLAG_NAMES))
         if unknown:
             raise PlacementError(f"unknown planning option {unknown[0]!r} (options: {', '.join(FLAG_NAMES)})")
@@ -97,6 +99,13 @@ class PlanOptions:
                                       ("-ngl", self.n_gpu_layers is not None),
                                       ("-ts", self.tensor_split is not None)) if on]
 
+    def cache_types(self) -> tuple[str, str | None]:
+        """(K type, V type or None when it is K's), as llama.cpp reads -ctk / -ctv: each
+        defaults to f16 on its own; ``--cache-type`` sets both."""
+        k = (self.cache_type_k or self.cache_type or "f16").lower()
+        v = (self.cache_type_v or self.cache_type or "f16").lower()
+        return k, (None if v == k else v)
+
     def user_rules(self) -> tuple[Rule, ...]:
         """-ot first (so it wins), then --cpu-moe, then --n-cpu-moe, as llama.cpp orders them."""
         return (self.rules + (tuple(cpu_moe_rules()) if self.cpu_moe else ())
@@ -104,7 +113,7 @@ class PlanOptions:
 
 
 FLAG_NAMES = ("override_tensor", "cpu_moe", "n_cpu_moe", "n_gpu_layers", "tensor_split", "fit", "fit_target",
-              "fit_ctx", "ctx", "cache_type", "ubatch", "routing")
+              "fit_ctx", "ctx", "cache_type", "cache_type_k", "cache_type_v", "ubatch", "routing")
 
 
 def _numbers(value) -> tuple[float, ...]:
@@ -163,7 +172,7 @@ def _whole_tensor_plan(model: PlannedModel, devices: Sequence[Device], options: 
     n_layer = model.spec.n_layer
     targets = gpu_targets(options.fit_target, devices)
     settings = MemorySettings(model.spec.n_ctx_train if options.ctx is None else options.ctx,
-                              options.cache_type, options.ubatch)
+                              options.cache_types()[0], options.ubatch, cache_type_v=options.cache_types()[1])
     rules = options.user_rules()
     gpus = [d for d in devices if d.is_gpu]
     layout = layout_from_flags(n_layer, [g.name for g in gpus], options.n_gpu_layers, options.tensor_split,

@@ -26,6 +26,7 @@ from offload.probe import CACHE_ENV, hw_profile_path
 from placement.devices import resolve_devices
 from placement.draft import NoDraftHead, check_n_max, spec_type
 from placement.llama_args import format_args, llama_cpp_args
+from placement.memory import CACHE_TYPES
 from placement.plan import Plan
 from placement.plan_file import plan_to_yaml
 from placement.planner import (DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, DEFAULT_UBATCH, FIT_MODES, FLAG_NAMES,
@@ -75,7 +76,10 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_FIT_CTX})")
     g.add_argument("-c", "--ctx", type=int, metavar="N", help="context length (default: the model's)")
     g.add_argument("--cache-type", metavar="TYPE",
-                   help="KV cache type: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1 (default f16)")
+                   help=f"KV cache type of K and V: {', '.join(CACHE_TYPES)} (default f16)")
+    g.add_argument("-ctk", "--cache-type-k", metavar="TYPE", help="K's cache type (as llama.cpp; over --cache-type)")
+    g.add_argument("-ctv", "--cache-type-v", metavar="TYPE",
+                   help="V's cache type (as llama.cpp; over --cache-type); K-only caches (MLA, deepseek4) take K's")
     g.add_argument("-ub", "--ubatch", type=int, metavar="N",
                    help=f"tokens per compute batch; sizes the compute buffers (default {DEFAULT_UBATCH})")
     g.add_argument("--draft", metavar="GGUF", help="a separate draft model holding only a NextN (MTP) block")

@@ -114,7 +114,7 @@ def mla_attention(w, cfg: Deepseek2Config, i: int, ctx: BuildContext) -> BuiltAt
     else:
         heads = dict(kv_b=w.linear(f"{p}.attn_kv_b.weight"))
         cache = lambda dev: KVCache(cfg.n_head, cfg.head_dim, head_dim_v=cfg.v_dim, device=dev,  # noqa: E731
-                                    dtype=ctx.kv_dtype, max_cells=ctx.cells(i))
+                                    dtype=ctx.kv_dtype, dtype_v=ctx.kv_dtype_v, max_cells=ctx.cells(i))
     attn = LatentAttention(
         q=q, kv_a=w.linear(f"{p}.attn_kv_a_mqa.weight"), kv_a_norm=norm("attn_kv_a_norm"),
         o=w.linear(f"{p}.attn_output.weight"), n_head=cfg.n_head, nope=cfg.nope, rope_dims=cfg.n_rot,

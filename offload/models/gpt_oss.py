@@ -79,7 +79,8 @@ def attention(w, cfg: GptOssConfig, i: int, ctx: BuildContext) -> BuiltAttention
         return BuiltAttention(home_name, home, attn, ctx.cache(cfg, i))
     cells = ctx.cells(i)
     return BuiltAttention(home_name, home, attn, lambda dev: WindowKVCache(
-        cfg.n_head_kv, cfg.head_dim, window=window, max_cells=cells, device=dev, dtype=ctx.kv_dtype))
+        cfg.n_head_kv, cfg.head_dim, window=window, max_cells=cells, device=dev, dtype=ctx.kv_dtype,
+        dtype_v=ctx.kv_dtype_v))
 
 
 class GptOssBlock(DecoderBlock):

@@ -113,6 +113,8 @@ def _bad_cases(tmp: Path, paths: dict[str, str]) -> dict[str, tuple[list[str], s
         "fit-target count": ([glm, "--devices", "CUDA0=24GiB,CPU=128GiB", "--fit-target", "1024,2048"],
                              "--fit-target has 2 values for 1 GPUs"),
         "cache type": ([glm, *box, "--cache-type", "q3_k"], "unknown --cache-type 'q3_k'"),
+        "-ctv on a K-only cache": ([paths["deepseek-v3"], "--devices", "CUDA0=24GiB,CPU=512GiB", "-c", "8192",
+                                    "-ctk", "q8_0", "-ctv", "q4_0"], "-ctv q4_0 differs from -ctk q8_0"),
         "ts count": ([glm, *box, "-ts", "1,2,3"], "-ts has 3 values but there are 1 GPUs"),
         "ts nan": ([glm, *box, "-ts", "nan"], "-ts: 'nan' is not a comma list of numbers"),
         "draft without nextn": ([glm, *box, "--draft", qwen], "--draft needs a GGUF holding a NextN block"),

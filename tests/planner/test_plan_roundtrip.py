@@ -16,6 +16,8 @@ PLANS = {   # name: (model, argv after the model path)
                                  "--fit-target", "1024,2048,512", "-c", "65536"]),
     "fit-glm-nextn": ("glm-4.5-air", ["--devices", "CUDA0=24GiB,CUDA1=16GiB,CPU=128GiB", "-c", "32768",
                                       "--cache-type", "q8_0"]),
+    "fit-glm-k-v-types": ("glm-4.5-air", ["--devices", "CUDA0=24GiB,CPU=128GiB", "-c", "32768",
+                                          "-ctk", "q8_0", "-ctv", "iq4_nl"]),
     "fit-shrunk-ctx": ("glm-4.5-air", ["--devices", "CUDA0=12GiB,CPU=128GiB"]),
     "fit-split-file": ("gpt-oss-120b", ["--devices", "CUDA0=24GiB,CUDA1=24GiB,CPU=64GiB", "-c", "16384"]),
     "cpu-only": ("gpt-oss-120b", ["--devices", "CPU=128GiB", "-c", "8192"]),

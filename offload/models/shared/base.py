@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from gpu.kv_cache import KVCache
+from gpu.kv_cache import CacheType, KVCache
 from gpu.norm import RMSNorm
 from gpu.rope import Rope, rope_for
 from offload.compiled_block import block_runs
@@ -165,7 +165,8 @@ class BuildContext:
     profile, and the worker thread that drives CPU experts."""
     profile: Profile
     pool: ThreadPoolExecutor
-    kv_dtype: torch.dtype = torch.float32
+    kv_dtype: CacheType = torch.float32       # a torch float dtype or a quantized GGUF type (gpu.kv_cache)
+    kv_dtype_v: CacheType | None = None       # V's, where it differs (-ctv); None: kv_dtype
     # block index → its cache's cells, the planner's own per-layer cache spec
     # (placement.memory.kv_cells: the context padded to 256, less for a sliding-window block)
     kv_cells: Callable[[int], int] | None = None
@@ -181,7 +182,8 @@ class BuildContext:
     def cache(self, cfg: ModelConfig, layer: int) -> Callable[[torch.device], KVCache]:
         """A new GQA KV cache for block ``layer`` on a device, as the plan sized it."""
         cells = self.cells(layer)
-        return lambda dev: KVCache(cfg.n_head_kv, cfg.head_dim, device=dev, dtype=self.kv_dtype, max_cells=cells)
+        return lambda dev: KVCache(cfg.n_head_kv, cfg.head_dim, device=dev, dtype=self.kv_dtype,
+                                     dtype_v=self.kv_dtype_v, max_cells=cells)
 
     def rope(self, cfg: ModelConfig, device: torch.device) -> Rope:
         key = (cfg.rope_spec, device)
