@@ -147,21 +147,32 @@ class Deepseek4(CausalLM):
     """``forward`` returns, as its hidden states, what V4's MTP head reads: the (T, n·d)
     streams before the hc head (llama.cpp's ``t_h_nextn``, ``embedding_length_out`` wide)."""
 
-    def __init__(self, *, hc_head: HyperHead, **parts):
+    def __init__(self, *, hc_head: HyperHead, dspark=None, **parts):
         super().__init__(**parts)
         self.hc_head = hc_head
+        # a DSpark drafter (offload.models.dspark) reads taps instead of the streams: then the
+        # hidden states are the mean over the streams of the inputs of its target layers,
+        # concatenated (T, k·d); a model with a DSpark drafter has no MTP head
+        self.dspark = dspark
 
     def forward(self, ids, state: State, *, logits: str = "all"):
         positions = state.positions(ids.shape[0])
         x = self.embed(ids).float()
         x = x[:, None].expand(-1, self.config.hc_mult, -1).contiguous()      # (T, n, d): n equal streams
-        for block, cache in zip(self.blocks, state.caches):
+        taps = self.dspark.target_layers if self.dspark is not None else ()
+        tapped = []
+        for i, (block, cache) in enumerate(zip(self.blocks, state.caches)):
+            if i in taps:
+                tapped.append(x.mean(1))
             x = block(x, positions, cache, tokens=ids)
         x = x.to(self.hc_head.fn.device)
+        if len(self.blocks) in taps:                # the last block's output
+            tapped.append(x.mean(1))
+        hidden = torch.cat([t.to(x.device) for t in tapped], dim=-1) if taps else x.flatten(1)
         if logits == "none":
-            return None, x.flatten(1)
+            return None, hidden
         out, _ = self.final(self.hc_head(x), logits)
-        return out, x.flatten(1)
+        return out, hidden
 
 
 class Deepseek4NextN:
@@ -259,7 +270,8 @@ def attention(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home) -> Compr
         eps=cfg.rms_eps, compressor=compressor, indexer=indexer)
 
 
-def moe(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home) -> MoE:
+def moe(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home, act: str = ACTIVATION) -> MoE:
+    """Block i's MoE; ``act`` "silu": unclamped SwiGLU (DSpark's stages, llama.cpp LLM_FFN_SILU)."""
     p = f"blk.{i}"
     gate = w.linear(f"{p}.ffn_gate_inp.weight", float32=True)
     if i < cfg.n_hash_layers:
@@ -267,21 +279,22 @@ def moe(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home) -> MoE:
     else:
         router = SqrtSoftplusRouter(gate, w.vector(f"{p}.exp_probs_b.bias").to(home), k=cfg.n_expert_used,
                                     scale=cfg.expert_weights_scale)
+    clamp = act == ACTIVATION
     shared = SwiGLU(w.linear(f"{p}.ffn_gate_shexp.weight"), w.linear(f"{p}.ffn_up_shexp.weight"),
-                    w.linear(f"{p}.ffn_down_shexp.weight"), glu=glu(ACTIVATION, cfg.clamps(i)[1]))
-    experts = w.experts(p, act=ACTIVATION, limit=cfg.clamps(i)[0])
+                    w.linear(f"{p}.ffn_down_shexp.weight"), glu=glu(act, cfg.clamps(i)[1] if clamp else None))
+    experts = w.experts(p, act=act, limit=cfg.clamps(i)[0] if clamp else None)
     hot, owned = w.hot_experts(p)        # after the CPU experts were made resident
     return MoE(router=router, experts=experts, shared=shared, pool=ctx.pool, profile=ctx.profile, hot=hot, owned=owned)
 
 
-def block(w, cfg: Deepseek4Config, i: int, ctx: BuildContext) -> Deepseek4Block:
+def block(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, act: str = ACTIVATION) -> Deepseek4Block:
     p = f"blk.{i}"
     home_name = w.home(i)
     home = w.devices[home_name]
     norm = lambda n: RMSNorm(w.vector(f"{p}.{n}.weight").to(home), cfg.rms_eps)  # noqa: E731
     return compile_block(Deepseek4Block(
         attn_hc=_hyper(w, cfg, p, "attn", home), attn_norm=norm("attn_norm"), attn=attention(w, cfg, i, ctx, home),
-        ffn_hc=_hyper(w, cfg, p, "ffn", home), ffn_norm=norm("ffn_norm"), ffn=moe(w, cfg, i, ctx, home),
+        ffn_hc=_hyper(w, cfg, p, "ffn", home), ffn_norm=norm("ffn_norm"), ffn=moe(w, cfg, i, ctx, home, act),
         device_name=home_name, device=home, profile=ctx.profile, cache=_cache(cfg, i, ctx)), COMPILED)
 
 
@@ -311,16 +324,22 @@ def mtp_head(w, cfg: Deepseek4Config, ctx: BuildContext, *, sidecar: bool, embed
 
 
 def build(cfg: Deepseek4Config, w, ctx: BuildContext, draft=None) -> Deepseek4:
-    """The trunk from ``w``; the MTP head from ``draft`` (a sidecar) when given, else the
-    model's own bundled one where it has one."""
+    """The trunk from ``w``; from ``draft`` (a --draft file) when given the DSpark drafter (a
+    ``dflash`` file: ``model.dspark``, and no MTP head) or the MTP head (a sidecar), else the
+    model's own bundled MTP head where it has one."""
     embed = w.embedding("token_embd.weight")
     blocks = [block(w, cfg, i, ctx) for i in range(cfg.n_layer)]
     output = w.linear("output.weight")
     output_norm = RMSNorm(w.vector("output_norm.weight").to(output.device), cfg.rms_eps)
-    nextn = None
-    if draft is not None:
+    nextn = dspark = None
+    if draft is not None and draft.model.spec.arch == "dflash":
+        dspark = dspark_drafter(draft, cfg, ctx, embed=embed, output=output)
+    elif draft is not None:
         nextn = mtp_head(draft, cfg, ctx, sidecar=True, embed=embed, output=output)
     elif cfg.n_nextn:
         nextn = mtp_head(w, cfg, ctx, sidecar=False, embed=embed, output=output)
     return Deepseek4(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=nextn,
-                     hc_head=hc_head(w, cfg, "output_hc"))
+                     hc_head=hc_head(w, cfg, "output_hc"), dspark=dspark)
+
+
+from offload.models.dspark import dspark_drafter  # noqa: E402  (after the parts it builds on; registers "dspark")
