@@ -618,7 +618,7 @@ def dspark_spec(trunk: TinySpec, n_stages: int = 3) -> TinySpec:
 
 def write_tiny_dspark(path: str | Path, trunk: TinySpec, *, target_layers: tuple[int, ...] = (),
                       block_size: int = 5, n_stages: int = 3, conf_bias: float | None = 2.0,
-                      markov_std: float = 0.1) -> TinyModel:
+                      markov_std: float = 0.1, markov: tuple[np.ndarray, np.ndarray] | None = None) -> TinyModel:
     """A DSpark drafter (arch ``dflash``) for the tiny deepseek4 ``trunk``, keys and tensors as
     llama.cpp's converter writes them (deepseek4.md §2.11): the V4 keys under ``dflash.*``,
     ``dflash.block_size``, ``dflash.target_layers`` (block inputs of the trunk; default its last
@@ -626,7 +626,8 @@ def write_tiny_dspark(path: str | Path, trunk: TinySpec, *, target_layers: tuple
     taps, ``enc.output_norm``, stages ``blk.{0..}.*`` (window-only, routed by score + bias),
     the hc head ``output_hc_*``, ``output_norm``, ``markov_w1``/``markov_w2`` (numpy (V, rank):
     ggml ne {rank, V}), ``conf_proj`` (1, d + rank) and its bias (``conf_bias`` None: no bias);
-    no ``token_embd``/``output`` (the trunk's are used)."""
+    no ``token_embd``/``output`` (the trunk's are used). ``markov``: (W1, W2) written as given
+    (a test's predictive construction; any rank)."""
     path = Path(path)
     spec = dspark_spec(trunk, n_stages)
     taps = tuple(target_layers) or tuple(range(max(1, trunk.n_layer - 2), trunk.n_layer + 1))
@@ -634,10 +635,15 @@ def write_tiny_dspark(path: str | Path, trunk: TinySpec, *, target_layers: tuple
     tensors = [lin("fc", d, len(taps) * d), norm("enc.output_norm", d)]
     for i in range(n_stages):
         tensors += [replace(t, name=f"blk.{i}.{t.name}") for t in deepseek4_block(spec, i)]
-    tensors += [*deepseek4_head(spec), norm("output_norm", d),
-                f32("markov_w1.weight", (v, DSPARK_RANK), markov_std),
-                f32("markov_w2.weight", (v, DSPARK_RANK), markov_std),
-                f32("conf_proj.weight", (1, d + DSPARK_RANK), (d + DSPARK_RANK) ** -0.5)]
+    if markov is None:
+        rank = DSPARK_RANK
+        heads = [f32("markov_w1.weight", (v, rank), markov_std), f32("markov_w2.weight", (v, rank), markov_std)]
+    else:
+        rank = markov[0].shape[1]
+        heads = [TinyTensor(f"markov_w{k + 1}.weight", m.shape, "f32", 0.0, value=m.astype(np.float32))
+                 for k, m in enumerate(markov)]
+    tensors += [*deepseek4_head(spec), norm("output_norm", d), *heads,
+                f32("conf_proj.weight", (1, d + rank), (d + rank) ** -0.5)]
     if conf_bias is not None:
         tensors.append(TinyTensor("conf_proj.bias", (1,), "f32", 0.0,
                                   value=np.array([conf_bias], dtype=np.float32)))
