@@ -270,8 +270,7 @@ def attention(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home) -> Compr
         eps=cfg.rms_eps, compressor=compressor, indexer=indexer)
 
 
-def moe(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home, act: str = ACTIVATION) -> MoE:
-    """Block i's MoE; ``act`` "silu": unclamped SwiGLU (DSpark's stages, llama.cpp LLM_FFN_SILU)."""
+def moe(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home) -> MoE:
     p = f"blk.{i}"
     gate = w.linear(f"{p}.ffn_gate_inp.weight", float32=True)
     if i < cfg.n_hash_layers:
@@ -279,22 +278,21 @@ def moe(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home, act: str = ACT
     else:
         router = SqrtSoftplusRouter(gate, w.vector(f"{p}.exp_probs_b.bias").to(home), k=cfg.n_expert_used,
                                     scale=cfg.expert_weights_scale)
-    clamp = act == ACTIVATION
     shared = SwiGLU(w.linear(f"{p}.ffn_gate_shexp.weight"), w.linear(f"{p}.ffn_up_shexp.weight"),
-                    w.linear(f"{p}.ffn_down_shexp.weight"), glu=glu(act, cfg.clamps(i)[1] if clamp else None))
-    experts = w.experts(p, act=act, limit=cfg.clamps(i)[0] if clamp else None)
+                    w.linear(f"{p}.ffn_down_shexp.weight"), glu=glu(ACTIVATION, cfg.clamps(i)[1]))
+    experts = w.experts(p, act=ACTIVATION, limit=cfg.clamps(i)[0])
     hot, owned = w.hot_experts(p)        # after the CPU experts were made resident
     return MoE(router=router, experts=experts, shared=shared, pool=ctx.pool, profile=ctx.profile, hot=hot, owned=owned)
 
 
-def block(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, act: str = ACTIVATION) -> Deepseek4Block:
+def block(w, cfg: Deepseek4Config, i: int, ctx: BuildContext) -> Deepseek4Block:
     p = f"blk.{i}"
     home_name = w.home(i)
     home = w.devices[home_name]
     norm = lambda n: RMSNorm(w.vector(f"{p}.{n}.weight").to(home), cfg.rms_eps)  # noqa: E731
     return compile_block(Deepseek4Block(
         attn_hc=_hyper(w, cfg, p, "attn", home), attn_norm=norm("attn_norm"), attn=attention(w, cfg, i, ctx, home),
-        ffn_hc=_hyper(w, cfg, p, "ffn", home), ffn_norm=norm("ffn_norm"), ffn=moe(w, cfg, i, ctx, home, act),
+        ffn_hc=_hyper(w, cfg, p, "ffn", home), ffn_norm=norm("ffn_norm"), ffn=moe(w, cfg, i, ctx, home),
         device_name=home_name, device=home, profile=ctx.profile, cache=_cache(cfg, i, ctx)), COMPILED)
 
 

@@ -181,8 +181,8 @@ register_drafter("dspark", _dspark_drafter)
 def dspark_drafter(w, cfg: Deepseek4Config, ctx: BuildContext, *, embed, output) -> DSpark:
     """The DSpark drafter in the ``dflash`` WeightStore ``w`` for the trunk ``cfg``, using the
     trunk's token embedding and output head. Its stages are window-only V4 blocks with their
-    own window ring (the plan's window cells), routed by score + bias, with unclamped SwiGLU
-    (llama.cpp's dflash graph builds them with LLM_FFN_SILU)."""
+    own window ring (the plan's window cells), routed by score + bias, with the clamped SwiGLU
+    of the drafter's own ``swiglu_clamp_*`` keys (llama.cpp clamps dflash stages as deepseek4's)."""
     meta, spec = w.model.metadata, w.model.spec
     dcfg = config_from_gguf(spec, meta)
     dcfg = replace(dcfg, compress_ratios=(0,) * dcfg.n_layer, n_hash_layers=0)
@@ -194,7 +194,7 @@ def dspark_drafter(w, cfg: Deepseek4Config, ctx: BuildContext, *, embed, output)
                            "and tokenizer.ggml.mask_token_id")
     stages = []
     for i in range(dcfg.n_layer):
-        b = block(w, dcfg, i, ctx, act="silu")
+        b = block(w, dcfg, i, ctx)
         b.attn.causal = False
         stages.append(b)
     dev = w.device("fc.weight")
