@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,9 @@ from placement.tensors import ModelSpec
 COMPILED = REFERENCE.because("mHC streams, compressed attention and clamped experts have no compiled half")
 ACTIVATION = "swiglu_clamp"
 CSA, HCA = 4, 128          # compress ratios: CSA overlaps its windows and has the indexer
+# drafters of an architecture of their own, as --draft files: arch → builder(draft weights, cfg,
+# ctx, embed=, output=); offload.models.dspark registers dflash (the runtime imports it)
+DRAFTERS: dict[str, Callable] = {}
 
 
 @dataclass(frozen=True)
@@ -330,14 +334,11 @@ def build(cfg: Deepseek4Config, w, ctx: BuildContext, draft=None) -> Deepseek4:
     output = w.linear("output.weight")
     output_norm = RMSNorm(w.vector("output_norm.weight").to(output.device), cfg.rms_eps)
     nextn = dspark = None
-    if draft is not None and draft.model.spec.arch == "dflash":
-        dspark = dspark_drafter(draft, cfg, ctx, embed=embed, output=output)
+    if draft is not None and draft.model.spec.arch in DRAFTERS:
+        dspark = DRAFTERS[draft.model.spec.arch](draft, cfg, ctx, embed=embed, output=output)
     elif draft is not None:
         nextn = mtp_head(draft, cfg, ctx, sidecar=True, embed=embed, output=output)
     elif cfg.n_nextn:
         nextn = mtp_head(w, cfg, ctx, sidecar=False, embed=embed, output=output)
     return Deepseek4(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=nextn,
                      hc_head=hc_head(w, cfg, "output_hc"), dspark=dspark)
-
-
-from offload.models.dspark import dspark_drafter  # noqa: E402  (after the parts it builds on; registers "dspark")

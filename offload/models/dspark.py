@@ -35,7 +35,7 @@ from gpu.dsv4_cache import Dsv4Cache
 from gpu.norm import RMSNorm
 from offload.errors import OffloadError
 from offload.gguf_model import NewerKeys
-from offload.models.deepseek4 import Deepseek4Config, block, config_from_gguf, hc_head
+from offload.models.deepseek4 import DRAFTERS, Deepseek4Config, block, config_from_gguf, hc_head
 from offload.models.shared.base import BuildContext
 from offload.sampling import Sampler
 from offload.speculative import Guide, SpecOptions, _rows, register_drafter
@@ -206,3 +206,5 @@ def dspark_drafter(w, cfg: Deepseek4Config, ctx: BuildContext, *, embed, output)
                   conf_bias=w.vector("conf_proj.bias") if w.has("conf_proj.bias") else None,
                   target_layers=taps, block_size=int(block_size), mask_id=int(mask_id), hc_mult=cfg.hc_mult)
 
+
+DRAFTERS["dflash"] = dspark_drafter
