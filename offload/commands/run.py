@@ -143,12 +143,13 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
     kind = args.spec_type
     if kind == "none":
         return {"n_max": 0}, "speculative decoding off (--spec-type none)"
-    if kind in ("mtp", "dspark") and plan.drafting == "none":
-        raise NoDraftHead(plan.model_path, f"--spec-type {kind}")
     # the draft head decides between mtp and dspark: a dflash --draft drafts only as dspark
     if kind == "dspark" and not block:
+        has = head[plan.drafting] if plan.drafting != "none" else "no draft head"
         raise OffloadError(f"--spec-type dspark needs a DSpark drafter (--draft FILE, a dflash GGUF); "
-                           f"{plan.model_path} has {head[plan.drafting]}")
+                           f"{plan.model_path} has {has}")
+    if kind == "mtp" and plan.drafting == "none":
+        raise NoDraftHead(plan.model_path, f"--spec-type {kind}")
     if kind == "mtp" and block:
         raise OffloadError(f"--draft {plan.draft_path} is a DSpark (dflash) drafter: draft with --spec-type dspark")
     planned = section.type or ("dspark" if block else "mtp")

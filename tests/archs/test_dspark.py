@@ -110,7 +110,12 @@ def test_the_confidence_head_cuts_the_block(pair):
 
 
 def test_dspark_without_a_dspark_file_is_one_line(pair):
+    """--spec-type dspark without a dflash --draft: one line from offload run before loading,
+    and from Session.generate."""
+    from tests.cli.test_cli_plan import offload
     trunk, _ = pair
+    r = offload("run", str(trunk.path), "--spec-type", "dspark", "-n", "2", "-p", "hi", "--devices", "CPU=16GiB")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "needs a DSpark drafter" in r.stderr, r.stderr
     with load(trunk.path) as s:
         with pytest.raises(OffloadError, match="dspark") as err:
             list(s.generate(PROMPT[:8], max_tokens=2, n_max=2, spec_type="dspark"))
