@@ -1,7 +1,8 @@
 """DSpark against llama.cpp's dflash implementation (the llama.cpp llama-cpp-python 0.3.36
 vendors, through its low-level ctypes API; issue 23's reference comparison): on the tiny
 deepseek4 trunk + tiny dflash pair, the taps of a 40-token prompt and the draft block's logits
-(base + Markov bias, chained greedily) for the same context, at block sizes 5 and 2.
+(base + Markov bias, chained greedily) and the confidence head's outputs for the same context,
+at block sizes 5 and 2.
 
 llama.cpp is driven as its speculative driver does (common/speculative.cpp): the target context
 records the inputs of ``dflash.target_layers`` (``llama_set_embeddings_layer_inp``, C++ symbols
@@ -42,14 +43,16 @@ def _ours(trunk, draft, n):
         m.dspark.inject(taps, torch.arange(len(PROMPT)), state.nextn_cache)
         out = {}
         for k in n:
-            base, _ = m.dspark.block([x_q] + [m.dspark.mask_id] * (k - 1), len(PROMPT), state.nextn_cache)
+            base, h = m.dspark.block([x_q] + [m.dspark.mask_id] * (k - 1), len(PROMPT), state.nextn_cache)
             state.nextn_cache.truncate(len(PROMPT))
-            rows, prev = [], x_q
+            rows, conf, prev = [], [], x_q
             for i in range(k):
-                col = base[i] + m.dspark.markov(prev)[1]
+                e, bias = m.dspark.markov(prev)
+                col = base[i] + bias
                 rows.append(col.numpy().copy())
+                conf.append(m.dspark.confidence(h[i], e))
                 prev = int(col.argmax())
-            out[k] = np.stack(rows)
+            out[k] = np.stack(rows), np.array(conf)
         return taps.numpy(), x_q, out, m.dspark.target_layers, m.dspark.mask_id
 
 
@@ -79,6 +82,10 @@ def test_dspark_block_logits_match_llama_cpp(tmp_path):
     set_inp.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool]
     get_inp = lib._Z30llama_get_embeddings_layer_inpP13llama_contextj
     get_inp.argtypes, get_inp.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
+    set_conf = lib._Z26llama_set_embeddings_nextnP13llama_contextbb       # the confidences, n_embd wide
+    set_conf.argtypes = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool]
+    get_conf = lib._Z30llama_get_embeddings_nextn_ithP13llama_contexti
+    get_conf.argtypes, get_conf.restype = [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)
 
     l.llama_backend_init()
     mp = l.llama_model_default_params()
@@ -104,7 +111,8 @@ def test_dspark_block_logits_match_llama_cpp(tmp_path):
         assert l.llama_decode(cd, b) == 0
         l.llama_batch_free(b)
         l.llama_set_causal_attn(cd, False)
-        errs = {}
+        set_conf(cd, True, False)
+        errs, conf_errs = {}, {}
         for n in sizes:
             tb = l.llama_batch_init(n, 0, 1)
             tb.n_tokens = n
@@ -113,11 +121,13 @@ def test_dspark_block_logits_match_llama_cpp(tmp_path):
                 tb.seq_id[i][0] = 0
             assert l.llama_decode(cd, tb) == 0
             l.llama_batch_free(tb)
-            nv = ours[n].shape[1]
-            theirs = np.stack([np.ctypeslib.as_array(l.llama_get_logits_ith(cd, i), shape=(nv,)).copy()
+            rows, conf = ours[n]
+            theirs = np.stack([np.ctypeslib.as_array(l.llama_get_logits_ith(cd, i), shape=(rows.shape[1],)).copy()
                                for i in range(n)])
-            errs[n] = float(np.abs(theirs - ours[n]).max() / np.abs(ours[n]).max())
-            assert theirs.argmax(1).tolist() == ours[n].argmax(1).tolist(), n
+            errs[n] = float(np.abs(theirs - rows).max() / np.abs(rows).max())
+            assert theirs.argmax(1).tolist() == rows.argmax(1).tolist(), n
+            got = np.array([get_conf(cd, i)[0] for i in range(n)])
+            conf_errs[n] = float(np.abs(got - conf).max())
             l.llama_memory_seq_rm(l.llama_get_memory(cd), 0, p, -1)     # the block's keys: rolled back
     finally:
         l.llama_free(cd)
@@ -125,5 +135,7 @@ def test_dspark_block_logits_match_llama_cpp(tmp_path):
         l.llama_model_free(md)
         l.llama_model_free(mt)
     print(f"\n  DSpark vs llama.cpp: taps rel err {taps_err:.1e}, block logits "
-          + ", ".join(f"n={n} {e:.1e}" for n, e in errs.items()))
+          + ", ".join(f"n={n} {e:.1e}" for n, e in errs.items())
+          + "; confidences abs err " + ", ".join(f"n={n} {e:.1e}" for n, e in conf_errs.items()))
     assert taps_err < REL_TOL and all(e < REL_TOL for e in errs.values()), errs
+    assert all(e < REL_TOL for e in conf_errs.values()), conf_errs     # sigmoids in (0, 1): absolute
