@@ -185,6 +185,10 @@ class Session:
             nextn = self.model.nextn
             if nextn is not None and hasattr(state.nextn_cache, "nbytes"):   # KVCache, Dsv4Cache
                 kv[nextn.block.device_name] += state.nextn_cache.nbytes
+            dspark = getattr(self.model, "dspark", None)
+            if dspark is not None and hasattr(state.nextn_cache, "caches"):     # its stages' rings
+                for stage, cache in zip(dspark.stages, state.nextn_cache.caches):
+                    kv[stage.device_name] += cache.nbytes
         return {"peak_rss": peak_rss_bytes(), "weights": dict(self.allocated), "kv": dict(kv)}
 
     def close(self) -> None:

@@ -66,6 +66,8 @@ def test_dspark_drafting_gives_plain_greedy_tokens(pair):
                 fresh = model.dspark.new_cache()
                 _, taps = model.forward(torch.tensor(kept), model.new_state(), logits="none")
                 model.dspark.inject(taps, torch.arange(len(kept)), fresh)
+                trunk_kv = sum(c.nbytes for c in state.caches)
+                assert sum(s.memory(state)["kv"].values()) == trunk_kv + state.nextn_cache.nbytes > trunk_kv
             for got, want in zip(_rings(state.nextn_cache), _rings(fresh)):
                 want = want[want.shape[0] - got.shape[0]:]       # the run's ring may have dropped old rows
                 # float32, the trunk run in other batch shapes (prompt, verify steps) than one pass:
