@@ -122,3 +122,14 @@ def test_dspark_without_a_dspark_file_is_one_line(pair):
         with pytest.raises(OffloadError, match="dspark") as err:
             list(s.generate(PROMPT[:8], max_tokens=2, n_max=2, spec_type="dspark"))
     assert "\n" not in str(err.value)
+
+
+def test_dspark_drafts_when_sampling(pair):
+    """Sampling (temperature 0.8, fixed seed) with DSpark drafts: the drafts are judged with
+    the distribution each was drawn from; the run makes its tokens, drafts, and repeats
+    itself under the same seed."""
+    trunk, draft = pair
+    with _load(trunk, draft) as s:
+        runs = [list(s.generate(PROMPT, max_tokens=8, stop_at_eos=False, n_max=3, spec_type="dspark",
+                                temperature=0.8, seed=3)) for _ in range(2)]
+        assert len(runs[0]) == 8 and runs[0] == runs[1] and s.stats.drafted > 0
