@@ -141,6 +141,18 @@ class CompressedAttention:
         self.o_a, self.o_b, self.sinks = o_a, o_b, sinks
         self.n_head, self.head_dim, self.o_groups, self.window = n_head, head_dim, o_groups, window
         self.rope, self.eps, self.compressor, self.indexer = rope, eps, compressor, indexer
+        self.causal = True      # False: a DSpark stage's draft block sees all of itself
+
+    def keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The shared K = V head of x (T, n_embd) at ``positions``: (T, 1, d), roped."""
+        t, d = x.shape[0], self.head_dim
+        return rope_tail(self.rope, self.kv_norm(self.kv(x)).float().view(t, 1, d), positions)
+
+    def inject(self, x: torch.Tensor, positions: torch.Tensor, cache: Dsv4Cache) -> None:
+        """Write the keys of x into the window ring without attending (DSpark's context: the
+        target's fused taps enter each stage only as keys)."""
+        win = cache.window
+        win.append(self.keys(x, positions).transpose(0, 1).to(win.k.dtype))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: Dsv4Cache) -> torch.Tensor:
         """x: (T, n_embd) normalised input at ``positions`` (T,) → (T, n_embd); advances ``cache``."""
@@ -148,13 +160,13 @@ class CompressedAttention:
         qr = self.q_a_norm(self.q_a(x))                                                    # (T, q_lora)
         q = self.q_b(qr).float().view(t, h, d)
         q = rope_tail(self.rope, q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps), positions)
-        kv = rope_tail(self.rope, self.kv_norm(self.kv(x)).float().view(t, 1, d), positions)
+        kv = self.keys(x, positions)
         win = cache.window
         keys = win.append(kv.transpose(0, 1).to(win.k.dtype))[0][0].float()               # (L, d)
         # the window by cache index (the sequence order; an MTP head's entry t sits at position t + 1)
         qi = torch.arange(win.length - t, win.length, device=x.device)[:, None]
         kj = torch.arange(win.start, win.length, device=x.device)[None]
-        seen = (kj <= qi) & (qi - kj < self.window)                                        # (T, L)
+        seen = (kj <= qi if self.causal else kj < win.length) & (qi - kj < self.window)    # (T, L)
         pos = positions.to(x.device)[:, None]
         if self.compressor is not None:
             entries = self.compressor(x, cache.state, cache.compressed).float()           # (S, d)

@@ -16,6 +16,7 @@ from offload.cpu_ops import DECODE_ACTIVATIONS
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, check_shapes, open_model
+import offload.models.dspark  # noqa: F401  (registers DSpark: the dflash --draft builder, drafter kind dspark)
 from offload.models import architecture
 from offload.models.shared.base import BuildContext
 from offload.op_offload import enable_op_offload
@@ -30,7 +31,6 @@ from placement.limits import INT8_FROM
 from placement.memory import cache_type, dsv4_cache, kv_cells
 from placement.plan import Plan
 from placement.planner import PlanOptions, make_plan
-from placement.speculative import BLOCK_DRAFTERS
 
 # the torch dtype of each name --gpu-dtype and --cache-type take
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -125,10 +125,6 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
               "--decode-activations int8 runs float activations", file=sys.stderr)
     cfg = arch.config_from_gguf(model.spec, model.metadata)
     draft = open_model(plan.draft_path) if plan.draft_path else None
-    if draft is not None and draft.spec.arch in BLOCK_DRAFTERS:
-        raise OffloadError(f"{plan.draft_path}: a DSpark ({draft.spec.arch}) drafter is planned and forecast "
-                           "(offload plan), but this runtime cannot draft with it yet; run without --draft, "
-                           "or draft with --spec-type ngram")
     for m in (model, draft):
         if m is not None:
             check_shapes(m)

@@ -133,6 +133,9 @@ class Session:
                                f"context of {ctx} (raise --ctx)")
         options = SpecOptions(n_max=n_max, p_min=p_min, verify=verify, type=spec_type, ngram_size=ngram_size)
         head = head if head is not None else self.draft_head(options.type)
+        if n_max and head is None and options.type == "dspark":
+            raise OffloadError(f"--spec-type dspark needs a DSpark drafter (--draft FILE, a dflash GGUF); "
+                               f"{self.plan.model_path} was loaded without one")
         if n_max and head is None and options.type != "ngram":
             raise NoDraftHead(self.plan.model_path, f"n_max {n_max}")
         # a drafter that reads the trunk's states keeps a cache the prompt cache must follow
@@ -182,6 +185,10 @@ class Session:
             nextn = self.model.nextn
             if nextn is not None and hasattr(state.nextn_cache, "nbytes"):   # KVCache, Dsv4Cache
                 kv[nextn.block.device_name] += state.nextn_cache.nbytes
+            dspark = getattr(self.model, "dspark", None)
+            if dspark is not None and hasattr(state.nextn_cache, "caches"):     # its stages' rings
+                for stage, cache in zip(dspark.stages, state.nextn_cache.caches):
+                    kv[stage.device_name] += cache.nbytes
         return {"peak_rss": peak_rss_bytes(), "weights": dict(self.allocated), "kv": dict(kv)}
 
     def close(self) -> None:

@@ -345,7 +345,8 @@ def deepseek4_metadata(w: GGUFWriter, spec: TinySpec) -> None:
     from gguf import Keys
 
     from offload.gguf_model import NewerKeys
-    arch, n = spec.arch, n_blocks(spec)       # the MTP block (spec.nextn) is one more, window-only
+    # the MTP block (spec.nextn) is one more, window-only; a dflash drafter's stages are its blocks
+    arch, n = spec.arch, n_blocks(spec) if spec.arch in ARCHS else spec.n_layer
     overrides = dict(spec.meta_overrides)
 
     def put(template: str, value, add) -> None:
@@ -598,6 +599,77 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weig
         if keep_weights:
             weights[t.name] = deq
 
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return TinyModel(path, spec, weights)
+
+
+DSPARK_RANK = 16            # the Markov head's rank (256 in V4-Flash-0731's)
+
+
+def dspark_spec(trunk: TinySpec, n_stages: int = 3) -> TinySpec:
+    """The spec of a DSpark drafter for ``trunk``: ``n_stages`` window-only, non-hash V4 blocks
+    of the trunk's shapes, under arch ``dflash``."""
+    return replace(trunk, arch="dflash", n_layer=n_stages, compress_ratios=(0,) * n_stages, n_hash=0,
+                   nextn=False, meta_overrides=(), seed=trunk.seed + 7)
+
+
+def write_tiny_dspark(path: str | Path, trunk: TinySpec, *, target_layers: tuple[int, ...] = (),
+                      block_size: int = 5, n_stages: int = 3, conf_bias: float | None = 2.0,
+                      markov_std: float = 0.1, markov: tuple[np.ndarray, np.ndarray] | None = None) -> TinyModel:
+    """A DSpark drafter (arch ``dflash``) for the tiny deepseek4 ``trunk``, keys and tensors as
+    llama.cpp's converter writes them (deepseek4.md §2.11): the V4 keys under ``dflash.*``,
+    ``dflash.block_size``, ``dflash.target_layers`` (block inputs of the trunk; default its last
+    three), ``tokenizer.ggml.mask_token_id`` (the vocabulary's last token), ``fc`` over the
+    taps, ``enc.output_norm``, stages ``blk.{0..}.*`` (window-only, routed by score + bias),
+    the hc head ``output_hc_*``, ``output_norm``, ``markov_w1``/``markov_w2`` (numpy (V, rank):
+    ggml ne {rank, V}), ``conf_proj`` (1, d + rank) and its bias (``conf_bias`` None: no bias);
+    no ``token_embd``/``output`` (the trunk's are used). ``markov``: (W1, W2) written as given
+    (a test's predictive construction; any rank)."""
+    path = Path(path)
+    spec = dspark_spec(trunk, n_stages)
+    taps = tuple(target_layers) or tuple(range(max(1, trunk.n_layer - 2), trunk.n_layer + 1))
+    d, v = spec.n_embd, spec.n_vocab
+    tensors = [lin("fc", d, len(taps) * d), norm("enc.output_norm", d)]
+    for i in range(n_stages):
+        tensors += [replace(t, name=f"blk.{i}.{t.name}") for t in deepseek4_block(spec, i)]
+    if markov is None:
+        rank = DSPARK_RANK
+        heads = [f32("markov_w1.weight", (v, rank), markov_std), f32("markov_w2.weight", (v, rank), markov_std)]
+    else:
+        rank = markov[0].shape[1]
+        heads = [TinyTensor(f"markov_w{k + 1}.weight", m.shape, "f32", 0.0, value=m.astype(np.float32))
+                 for k, m in enumerate(markov)]
+    tensors += [*deepseek4_head(spec), norm("output_norm", d), *heads,
+                f32("conf_proj.weight", (1, d + rank), (d + rank) ** -0.5)]
+    if conf_bias is not None:
+        tensors.append(TinyTensor("conf_proj.bias", (1,), "f32", 0.0,
+                                  value=np.array([conf_bias], dtype=np.float32)))
+    rng = np.random.default_rng(spec.seed)
+    w = GGUFWriter(str(path), "dflash")
+    w.add_block_count(n_stages)
+    w.add_context_length(4096)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    deepseek4_metadata(w, spec)
+    w.add_uint32("dflash.block_size", block_size)
+    w.add_array("dflash.target_layers", [int(t) for t in taps])
+    add_tiny_vocab(w, spec.extra_merges, spec.tokenizer_pre)
+    w.add_uint32("tokenizer.ggml.mask_token_id", v - 1)
+    weights = {}
+    for t in tensors:
+        if t.value is not None:
+            w.add_tensor(t.name, t.value)
+            weights[t.name] = t.value
+            continue
+        data, raw_dtype, deq = random_tensor(rng, t.shape, t.qtype(spec), t.std, dequantized=True)
+        if t.mean:
+            data = deq = data + np.float32(t.mean)
+        w.add_tensor(t.name, data, raw_dtype=raw_dtype)
+        weights[t.name] = deq
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

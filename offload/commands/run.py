@@ -28,6 +28,7 @@ from offload.host_memory import return_freed_memory
 from offload.probe import SHIPPED_MODEL
 from placement.draft import NGRAM_SIZE, NoDraftHead, check_n_max, check_ngram_size, check_p_min
 from placement.spec_section import SpecSection
+from placement.speculative import BLOCK_DRAFTERS
 
 DEFAULT_MODEL = SHIPPED_MODEL      # models/tiny-glm4moe-mtp.gguf, also what offload probe times
 DEFAULT_PROMPT = "def fibonacci(n):"
@@ -131,7 +132,9 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
     keywords for ``Session.generate`` (n_max, p_min, verify, spec_type, ngram_size), and a
     one-line account of where they came from."""
     section = plan.speculative or SpecSection()
-    head = {"in-model NextN": "the model's NextN head", "--draft": f"the NextN head of {plan.draft_path}"}
+    block = block_drafter(plan)
+    head = {"in-model NextN": "the model's NextN head",
+            "--draft": f"the {'DSpark drafter' if block else 'NextN head'} of {plan.draft_path}"}
     if args.spec_n_max is not None:
         check_n_max(args.spec_n_max, "--spec-n-max")
     if args.spec_p_min is not None:
@@ -140,11 +143,19 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
     kind = args.spec_type
     if kind == "none":
         return {"n_max": 0}, "speculative decoding off (--spec-type none)"
-    if kind in ("mtp", "dspark") and plan.drafting == "none":
+    # the draft head decides between mtp and dspark: a dflash --draft drafts only as dspark
+    if kind == "dspark" and not block:
+        has = head[plan.drafting] if plan.drafting != "none" else "no draft head"
+        raise OffloadError(f"--spec-type dspark needs a DSpark drafter (--draft FILE, a dflash GGUF); "
+                           f"{plan.model_path} has {has}")
+    if kind == "mtp" and plan.drafting == "none":
         raise NoDraftHead(plan.model_path, f"--spec-type {kind}")
-    planned = section.type or "mtp"
+    if kind == "mtp" and block:
+        raise OffloadError(f"--draft {plan.draft_path} is a DSpark (dflash) drafter: draft with --spec-type dspark")
+    planned = section.type or ("dspark" if block else "mtp")
     if kind is None:
         kind = planned if planned == "ngram" or plan.drafting != "none" else "mtp"
+        kind = "dspark" if block and kind == "mtp" else kind
     p_min = args.spec_p_min if args.spec_p_min is not None else float(section.p_min or 0.0)
     if args.spec_n_max is not None:
         n_max, source = args.spec_n_max, "--spec-n-max"
@@ -168,6 +179,14 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
              "ngram_size": ngram_size},
             f"speculative decoding: {what}, n_max {n_max} (from {source}), "
             f"p_min {p_min:g}, verify {args.spec_verify}")
+
+
+def block_drafter(plan) -> bool:
+    """Whether the plan's --draft file is a block drafter (DSpark's dflash), by its header."""
+    if plan.drafting != "--draft" or not plan.draft_path:
+        return False
+    from offload.gguf_model import open_model
+    return open_model(plan.draft_path).spec.arch in BLOCK_DRAFTERS
 
 
 def open_cli_model(args: argparse.Namespace):

@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,9 @@ from placement.tensors import ModelSpec
 COMPILED = REFERENCE.because("mHC streams, compressed attention and clamped experts have no compiled half")
 ACTIVATION = "swiglu_clamp"
 CSA, HCA = 4, 128          # compress ratios: CSA overlaps its windows and has the indexer
+# drafters of an architecture of their own, as --draft files: arch → builder(draft weights, cfg,
+# ctx, embed=, output=); offload.models.dspark registers dflash (the runtime imports it)
+DRAFTERS: dict[str, Callable] = {}
 
 
 @dataclass(frozen=True)
@@ -147,21 +151,32 @@ class Deepseek4(CausalLM):
     """``forward`` returns, as its hidden states, what V4's MTP head reads: the (T, n·d)
     streams before the hc head (llama.cpp's ``t_h_nextn``, ``embedding_length_out`` wide)."""
 
-    def __init__(self, *, hc_head: HyperHead, **parts):
+    def __init__(self, *, hc_head: HyperHead, dspark=None, **parts):
         super().__init__(**parts)
         self.hc_head = hc_head
+        # a DSpark drafter (offload.models.dspark) reads taps instead of the streams: then the
+        # hidden states are the mean over the streams of the inputs of its target layers,
+        # concatenated (T, k·d); a model with a DSpark drafter has no MTP head
+        self.dspark = dspark
 
     def forward(self, ids, state: State, *, logits: str = "all"):
         positions = state.positions(ids.shape[0])
         x = self.embed(ids).float()
         x = x[:, None].expand(-1, self.config.hc_mult, -1).contiguous()      # (T, n, d): n equal streams
-        for block, cache in zip(self.blocks, state.caches):
+        taps = self.dspark.target_layers if self.dspark is not None else ()
+        tapped = []
+        for i, (block, cache) in enumerate(zip(self.blocks, state.caches)):
+            if i in taps:
+                tapped.append(x.mean(1))
             x = block(x, positions, cache, tokens=ids)
         x = x.to(self.hc_head.fn.device)
+        if len(self.blocks) in taps:                # the last block's output
+            tapped.append(x.mean(1))
+        hidden = torch.cat([t.to(x.device) for t in tapped], dim=-1) if taps else x.flatten(1)
         if logits == "none":
-            return None, x.flatten(1)
+            return None, hidden
         out, _ = self.final(self.hc_head(x), logits)
-        return out, x.flatten(1)
+        return out, hidden
 
 
 class Deepseek4NextN:
@@ -311,16 +326,19 @@ def mtp_head(w, cfg: Deepseek4Config, ctx: BuildContext, *, sidecar: bool, embed
 
 
 def build(cfg: Deepseek4Config, w, ctx: BuildContext, draft=None) -> Deepseek4:
-    """The trunk from ``w``; the MTP head from ``draft`` (a sidecar) when given, else the
-    model's own bundled one where it has one."""
+    """The trunk from ``w``; from ``draft`` (a --draft file) when given the DSpark drafter (a
+    ``dflash`` file: ``model.dspark``, and no MTP head) or the MTP head (a sidecar), else the
+    model's own bundled MTP head where it has one."""
     embed = w.embedding("token_embd.weight")
     blocks = [block(w, cfg, i, ctx) for i in range(cfg.n_layer)]
     output = w.linear("output.weight")
     output_norm = RMSNorm(w.vector("output_norm.weight").to(output.device), cfg.rms_eps)
-    nextn = None
-    if draft is not None:
+    nextn = dspark = None
+    if draft is not None and draft.model.spec.arch in DRAFTERS:
+        dspark = DRAFTERS[draft.model.spec.arch](draft, cfg, ctx, embed=embed, output=output)
+    elif draft is not None:
         nextn = mtp_head(draft, cfg, ctx, sidecar=True, embed=embed, output=output)
     elif cfg.n_nextn:
         nextn = mtp_head(w, cfg, ctx, sidecar=False, embed=embed, output=output)
     return Deepseek4(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=nextn,
-                     hc_head=hc_head(w, cfg, "output_hc"))
+                     hc_head=hc_head(w, cfg, "output_hc"), dspark=dspark)

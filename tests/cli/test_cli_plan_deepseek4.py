@@ -184,7 +184,8 @@ def test_the_three_boxes_with_the_dspark_drafter(fixture_paths, models, box):
 
 def test_dspark_drafter_mismatches_are_one_line(tmp_path, fixture_paths):
     """A dflash drafter for another architecture, width, vocabulary or tap set is refused in
-    one line before any weight is read; offload run refuses to draft with it (not built yet)."""
+    one line before any weight is read; offload run refuses, before loading, --spec-type mtp
+    with a dflash draft and --spec-type dspark with an MTP draft."""
     from tests.fixtures.real_models import ALL
 
     def variant(name, edit):
@@ -206,7 +207,9 @@ def test_dspark_drafter_mismatches_are_one_line(tmp_path, fixture_paths):
     for model, draft, needle in cases:
         r = offload("plan", model, "--draft", draft, "--devices", BOXES["1x96GB+768GB"], "-c", "4096")
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, (needle, r.stderr)
-    r = offload("run", trunk, "--draft", fixture_paths["deepseek-v4-flash-dspark"], "--devices",
-                BOXES["1x96GB+768GB"], "-c", "4096", "--virtual-gpus", "-n", "1")
-    assert r.returncode == 2 and "cannot draft with it yet" in r.stderr.splitlines()[-1]
-    assert "Traceback" not in r.stderr
+    for draft, kind, needle in [(fixture_paths["deepseek-v4-flash-dspark"], "mtp", "draft with --spec-type dspark"),
+                                (fixture_paths["deepseek-v4-flash-mtp"], "dspark", "needs a DSpark drafter")]:
+        r = offload("run", trunk, "--draft", draft, "--devices", BOXES["1x96GB+768GB"], "-c", "4096",
+                    "--virtual-gpus", "-n", "1", "--spec-type", kind)
+        assert r.returncode == 2 and needle in r.stderr.splitlines()[-1], r.stderr
+        assert "Traceback" not in r.stderr
