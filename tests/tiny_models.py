@@ -581,6 +581,14 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weig
     ARCHS[spec.arch].metadata(w, spec)
     add_tiny_vocab(w, spec.extra_merges, spec.tokenizer_pre)
 
+    weights = _write_tensors(w, tensors, spec, rng, keep_weights=keep_weights)
+    return TinyModel(path, spec, weights)
+
+
+def _write_tensors(w: GGUFWriter, tensors: list[TinyTensor], spec: TinySpec, rng: np.random.Generator, *,
+                   keep_weights: bool) -> dict[str, np.ndarray]:
+    """Add ``tensors`` (random unless a value is given) to ``w``, write the file and close it;
+    the weights as float32 (dequantized) when ``keep_weights``."""
     weights = {}
     for t in tensors:
         if t.value is not None:
@@ -598,12 +606,11 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weig
         w.add_tensor(t.name, data, raw_dtype=raw_dtype)
         if keep_weights:
             weights[t.name] = deq
-
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return TinyModel(path, spec, weights)
+    return weights
 
 
 DSPARK_RANK = 16            # the Markov head's rank (256 in V4-Flash-0731's)
@@ -659,19 +666,4 @@ def write_tiny_dspark(path: str | Path, trunk: TinySpec, *, target_layers: tuple
     w.add_array("dflash.target_layers", [int(t) for t in taps])
     add_tiny_vocab(w, spec.extra_merges, spec.tokenizer_pre)
     w.add_uint32("tokenizer.ggml.mask_token_id", v - 1)
-    weights = {}
-    for t in tensors:
-        if t.value is not None:
-            w.add_tensor(t.name, t.value)
-            weights[t.name] = t.value
-            continue
-        data, raw_dtype, deq = random_tensor(rng, t.shape, t.qtype(spec), t.std, dequantized=True)
-        if t.mean:
-            data = deq = data + np.float32(t.mean)
-        w.add_tensor(t.name, data, raw_dtype=raw_dtype)
-        weights[t.name] = deq
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return TinyModel(path, spec, weights)
+    return TinyModel(path, spec, _write_tensors(w, tensors, spec, rng, keep_weights=True))
