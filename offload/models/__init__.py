@@ -13,7 +13,8 @@ from types import ModuleType
 
 from offload.errors import OffloadError
 
-_NOT_ARCHITECTURES = {"shared"}   # what the architecture files share
+# what the architecture files share, and drafters (a --draft GGUF's builder, not a trunk)
+_NOT_ARCHITECTURES = {"shared", "dspark"}
 
 
 def supported() -> list[str]:
