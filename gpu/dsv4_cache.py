@@ -73,7 +73,9 @@ class CompressorState:
         rows = torch.cat([self.buf[:self.length - self.start], new.float()])
         first = self.start
         self.length += new.shape[0]
-        keep = self.first_needed(max(0, self.length - DECODE_TOKENS))
+        # never before what is held: after a rollback of up to DECODE_TOKENS the state starts
+        # later than first_needed asks, and rows[keep - first:] must not index from the end
+        keep = max(self.first_needed(max(0, self.length - DECODE_TOKENS)), first)
         kept = rows[keep - first:]
         if kept.shape[0] > self.buf.shape[0]:
             raise ValueError(f"compressor state of {kept.shape[0]} rows exceeds the {self.buf.shape[0]} planned")

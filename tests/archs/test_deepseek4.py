@@ -157,6 +157,31 @@ def test_truncate_after_a_verify_batch_continues_bit_for_bit(tiny, n_draft):
             assert torch.equal(got, want), length
 
 
+def test_a_deep_rollback_keeps_compressing_right(tiny):
+    """A prompt cache rolls a state back further than a verify batch: 16 one-token steps
+    (DECODE_TOKENS, as a finished generation leaves them) then truncated back. The compressed
+    entries the next steps emit must be the ones a state that never went ahead emits: the
+    next 12 positions (three CSA entries) decode bit for bit as a copy made before. (The
+    compressor once re-based its kept rows on a position it no longer held: the first entry
+    after such a rollback came out wrong, logits off by 0.2-1.)"""
+    with load(tiny.path) as s, torch.inference_mode():
+        model = s.model
+        state = model.new_state()
+        model.forward(torch.tensor(IDS[:39]), state, logits="none")
+        twin = copy.deepcopy(state)
+        for t in IDS[39:55]:
+            model.forward(torch.tensor([t]), state, logits="none")
+        state.truncate(39)
+        for pos in range(39, 51):
+            want = model.forward(torch.tensor([IDS[pos]]), twin)[0]
+            got = model.forward(torch.tensor([IDS[pos]]), state)[0]
+            assert torch.equal(got, want), pos
+        # and through the prompt cache: the second request reuses the first's prefix
+        plain = list(s.generate(IDS[:40], max_tokens=16, stop_at_eos=False))
+        for _ in range(2):
+            assert list(s.generate(IDS[:40], max_tokens=16, stop_at_eos=False, cache_prompt=True)) == plain
+
+
 def _greedy(model, prompt, n):
     state = model.new_state()
     tok = int(model.forward(torch.tensor(prompt), state)[0][-1].argmax())
