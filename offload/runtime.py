@@ -16,7 +16,7 @@ from offload.cpu_ops import DECODE_ACTIVATIONS
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, check_shapes, open_model
-import offload.models.dspark  # noqa: F401  (registers DSpark: the dflash --draft builder, drafter kind dspark)
+import offload.dspark  # noqa: F401  (registers DSpark: the dflash --draft builder, drafter kind dspark)
 from offload.models import architecture
 from offload.models.shared.base import BuildContext
 from offload.op_offload import enable_op_offload

@@ -13,8 +13,7 @@ from types import ModuleType
 
 from offload.errors import OffloadError
 
-# what the architecture files share, and drafters (a --draft GGUF's builder, not a trunk)
-_NOT_ARCHITECTURES = {"shared", "dspark"}
+_NOT_ARCHITECTURES = {"shared"}   # what the architecture files share
 
 
 def supported() -> list[str]:

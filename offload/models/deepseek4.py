@@ -46,7 +46,7 @@ COMPILED = REFERENCE.because("mHC streams, compressed attention and clamped expe
 ACTIVATION = "swiglu_clamp"
 CSA, HCA = 4, 128          # compress ratios: CSA overlaps its windows and has the indexer
 # drafters of an architecture of their own, as --draft files: arch → builder(draft weights, cfg,
-# ctx, embed=, output=); offload.models.dspark registers dflash (the runtime imports it)
+# ctx, embed=, output=); offload.dspark registers dflash (the runtime imports it)
 DRAFTERS: dict[str, Callable] = {}
 
 
@@ -154,7 +154,7 @@ class Deepseek4(CausalLM):
     def __init__(self, *, hc_head: HyperHead, dspark=None, **parts):
         super().__init__(**parts)
         self.hc_head = hc_head
-        # a DSpark drafter (offload.models.dspark) reads taps instead of the streams: then the
+        # a DSpark drafter (offload.dspark) reads taps instead of the streams: then the
         # hidden states are the mean over the streams of the inputs of its target layers,
         # concatenated (T, k·d); a model with a DSpark drafter has no MTP head
         self.dspark = dspark
