@@ -312,7 +312,8 @@ def main(argv: list[str]) -> int:
     else:
         sys.stdout.write(format_plan(plan, model, draft))
         if table is not None:
-            head = "DSpark block drafter (--draft)" if draft_arch == "dflash" else f"{plan.drafting} draft head"
+            head = ("DSpark block drafter (--draft)" if drafter_kind(plan, draft) == "block"
+                    else f"{plan.drafting} draft head")
             print(f"\nspeculative decoding ({head}; predicted, "
                   f"profile: {plan_profile(plan).hardware.source}):")
             if interval is not None:
