@@ -70,8 +70,9 @@ def plan_from_file(path: str, model: ModelFile | None,
     """The plan file at ``path`` resolved against ``model`` (None: the model it names) → (Plan, model, draft)."""
     pf = read_plan_file(path)
     if pf.hosts is not None:
-        raise OffloadError(f"{path}: a plan across hosts ({', '.join(h.name for h in pf.hosts)}); multi-host running "
-                           "is not built yet (`offload plan --placement` reads it)")
+        raise OffloadError(f"{path}: a plan across hosts ({', '.join(h.name for h in pf.hosts)}) runs only with "
+                           "`offload run --rank R --world-size W`, one process per host (`offload plan --placement` "
+                           "reads it)")
     if model is None:
         model = open_model(pf.model_path)
     elif Path(model.path).resolve() != Path(pf.model_path).resolve():

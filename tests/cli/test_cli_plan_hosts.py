@@ -42,11 +42,13 @@ def test_json_output_file_and_reload(tmp_path, fixture_paths):
     assert [h["tensors"] for h in a["hosts"]] == [h["tensors"] for h in b["hosts"]]
     assert [h["devices"] for h in a["hosts"]] == [h["devices"] for h in b["hosts"]]
     assert all(h["mode"] == "plan file" for h in b["hosts"])
-    # running a plan across hosts is not built: refused in one line, before any weight is read
-    for command in ("run", "bench", "serve", "tune"):
+    # only `offload run` with ranks runs a plan across hosts: the rest refuse in one line, before any weight is read
+    for command in ("bench", "serve", "tune"):
         r = offload(command, "--placement", str(out))
         assert r.returncode == 2 and r.stderr.count("\n") == 1, (command, r.stderr)
-        assert "a plan across hosts (a, b, c); multi-host running is not built yet" in r.stderr, command
+        assert "a plan across hosts (a, b, c) runs only with `offload run --rank R --world-size W`" in r.stderr, command
+    r = offload("run", "--placement", str(out))
+    assert r.returncode == 2 and "is a plan across hosts: run one process per host with --rank R" in r.stderr
 
 
 def _bad_cases(tmp: Path, paths: dict[str, str]) -> dict[str, tuple[list[str], str]]:
