@@ -118,10 +118,6 @@ class HostPlan:
     blocks: range
     plan: Plan
 
-    @property
-    def label(self) -> str:
-        return host_label(self.name, self.blocks)
-
 
 def host_label(name: str, blocks: range) -> str:
     """How errors name a host: ``host b (blocks 30-60)``."""
@@ -271,7 +267,3 @@ def build_multihost_plan(model: PlannedModel, hosts: Sequence[HostPlacement], se
         out.append(HostPlan(h.name, h.blocks, plan if last else replace(plan, drafting="none")))
     return MultiHostPlan(model.path, tuple(out), tuple(notes), speculative)
 
-
-def host_placements(mplan: MultiHostPlan) -> list[HostPlacement]:
-    """What the plan file stores of each host."""
-    return [HostPlacement(h.name, h.blocks, h.plan.devices, h.plan.targets, h.plan.placement) for h in mplan.hosts]
