@@ -9,8 +9,9 @@ from pathlib import Path
 
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, open_model
+from placement.hosts import Host, parse_hosts
 from placement.plan import Plan, build_plan
-from placement.plan_file import PlanFile, load_plan_file
+from placement.plan_file import PlanFile, load_hosts_file, load_plan_file
 from placement.tensors import Role
 
 
@@ -68,6 +69,10 @@ def plan_from_file(path: str, model: ModelFile | None,
                    draft_path: str | None = None) -> tuple[Plan, ModelFile, ModelFile | None]:
     """The plan file at ``path`` resolved against ``model`` (None: the model it names) → (Plan, model, draft)."""
     pf = read_plan_file(path)
+    if pf.hosts is not None:
+        raise OffloadError(f"{path}: a plan across hosts ({', '.join(h.name for h in pf.hosts)}) runs only with "
+                           "`offload run --rank R --world-size W`, one process per host (`offload plan --placement` "
+                           "reads it)")
     if model is None:
         model = open_model(pf.model_path)
     elif Path(model.path).resolve() != Path(pf.model_path).resolve():
@@ -82,3 +87,17 @@ def plan_from_file(path: str, model: ModelFile | None,
     plan = dataclasses.replace(plan, speculative=pf.speculative)
     plan.check_fits()
     return plan, model, draft
+
+
+def read_hosts(value: str) -> tuple[Host, ...]:
+    """``--hosts``: a hosts YAML when the value names one (``.yaml`` / ``.yml``, or an existing
+    file), else the inline spec ``a:CUDA0=24GiB,CPU=256GiB;b:CPU=512GiB``."""
+    path = Path(value)
+    if value.endswith((".yaml", ".yml")) or path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise OffloadError(f"--hosts {value}: cannot read hosts file "
+                               f"({getattr(exc, 'strerror', None) or exc})") from None
+        return load_hosts_file(text, value)
+    return parse_hosts(value)

@@ -21,9 +21,15 @@ Every term is linear in one ``HardwareProfile.linear_params`` entry, so one feat
 runs (``placement.cost_fit``).
 ``T_step(n)`` is the decode loop's own per-step work outside the passes (sampling,
 acceptance, rollback, Python): ``step`` for every step plus ``spec_step`` when n > 0.
+
+Across hosts (``pipeline_table``): a target pass runs each host's blocks in turn and adds its
+hops (``hop_features``: one per boundary carrying B x the state a block hands on, one back
+with the tokens; ``HopLink``'s latency and rate); the draft head runs on the last host, with
+no hop. The hops are a fixed cost per pass, so a verify batch spreads them over E(n) tokens.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -128,11 +134,11 @@ def _dot(features: Mapping[str, float], params: Mapping[str, float]) -> float:
 # How T(0) is split when printed: parameter name (before any ":device") -> category.
 _CATEGORY = {"cpu_read": "CPU", "cpu_compute": "CPU", "gpu_read": "GPU", "link": "copies",
              "link_latency": "copies", "cpu_layer": "fixed", "gpu_layer": "fixed", "forward": "fixed",
-             "draft_pass": "fixed", "step": "step", "spec_step": "step"}
+             "draft_pass": "fixed", "step": "step", "spec_step": "step", "hop_latency": "hops", "hop_bytes": "hops"}
 
 
 def _breakdown(features: Mapping[str, float], params: Mapping[str, float]) -> dict[str, float]:
-    out = dict.fromkeys(("CPU", "GPU", "copies", "fixed", "step"), 0.0)
+    out = dict.fromkeys(("CPU", "GPU", "copies", "fixed", "step", "hops"), 0.0)
     for k, c in features.items():
         out[_CATEGORY[k.split(":", 1)[0]]] += c * params[k]
     return out
@@ -354,18 +360,31 @@ def speculation_table(fp: DecodeFootprint, hw: HardwareProfile, *,
     drafts = ([0.0] * (max_n + 1) if draft_kind == "free" else
               [pass_time(fp.draft, b, params, **kw) for b in range(1, max_n + 2)])
     injects = (None if inject is None else [pass_time(inject, b, params, **kw) for b in range(1, max_n + 2)])
-    draft = drafts[0]
-    rows = []
-    for n in range(max_n + 1):
-        e = acceptance.expected_tokens(n)
-        t = step_time(n, draft_s=drafts, verify_s=verify, acceptance=acceptance,
-                      step_s=params["step"], spec_step_s=params["spec_step"], kind=draft_kind, inject_s=injects)
-        rows.append(SpecRow(n, e, t, e / t, e * rows[0].step_s / t if rows else 1.0))
-    source = "uniform" if routing is None else routing.source
+    rows = spec_rows(verify, drafts, acceptance, params, draft_kind=draft_kind, inject_s=injects)
     breakdown = _breakdown({**feats[0], "step": 1.0}, params)
     breakdown["overlap"] = -overlap_credit(fp.target, 1, params, routing=routing, hits=hits)
-    return SpecTable(tuple(rows), draft, breakdown, acceptance,
-                     source if hits is None else f"per-expert hit rates ({hits.source or 'profile'})")
+    return SpecTable(rows, drafts[0], breakdown, acceptance, routing_label(routing, hits))
+
+
+def routing_label(routing: RoutingProfile | None, hits: RoutingCounts | None) -> str:
+    """What a table says it assumed of the routing."""
+    if hits is not None:
+        return f"per-expert hit rates ({hits.source or 'profile'})"
+    return "uniform" if routing is None else routing.source
+
+
+def spec_rows(verify: Sequence[float], drafts: Sequence[float], acceptance: AcceptanceProfile,
+              params: Mapping[str, float], *, draft_kind: str = "chain",
+              inject_s: Sequence[float] | None = None) -> tuple[SpecRow, ...]:
+    """The rows n = 0..len(verify)-1 from the pass times (``verify[b-1]`` = T_verify(b),
+    ``drafts[b-1]`` = a draft pass over b tokens) and the loop's own ``step`` / ``spec_step``."""
+    rows: list[SpecRow] = []
+    for n in range(len(verify)):
+        e = acceptance.expected_tokens(n)
+        t = step_time(n, draft_s=drafts, verify_s=verify, acceptance=acceptance,
+                      step_s=params["step"], spec_step_s=params["spec_step"], kind=draft_kind, inject_s=inject_s)
+        rows.append(SpecRow(n, e, t, e / t, e * rows[0].step_s / t if rows else 1.0))
+    return tuple(rows)
 
 
 def break_even_acceptance(fp: DecodeFootprint, hw: HardwareProfile, *, max_n: int = 6,
@@ -426,3 +445,78 @@ class SpecProfile:
                    DEFAULT_MTP if acc is None else AcceptanceProfile.from_dict(acc),
                    None if rout is None else RoutingProfile.from_dict(rout))
 
+
+
+# ---------------------------------------------------------------------------------------------
+# A model split across hosts (placement.multihost): a pipeline of passes and hops.
+# ---------------------------------------------------------------------------------------------
+
+# Priors for one hop between hosts (a torch.distributed send of a small CPU tensor over gloo/TCP,
+# and the link's rate); ``offload plan --hop-latency-us / --hop-gbps`` replace them. Not measured
+# here: TCP round trips on a switched 10 GbE LAN are typically 50-100 us, one way about half, and
+# gloo adds its own framing; 10 GbE moves at most 1.25 GB/s.
+DEFAULT_HOP_LATENCY_US = 100.0
+DEFAULT_HOP_GBPS = 1.25
+TOKEN_BYTES = 8            # a sampled token id going back to the first host (int64)
+
+
+@dataclass(frozen=True)
+class HopLink:
+    """The link between consecutive hosts: a fixed latency per hop and a rate for its bytes."""
+
+    latency_us: float = DEFAULT_HOP_LATENCY_US
+    gbps: float = DEFAULT_HOP_GBPS
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.latency_us, (int, float)) and math.isfinite(self.latency_us) and self.latency_us >= 0):
+            raise ProfileError(f"--hop-latency-us must be a number >= 0, got {self.latency_us!r}")
+        if not (isinstance(self.gbps, (int, float)) and math.isfinite(self.gbps) and self.gbps > 0):
+            raise ProfileError(f"--hop-gbps must be a number > 0, got {self.gbps!r}")
+
+    def params(self) -> dict[str, float]:
+        return {"hop_latency": self.latency_us * 1e-6, "hop_bytes": 1.0 / (self.gbps * 1e9)}
+
+
+def hop_features(n_hosts: int, batch: int, carried_bytes: int) -> dict[str, float]:
+    """One pass of ``batch`` tokens through ``n_hosts`` hosts: each boundary sends the state
+    the blocks carry (``carried_bytes`` per token: T x n_embd x 4, times deepseek4's hc_mult
+    streams); the last host sends the sampled tokens back to the first. One host: no hops."""
+    if n_hosts <= 1:
+        return {}
+    return {"hop_latency": float(n_hosts),
+            "hop_bytes": float((n_hosts - 1) * batch * carried_bytes + batch * TOKEN_BYTES)}
+
+
+def pipeline_table(hosts: Sequence[tuple[ForwardFootprint, HardwareProfile]], draft: ForwardFootprint | None,
+                   link: HopLink | None, *, n_embd: int, carried_bytes: int, act_bytes: int = 4,
+                   acceptance: AcceptanceProfile = DEFAULT_MTP, max_n: int = 6,
+                   routing: RoutingProfile | None = None, hits: RoutingCounts | None = None) -> SpecTable:
+    """The n_max table of a model split across hosts: per host (pipeline order) the footprint
+    of its blocks and its hardware. A verify pass runs every host's part in turn and pays the
+    hops (``hop_features``) once, whatever its batch; the draft head runs on the last host
+    with no hop, so drafting amortises the hops over the E(n) tokens of a step. Without a
+    ``draft`` only n = 0 (plain decoding). The loop's own step costs are the last host's.
+    ``link`` None: the hops cost nothing (the same passes as if the hosts were one box)."""
+    if max_n < 0:
+        raise ValueError(f"max_n must be >= 0, got {max_n}")
+    kw = dict(n_embd=n_embd, act_bytes=act_bytes, routing=routing, hits=hits)
+
+    def hops(b: int) -> float:
+        return 0.0 if link is None else _dot(hop_features(len(hosts), b, carried_bytes), link.params())
+
+    last = hosts[-1][1].linear_params()
+    top = max_n if draft is not None else 0
+    verify = [sum(pass_time(fp, b, hw.linear_params(), **kw) for fp, hw in hosts) + hops(b)
+              for b in range(1, top + 2)]
+    drafts = [pass_time(draft, b, last, **kw) for b in range(1, top + 2)] if draft is not None else [0.0]
+    rows = spec_rows(verify, drafts, acceptance, last)
+    breakdown = dict.fromkeys(("CPU", "GPU", "copies", "fixed", "step", "hops"), 0.0)
+    for fp, hw in hosts:
+        params = hw.linear_params()
+        for k, v in _breakdown(forward_features(fp, 1, **kw), params).items():
+            breakdown[k] += v
+        breakdown["overlap"] = breakdown.get("overlap", 0.0) - overlap_credit(fp, 1, params, routing=routing,
+                                                                              hits=hits)
+    breakdown["step"] += last["step"]
+    breakdown["hops"] += hops(1)
+    return SpecTable(rows, drafts[0], breakdown, acceptance, routing_label(routing, hits))

@@ -69,21 +69,22 @@ def sort_devices(devices: list[Device]) -> list[Device]:
     return sorted(devices, key=lambda d: (not d.is_gpu, d.gpu_index or 0))
 
 
-def parse_devices(spec: str) -> list[Device]:
-    """``"CUDA0=24GiB,CPU=256GiB"`` → devices (GPUs by index, CPU last). CPU is required."""
+def parse_devices(spec: str, *, what: str = "--devices") -> list[Device]:
+    """``"CUDA0=24GiB,CPU=256GiB"`` → devices (GPUs by index, CPU last). CPU is required.
+    ``what`` names the spec in errors (``--hosts a`` for one host's devices)."""
     devices: dict[str, Device] = {}
     for item in spec.split(","):
         if not item.strip():
             continue
         name, sep, size = item.partition("=")
         if not sep:
-            raise PlacementError(f"--devices: {item.strip()!r} is not NAME=SIZE (e.g. CUDA0=24GiB)")
+            raise PlacementError(f"{what}: {item.strip()!r} is not NAME=SIZE (e.g. CUDA0=24GiB)")
         dev = normalize_device_name(name)
         if dev in devices:
-            raise PlacementError(f"--devices: {dev} is given twice")
-        devices[dev] = Device(dev, parse_size(size, what=f"--devices {dev}"), "from --devices")
+            raise PlacementError(f"{what}: {dev} is given twice")
+        devices[dev] = Device(dev, parse_size(size, what=f"{what} {dev}"), f"from {what}")
     if CPU not in devices:
-        raise PlacementError("--devices: the spec needs a CPU=<size> entry for system RAM")
+        raise PlacementError(f"{what}: the spec needs a CPU=<size> entry for system RAM")
     return sort_devices(list(devices.values()))
 
 

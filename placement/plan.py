@@ -74,10 +74,12 @@ class Placement:
 
 
 def kv_blocks(model: PlannedModel, drafting_in_model: bool) -> list[int]:
-    """Blocks that keep a KV cache: the trunk, plus the NextN blocks when they draft."""
+    """Blocks that keep a KV cache: the trunk, plus the NextN blocks when they draft — of
+    those the model holds (one host's part of a model split across hosts holds a range)."""
     spec = model.spec
     n = spec.n_layer if drafting_in_model else spec.n_layer_trunk
-    return list(range(n))
+    held = {t.layer for t in model.tensors if t.layer is not None}
+    return [i for i in range(n) if i in held]
 
 
 @dataclass(frozen=True)

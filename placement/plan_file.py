@@ -6,6 +6,12 @@ devices with budgets and targets, the layer layout, the ordered rules — plus a
 (informational: they are recomputed when the plan is loaded). Loading it back and resolving it
 against the same model gives exactly the same tensor→device map.
 
+A plan across hosts (``placement.multihost``) keeps the shared settings at the top and, under
+``hosts:``, per host in pipeline order its ``name``, its trunk ``blocks: [first, last]`` and the
+one-box keys above (devices, layout, rules, draft_placement, totals). A plan without ``hosts:``
+reads as it always did. ``load_hosts_file`` reads a hosts YAML (``offload plan --hosts``): the
+``hosts:`` list with each host's name and devices only.
+
 ``load_plan_file`` checks the whole file — the type and range of every key, including the
 ``speculative:`` section (``n_max`` and ``p_min`` through ``placement.draft``, the profile
 through ``SpecProfile.from_dict``) — and refuses malformed or inconsistent input with
@@ -26,9 +32,11 @@ import yaml
 from placement.devices import CPU, Device, format_bytes, normalize_device_name, parse_size, sort_devices
 from placement.draft import SPEC_TYPES, check_n_max, check_p_min
 from placement.errors import PlacementError
+from placement.hosts import Host, check_host_name
 from placement.hot_experts import HotExperts, from_json, to_json
 from placement.layers import LayerLayout
 from placement.memory import MemorySettings
+from placement.multihost import HostPlacement, MultiHostPlan
 from placement.plan import Placement, Plan
 from placement.routing import RoutingCounts
 from placement.rules import Rule
@@ -57,7 +65,10 @@ SPEC_TEXT = ("type", "source", "routing", "choice")
 SPEC_LISTS = ("rows", "measured_rows")
 SPEC_KEYS = frozenset(SECTION_KEYS)
 TOP_KEYS = {"version", "model", "draft", "context", "cache_type", "cache_type_v", "ubatch", "devices", "layout",
-            "rules", "draft_placement", "speculative", "totals", "notes", "hot_experts", "routing"}
+            "rules", "draft_placement", "speculative", "totals", "notes", "hot_experts", "routing", "hosts"}
+# one box's placement: at the top of a one-host plan, under each host of a plan with ``hosts:``
+PLACEMENT_KEYS = ("devices", "layout", "rules", "draft_placement", "totals", "hot_experts")
+HOST_KEYS = {"name", "blocks", "devices", "layout", "rules", "draft_placement", "totals"}
 
 
 @dataclass(frozen=True)
@@ -67,26 +78,20 @@ class PlanFile:
     model_path: str
     draft_path: str | None
     settings: MemorySettings
-    devices: tuple[Device, ...]
+    devices: tuple[Device, ...]             # () in a plan across hosts: each host has its own
     targets: Mapping[str, int]
-    placement: Placement
+    placement: Placement | None             # None in a plan across hosts
     n_layer: int
     speculative: SpecSection | None
     hot_experts: HotExperts | None = None   # GPU → block → experts (checked against the model when resolved)
     routing: RoutingCounts | None = None    # the routing profile ``offload tune`` measured (``routing:``)
+    hosts: tuple[HostPlacement, ...] | None = None   # a plan across hosts (``hosts:``), in pipeline order
 
 
-def plan_to_yaml(plan: Plan, *, routing: RoutingCounts | None = None) -> str:
-    """The plan as YAML; ``routing`` (``offload tune``'s measured profile) goes in as ``routing:``."""
+def _placement_doc(plan: Plan) -> dict[str, Any]:
+    """One box's devices, layout, rules and draft placement, as the plan file spells them."""
     layout = plan.placement.layout
-    doc = {
-        "version": VERSION,
-        "model": plan.model_path,
-        "draft": plan.draft_path,
-        "context": plan.settings.ctx,
-        "cache_type": plan.settings.cache_type,
-        **({"cache_type_v": plan.settings.cache_type_v} if plan.settings.cache_type_v else {}),
-        "ubatch": plan.settings.ubatch,
+    return {
         "devices": [{"name": d.name, "budget": d.budget_bytes, "target": plan.targets.get(d.name, 0)}
                     for d in plan.devices],
         "layout": {"block_count": layout.n_layer, "n_gpu_layers": layout.n_gpu_layers,
@@ -95,19 +100,50 @@ def plan_to_yaml(plan: Plan, *, routing: RoutingCounts | None = None) -> str:
         "rules": [r.as_dict() for r in plan.placement.rules],
         "draft_placement": {"device": plan.placement.draft_device,
                             "rules": [r.as_dict() for r in plan.placement.draft_rules]},
+    }
+
+
+def _totals_doc(plan: Plan) -> dict[str, Any]:
+    return {t.name: {"weights": format_bytes(t.weights_bytes), "kv_cache": format_bytes(t.kv_bytes),
+                     "compute": format_bytes(t.compute_bytes), "free_after": format_bytes(t.free_after_bytes)}
+            for t in plan.totals}
+
+
+def _settings_doc(path: str, draft: str | None, s: MemorySettings) -> dict[str, Any]:
+    return {"version": VERSION, "model": path, "draft": draft, "context": s.ctx, "cache_type": s.cache_type,
+            **({"cache_type_v": s.cache_type_v} if s.cache_type_v else {}), "ubatch": s.ubatch}
+
+
+def _dump(doc: dict[str, Any]) -> str:
+    return HEADER + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=200, allow_unicode=True)
+
+
+def plan_to_yaml(plan: Plan, *, routing: RoutingCounts | None = None) -> str:
+    """The plan as YAML; ``routing`` (``offload tune``'s measured profile) goes in as ``routing:``."""
+    return _dump({
+        **_settings_doc(plan.model_path, plan.draft_path, plan.settings),
+        **_placement_doc(plan),
         "speculative": (plan.speculative.to_dict() or None) if plan.speculative is not None else None,
         **({"hot_experts": to_json(plan.hot_experts)} if plan.hot_experts else {}),
         **({"routing": routing.to_dict()} if routing is not None else {}),
         "notes": list(plan.notes),
-        "totals": {t.name: {"weights": format_bytes(t.weights_bytes), "kv_cache": format_bytes(t.kv_bytes),
-                            "compute": format_bytes(t.compute_bytes), "free_after": format_bytes(t.free_after_bytes)}
-                   for t in plan.totals},
-    }
-    body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=200, allow_unicode=True)
-    return HEADER + body
+        "totals": _totals_doc(plan),
+    })
 
 
-class _Doc:
+def multihost_plan_to_yaml(mplan: MultiHostPlan) -> str:
+    """A plan across hosts as YAML: the shared settings, then per host (pipeline order) its
+    blocks and its placement in the one-box form."""
+    return _dump({
+        **_settings_doc(mplan.model_path, mplan.draft_path, mplan.settings),
+        "hosts": [{"name": h.name, "blocks": [h.blocks.start, h.blocks.stop - 1], **_placement_doc(h.plan),
+                   "totals": _totals_doc(h.plan)} for h in mplan.hosts],
+        "speculative": (mplan.speculative.to_dict() or None) if mplan.speculative is not None else None,
+        "notes": list(mplan.notes),
+    })
+
+
+class YamlDoc:
     """The parsed document and its node tree, to report ``file:line`` for any path."""
 
     def __init__(self, text: str, source: str):
@@ -146,7 +182,7 @@ def _where(path: tuple) -> str:
     return out
 
 
-def _get(doc: _Doc, mapping: Any, path: tuple, key: str, kinds: tuple[type, ...], *, required=True, default=None):
+def _get(doc: YamlDoc, mapping: Any, path: tuple, key: str, kinds: tuple[type, ...], *, required=True, default=None):
     if not isinstance(mapping, dict):
         doc.fail(path, f"{_where(path) or 'the plan'} must be a mapping")
     if key not in mapping:
@@ -162,7 +198,7 @@ def _get(doc: _Doc, mapping: Any, path: tuple, key: str, kinds: tuple[type, ...]
     return value
 
 
-def _size(doc: _Doc, mapping: dict, path: tuple, key: str, *, default: int | None = None) -> int:
+def _size(doc: YamlDoc, mapping: dict, path: tuple, key: str, *, default: int | None = None) -> int:
     value = _get(doc, mapping, path, key, (int, str), required=default is None, default=default)
     try:
         n = parse_size(value, what=_where(path + (key,))) if isinstance(value, str) else value
@@ -173,14 +209,14 @@ def _size(doc: _Doc, mapping: dict, path: tuple, key: str, *, default: int | Non
     return n
 
 
-def _positive(doc: _Doc, mapping: Any, key: str, path: tuple = (), *, default: int | None = None) -> int:
+def _positive(doc: YamlDoc, mapping: Any, key: str, path: tuple = (), *, default: int | None = None) -> int:
     value = _get(doc, mapping, path, key, (int,), required=default is None, default=default)
     if value < 1:
         doc.fail(path + (key,), f"{_where(path + (key,))} must be >= 1, got {value}")
     return value
 
 
-def _speculative(doc: _Doc, spec: dict | None) -> SpecSection | None:
+def _speculative(doc: YamlDoc, spec: dict | None) -> SpecSection | None:
     """The ``speculative:`` section, every key checked (see SPEC_KEYS)."""
     if spec is None:
         return None
@@ -224,7 +260,7 @@ def _speculative(doc: _Doc, spec: dict | None) -> SpecSection | None:
         doc.fail(at + ("profile",), f"speculative.profile: {exc}")
 
 
-def _rules(doc: _Doc, seq: Any, path: tuple, devices: list[str]) -> tuple[Rule, ...]:
+def _rules(doc: YamlDoc, seq: Any, path: tuple, devices: list[str]) -> tuple[Rule, ...]:
     if seq is None:
         return ()
     if not isinstance(seq, list):
@@ -248,9 +284,149 @@ def _rules(doc: _Doc, seq: Any, path: tuple, devices: list[str]) -> tuple[Rule, 
     return tuple(rules)
 
 
+def _devices(doc: YamlDoc, seq: list, path: tuple) -> tuple[list[Device], dict[str, int]]:
+    """A ``devices:`` list of {name, budget, target} → devices (GPUs by index, CPU last) and targets."""
+    devices, targets = [], {}
+    for i, item in enumerate(seq):
+        p = path + (i,)
+        try:
+            name = normalize_device_name(_get(doc, item, p, "name", (str,)))
+        except PlacementError as exc:
+            doc.fail(p + ("name",), f"{_where(p)}: {exc}")
+        if name in targets:
+            doc.fail(p, f"{_where(p)}: device {name} is listed twice")
+        devices.append(Device(name, _size(doc, item, p, "budget"), "from the plan file"))
+        targets[name] = _size(doc, item, p, "target", default=0)
+        unknown = set(item) - {"name", "budget", "target"}
+        if unknown:
+            doc.fail(p, f"{_where(p)}: unknown key {sorted(unknown)[0]!r}")
+    if CPU not in targets:
+        doc.fail(path, f"{_where(path)}: the {'host' if len(path) > 1 else 'plan'} needs a CPU entry")
+    return sort_devices(devices), targets
+
+
+def _placement(doc: YamlDoc, top: dict, at: tuple) -> tuple[tuple[Device, ...], dict[str, int], Placement, int]:
+    """One box's devices, layout, rules and draft placement (the plan's, or a host's under
+    ``hosts:``; ``at`` is where they sit) → (devices, targets, placement, block_count)."""
+    devices, targets = _devices(doc, _get(doc, top, at, "devices", (list,)), at + ("devices",))
+    names = [d.name for d in devices]
+    gpus = tuple(d.name for d in devices if d.is_gpu)
+    lat = at + ("layout",)
+    lay = _get(doc, top, at, "layout", (dict,))
+    n_layer = _positive(doc, lay, "block_count", lat)
+    ngl = _get(doc, lay, lat, "n_gpu_layers", (int,))
+    if not 0 <= ngl <= n_layer + 1:
+        doc.fail(lat + ("n_gpu_layers",), f"{_where(lat + ('n_gpu_layers',))} must be 0 .. block_count + 1 "
+                                          f"({n_layer + 1}), got {ngl}")
+    ts = _get(doc, lay, lat, "tensor_split", (list,))
+    layout_origin = _get(doc, lay, lat, "origin", (str,), required=False, default="plan")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+               for x in ts):
+        doc.fail(lat + ("tensor_split",), f"{_where(lat + ('tensor_split',))} must be a list of finite numbers "
+                                          f">= 0, got {ts!r}")
+    unknown = set(lay) - {"block_count", "n_gpu_layers", "tensor_split", "origin"}
+    if unknown:
+        doc.fail(lat, f"{_where(lat)}: unknown key {sorted(map(str, unknown))[0]!r}")
+    try:
+        layout = LayerLayout(n_layer, gpus, ngl, tuple(float(x) for x in ts))
+    except PlacementError as exc:
+        doc.fail(lat, f"{_where(lat)}: {exc} ({', '.join(gpus) or 'no GPUs'})")
+
+    rules = _rules(doc, top.get("rules"), at + ("rules",), names)
+    dat = at + ("draft_placement",)
+    dp = _get(doc, top, at, "draft_placement", (dict,), required=False, default={})
+    try:
+        draft_device = normalize_device_name(_get(doc, dp, dat, "device", (str,), required=False, default=CPU))
+    except PlacementError as exc:
+        doc.fail(dat + ("device",), f"{_where(dat + ('device',))}: {exc}")
+    if draft_device not in names:
+        doc.fail(dat + ("device",), f"{_where(dat + ('device',))} {draft_device} is not among "
+                                    f"the plan's devices ({', '.join(names)})")
+    draft_rules = _rules(doc, dp.get("rules"), dat + ("rules",), names)
+    unknown = set(dp) - {"device", "rules"}
+    if unknown:
+        doc.fail(dat, f"{_where(dat)}: unknown key {sorted(map(str, unknown))[0]!r}")
+    return (tuple(devices), targets, Placement(rules, layout, draft_rules, draft_device, layout_origin), n_layer)
+
+
+def _blocks(doc: YamlDoc, item: dict, path: tuple) -> range:
+    """A host's ``blocks: [first, last]`` (trunk blocks, both included)."""
+    value = _get(doc, item, path, "blocks", (list,))
+    if len(value) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value) \
+            or value[0] > value[1]:
+        doc.fail(path + ("blocks",), f"{_where(path + ('blocks',))} must be [first, last] block numbers, "
+                                     f"first <= last, got {value!r}")
+    return range(value[0], value[1] + 1)
+
+
+def _host_name(doc: YamlDoc, item: Any, p: tuple, seen: set[str]) -> str:
+    try:
+        name = check_host_name(_get(doc, item, p, "name", (str,)), _where(p + ("name",)))
+    except PlacementError as exc:
+        doc.fail(p + ("name",), str(exc))
+    if name in seen:
+        doc.fail(p + ("name",), f"{_where(p)}: host {name} is given twice")
+    seen.add(name)
+    return name
+
+
+def _hosts(doc: YamlDoc, seq: list, path: tuple) -> list[tuple[HostPlacement, int]]:
+    """A plan's ``hosts:`` → (each host's placement, its layout's block_count), in pipeline order."""
+    if not seq:
+        doc.fail(path, f"{_where(path)} must list at least one host")
+    out, seen = [], set()
+    for i, item in enumerate(seq):
+        p = path + (i,)
+        name = _host_name(doc, item, p, seen)
+        blocks = _blocks(doc, item, p)
+        devices, targets, placement, n_layer = _placement(doc, item, p)
+        if out and n_layer != out[0][1]:
+            doc.fail(p + ("layout", "block_count"), f"{_where(p + ('layout', 'block_count'))} {n_layer} is not "
+                                                    f"the first host's {out[0][1]}")
+        unknown = set(item) - HOST_KEYS
+        if unknown:
+            doc.fail(p, f"{_where(p)}: unknown key {sorted(map(str, unknown))[0]!r}")
+        out.append((HostPlacement(name, blocks, devices, targets, placement), n_layer))
+    return out
+
+
+def load_hosts_file(text: str, source: str) -> tuple[Host, ...]:
+    """A hosts YAML (``offload plan --hosts hosts.yaml``)::
+
+        hosts:
+        - name: a
+          devices: [{name: CUDA0, budget: 24GiB, target: 1GiB}, {name: CPU, budget: 256GiB}]
+        - name: b
+          devices: [{name: CPU, budget: 512GiB}]
+
+    the plan file's ``hosts:`` without the placement; a GPU's ``target`` is kept free there
+    (over ``--fit-target``). Malformed → ``<file>:<line>: <reason>``."""
+    doc = YamlDoc(text, source)
+    top = doc.data
+    if not isinstance(top, dict) or set(top) != {"hosts"}:
+        raise PlacementError(f"{source}:1: a hosts file is a YAML mapping with one key, hosts: (a list of "
+                             "{name, devices})")
+    seq = _get(doc, top, (), "hosts", (list,))
+    if not seq:
+        doc.fail(("hosts",), "hosts must list at least one host")
+    hosts, seen = [], set()
+    for i, item in enumerate(seq):
+        p = ("hosts", i)
+        name = _host_name(doc, item, p, seen)
+        devices, targets = _devices(doc, _get(doc, item, p, "devices", (list,)), p + ("devices",))
+        if targets.get(CPU):
+            doc.fail(p + ("devices",), f"{_where(p + ('devices',))}: a CPU target is not used; lower the CPU's "
+                                       "budget to keep RAM free")
+        unknown = set(item) - {"name", "devices"}
+        if unknown:
+            doc.fail(p, f"{_where(p)}: unknown key {sorted(map(str, unknown))[0]!r}")
+        hosts.append(Host(name, tuple(devices), {g: t for g, t in targets.items() if g != CPU}))
+    return tuple(hosts)
+
+
 def load_plan_file(text: str, source: str) -> PlanFile:
     """Parse and check a plan file (see the module docstring)."""
-    doc = _Doc(text, source)
+    doc = YamlDoc(text, source)
     top = doc.data
     if not isinstance(top, dict):
         raise PlacementError(f"{source}:1: a plan file must be a YAML mapping")
@@ -273,80 +449,34 @@ def load_plan_file(text: str, source: str) -> PlanFile:
     except PlacementError as exc:
         doc.fail(("cache_type_v" if cache_v is not None else "cache_type",), f"cache_type: {exc}")
 
-    devs = _get(doc, top, (), "devices", (list,))
-    devices, targets = [], {}
-    for i, item in enumerate(devs):
-        p = ("devices", i)
+    hosts = None
+    if "hosts" in top:
+        clash = sorted(k for k in top if k in PLACEMENT_KEYS)
+        if clash:
+            doc.fail((clash[0],), f"{clash[0]}: a plan with hosts: keeps each host's {clash[0]} under that host")
+        hosts = _hosts(doc, _get(doc, top, (), "hosts", (list,)), ("hosts",))
+        devices, targets, placement, n_layer, hot = (), {}, None, hosts[0][1], None
+        hosts = tuple(h for h, _ in hosts)
+    else:
+        devices, targets, placement, n_layer = _placement(doc, top, ())
+        gpus = tuple(d.name for d in devices if d.is_gpu)
         try:
-            name = normalize_device_name(_get(doc, item, p, "name", (str,)))
+            hot = from_json(top.get("hot_experts"), "hot_experts")
         except PlacementError as exc:
-            doc.fail(p + ("name",), f"{_where(p)}: {exc}")
-        if name in targets:
-            doc.fail(p, f"{_where(p)}: device {name} is listed twice")
-        devices.append(Device(name, _size(doc, item, p, "budget"), "from the plan file"))
-        targets[name] = _size(doc, item, p, "target", default=0)
-        unknown = set(item) - {"name", "budget", "target"}
-        if unknown:
-            doc.fail(p, f"{_where(p)}: unknown key {sorted(unknown)[0]!r}")
-    if CPU not in targets:
-        doc.fail(("devices",), "devices: the plan needs a CPU entry")
-    devices = sort_devices(devices)
-    names = [d.name for d in devices]
-    gpus = tuple(d.name for d in devices if d.is_gpu)
-
-    lay = _get(doc, top, (), "layout", (dict,))
-    n_layer = _positive(doc, lay, "block_count", ("layout",))
-    ngl = _get(doc, lay, ("layout",), "n_gpu_layers", (int,))
-    if not 0 <= ngl <= n_layer + 1:
-        doc.fail(("layout", "n_gpu_layers"), f"layout.n_gpu_layers must be 0 .. block_count + 1 "
-                                             f"({n_layer + 1}), got {ngl}")
-    ts = _get(doc, lay, ("layout",), "tensor_split", (list,))
-    layout_origin = _get(doc, lay, ("layout",), "origin", (str,), required=False, default="plan")
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-               for x in ts):
-        doc.fail(("layout", "tensor_split"), f"layout.tensor_split must be a list of finite numbers >= 0, "
-                                             f"got {ts!r}")
-    unknown = set(lay) - {"block_count", "n_gpu_layers", "tensor_split", "origin"}
-    if unknown:
-        doc.fail(("layout",), f"layout: unknown key {sorted(map(str, unknown))[0]!r}")
-    try:
-        layout = LayerLayout(n_layer, gpus, ngl, tuple(float(x) for x in ts))
-    except PlacementError as exc:
-        doc.fail(("layout",), f"layout: {exc} ({', '.join(gpus) or 'no GPUs'})")
-
-    rules = _rules(doc, top.get("rules"), ("rules",), names)
-    dp = _get(doc, top, (), "draft_placement", (dict,), required=False, default={})
-    try:
-        draft_device = normalize_device_name(_get(doc, dp, ("draft_placement",), "device", (str,),
-                                                  required=False, default=CPU))
-    except PlacementError as exc:
-        doc.fail(("draft_placement", "device"), f"draft_placement.device: {exc}")
-    if draft_device not in names:
-        doc.fail(("draft_placement", "device"), f"draft_placement.device {draft_device} is not among "
-                                                f"the plan's devices ({', '.join(names)})")
-    draft_rules = _rules(doc, dp.get("rules"), ("draft_placement", "rules"), names)
-    unknown = set(dp) - {"device", "rules"}
-    if unknown:
-        doc.fail(("draft_placement",), f"draft_placement: unknown key {sorted(map(str, unknown))[0]!r}")
+            doc.fail(("hot_experts",), str(exc))
+        for dev in hot:
+            if dev not in gpus:
+                doc.fail(("hot_experts", dev), f"hot_experts: {dev} is not one of the plan's GPUs "
+                                               f"({', '.join(gpus) or 'none'})")
     notes = _get(doc, top, (), "notes", (list,), required=False, default=[])
     if not all(isinstance(n, str) for n in notes):
         doc.fail(("notes",), "notes must be a list of strings")
     _get(doc, top, (), "totals", (dict,), required=False)      # informational: recomputed on load
     spec = _speculative(doc, _get(doc, top, (), "speculative", (dict,), required=False))
-    try:
-        hot = from_json(top.get("hot_experts"), "hot_experts")
-    except PlacementError as exc:
-        doc.fail(("hot_experts",), str(exc))
-    for dev in hot:
-        if dev not in gpus:
-            doc.fail(("hot_experts", dev), f"hot_experts: {dev} is not one of the plan's GPUs "
-                                           f"({', '.join(gpus) or 'none'})")
     routing = None
     if top.get("routing") is not None:
         try:
             routing = RoutingCounts.from_dict(top["routing"], "routing")
         except PlacementError as exc:
             doc.fail(("routing",), str(exc))
-    return PlanFile(model, draft, settings, tuple(devices), targets,
-                    Placement(rules, layout, draft_rules, draft_device, layout_origin), n_layer, spec, hot,
-                    routing)
+    return PlanFile(model, draft, settings, tuple(devices), targets, placement, n_layer, spec, hot, routing, hosts)

@@ -24,15 +24,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from placement.acceptance import DEFAULT_DSPARK, DEFAULT_MTP
-from placement.cost import SpecProfile, SpecTable, predicted_decode_tps, speculation_table
+from placement.cost import HopLink, SpecProfile, SpecTable, pipeline_table, predicted_decode_tps, speculation_table
 from placement.devices import CPU
 from placement.draft import DRAFTER_KIND
-from placement.footprint import DecodeFootprint, ForwardFootprint, LayerFootprint, footprint_from_tensors
+from placement.footprint import DecodeFootprint, FootprintError, ForwardFootprint, LayerFootprint, footprint_from_tensors
 from placement.hardware import HardwareProfile
+from placement.multihost import MultiHostPlan
 from placement.plan import Plan, PlannedModel
 from placement.routing import RoutingCounts
 from placement.spec_section import SpecSection
-from placement.tensors import TensorInfo
+from placement.tensors import ModelSpec, TensorInfo
 
 DEFAULT_MAX_N = 6
 
@@ -197,3 +198,57 @@ def hot_gain(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *, hit
                                      routing=profile.routing, hits=hits).break_even_n
         out.append((tps, even))
     return HotGain(out[0][0], out[1][0], out[0][1], out[1][1])
+
+
+# ---------------------------------------------------------------------------------------------
+# A plan across hosts (placement.multihost): the pipeline's forecast.
+# ---------------------------------------------------------------------------------------------
+
+def carried_bytes(spec: ModelSpec, act_bytes: int = 4) -> int:
+    """Bytes per token one block hands the next, so one host the next: the hidden state
+    (n_embd floats), times the residual streams deepseek4 carries between blocks (hc_mult)."""
+    return spec.n_embd * act_bytes * max(1, spec.hc_mult)
+
+
+def host_footprints(mplan: MultiHostPlan, model: PlannedModel,
+                    draft: PlannedModel | None) -> tuple[list[ForwardFootprint], DecodeFootprint]:
+    """Per host (pipeline order) the footprint of its part of one target pass, and the whole
+    model's footprint (its draft pass runs on the last host). A host past the first takes the
+    hidden state in host memory (gloo sends CPU tensors); a host before the last hands it
+    back there with no output head."""
+    if draft is not None and draft.spec.arch in BLOCK_DRAFTERS:
+        raise FootprintError("a block drafter (DSpark) across hosts is not forecast: its taps of the trunk's "
+                             "hidden states would cross hosts")
+    merged: dict[str, str] = {}
+    for h in mplan.hosts:
+        merged.update(h.plan.tensors)
+    fp = plan_footprint(replace(mplan.last, tensors=merged), model, draft)
+    parts = []
+    for i, h in enumerate(mplan.hosts):
+        first, last = i == 0, i == len(mplan.hosts) - 1
+        layers = tuple(lay for lay in fp.target.layers if lay.layer in h.blocks)
+        parts.append(ForwardFootprint(fp.target.input_device if first else CPU, layers,
+                                      fp.target.head_home if last else CPU, fp.target.head_reads if last else ()))
+    return parts, fp
+
+
+def predict_multihost(mplan: MultiHostPlan, model: PlannedModel, draft: PlannedModel | None, *,
+                      link: HopLink | None, hardware: HardwareProfile | None = None, max_n: int = DEFAULT_MAX_N,
+                      hits: RoutingCounts | None = None) -> tuple[SpecTable, SpecSection | None]:
+    """The pipeline's n_max table (``placement.cost.pipeline_table``; ``link`` None: the hops
+    cost nothing, the same blocks as if on one box) and, with a draft head, the plan's
+    ``speculative`` section. ``hardware``: one profile for every host (each completed with
+    its GPUs' defaults), else each host's defaults by GPU name."""
+    parts, fp = host_footprints(mplan, model, draft)
+    hws = [forecast_hardware(h.plan, complete_hardware(hardware, h.plan) if hardware is not None
+                             else default_profile(h.plan).hardware) for h in mplan.hosts]
+    acceptance = DEFAULT_MTP
+    table = pipeline_table(list(zip(parts, hws)), fp.draft, link, n_embd=fp.n_embd,
+                           carried_bytes=carried_bytes(model.spec, fp.act_bytes), act_bytes=fp.act_bytes,
+                           acceptance=acceptance, max_n=max_n, hits=hits)
+    if fp.draft is None:
+        return table, None
+    section: dict[str, Any] = {"type": "mtp", "n_max": table.best.n, "p_min": acceptance.p_min,
+                               "source": "predicted", **table.to_dict(),
+                               "profile": SpecProfile(hws[-1], acceptance)}
+    return table, SpecSection.of(section)

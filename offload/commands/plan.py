@@ -19,6 +19,7 @@ import dataclasses
 import json
 import sys
 
+from offload.commands import plan_hosts
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.gguf_model import ModelFile, check_shapes, open_model
 from offload.plans import open_draft, plan_from_file, read_plan_file
@@ -172,6 +173,7 @@ def build_parser() -> ArgumentParser:
     fmt = out.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     fmt.add_argument("--emit", choices=["llama.cpp"], help="print llama.cpp flags for the same placement")
+    plan_hosts.add_host_arguments(p)
     return p
 
 
@@ -244,6 +246,11 @@ def probed_profile(plan: Plan, *, refresh: bool) -> tuple[SpecProfile, str]:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model = open_model(args.model) if args.model else None
+    if plan_hosts.wants_hosts(args):
+        return plan_hosts.main(args, model)
+    for flag in ("hop_latency_us", "hop_gbps"):
+        if getattr(args, flag) is not None:
+            raise OffloadError(f"--{flag.replace('_', '-')} is for a plan across hosts (--hosts)")
     plan, model, draft = plan_from_args(args, model)
     # a plan file's routing counts (``offload tune``) stay with it and feed its forecasts
     kept = read_plan_file(args.placement).routing if args.placement else None

@@ -22,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from offload.commands import run_hosts
 from offload.commands.plan import add_placement_arguments, plan_from_args, spec_type_arg
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.host_memory import return_freed_memory
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(torch) path and why")
     add_session_arguments(p)
     add_spec_arguments(p)
+    run_hosts.add_rank_arguments(p)
     p.add_argument("--spec-diagnose", action="store_true",
                    help="after generating, print how far batched verification drifts from one-token "
                         "decoding on the prompt + output (largest logit difference, greedy flips)")
@@ -237,6 +239,9 @@ def main(argv=None) -> int:
         raise OffloadError(f"-n must be >= 1, got {args.n_predict}")
     if args.torch_threads < 1:
         raise OffloadError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    across = run_hosts.launch(args)       # one rank of a plan across hosts
+    if across is not None:
+        return run_hosts.main(args, prompt, *across)
     torch.set_num_threads(args.torch_threads)
     model = open_cli_model(args)
     plan, model, _ = plan_from_args(args, model)

@@ -1,0 +1,93 @@
+"""`python -m offload plan --hosts` end to end: the per-host tables and forecast, the plan file
+written and read back, and every bad input as one line, status 2, no file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.cli.test_cli_plan import offload
+
+TWO = "a:CUDA0=24GiB,CPU=200GiB;b:CUDA0=24GiB,CPU=256GiB"
+
+
+def test_table_and_forecast(fixture_paths):
+    r = offload("plan", fixture_paths["deepseek-v3"], "--draft", fixture_paths["deepseek-v3-mtp"], "--hosts", TWO,
+                "-c", "32768", "--hop-latency-us", "250")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.startswith("plan across 2 hosts: a blocks 0-")
+    assert "== host a: blocks 0-" in out and "== host b: blocks " in out and "-60 ==" in out
+    assert out.count("\ndevice ") == 2                       # one device table per host
+    assert "across 2 hosts (predicted; 2 hops per pass: 1 of 28672 bytes per token" in out
+    assert "hop 250 us" in out and "break-even n_max:" in out and "with the hops free" in out
+    assert "draft NextN head blk.61" in out.split("== host b")[1]
+
+
+def test_json_output_file_and_reload(tmp_path, fixture_paths):
+    out = tmp_path / "multihost.yaml"
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text("hosts:\n- name: a\n  devices: [{name: CUDA0, budget: 24GiB}, {name: CPU, budget: 192GiB}]\n"
+                     "- name: b\n  devices: [{name: CPU, budget: 256GiB}]\n"
+                     "- name: c\n  devices: [{name: CUDA0, budget: 32GiB, target: 2GiB}, {name: CUDA1, budget: 32GiB},"
+                     " {name: CPU, budget: 192GiB}]\n")
+    first = offload("plan", fixture_paths["kimi-k2"], "--hosts", str(hosts), "-c", "32768", "-o", str(out), "--json")
+    assert first.returncode == 0, first.stderr
+    a = json.loads(first.stdout)
+    assert [h["name"] for h in a["hosts"]] == ["a", "b", "c"] and a["hosts"][-1]["blocks"][1] == 60
+    assert a["hosts"][2]["devices"][0]["target_bytes"] == 2 << 30 and a["forecast"]["hops_per_pass"] == 3
+    assert out.read_text().startswith("# offload placement plan")
+    again = offload("plan", "--placement", str(out), "--json")
+    assert again.returncode == 0, again.stderr
+    b = json.loads(again.stdout)
+    assert [h["tensors"] for h in a["hosts"]] == [h["tensors"] for h in b["hosts"]]
+    assert [h["devices"] for h in a["hosts"]] == [h["devices"] for h in b["hosts"]]
+    assert all(h["mode"] == "plan file" for h in b["hosts"])
+    # only `offload run` with ranks runs a plan across hosts: the rest refuse in one line, before any weight is read
+    for command in ("bench", "serve", "tune"):
+        r = offload(command, "--placement", str(out))
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (command, r.stderr)
+        assert "a plan across hosts (a, b, c) runs only with `offload run --rank R --world-size W`" in r.stderr, command
+    r = offload("run", "--placement", str(out))
+    assert r.returncode == 2 and "is a plan across hosts: run one process per host with --rank R" in r.stderr
+
+
+def _bad_cases(tmp: Path, paths: dict[str, str]) -> dict[str, tuple[list[str], str]]:
+    dsv3 = paths["deepseek-v3"]
+    (tmp / "bad-hosts.yaml").write_text("hosts:\n- name: a\n  devices: [{name: CPU, budget: 1GiB}\n")
+    (tmp / "dup-hosts.yaml").write_text("hosts:\n- name: a\n  devices: [{name: CPU, budget: 300GiB}]\n"
+                                        "- name: a\n  devices: [{name: CPU, budget: 300GiB}]\n")
+    return {
+        "bad host name": ([dsv3, "--hosts", "a b:CPU=512GiB"], "--hosts: 'a b' is not a host name"),
+        "duplicate host": ([dsv3, "--hosts", "a:CPU=300GiB;a:CPU=300GiB"], "--hosts: host a is given twice"),
+        "unknown device": ([dsv3, "--hosts", "a:TPU0=8GiB,CPU=300GiB;b:CPU=300GiB"], "--hosts a: unknown device 'TPU0'"),
+        "bad size": ([dsv3, "--hosts", "a:CPU=300GB;b:CPU=300GiB"], "--hosts a CPU: cannot read size '300GB'"),
+        "not NAME:DEVICES": ([dsv3, "--hosts", "CPU=300GiB"], "is not NAME:DEVICES"),
+        "malformed hosts yaml": ([dsv3, "--hosts", str(tmp / "bad-hosts.yaml")], "bad-hosts.yaml:4: malformed YAML"),
+        "duplicate host in yaml": ([dsv3, "--hosts", str(tmp / "dup-hosts.yaml")],
+                                   "dup-hosts.yaml:4: hosts[1]: host a is given twice"),
+        "missing hosts yaml": ([dsv3, "--hosts", str(tmp / "nope.yaml")], "nope.yaml: cannot read hosts file"),
+        "whole does not fit": ([dsv3, "--hosts", "a:CPU=128GiB;b:CPU=128GiB"], "cannot fit across the hosts"),
+        "host share does not fit": ([dsv3, "--hosts", "a:CUDA0=2GiB,CPU=200GiB;b:CPU=256GiB", "-c", "32768"],
+                                    "host a (blocks 0-"),
+        "placement and hosts": (["--placement", str(tmp / "nope.yaml"), "--hosts", TWO],
+                                "--placement cannot be combined with --hosts (the plan file fixes it)"),
+        "with --devices": ([dsv3, "--hosts", TWO, "--devices", "CPU=1GiB"], "--devices (each host names its devices"),
+        "with -ngl": ([dsv3, "--hosts", TWO, "-ngl", "10"], "--hosts cannot be combined with -ngl"),
+        "with --emit": ([dsv3, "--hosts", TWO, "--emit", "llama.cpp"], "--emit llama.cpp (llama.cpp flags describe"),
+        "hop flag alone": ([dsv3, "--devices", "CPU=512GiB", "--hop-latency-us", "50"],
+                           "--hop-latency-us is for a plan across hosts"),
+        "bad hop latency": ([dsv3, "--hosts", TWO, "--hop-latency-us", "-5"], "--hop-latency-us must be a number >= 0"),
+        "bad hop rate": ([dsv3, "--hosts", TWO, "--hop-gbps", "0"], "--hop-gbps must be a number > 0"),
+    }
+
+
+def test_bad_inputs_one_line_status_2_no_output_file(tmp_path, fixture_paths):
+    for name, (argv, expected) in _bad_cases(tmp_path, fixture_paths).items():
+        out = tmp_path / f"{name}.yaml"
+        r = offload("plan", *argv, "-o", str(out))
+        where = f"{name}: {r.stderr!r}"
+        assert r.returncode == 2, where
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("offload: error: "), where
+        assert expected in r.stderr, where
+        assert "Traceback" not in r.stderr and r.stdout == "", where
+        assert not out.exists(), where

@@ -1,0 +1,157 @@
+"""A model split across hosts, run as separate processes on loopback over gloo
+(offload.pipeline): greedy tokens and logits identical to one process of the same placement;
+a rank that dies or stops answering ends the others in one line within the timeout; a launch
+that disagrees with the plan is refused before any weight is read."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from offload import runtime
+from offload.gguf_model import open_model
+from offload.probe import SHIPPED_MODEL
+from placement.devices import parse_devices
+from placement.hosts import parse_hosts
+from placement.multihost import make_multihost_plan
+from placement.plan_file import multihost_plan_to_yaml
+from placement.planner import PlanOptions, make_plan
+from tests.tiny_models import TinySpec, write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = [1, 17, 42, 5, 99, 3, 64, 8]
+N = 12
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(port: int) -> dict[str, str]:
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_WAIT_POLICY": "PASSIVE",
+            "PYTHONPATH": str(ROOT)}
+
+
+def _plan_file(tmp: Path, model_path: str, hosts: str) -> Path:
+    model = open_model(model_path)
+    mplan = make_multihost_plan(model, parse_hosts(hosts))
+    path = tmp / "multihost.yaml"
+    path.write_text(multihost_plan_to_yaml(mplan))
+    return path
+
+
+def _one_process(model_path: str) -> tuple[list[int], np.ndarray]:
+    """Plain greedy decoding of the same (all-CPU) placement in one process."""
+    model = open_model(model_path)
+    plan = make_plan(model, parse_devices("CPU=4GiB"), PlanOptions())
+    rows = []
+    with runtime.load_plan(model, plan, quiet=True) as session:
+        tokens = list(session.generate(PROMPT, max_tokens=N, n_max=0, stop_at_eos=False,
+                                       on_token=lambda t, row: rows.append(np.array(row, copy=True))))
+    return tokens, np.array(rows)
+
+
+def _ranks(tmp: Path, plan: Path, world: int) -> list[dict]:
+    port = _port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.pipeline_rank", str(plan), str(r), str(world),
+                               ",".join(map(str, PROMPT)), str(N), str(tmp / f"rank{r}.npz")],
+                              cwd=ROOT, env=_env(port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+    return [dict(np.load(tmp / f"rank{r}.npz")) for r in range(world)]
+
+
+@pytest.mark.parametrize("which,hosts", [
+    ("shipped", "a:CPU=1GiB;b:CPU=1GiB"),                          # glm4moe, 4 trunk blocks: 0-2 | 3
+    ("deepseek2", "a:CPU=1GiB;b:CPU=1GiB;c:CPU=1GiB"),             # tiny MLA model, 6 blocks over three ranks
+])
+def test_ranks_match_one_process(tmp_path, which, hosts):
+    if which == "shipped":
+        path = str(SHIPPED_MODEL)
+    else:
+        path = str(write_tiny_model(tmp_path / "ds2.gguf", TinySpec(arch="deepseek2", n_layer=6, seed=7)).path)
+    plan = _plan_file(tmp_path, path, hosts)
+    world = hosts.count(";") + 1
+    ranks = _ranks(tmp_path, plan, world)
+    tokens, rows = _one_process(path)
+    assert len(tokens) == N
+    for r in ranks:                          # every rank saw the same tokens
+        assert r["tokens"].tolist() == tokens
+    # the last rank's logits, pass by pass, are the single process's bit for bit
+    assert ranks[-1]["rows"].shape == rows.shape
+    assert np.array_equal(ranks[-1]["rows"], rows)
+
+
+def _run(plan: Path, rank: int, world: int, port: int, *extra: str, err=subprocess.PIPE) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "offload", "run", "--placement", str(plan), "--rank", str(rank),
+                             "--world-size", str(world), "-p", "Once upon a time", "--ignore-eos", *extra],
+                            cwd=ROOT, env=_env(port), stdout=subprocess.PIPE, stderr=err, text=True)
+
+
+def _wait_for(path: Path, text: str, deadline: float) -> None:
+    while text not in (path.read_text() if path.exists() else ""):
+        assert time.monotonic() < deadline, path.read_text() if path.exists() else "no output"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("fault,sig", [("dies", signal.SIGKILL), ("stops answering", signal.SIGSTOP)])
+def test_a_rank_that_fails_ends_the_other_in_one_line(tmp_path, fault, sig):
+    plan = _plan_file(tmp_path, str(SHIPPED_MODEL), "a:CPU=1GiB;b:CPU=1GiB")
+    port, timeout = _port(), 8
+    logs = [tmp_path / "rank0.err", tmp_path / "rank1.err"]
+    with open(logs[0], "w") as e0, open(logs[1], "w") as e1:
+        r0 = _run(plan, 0, 2, port, "-n", "400", "--rank-timeout", str(timeout), err=e0)
+        r1 = _run(plan, 1, 2, port, "-n", "400", "--rank-timeout", str(timeout), err=e1)
+        try:
+            deadline = time.monotonic() + 300
+            for log in logs:
+                _wait_for(log, "loaded in", deadline)
+            time.sleep(3)                    # both ranks are generating (400 tokens take far longer)
+            assert r0.poll() is None and r1.poll() is None
+            os.kill(r1.pid, sig)
+            t0 = time.monotonic()
+            r0.wait(timeout=timeout + 30)
+            took = time.monotonic() - t0
+        finally:
+            for p in (r0, r1):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    err = logs[0].read_text().splitlines()
+    assert r0.returncode == 2, err
+    assert err[-1].startswith("offload: error: rank 0: step ") and "rank 1 stopped answering" in err[-1], err
+    assert not any("Traceback" in line for line in err)
+    assert took < timeout + 15, took          # the timeout, plus a loaded box's slack
+
+
+def _refused(tmp: Path, plan: Path, *argv: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "offload", "run", *argv], cwd=ROOT, env=_env(_port()),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "loaded in" not in r.stderr
+    return r.stderr
+
+
+def test_launch_that_disagrees_with_the_plan_is_refused_before_loading(tmp_path):
+    plan = _plan_file(tmp_path, str(SHIPPED_MODEL), "a:CPU=1GiB;b:CPU=1GiB")
+    p = str(plan)
+    assert "the plan has 2 hosts (a, b) but the launch has world size 3" in \
+        _refused(tmp_path, plan, "--placement", p, "--rank", "0", "--world-size", "3")
+    assert "--rank must be 0..1, got 2" in _refused(tmp_path, plan, "--placement", p, "--rank", "2", "--world-size", "2")
+    assert "is a plan across hosts: run one process per host with --rank R --world-size W" in \
+        _refused(tmp_path, plan, "--placement", p)
+    assert "--rank / --world-size run a plan across hosts" in \
+        _refused(tmp_path, plan, str(SHIPPED_MODEL), "--rank", "0", "--world-size", "2")
+    assert "--spec-n-max (speculative decoding across hosts) is not built yet" in \
+        _refused(tmp_path, plan, "--placement", p, "--rank", "0", "--world-size", "2", "--spec-n-max", "2")
