@@ -34,11 +34,12 @@ import torch
 from gpu.dsv4_cache import Dsv4Cache
 from gpu.norm import RMSNorm
 from offload.errors import OffloadError
-from offload.gguf_model import NewerKeys
+from offload.dspark_header import DSparkHeader, dspark_header
 from offload.models.deepseek4 import DRAFTERS, Deepseek4Config, block, config_from_gguf, hc_head
 from offload.models.shared.base import BuildContext
 from offload.sampling import Sampler
 from offload.speculative import Guide, SpecOptions, _rows, register_drafter
+from placement.tensors import ModelSpec
 
 
 class DSparkCache:
@@ -67,12 +68,13 @@ class DSpark:
     """The drafter's weights and its two passes: ``inject`` (context) and ``block`` (a draft)."""
 
     def __init__(self, *, fc, enc_norm: RMSNorm, stages: list, hc_head, norm: RMSNorm, embed, output,
-                 markov_w1, markov_w2, conf_proj, conf_bias, target_layers: tuple[int, ...], block_size: int,
-                 mask_id: int, hc_mult: int):
+                 markov_w1, markov_w2, conf_proj, conf_bias, header: DSparkHeader, hc_mult: int):
         self.fc, self.enc_norm, self.stages, self.hc_head, self.norm = fc, enc_norm, stages, hc_head, norm
         self.embed, self.output, self.w1, self.w2 = embed, output, markov_w1, markov_w2
         self.conf_proj, self.conf_bias = conf_proj, conf_bias
-        self.target_layers, self.block_size, self.mask_id, self.hc_mult = target_layers, block_size, mask_id, hc_mult
+        self.header, self.hc_mult = header, hc_mult
+        self.target_layers, self.block_size, self.mask_id = header.target_layers, header.block_size, header.mask_id
+        self.sample_from_anchor = header.sample_from_anchor
 
     def new_cache(self) -> DSparkCache:
         return DSparkCache([s.new_cache() for s in self.stages])
@@ -178,20 +180,16 @@ def _dspark_drafter(head, state, sampler, options, ubatch, guide) -> DSparkDraft
 register_drafter("dspark", _dspark_drafter)
 
 
-def dspark_drafter(w, cfg: Deepseek4Config, ctx: BuildContext, *, embed, output) -> DSpark:
-    """The DSpark drafter in the ``dflash`` WeightStore ``w`` for the trunk ``cfg``, using the
-    trunk's token embedding and output head. Its stages are window-only V4 blocks with their
-    own window ring (the plan's window cells), routed by score + bias, with the clamped SwiGLU
-    of the drafter's own ``swiglu_clamp_*`` keys (llama.cpp clamps dflash stages as deepseek4's)."""
-    meta, spec = w.model.metadata, w.model.spec
-    dcfg = config_from_gguf(spec, meta)
+def dspark_drafter(w, cfg: Deepseek4Config, ctx: BuildContext, *, embed, output, trunk: ModelSpec) -> DSpark:
+    """The DSpark drafter in the ``dflash`` WeightStore ``w`` for the trunk ``cfg`` (its header
+    ``trunk``), using the trunk's token embedding and output head. Its stages are window-only V4
+    blocks with their own window ring (the plan's window cells), routed by score + bias, with the
+    clamped SwiGLU of the drafter's own ``swiglu_clamp_*`` keys (llama.cpp clamps dflash stages
+    as deepseek4's). Its header was checked before loading (``dspark_header``); read again here,
+    so a library caller gets the same one-line errors."""
+    header = dspark_header(w.model, trunk)
+    dcfg = config_from_gguf(w.model.spec, w.model.metadata)
     dcfg = replace(dcfg, compress_ratios=(0,) * dcfg.n_layer, n_hash_layers=0)
-    taps = tuple(int(t) for t in meta.get(NewerKeys.TARGET_LAYERS.format(arch=spec.arch)) or ())
-    block_size = meta.get(NewerKeys.BLOCK_SIZE.format(arch=spec.arch))
-    mask_id = meta.get(NewerKeys.MASK_ID)
-    if not taps or block_size is None or mask_id is None:
-        raise OffloadError(f"{w.model.path}: a DSpark drafter needs dflash.target_layers, dflash.block_size "
-                           "and tokenizer.ggml.mask_token_id")
     stages = []
     for i in range(dcfg.n_layer):
         b = block(w, dcfg, i, ctx)
@@ -204,7 +202,7 @@ def dspark_drafter(w, cfg: Deepseek4Config, ctx: BuildContext, *, embed, output)
                   output=output, markov_w1=w.embedding("markov_w1.weight"), markov_w2=w.linear("markov_w2.weight"),
                   conf_proj=w.linear("conf_proj.weight") if w.has("conf_proj.weight") else None,
                   conf_bias=w.vector("conf_proj.bias") if w.has("conf_proj.bias") else None,
-                  target_layers=taps, block_size=int(block_size), mask_id=int(mask_id), hc_mult=cfg.hc_mult)
+                  header=header, hc_mult=cfg.hc_mult)
 
 
 DRAFTERS["dflash"] = dspark_drafter

@@ -133,3 +133,42 @@ def test_dspark_drafts_when_sampling(pair):
         runs = [list(s.generate(PROMPT, max_tokens=8, stop_at_eos=False, n_max=3, spec_type="dspark",
                                 temperature=0.8, seed=3)) for _ in range(2)]
         assert len(runs[0]) == 8 and runs[0] == runs[1] and s.stats.drafted > 0
+
+
+# a dflash header the builder cannot use: (write_tiny_dspark keywords, the key the line names)
+BAD_HEADERS = {
+    "no block size": (dict(block_size=None), "a DSpark drafter needs metadata key dflash.block_size"),
+    "no mask token": (dict(mask_id=None), "a DSpark drafter needs metadata key tokenizer.ggml.mask_token_id"),
+    "block size 0": (dict(block_size=0), "dflash.block_size is 0; it must be an integer >= 1"),
+    "mask outside the vocabulary": (dict(mask_id=100000), "tokenizer.ggml.mask_token_id is 100000, not a token"),
+    "a bonus-anchor block of 1": (dict(block_size=1, sample_from_anchor=False), "dflash.block_size is 1; it must "
+                                  "be an integer >= 2 (dflash.sample_from_anchor is false"),
+    "no stage key": (dict(meta_overrides=(("{arch}.hyper_connection.sinkhorn_iterations", None),)),
+                     "the DSpark drafter's stages: missing metadata key dflash.hyper_connection.sinkhorn_iterations"),
+    "no swiglu clamp": (dict(meta_overrides=(("{arch}.swiglu_clamp_exp", None),)),
+                        "the DSpark drafter's stages: missing metadata key dflash.swiglu_clamp_exp"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_HEADERS)
+def test_a_bad_dflash_header_is_one_line_from_offload_plan(pair, tmp_path, capsys, case):
+    """Each key the DSpark builder reads is checked with the header, before any weight: offload
+    plan (in process, its CLI entry) exits 2 with one line naming the file and the key."""
+    from offload.cli import main
+    kw, needle = BAD_HEADERS[case]
+    bad = write_tiny_dspark(tmp_path / "bad.gguf", TRUNK, **kw).path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = main(["plan", str(pair[0].path), "--draft", str(bad), "--devices", "CPU=16GiB"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"{bad}: {needle}" in err, err
+
+
+def test_a_bad_dflash_header_stops_offload_run_before_loading(pair, tmp_path):
+    """offload run with a dflash --draft lacking dflash.block_size: status 2, one line (nothing
+    was loaded: no progress line before it), no traceback."""
+    from tests.cli.test_cli_plan import offload
+    bad = write_tiny_dspark(tmp_path / "no-block.gguf", TRUNK, block_size=None).path
+    r = offload("run", str(pair[0].path), "--draft", str(bad), "-n", "2", "-p", "hi", "--devices", "CPU=16GiB")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"{bad}: a DSpark drafter needs metadata key dflash.block_size" in r.stderr
