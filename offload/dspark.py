@@ -13,6 +13,10 @@
   confidence head's input), ``output_norm`` and the trunk's ``output``: ``base_i``.
 * Markov head, chained greedily: ``prev_0 = x_Q``; ``logit_i = base_i + W2 · W1[prev_i]``;
   ``prev_{i+1} = argmax(logit_i)``. Draft i comes from ``logit_i`` (so n drafts per block).
+  With ``dflash.sample_from_anchor`` false (SpecForge's bonus-anchor exports; llama.cpp's
+  ``i_draft_beg = 1``) the block is ``[x_Q, MASK × n]``: row 0 is no draft, the chain starts at
+  row 1 (``prev_1 = x_Q``) and drafts come from rows 1..n, so a block drafts one token fewer
+  than its size.
 * Confidence: ``c_i = sigmoid(conf_proj · [h_i; W1[prev_i]] + b)``; the block stops at the
   first ``c_i < p_min`` (p_min 0: never).
 
@@ -136,16 +140,18 @@ class DSparkDrafter:
 
     def draft(self, x_q: int, q_len: int, n_cap: int) -> tuple[list[int], list[np.ndarray | None]]:
         assert self.cache.length == q_len, (self.cache.length, q_len)
-        n = min(n_cap, self.head.block_size)
+        n = min(n_cap, self.head.header.max_drafts)
         if n <= 0:
             return [], []
-        base, h = self.head.block([x_q] + [self.head.mask_id] * (n - 1), q_len, self.cache)
+        # sample_from_anchor off: the anchor's row is no draft, drafts come from rows 1..n
+        off = 0 if self.head.sample_from_anchor else 1
+        base, h = self.head.block([x_q] + [self.head.mask_id] * (n - 1 + off), q_len, self.cache)
         self.cache.truncate(q_len)             # the block's own keys: never context
         drafts: list[int] = []
         qs: list[np.ndarray | None] = []
         guide = self.guide.fork() if self.guide is not None else None
         prev = x_q
-        for i in range(n):
+        for i in range(off, n + off):
             e, bias = self.head.markov(prev)
             col = base[i] + bias.to(base.device)
             if self.options.p_min > 0 and self.head.confidence(h[i], e) < self.options.p_min:

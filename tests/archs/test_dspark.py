@@ -12,7 +12,7 @@ import torch
 
 from offload.errors import OffloadError
 from offload.sampling import Sampler
-from offload.speculative import SpecOptions, generate_step
+from offload.speculative import SpecOptions, generate_step, make_drafter
 from tests.archs.test_deepseek4 import IDS, MTP_SPEC, load
 from tests.tiny_models import write_tiny_dspark, write_tiny_model
 
@@ -172,3 +172,36 @@ def test_a_bad_dflash_header_stops_offload_run_before_loading(pair, tmp_path):
     r = offload("run", str(pair[0].path), "--draft", str(bad), "-n", "2", "-p", "hi", "--devices", "CPU=16GiB")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert f"{bad}: a DSpark drafter needs metadata key dflash.block_size" in r.stderr
+
+
+def test_sample_from_anchor_false_drafts_from_the_mask_rows(pair, tmp_path):
+    """dflash.sample_from_anchor false (llama.cpp's bonus-anchor layout, i_draft_beg = 1): a
+    draft of n is the block [x_Q, MASK × n]; its rows 1..n, the Markov chain started at row 1
+    from x_Q, give the drafts, so a block of size 5 drafts at most 4. Greedy with exact verify
+    at n_max 1-5 is still plain decoding's output."""
+    trunk, _ = pair
+    draft = write_tiny_dspark(tmp_path / "bonus.gguf", TRUNK, sample_from_anchor=False)
+    with _load(trunk, draft) as s, torch.inference_mode():
+        m = s.model
+        head = m.dspark
+        assert not head.sample_from_anchor and head.header.max_drafts == head.block_size - 1 == 4
+        state = m.new_state(head)
+        logits, taps = m.forward(torch.tensor(PROMPT), state)
+        x_q = int(logits[-1].argmax())
+        drafter = make_drafter(SpecOptions(n_max=5, type="dspark"), head, state, Sampler(), 64)
+        drafter.prime(taps, PROMPT)
+        got, _ = drafter.draft(x_q, len(PROMPT), 5)
+        base, _ = head.block([x_q] + [head.mask_id] * 4, len(PROMPT), state.nextn_cache)
+        state.nextn_cache.truncate(len(PROMPT))
+        want, prev = [], x_q
+        for i in range(1, 5):
+            col = base[i] + head.markov(prev)[1]
+            prev = int(col.argmax())
+            want.append(prev)
+        assert got == want and len(got) == 4
+        plain = list(s.generate(PROMPT, max_tokens=N_OUT, stop_at_eos=False))
+        for n_max in (1, 2, 3, 4, 5):
+            out = list(s.generate(PROMPT, max_tokens=N_OUT, stop_at_eos=False, n_max=n_max, verify="exact",
+                                  spec_type="dspark"))
+            assert out == plain and s.stats.drafted > 0, n_max
+            assert not any(s.stats.drafted_per_position[4:])       # the 5th position: never
