@@ -72,7 +72,7 @@ from offload.commands.run import add_session_arguments, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.plans import read_plan_file
 from offload.tune_result import HotComparison, MeasuredRow, RunRecord, StepTerms, TuneResult
-from placement.draft import DRAFTER_KIND, NoDraftHead, check_p_min, spec_type
+from placement.draft import DRAFTER_KIND, check_p_min, spec_type
 from placement.errors import PlacementError
 
 DEFAULT_MAX_N = 6
@@ -272,29 +272,13 @@ def main(argv=None) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def tune_drafters(text: str | None, plan) -> list[str]:
-    """The drafters ``--spec-type`` names (default: the plan's head drafter — dspark with a
-    dflash --draft, else mtp when the plan has a draft head — and ngram, which any model has)."""
-    from offload.commands.run import block_drafter
+    """The drafters ``--spec-type`` names (``offload.commands.run.plan_drafters``; here ``none``
+    is refused: plain decoding is always measured)."""
+    from offload.commands.run import plan_drafters
 
-    block = block_drafter(plan)
-    if text is None:
-        return (["dspark"] if block else ["mtp"] if plan.drafting != "none" else []) + ["ngram"]
-    kinds = []
-    for part in text.split(","):
-        kind = spec_type(part.strip())
-        if kind == "none":
-            raise OffloadError("offload tune --spec-type: plain decoding is always measured; name drafters")
-        if kind == "dspark" and not block:
-            raise OffloadError(f"offload tune --spec-type dspark needs a DSpark drafter (--draft FILE, a dflash "
-                               f"GGUF); {plan.model_path} has none")
-        if kind == "mtp" and block:
-            raise OffloadError(f"offload tune --spec-type mtp: --draft {plan.draft_path} is a DSpark (dflash) "
-                               "drafter; tune it with --spec-type dspark")
-        if kind == "mtp" and plan.drafting == "none":
-            raise NoDraftHead(plan.model_path, "offload tune --spec-type mtp")
-        if kind not in kinds:
-            kinds.append(kind)
-    return kinds
+    if text is not None and any(spec_type(part.strip()) == "none" for part in text.split(",")):
+        raise OffloadError("offload tune --spec-type: plain decoding is always measured; name drafters")
+    return plan_drafters(text, plan, "offload tune")
 
 
 def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock,
