@@ -205,3 +205,21 @@ def test_sample_from_anchor_false_drafts_from_the_mask_rows(pair, tmp_path):
                                   spec_type="dspark"))
             assert out == plain and s.stats.drafted > 0, n_max
             assert not any(s.stats.drafted_per_position[4:])       # the 5th position: never
+
+
+@pytest.mark.parametrize("anchor, rows", [(None, 5), (False, 4)])
+def test_offload_plan_forecasts_dspark_up_to_what_a_block_drafts(pair, tmp_path, capsys, anchor, rows):
+    """The n_max table of a dflash --draft ends at the block's drafts (block_size 5; 4 with
+    dflash.sample_from_anchor false), whatever --spec-max-n asks (6)."""
+    import json
+
+    from offload.cli import main
+    draft = write_tiny_dspark(tmp_path / "d.gguf", TRUNK, sample_from_anchor=anchor).path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = main(["plan", str(pair[0].path), "--draft", str(draft), "--devices", "CPU=16GiB", "--json",
+                   "--spec-max-n", "6"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    spec = json.loads(out.out)["speculative"]
+    assert spec["type"] == "dspark" and [r["n_max"] for r in spec["rows"]] == list(range(rows + 1))
