@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from offload.moe import MoE
+from offload.sampling import Sampler
+from offload.speculative import SpecOptions, make_drafter
 from offload.stats import conditional
 from placement.acceptance import AcceptanceProfile
 from placement.routing import PromptCounts, RoutingCounts, RoutingProfile
@@ -172,8 +174,6 @@ def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_r
             _, taps_ahead = model.forward(torch.as_tensor(ahead), state, logits="none")
             state.truncate(start)
             cache.truncate(start)
-            from offload.sampling import Sampler
-            from offload.speculative import SpecOptions, make_drafter
             drafter = make_drafter(SpecOptions(n_max=max(drafter_b), type="dspark"), dspark, state, Sampler(),
                                    session.plan.settings.ubatch)
         t_end = clock() + seconds

@@ -53,8 +53,8 @@ def test_tune_measures_dspark_and_ngram_and_writes_the_choice(pair, tmp_path, ca
     assert [t for t in doc["terms"] if t["drafter"] == "dspark" and t["n_max"] and t["draft_pred"] > 0]
     acc = doc["acceptance"]["0.0"]["accept"]
     assert all(0 <= a <= 1 for a in acc)
-    for needle in ("drafter dspark:", "predicted vs measured (dspark", "drafter ngram", "T_inject(B)", "chosen: drafter",
-                   "runner-up: drafter"):
+    for needle in ("drafter dspark:", "predicted vs measured (dspark", "drafter ngram", "T_inject(B)",
+                   "chosen: drafter", "runner-up: drafter"):
         assert needle in stdout, needle
 
 
