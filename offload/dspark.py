@@ -13,6 +13,10 @@
   confidence head's input), ``output_norm`` and the trunk's ``output``: ``base_i``.
 * Markov head, chained greedily: ``prev_0 = x_Q``; ``logit_i = base_i + W2 · W1[prev_i]``;
   ``prev_{i+1} = argmax(logit_i)``. Draft i comes from ``logit_i`` (so n drafts per block).
+  With ``dflash.sample_from_anchor`` false (SpecForge's bonus-anchor exports; llama.cpp's
+  ``i_draft_beg = 1``) the block is ``[x_Q, MASK × n]``: row 0 is no draft, the chain starts at
+  row 1 (``prev_1 = x_Q``) and drafts come from rows 1..n, so a block drafts one token fewer
+  than its size.
 * Confidence: ``c_i = sigmoid(conf_proj · [h_i; W1[prev_i]] + b)``; the block stops at the
   first ``c_i < p_min`` (p_min 0: never).
 
@@ -34,11 +38,12 @@ import torch
 from gpu.dsv4_cache import Dsv4Cache
 from gpu.norm import RMSNorm
 from offload.errors import OffloadError
-from offload.gguf_model import NewerKeys
+from offload.dspark_header import DSparkHeader, dspark_header
 from offload.models.deepseek4 import DRAFTERS, Deepseek4Config, block, config_from_gguf, hc_head
 from offload.models.shared.base import BuildContext
 from offload.sampling import Sampler
 from offload.speculative import Guide, SpecOptions, _rows, register_drafter
+from placement.tensors import ModelSpec
 
 
 class DSparkCache:
@@ -67,12 +72,13 @@ class DSpark:
     """The drafter's weights and its two passes: ``inject`` (context) and ``block`` (a draft)."""
 
     def __init__(self, *, fc, enc_norm: RMSNorm, stages: list, hc_head, norm: RMSNorm, embed, output,
-                 markov_w1, markov_w2, conf_proj, conf_bias, target_layers: tuple[int, ...], block_size: int,
-                 mask_id: int, hc_mult: int):
+                 markov_w1, markov_w2, conf_proj, conf_bias, header: DSparkHeader, hc_mult: int):
         self.fc, self.enc_norm, self.stages, self.hc_head, self.norm = fc, enc_norm, stages, hc_head, norm
         self.embed, self.output, self.w1, self.w2 = embed, output, markov_w1, markov_w2
         self.conf_proj, self.conf_bias = conf_proj, conf_bias
-        self.target_layers, self.block_size, self.mask_id, self.hc_mult = target_layers, block_size, mask_id, hc_mult
+        self.header, self.hc_mult = header, hc_mult
+        self.target_layers, self.block_size, self.mask_id = header.target_layers, header.block_size, header.mask_id
+        self.sample_from_anchor = header.sample_from_anchor
 
     def new_cache(self) -> DSparkCache:
         return DSparkCache([s.new_cache() for s in self.stages])
@@ -134,16 +140,18 @@ class DSparkDrafter:
 
     def draft(self, x_q: int, q_len: int, n_cap: int) -> tuple[list[int], list[np.ndarray | None]]:
         assert self.cache.length == q_len, (self.cache.length, q_len)
-        n = min(n_cap, self.head.block_size)
+        n = min(n_cap, self.head.header.max_drafts)
         if n <= 0:
             return [], []
-        base, h = self.head.block([x_q] + [self.head.mask_id] * (n - 1), q_len, self.cache)
+        # sample_from_anchor off: the anchor's row is no draft, drafts come from rows 1..n
+        off = 0 if self.head.sample_from_anchor else 1
+        base, h = self.head.block([x_q] + [self.head.mask_id] * (n - 1 + off), q_len, self.cache)
         self.cache.truncate(q_len)             # the block's own keys: never context
         drafts: list[int] = []
         qs: list[np.ndarray | None] = []
         guide = self.guide.fork() if self.guide is not None else None
         prev = x_q
-        for i in range(n):
+        for i in range(off, n + off):
             e, bias = self.head.markov(prev)
             col = base[i] + bias.to(base.device)
             if self.options.p_min > 0 and self.head.confidence(h[i], e) < self.options.p_min:
@@ -178,20 +186,16 @@ def _dspark_drafter(head, state, sampler, options, ubatch, guide) -> DSparkDraft
 register_drafter("dspark", _dspark_drafter)
 
 
-def dspark_drafter(w, cfg: Deepseek4Config, ctx: BuildContext, *, embed, output) -> DSpark:
-    """The DSpark drafter in the ``dflash`` WeightStore ``w`` for the trunk ``cfg``, using the
-    trunk's token embedding and output head. Its stages are window-only V4 blocks with their
-    own window ring (the plan's window cells), routed by score + bias, with the clamped SwiGLU
-    of the drafter's own ``swiglu_clamp_*`` keys (llama.cpp clamps dflash stages as deepseek4's)."""
-    meta, spec = w.model.metadata, w.model.spec
-    dcfg = config_from_gguf(spec, meta)
+def dspark_drafter(w, cfg: Deepseek4Config, ctx: BuildContext, *, embed, output, trunk: ModelSpec) -> DSpark:
+    """The DSpark drafter in the ``dflash`` WeightStore ``w`` for the trunk ``cfg`` (its header
+    ``trunk``), using the trunk's token embedding and output head. Its stages are window-only V4
+    blocks with their own window ring (the plan's window cells), routed by score + bias, with the
+    clamped SwiGLU of the drafter's own ``swiglu_clamp_*`` keys (llama.cpp clamps dflash stages
+    as deepseek4's). Its header was checked before loading (``dspark_header``); read again here,
+    so a library caller gets the same one-line errors."""
+    header = dspark_header(w.model, trunk)
+    dcfg = config_from_gguf(w.model.spec, w.model.metadata)
     dcfg = replace(dcfg, compress_ratios=(0,) * dcfg.n_layer, n_hash_layers=0)
-    taps = tuple(int(t) for t in meta.get(NewerKeys.TARGET_LAYERS.format(arch=spec.arch)) or ())
-    block_size = meta.get(NewerKeys.BLOCK_SIZE.format(arch=spec.arch))
-    mask_id = meta.get(NewerKeys.MASK_ID)
-    if not taps or block_size is None or mask_id is None:
-        raise OffloadError(f"{w.model.path}: a DSpark drafter needs dflash.target_layers, dflash.block_size "
-                           "and tokenizer.ggml.mask_token_id")
     stages = []
     for i in range(dcfg.n_layer):
         b = block(w, dcfg, i, ctx)
@@ -204,7 +208,7 @@ def dspark_drafter(w, cfg: Deepseek4Config, ctx: BuildContext, *, embed, output)
                   output=output, markov_w1=w.embedding("markov_w1.weight"), markov_w2=w.linear("markov_w2.weight"),
                   conf_proj=w.linear("conf_proj.weight") if w.has("conf_proj.weight") else None,
                   conf_bias=w.vector("conf_proj.bias") if w.has("conf_proj.bias") else None,
-                  target_layers=taps, block_size=int(block_size), mask_id=int(mask_id), hc_mult=cfg.hc_mult)
+                  header=header, hc_mult=cfg.hc_mult)
 
 
 DRAFTERS["dflash"] = dspark_drafter

@@ -414,6 +414,33 @@ def _compress_ratios(m: _Meta, n_layer: int) -> tuple[int, ...]:
     return tuple(int(v) for v in value[:n_layer])
 
 
+def dsv4_config_problem(spec: ModelSpec, metadata: Mapping[str, Any]) -> str | None:
+    """What deepseek4's config (``offload.models.deepseek4.config_from_gguf``) cannot be built
+    from, in words (None: nothing): a key it reads that is missing, a per-block array too
+    short, an attention shape it does not take. Torch-free, so a header is refused before
+    any weight is read (a DSpark drafter's stages are built from the same keys)."""
+    m = _Meta("", spec.arch, metadata)
+    keys = [LLM.EXPERT_GATING_FUNC, NewerKeys.COMPRESS_RATIOS, NewerKeys.HC_COUNT, ATTN.Q_LORA_RANK,
+            ATTN.SLIDING_WINDOW, NewerKeys.OUTPUT_GROUP_COUNT, NewerKeys.OUTPUT_LORA_RANK,
+            NewerKeys.HASH_LAYER_COUNT, NewerKeys.COMPRESS_ROPE_FREQ_BASE, NewerKeys.HC_SINKHORN_ITERATIONS,
+            NewerKeys.HC_EPSILON, LLM.SWIGLU_CLAMP_EXP, ATTN.LAYERNORM_RMS_EPS]
+    if any(spec.compress_ratio(i) == 4 for i in range(spec.n_layer_trunk)):      # CSA blocks: the indexer
+        keys += [ATTN.Indexer.HEAD_COUNT, ATTN.Indexer.KEY_LENGTH, ATTN.Indexer.TOP_K]
+    for template in keys:
+        if m.get(template) is None:
+            return f"missing metadata key {m.key(template)}"
+    for template in (LLM.SWIGLU_CLAMP_EXP, LLM.SWIGLU_CLAMP_SHEXP):
+        v = m.get(template)
+        if isinstance(v, list) and len(v) < spec.n_layer_trunk:
+            return f"{m.key(template)} has {len(v)} values for {spec.n_layer_trunk} blocks"
+    if spec.head_dim_k != spec.head_dim_v or set(spec.n_head_kv) != {1}:
+        return (f"one K=V head expected (head_count_kv {spec.n_head_kv[0]}, key_length {spec.head_dim_k}, "
+                f"value_length {spec.head_dim_v})")
+    if not spec.o_groups or (spec.n_head * spec.head_dim_k) % spec.o_groups:
+        return f"{spec.n_head} heads of {spec.head_dim_k} do not split into {spec.o_groups} output groups"
+    return None
+
+
 def tensor_kind(name: str) -> tuple[int | None, MODEL_TENSOR | str | None, str]:
     """``blk.12.ffn_down_exps.weight`` → (12, FFN_DOWN_EXP, "ffn_down_exps"); a kind of
     ``NEWER_KINDS`` is its string (``blk.3.hc_attn_fn.weight`` → (3, "HC_ATTN_FN", "hc_attn_fn"))."""

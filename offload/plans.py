@@ -7,6 +7,7 @@ import dataclasses
 import warnings
 from pathlib import Path
 
+from offload.dspark_header import dspark_header
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, open_model
 from placement.hosts import Host, parse_hosts
@@ -36,24 +37,14 @@ def open_draft(path: str, model: ModelFile) -> ModelFile:
 
 
 def check_drafter(draft: ModelFile, model: ModelFile) -> None:
-    """A DSpark (``dflash``) drafter fits ``model``: its trunk architecture, width, vocabulary
-    (the Markov head's rows), and tapped layers within the trunk (``dflash.target_layers``
-    counts block inputs, so n_layer is the output of the last block)."""
+    """A DSpark (``dflash``) drafter fits ``model``: its trunk architecture, then everything its
+    builder reads besides the weights (``offload.dspark_header``: keys, glue tensors, width,
+    vocabulary, tapped layers)."""
     arch, path = draft.spec.arch, draft.path
     if model.spec.arch not in DRAFTER_ARCHS[arch]:
         raise OffloadError(f"{path}: a {arch} drafter drafts for {', '.join(DRAFTER_ARCHS[arch])}, "
                            f"not for {model.spec.arch}")
-    if draft.spec.n_embd != model.spec.n_embd:
-        raise OffloadError(f"{path}: the drafter's width {draft.spec.n_embd} is not the model's {model.spec.n_embd}")
-    markov = next((t for t in draft.tensors if t.name == "markov_w1.weight"), None)
-    if markov is not None and markov.shape[0] != model.spec.n_vocab:
-        raise OffloadError(f"{path}: the drafter's vocabulary is {markov.shape[0]} tokens, the model's "
-                           f"{model.spec.n_vocab}")
-    taps = draft.metadata.get(f"{arch}.target_layers")
-    trunk = model.spec.n_layer - model.spec.n_nextn
-    if not taps or any(not isinstance(t, int) or not 1 <= t <= trunk for t in taps):
-        raise OffloadError(f"{path}: {arch}.target_layers {taps!r} must name block inputs 1..{trunk} "
-                           f"of the model ({trunk} trunk blocks)")
+    dspark_header(draft, model.spec)
 
 
 def read_plan_file(path: str) -> PlanFile:

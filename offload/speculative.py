@@ -530,6 +530,9 @@ def _step(model, state, drafter: Drafter | None, sampler: Sampler, options: Spec
     stats.verify_s += time.perf_counter() - t
     n_acc = len(out) - 1
     if drafter is not None:
+        # what the drafter takes in of the kept tokens is drafting's cost (DSpark's injection)
+        t = time.perf_counter()
         drafter.accept(q_len, x_q, torch.cat(rows) if drafter.uses_hidden else None, out[:n_acc])
+        stats.draft_s += time.perf_counter() - t
     stats.record_step(len(drafts), n_acc, n_cap if drafter is not None else 0)
     return out, out_rows

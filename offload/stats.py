@@ -51,7 +51,7 @@ class RunStats:
     accepted_per_position: list = field(default_factory=list)   # [j] steps that accepted it
     reached_per_position: list = field(default_factory=list)    # [j] steps that could draft it with
     #                                   positions 1..j accepted (the token budget allowing it)
-    draft_s: float = 0.0      # draft-head passes and draft sampling
+    draft_s: float = 0.0      # draft-head passes, draft sampling, and the drafter taking in kept tokens
     verify_s: float = 0.0     # target passes over the pending token + drafts
 
     def record_step(self, n_drafted: int, n_accepted: int, n_cap: int) -> None:

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from offload.moe import MoE
+from offload.sampling import Sampler
+from offload.speculative import SpecOptions, make_drafter
 from offload.stats import conditional
 from placement.acceptance import AcceptanceProfile
 from placement.routing import PromptCounts, RoutingCounts, RoutingProfile
@@ -83,6 +85,7 @@ def decode(session, prompt: Sequence[int], *, n_tokens: int, n_max: int = 0, p_m
 class PassTimes:
     verify: dict[int, list[float]] = field(default_factory=dict)   # B -> seconds of each pass
     draft: dict[int, list[float]] = field(default_factory=dict)    # B -> seconds of a head pass
+    inject: dict[int, list[float]] = field(default_factory=dict)   # B -> a block drafter's injection of B
     plain: list[Decode] = field(default_factory=list)               # short plain decoding runs
     spec: list[Decode] = field(default_factory=list)                # short drafting runs at max_n
     rounds: int = 0
@@ -93,6 +96,9 @@ class PassTimes:
     def draft_s(self) -> dict[int, float]:
         return {b: statistics.median(ts) for b, ts in sorted(self.draft.items())}
 
+    def inject_s(self) -> dict[int, float]:
+        return {b: statistics.median(ts) for b, ts in sorted(self.inject.items())}
+
     def spread(self) -> dict[str, float]:
         """Relative half-width of the middle 50 % per kind (how stable the medians are)."""
         def iqr(ts: list[float]) -> float:
@@ -100,6 +106,7 @@ class PassTimes:
             return float((q[1] - q[0]) / 2 / np.median(ts))
         out = {f"verify B={b}": iqr(ts) for b, ts in sorted(self.verify.items())}
         out |= {f"draft B={b}": iqr(ts) for b, ts in sorted(self.draft.items())}
+        out |= {f"inject B={b}": iqr(ts) for b, ts in sorted(self.inject.items())}
         return out
 
     def loop_overheads(self) -> tuple[float, float]:
@@ -121,9 +128,11 @@ def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_r
     """T_verify(B) for B = 1..max_batch and T_draft, interleaved round by round until
     ``seconds`` are spent (at least ``min_rounds`` rounds). With ``loop_tokens``, each round
     also runs the real decode loop for that many tokens from the same position, plain and
-    drafting at n_max = max_batch - 1 (with the NextN head, or from n-grams when the model has
-    none): the loop's own per-step time is measured under the same conditions as the passes
-    it is added to (``PassTimes.loop_overheads``).
+    drafting at n_max = max_batch - 1 (with the NextN head, the DSpark drafter, or from n-grams
+    when the model has neither): the loop's own per-step time is measured under the same
+    conditions as the passes it is added to (``PassTimes.loop_overheads``). With a DSpark
+    drafter a draft of B is its draft call (block pass, Markov chain, rollback; at most a
+    block's drafts), and T_inject(B) its injection of B tokens' taps.
 
     The target sits after the prompt and the first half of ``calib``'s text; each round feeds
     the next B tokens of that text (logits for all B rows, as a verify pass computes them,
@@ -138,21 +147,35 @@ def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_r
     """
     model = session.model
     head = model.nextn
+    dspark = getattr(model, "dspark", None)
     seq = calib.prompt + calib.tokens
     start = len(calib.prompt) + max(len(calib.tokens) // 2 - max_batch, 0)
     ahead = seq[start:start + max_batch]
     if len(ahead) < max_batch:
         raise ValueError(f"calibration text too short for a verify batch of {max_batch}")
+    # a head pass runs up to max_batch pairs; a DSpark draft call makes up to max_batch - 1 drafts
+    drafter_b = range(1, (min(max_batch - 1, dspark.header.max_drafts) if dspark is not None else max_batch) + 1)
     out = PassTimes({b: [] for b in range(1, max_batch + 1)},
-                    {b: [] for b in range(1, max_batch + 1)} if head is not None else {})
+                    {b: [] for b in drafter_b} if head is not None or dspark is not None else {},
+                    {b: [] for b in range(1, max_batch + 1)} if dspark is not None else {})
     with torch.inference_mode():
-        state = model.new_state(head)
+        state = model.new_state(head or dspark)
         _, hidden = model.forward(torch.as_tensor(seq[:start]), state, logits="none")   # (start, n_embd)
+        cache = state.nextn_cache
         if head is not None:
             # head cache entry t = (h_t, x_{t+1}); it holds entries 0..start-2, and a pass of B
             # pairs recomputes entries start-B..start-1
-            cache = state.nextn_cache
             head(torch.as_tensor(seq[1:start]), hidden[:start - 1], torch.arange(1, start), cache, logits="none")
+        if dspark is not None:
+            # DSpark: the rings hold the taps of 0..start-1; a draft of B is the drafter's own
+            # draft call (the block pass, the Markov chain, the rollback), an injection of B the
+            # taps of the next B tokens (what a step that kept B tokens takes in)
+            dspark.inject(hidden, torch.arange(start), cache)
+            _, taps_ahead = model.forward(torch.as_tensor(ahead), state, logits="none")
+            state.truncate(start)
+            cache.truncate(start)
+            drafter = make_drafter(SpecOptions(n_max=max(drafter_b), type="dspark"), dspark, state, Sampler(),
+                                   session.plan.settings.ubatch)
         t_end = clock() + seconds
         while out.rounds < min_rounds or clock() < t_end:
             if loop_tokens:
@@ -170,18 +193,31 @@ def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_r
                 logits.float().numpy()
                 out.verify[b].append(clock() - t0)
                 state.truncate(start)
-            for b in out.draft:
-                cache.truncate(start - b)
-                t0 = clock()
-                z, _ = head(torch.as_tensor(seq[start - b + 1:start + 1]), hidden[start - b:start],
-                            torch.arange(start - b + 1, start + 1), cache, logits="last")
-                int(np.argmax(z[-1].numpy()))
-                out.draft[b].append(clock() - t0)
-                cache.truncate(start - 1)
+            if dspark is not None:
+                cache.truncate(start)
+                for b in out.draft:
+                    t0 = clock()
+                    drafter.draft(ahead[0], start, b)
+                    out.draft[b].append(clock() - t0)
+                for b in out.inject:
+                    t0 = clock()
+                    dspark.inject(taps_ahead[:b], torch.arange(start, start + b), cache)
+                    out.inject[b].append(clock() - t0)
+                    cache.truncate(start)
+            elif head is not None:
+                for b in out.draft:
+                    cache.truncate(start - b)
+                    t0 = clock()
+                    z, _ = head(torch.as_tensor(seq[start - b + 1:start + 1]), hidden[start - b:start],
+                                torch.arange(start - b + 1, start + 1), cache, logits="last")
+                    int(np.argmax(z[-1].numpy()))
+                    out.draft[b].append(clock() - t0)
+                    cache.truncate(start - 1)
             if loop_tokens:
+                kind = "mtp" if head is not None else "dspark" if dspark is not None else "ngram"
                 out.plain.append(decode(session, seq[:start], n_tokens=loop_tokens))
                 out.spec.append(decode(session, seq[:start], n_tokens=loop_tokens, n_max=max_batch - 1,
-                                       spec_type="mtp" if head is not None else "ngram"))
+                                       spec_type=kind))
             out.rounds += 1
     return out
 
@@ -196,8 +232,8 @@ class _RecordingRouter:
     def __init__(self, router):
         self.router, self.ids = router, []
 
-    def __call__(self, x):
-        ids, w = self.router(x)
+    def __call__(self, x, *tokens):        # tokens: a hash router's (deepseek4's first blocks)
+        ids, w = self.router(x, *tokens)
         self.ids.append(ids.detach().cpu().numpy())
         return ids, w
 

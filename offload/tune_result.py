@@ -4,7 +4,7 @@ whole result (``offload.commands.tune`` fills it, prints it, and ``--json`` writ
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from placement.acceptance import AcceptanceProfile
@@ -150,6 +150,8 @@ class TuneResult:
     chosen_drafter: str = "mtp"
     drafter_choices: dict[str, tuple[int, str]] | None = None   # drafter -> (its n_max, why)
     runner_up: dict | None = None                # the other drafter's best: type, n_max, speedup, margin
+    head_drafter: str | None = "mtp"             # the drafter with weights (mtp | dspark) p_min is for
+    inject_ms: dict[int, float] = field(default_factory=dict)   # B → a block drafter's injection of B tokens
 
     @property
     def table(self) -> SpecTable:
@@ -162,7 +164,8 @@ class TuneResult:
             "load_average": list(self.load_average), "tokens_per_run": self.tokens_per_run,
             "calibration_step_ms": self.calibration_step_ms, "plain_step_ms": self.plain_step_ms,
             "loop_ms": {"step": self.loop_step_ms, "spec_step": self.loop_spec_step_ms},
-            "verify_ms": self.verify_ms, "draft_ms": self.draft_ms, "terms": [asdict(t) for t in self.terms],
+            "verify_ms": self.verify_ms, "draft_ms": self.draft_ms, "inject_ms": self.inject_ms,
+            "terms": [asdict(t) for t in self.terms],
             "pass_spread": self.pass_spread, "pass_rounds": self.pass_rounds,
             "routing": self.routing.to_dict(), "routing_layers": list(self.routing_layers),
             "routing_uniform": list(self.routing_uniform),
@@ -171,7 +174,8 @@ class TuneResult:
                     "max_rel_error": self.fit.max_rel_error},
             "hardware": self.hardware.to_dict(),
             "predicted": {str(p): t.to_dict() for p, t in self.predicted.items()},
-            "p_min": self.p_min, "stages": [list(st) for st in self.stages], "repeats": self.repeats,
+            "p_min": self.p_min, "head_drafter": self.head_drafter, "stages": [list(st) for st in self.stages],
+            "repeats": self.repeats,
             "runs": [r.to_json() for r in self.runs], "measured": [asdict(m) for m in self.measured],
             "chosen_drafter": self.chosen_drafter, "chosen_n_max": self.chosen_n_max, "choice": self.choice,
             "drafters": {k: {"n_max": n, "choice": why, "table": (self.tables or {})[k].to_dict()}

@@ -102,6 +102,12 @@ def _block_drafter_footprint(plan: Plan, model: PlannedModel,
     return fp, injection
 
 
+def block_injection(plan: Plan, model: PlannedModel, draft: PlannedModel) -> ForwardFootprint:
+    """A block drafter's injection pass (``_block_drafter_footprint``): what taking in the
+    tokens a step keeps reads (``fc`` and each stage's K projection)."""
+    return _block_drafter_footprint(plan, model, draft)[1]
+
+
 def default_profile(plan: Plan) -> SpecProfile:
     """Bandwidth defaults by GPU product name (a written device spec has none: generic GPU)."""
     return SpecProfile(HardwareProfile.for_devices({d.name: d.gpu_name for d in plan.devices if d.is_gpu}))

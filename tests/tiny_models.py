@@ -624,8 +624,10 @@ def dspark_spec(trunk: TinySpec, n_stages: int = 3) -> TinySpec:
 
 
 def write_tiny_dspark(path: str | Path, trunk: TinySpec, *, target_layers: tuple[int, ...] = (),
-                      block_size: int = 5, n_stages: int = 3, conf_bias: float | None = 2.0,
-                      markov_std: float = 0.1, markov: tuple[np.ndarray, np.ndarray] | None = None) -> TinyModel:
+                      block_size: int | None = 5, n_stages: int = 3, conf_bias: float | None = 2.0,
+                      markov_std: float = 0.1, markov: tuple[np.ndarray, np.ndarray] | None = None,
+                      mask_id: int | None = -1, sample_from_anchor: bool | None = None,
+                      meta_overrides: tuple[tuple[str, object], ...] = ()) -> TinyModel:
     """A DSpark drafter (arch ``dflash``) for the tiny deepseek4 ``trunk``, keys and tensors as
     llama.cpp's converter writes them (deepseek4.md §2.11): the V4 keys under ``dflash.*``,
     ``dflash.block_size``, ``dflash.target_layers`` (block inputs of the trunk; default its last
@@ -634,9 +636,12 @@ def write_tiny_dspark(path: str | Path, trunk: TinySpec, *, target_layers: tuple
     the hc head ``output_hc_*``, ``output_norm``, ``markov_w1``/``markov_w2`` (numpy (V, rank):
     ggml ne {rank, V}), ``conf_proj`` (1, d + rank) and its bias (``conf_bias`` None: no bias);
     no ``token_embd``/``output`` (the trunk's are used). ``markov``: (W1, W2) written as given
-    (a test's predictive construction; any rank)."""
+    (a test's predictive construction; any rank). Bad-input files: ``block_size`` / ``mask_id``
+    None omit the key (``mask_id`` -1: the last token), ``sample_from_anchor`` None omits
+    ``dflash.sample_from_anchor`` (llama.cpp then takes true), ``meta_overrides`` as TinySpec's
+    for the V4 keys."""
     path = Path(path)
-    spec = dspark_spec(trunk, n_stages)
+    spec = replace(dspark_spec(trunk, n_stages), meta_overrides=meta_overrides)
     taps = tuple(target_layers) or tuple(range(max(1, trunk.n_layer - 2), trunk.n_layer + 1))
     d, v = spec.n_embd, spec.n_vocab
     tensors = [lin("fc", d, len(taps) * d), norm("enc.output_norm", d)]
@@ -662,8 +667,12 @@ def write_tiny_dspark(path: str | Path, trunk: TinySpec, *, target_layers: tuple
     w.add_feed_forward_length(spec.n_ff)
     w.add_head_count(spec.n_head)
     deepseek4_metadata(w, spec)
-    w.add_uint32("dflash.block_size", block_size)
+    if block_size is not None:
+        w.add_uint32("dflash.block_size", block_size)
+    if sample_from_anchor is not None:
+        w.add_bool("dflash.sample_from_anchor", sample_from_anchor)
     w.add_array("dflash.target_layers", [int(t) for t in taps])
     add_tiny_vocab(w, spec.extra_merges, spec.tokenizer_pre)
-    w.add_uint32("tokenizer.ggml.mask_token_id", v - 1)
+    if mask_id is not None:
+        w.add_uint32("tokenizer.ggml.mask_token_id", v - 1 if mask_id == -1 else mask_id)
     return TinyModel(path, spec, _write_tensors(w, tensors, spec, rng, keep_weights=True))

@@ -1,12 +1,13 @@
 """``offload bench``: speculative-decoding benchmark in the spirit of llama.cpp's spec-bench.
 
     offload bench [MODEL.gguf] [placement flags] [--tasks code,extract,story] [--n-max 1,2,3,4]
-                  [--spec-type mtp,ngram] [--repeat 3] [-n 128] [--temp 0] [--spec-p-min P]
+                  [--spec-type mtp|dspark,ngram] [--draft FILE] [--repeat 3] [-n 128] [--temp 0] [--spec-p-min P]
                   [--spec-ngram-size-n N] [--spec-verify batched|exact] [--jsonl PATH]
 
 One load, one placement: for each repeat, each task prompt (``offload.bench_tasks``) and each
-stage — the baseline (plain decoding) and each drafter (``--spec-type``: the MTP head when the
-model has one, n-gram self-drafting always) with every n_max — generates ``-n``
+stage — the baseline (plain decoding) and each drafter (``--spec-type``: the DSpark drafter of a
+dflash ``--draft``, else the MTP head when the model has one; n-gram self-drafting always) with
+every n_max — generates ``-n``
 tokens (end-of-sequence ignored, so every stage produces the same count). Stages are
 interleaved so that a change in the machine's load hits them alike. A warm-up run
 (compilation, allocator) is excluded. Prints decode t/s mean ± std over the repeats, the
@@ -24,10 +25,11 @@ from pathlib import Path
 
 from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args
-from offload.commands.run import add_session_arguments, open_cli_model, runtime_process_settings, session_options
+from offload.commands.run import (add_session_arguments, open_cli_model, plan_drafters, runtime_process_settings,
+                                  session_options)
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.stats import conditional, per_position
-from placement.draft import NGRAM_SIZE, check_ngram_size, check_p_min, spec_type
+from placement.draft import NGRAM_SIZE, check_ngram_size, check_p_min
 
 WARMUP_TOKENS = 16
 
@@ -59,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling seed of the first repeat; repeat r uses seed + r (default 42)")
     p.add_argument("--spec-type", default=None, metavar="TYPES",
                    help="comma list of drafters to run (mtp, ngram, dspark; llama.cpp's spellings too; "
-                        "default: mtp when the model has a draft head, and ngram)")
+                        "default: dspark with a dflash --draft, else mtp when the model has a draft head; "
+                        "and ngram)")
     p.add_argument("--spec-p-min", type=float, default=0.0, metavar="P", help="draft p_min (default 0)")
     p.add_argument("--spec-ngram-size-n", type=int, default=NGRAM_SIZE, metavar="N",
                    help=f"ngram: the longest n-gram looked up (default {NGRAM_SIZE})")
@@ -74,22 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _stages(n_maxes: list[int], drafters: list[str]) -> list[tuple[str, str | None, int]]:
     """(stage name, drafter, n_max): the baseline, then every drafter at every n_max."""
     return [("baseline", None, 0)] + [(f"{d} n={n}", d, n) for d in drafters for n in n_maxes]
-
-
-def bench_drafters(text: str | None, has_head: bool) -> list[str]:
-    """``--spec-type``'s comma list → drafter names (default: mtp with a head, and ngram)."""
-    if text is None:
-        return (["mtp"] if has_head else []) + ["ngram"]
-    kinds = []
-    for part in text.split(","):
-        kind = spec_type(part.strip())
-        if kind == "none":
-            continue                     # the baseline always runs
-        if kind != "ngram" and not has_head:
-            raise OffloadError(f"--spec-type {part.strip()}: the model has no draft head for it")
-        if kind not in kinds:
-            kinds.append(kind)
-    return kinds
 
 
 def run_once(session, prompt_ids: list[int], n_max: int, args, rep: int = 0,
@@ -173,7 +160,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.torch_threads)
     model = open_cli_model(args)
     plan, model, _ = plan_from_args(args, model)
-    drafters = bench_drafters(args.spec_type, plan.drafting != "none")
+    drafters = plan_drafters(args.spec_type, plan, "offload bench")
     if plan.drafting == "none" and args.spec_type is None:      # gpt-oss, qwen3moe: n-gram drafts still run
         print(f"offload bench: {Path(plan.model_path).name} has no draft head (no NextN block, no --draft): "
               f"the baseline and n-gram drafting only", file=sys.stderr)

@@ -119,6 +119,17 @@ def spec_type_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--spec-type ")) from None
 
 
+def _head_max_n(max_n: int, model, draft) -> int:
+    """The n_max table's length for the plan's drafter: a DSpark block drafts at most its block
+    (``DSparkHeader.max_drafts``; llama.cpp clamps n_max the same way)."""
+    from offload.dspark_header import dspark_header
+    from offload.plans import DRAFTER_ARCHS
+
+    if draft is not None and draft.spec.arch in DRAFTER_ARCHS:
+        return min(max_n, dspark_header(draft, model.spec).max_drafts)
+    return max_n
+
+
 def ngram_forecast(plan: Plan, model, draft, hw: HardwareProfile, hits, max_n: int) -> dict | None:
     """What a plan can say of n-gram self-drafting before measuring (its acceptance is the
     text's): per n_max the least acceptance at which it pays (``break_even_acceptance``).
@@ -265,7 +276,8 @@ def main(argv: list[str]) -> int:
         plan = dataclasses.replace(plan, speculative=None)
     elif plan.drafting != "none" and args.spec_type != "ngram":
         profile, probe_note = forecast_profile(args, plan)
-        table, section = predict(plan, model, draft, profile=profile, max_n=args.spec_max_n, hits=hits)
+        table, section = predict(plan, model, draft, profile=profile, max_n=_head_max_n(args.spec_max_n, model, draft),
+                                 hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
         if not args.no_probe:
             fp, used = plan_footprint(plan, model, draft), plan_profile(plan)

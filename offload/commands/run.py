@@ -27,7 +27,7 @@ from offload.commands.plan import add_placement_arguments, plan_from_args, spec_
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.host_memory import return_freed_memory
 from offload.probe import SHIPPED_MODEL
-from placement.draft import NGRAM_SIZE, NoDraftHead, check_n_max, check_ngram_size, check_p_min
+from placement.draft import NGRAM_SIZE, NoDraftHead, check_n_max, check_ngram_size, check_p_min, spec_type
 from placement.spec_section import SpecSection
 from placement.speculative import BLOCK_DRAFTERS
 
@@ -181,6 +181,30 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
              "ngram_size": ngram_size},
             f"speculative decoding: {what}, n_max {n_max} (from {source}), "
             f"p_min {p_min:g}, verify {args.spec_verify}")
+
+
+def plan_drafters(text: str | None, plan, command: str) -> list[str]:
+    """The drafters a comma list (``--spec-type`` of ``offload bench`` / ``tune``) names for
+    ``plan``, ``none`` left out (plain decoding always runs); default: the plan's head drafter
+    (dspark with a dflash --draft, else mtp with a draft head) and ngram, which any model has.
+    A drafter the plan cannot draft with: one line naming ``command``."""
+    block = block_drafter(plan)
+    if text is None:
+        return (["dspark"] if block else ["mtp"] if plan.drafting != "none" else []) + ["ngram"]
+    kinds = []
+    for part in text.split(","):
+        kind = spec_type(part.strip())
+        if kind == "dspark" and not block:
+            raise OffloadError(f"{command} --spec-type dspark needs a DSpark drafter (--draft FILE, a dflash "
+                               f"GGUF); {plan.model_path} has none")
+        if kind == "mtp" and block:
+            raise OffloadError(f"{command} --spec-type mtp: --draft {plan.draft_path} is a DSpark (dflash) "
+                               "drafter; draft with --spec-type dspark")
+        if kind == "mtp" and plan.drafting == "none":
+            raise NoDraftHead(plan.model_path, f"{command} --spec-type mtp")
+        if kind != "none" and kind not in kinds:
+            kinds.append(kind)
+    return kinds
 
 
 def block_drafter(plan) -> bool:

@@ -11,7 +11,9 @@ Phases (progress on stderr; --budget is wall time from the start, load included)
                        half the text, all logits, KV rolled back), T_draft(B) (the head over
                        the B pairs a step's first draft pass runs; B = 1 is a chained step),
                        and short runs of the real decode loop, plain and drafting at max-n,
-                       from the same position: interleaved rounds, medians
+                       from the same position: interleaved rounds, medians. A DSpark drafter
+                       (dflash --draft): T_draft(B) its draft call of B drafts (block pass,
+                       Markov chain), T_inject(B) the injection of B kept tokens' taps
      routing           distinct routed experts per CPU-resident MoE layer in B-token windows,
                        and per-expert counts of every MoE layer (the NextN block's too, run
                        over the text as drafting feeds it): written into the plan's routing:
@@ -70,7 +72,7 @@ from offload.commands.run import add_session_arguments, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.plans import read_plan_file
 from offload.tune_result import HotComparison, MeasuredRow, RunRecord, StepTerms, TuneResult
-from placement.draft import DRAFTER_KIND, NoDraftHead, check_p_min, spec_type
+from placement.draft import DRAFTER_KIND, check_p_min, spec_type
 from placement.errors import PlacementError
 
 DEFAULT_MAX_N = 6
@@ -152,10 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"tokens generated per prompt in calibration, acceptance and runs (default "
                         f"{DEFAULT_TOKENS}; acceptance depends on it, so all phases use the same)")
     p.add_argument("--spec-type", default=None, metavar="TYPES",
-                   help="comma list of drafters to measure and choose among: mtp, ngram (llama.cpp's "
-                        "spellings too; default: mtp when the model has a draft head, and ngram)")
+                   help="comma list of drafters to measure and choose among: mtp, dspark, ngram (llama.cpp's "
+                        "spellings too; default: dspark with a dflash --draft, else mtp when the model has a "
+                        "draft head, and ngram)")
     p.add_argument("--spec-p-min", default="0", metavar="P[,P...]",
-                   help="MTP draft p_min value(s) to measure acceptance for and choose among (default 0)")
+                   help="MTP / DSpark draft p_min value(s) to measure acceptance for and choose among "
+                        "(DSpark: the confidence head's cut; default 0)")
     p.add_argument("-o", "--output", metavar="OUT.yaml",
                    help="write the tuned plan here (default: back into --placement's file; without "
                         "--placement nothing is written unless -o is given)")
@@ -268,22 +272,13 @@ def main(argv=None) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def tune_drafters(text: str | None, plan) -> list[str]:
-    """The drafters ``--spec-type`` names (default: mtp when the plan has a draft head, and
-    ngram, which any model has)."""
-    if text is None:
-        return (["mtp"] if plan.drafting != "none" else []) + ["ngram"]
-    kinds = []
-    for part in text.split(","):
-        kind = spec_type(part.strip())
-        if kind == "none":
-            raise OffloadError("offload tune --spec-type: plain decoding is always measured; name drafters")
-        if kind == "dspark":
-            raise OffloadError("offload tune --spec-type dspark: tuning the DSpark drafter is not supported yet")
-        if kind == "mtp" and plan.drafting == "none":
-            raise NoDraftHead(plan.model_path, "offload tune --spec-type mtp")
-        if kind not in kinds:
-            kinds.append(kind)
-    return kinds
+    """The drafters ``--spec-type`` names (``offload.commands.run.plan_drafters``; here ``none``
+    is refused: plain decoding is always measured)."""
+    from offload.commands.run import plan_drafters
+
+    if text is not None and any(spec_type(part.strip()) == "none" for part in text.split(",")):
+        raise OffloadError("offload tune --spec-type: plain decoding is always measured; name drafters")
+    return plan_drafters(text, plan, "offload tune")
 
 
 def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock,
@@ -293,11 +288,15 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     from placement.cost_fit import fit_profile
     from placement.routing import distinct_experts_uniform
     from placement.spec_section import SpecSection
-    from placement.speculative import plan_footprint, plan_profile, predict
+    from placement.speculative import block_injection, plan_footprint, plan_profile, predict
 
     kinds = kinds if kinds is not None else tune_drafters(None, plan)
-    has_mtp = "mtp" in kinds
+    # the drafter with weights (mtp or dspark: a dflash --draft replaces any MTP head), measured per p_min
+    head_kind = next((k for k in kinds if k != "ngram"), None)
     max_n, n_tok = args.max_n, args.n_predict
+    dspark = getattr(session.model, "dspark", None)
+    # n_max past what one DSpark block drafts is the block (llama.cpp clamps n_max the same way)
+    n_cap = {k: min(max_n, dspark.header.max_drafts) if k == "dspark" else max_n for k in kinds}
     budget = clock.budget
     load0 = os.getloadavg()[0]
     say(f"{Path(plan.model_path).name}, {session.devices.describe()}; budget {budget:g}s, "
@@ -319,9 +318,10 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     seconds = max(budget * PASSES_SHARE - 0.5, 0.5)
     passes = measure.time_passes(session, longest, max_batch=max_n + 1, seconds=seconds,
                                  loop_tokens=2 * (max_n + 1) + 1)
-    verify_s, draft_s = passes.verify_s(), passes.draft_s()
+    verify_s, draft_s, inject_s = passes.verify_s(), passes.draft_s(), passes.inject_s()
     say("passes: T_verify(B) " + " ".join(f"{b}:{t * 1e3:.2f}" for b, t in verify_s.items())
         + " ms, T_draft(B) " + (" ".join(f"{b}:{t * 1e3:.2f}" for b, t in draft_s.items()) or "- (no head)")
+        + (" ms, T_inject(B) " + " ".join(f"{b}:{t * 1e3:.2f}" for b, t in inject_s.items()) if inject_s else "")
         + f" ms, decode loop {statistics.median(r.step_s for r in passes.plain) * 1e3:.2f}"
         f" ms/step ({passes.rounds} rounds, {clock.elapsed() - t_phase:.1f}s)")
     routing, layers = measure.measure_routing(session, [c.prompt + c.tokens for c in calib], max_n + 1)
@@ -340,13 +340,13 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     rates = measure.measure_prefill_rates(session, model.tensors, batch=plan.settings.ubatch)
     say("op-offload rates: " + _rates_summary(rates))
 
-    # 3. acceptance per drafter (MTP: per p_min), same prompts and length as the runs
+    # 3. acceptance per drafter (MTP, DSpark: per p_min), same prompts and length as the runs
     t_phase = clock.elapsed()
     accept = {}
-    for p_min in p_mins if has_mtp else ():
-        accept[p_min], _ = measure.measure_acceptance(session, prompts, n_max=max_n, p_min=p_min,
-                                                      n_tokens=n_tok)
-        say(f"acceptance mtp p_min {p_min:g}: a_j " + " ".join(f"{a:.3f}" for a in accept[p_min].accept)
+    for p_min in p_mins if head_kind else ():
+        accept[p_min], _ = measure.measure_acceptance(session, prompts, n_max=n_cap[head_kind], p_min=p_min,
+                                                      n_tokens=n_tok, spec_type=head_kind)
+        say(f"acceptance {head_kind} p_min {p_min:g}: a_j " + " ".join(f"{a:.3f}" for a in accept[p_min].accept)
             + ("" if p_min == 0 else "; c_j " + " ".join(f"{c:.3f}" for c in accept[p_min].cont)))
     ngram_accept = None
     if "ngram" in kinds:
@@ -367,26 +367,29 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
                                         source=f"measured by offload tune ({time.strftime('%Y-%m-%d')})")
     hw = with_prefill_rates(hw, rates)
     say(f"fit: {_fit_summary(fit)}; per step: loop {step_us / 1e3:.2f} ms, +{spec_step_us / 1e3:.2f} ms drafting")
-    tables = {p: speculation_table(fp, hw, acceptance=accept[p], max_n=max_n, routing=routing) for p in accept}
+    # a block drafter (DSpark) also pays the injection of each step's kept tokens
+    inject = block_injection(plan, model, draft) if head_kind == "dspark" else None
+    tables = {p: speculation_table(fp, hw, acceptance=accept[p], max_n=n_cap[head_kind], routing=routing,
+                                   draft_kind=DRAFTER_KIND[head_kind], inject=inject) for p in accept}
     by_kind = {}
-    if has_mtp:
-        by_kind["mtp"] = best_over_p_min(tables.values())
+    if head_kind:
+        by_kind[head_kind] = best_over_p_min(tables.values())
     if ngram_accept is not None:
         by_kind["ngram"] = speculation_table(fp, hw, acceptance=ngram_accept, max_n=max_n, routing=routing,
                                              draft_kind="free")
-    p_min = by_kind["mtp"].acceptance.p_min if has_mtp else 0.0
+    p_min = by_kind[head_kind].acceptance.p_min if head_kind else 0.0
 
     # 4. runs: the baseline and each drafter's n_max values, interleaved
-    def wanted(best: int, every: bool) -> list[int]:
-        ns = {best, best - 1, best + 1, 1} | (set(range(1, min(RUN_ALL_UP_TO, max_n) + 1)) if every else set())
-        return sorted(n for n in ns if 1 <= n <= max_n)
+    def wanted(best: int, every: bool, top: int) -> list[int]:
+        ns = {best, best - 1, best + 1, 1} | (set(range(1, min(RUN_ALL_UP_TO, top) + 1)) if every else set())
+        return sorted(n for n in ns if 1 <= n <= top)
 
     def stage_list(every: bool) -> list[tuple[str, int]]:
-        return [("none", 0)] + [(k, n) for k in kinds for n in wanted(by_kind[k].best.n, every)]
+        return [("none", 0)] + [(k, n) for k in kinds for n in wanted(by_kind[k].best.n, every, n_cap[k])]
 
     per_rep = {("none", 0): len(prompts) * (n_tok - 1) / next(iter(by_kind.values())).rows[0].tokens_per_s}
     per_rep |= {(k, n): len(prompts) * (n_tok - 1) / by_kind[k].rows[n].tokens_per_s
-                for k in kinds for n in range(1, max_n + 1)}
+                for k in kinds for n in range(1, n_cap[k] + 1)}
     stages = stage_list(True)
     if sum(per_rep[st] for st in stages) > clock.left():
         stages = stage_list(False)
@@ -403,7 +406,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         for i, ids in enumerate(prompts):
             for kind, n in order:
                 r = measure.decode(session, ids, n_tokens=n_tok, n_max=n,
-                                   p_min=p_min if kind == "mtp" else 0.0, spec_type=kind if n else "mtp")
+                                   p_min=p_min if kind == head_kind else 0.0, spec_type=kind if n else "mtp")
                 records.append(RunRecord(rep, names[i], r))
         rep_times.append(clock.elapsed() - t_rep)
         rep += 1
@@ -422,17 +425,17 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
 
     # the plan section: the chosen drafter's table with the measured profile, then tune's choice
     profile = SpecProfile(hw, table.acceptance, routing)
-    if chosen_kind == "mtp":
+    if chosen_kind == head_kind:
         old = plan.speculative.entries() if plan.speculative is not None else {}
         kept = {k: v for k, v in old.items() if k not in ("type", "n_max", "p_min", "source", "runner_up")}
         plan_in = dataclasses.replace(plan, speculative=SpecSection.of(kept) if kept else None)
-        entries = predict(plan_in, model, draft, profile=profile, max_n=max_n)[1].entries()
+        entries = predict(plan_in, model, draft, profile=profile, max_n=n_cap[head_kind])[1].entries()
     else:
         entries = {"type": chosen_kind, "n_max": chosen, "p_min": 0.0, "source": "tune", **table.to_dict(),
                    "profile": profile}
     mine = {m.n_max: m for m in measured if m.drafter in (chosen_kind, "none")}
     entries.update({
-        "type": chosen_kind, "n_max": chosen, "p_min": p_min if chosen_kind == "mtp" else 0.0, "source": "tune",
+        "type": chosen_kind, "n_max": chosen, "p_min": p_min if chosen_kind == head_kind else 0.0, "source": "tune",
         "measured_speedup": round(mine[chosen].speedup_mean, 4) if chosen in mine else None,
         "measured_best_n_max": max(mine.values(), key=lambda m: m.speedup_mean).n_max,
         "choice": rule,
@@ -449,13 +452,14 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
     terms = [t for k in kinds for t in _terms(fp, hw, routing, by_kind[k].acceptance,
                                               [m for m in measured if m.drafter == k or
                                                (m.drafter == "none" and k == kinds[0])],
-                                              draft_kind=DRAFTER_KIND[k])]
+                                              draft_kind=DRAFTER_KIND[k], inject=inject)]
     return TuneResult(
         model=plan.model_path, devices=session.devices.describe(), budget_s=budget, seconds=clock.elapsed(),
         load_average=(load0, load1), tokens_per_run=n_tok, calibration_step_ms=plain_step * 1e3,
         plain_step_ms=statistics.median(r.step_s for r in passes.plain) * 1e3,
         loop_step_ms=step_us / 1e3, loop_spec_step_ms=spec_step_us / 1e3,
         verify_ms={b: t * 1e3 for b, t in verify_s.items()}, draft_ms={b: t * 1e3 for b, t in draft_s.items()},
+        inject_ms={b: t * 1e3 for b, t in inject_s.items()},
         terms=tuple(terms),
         pass_spread=passes.spread(), pass_rounds=passes.rounds,
         routing=routing, routing_layers=tuple(layers), routing_uniform=tuple(uniform),
@@ -463,7 +467,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         p_min=p_min, stages=tuple(stages), repeats=rep, runs=tuple(records), measured=tuple(measured),
         chosen_n_max=chosen, choice=rule, section=section, prefill=rates, routing_counts=counts,
         hot=hot, hot_note=hot_note, tables=by_kind, chosen_drafter=chosen_kind, drafter_choices=choices,
-        runner_up=runner_up)
+        runner_up=runner_up, head_drafter=head_kind)
 
 
 def choose_drafter(choices: dict[str, tuple[int, str]], measured: list[MeasuredRow]) -> tuple[str, dict | None]:
@@ -535,10 +539,13 @@ def compare_hot(session, plan, model, draft, prompts, counts, profile, args, clo
                          virtual), ""
 
 
-def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow], *, draft_kind: str = "chain") -> list[StepTerms]:
+def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow], *, draft_kind: str = "chain",
+           inject=None) -> list[StepTerms]:
     """Per run n_max: the predicted step split into draft passes, verify pass and the loop's
     own time, beside what the runs' stats booked to each — which term a misprediction is in.
-    ``draft_kind``: ``free`` for a drafter that runs no weights (its predicted draft term is 0)."""
+    ``draft_kind``: ``free`` for a drafter that runs no weights (its predicted draft term is 0),
+    ``block`` for one block pass over n tokens plus the injection (``inject``: its footprint)
+    of the 1 + accepted tokens each step keeps (the loop books that to drafting too)."""
     from placement.cost import forward_time
 
     kw = dict(n_embd=fp.n_embd, act_bytes=fp.act_bytes, routing=routing)
@@ -548,9 +555,14 @@ def _terms(fp, hw, routing, acceptance, measured: list[MeasuredRow], *, draft_ki
         n = m.n_max
         verify = [forward_time(fp.target, b, hw, **kw) for b in range(1, n + 2)]
         draft = [0.0 if draft_kind == "free" else forward_time(fp.draft, b, hw, **kw) for b in range(1, n + 2)]
-        first = sum(p * draft[k] for k, p in enumerate(acceptance.accepted_distribution(n)))
         dist = acceptance.drafted_distribution(n)
-        d_pred = sum(p * (first + (min(d + 1, n) - 1) * draft[0]) for d, p in enumerate(dist) if p and n)
+        if draft_kind == "block" and n:
+            kept = acceptance.accepted_distribution(n)
+            injected = sum(q * forward_time(inject, a + 1, hw, **kw) for a, q in enumerate(kept)) if inject else 0.0
+            d_pred = draft[n - 1] + injected
+        else:
+            first = sum(p * draft[k] for k, p in enumerate(acceptance.accepted_distribution(n)))
+            d_pred = sum(p * (first + (min(d + 1, n) - 1) * draft[0]) for d, p in enumerate(dist) if p and n)
         v_pred = sum(p * verify[d] for d, p in enumerate(dist))
         loop = params["step"] + (params["spec_step"] if n else 0.0)
         out.append(StepTerms(n, d_pred * 1e3, m.draft_ms, v_pred * 1e3, m.verify_ms,
@@ -651,6 +663,8 @@ def format_report(r: TuneResult) -> str:
     meas = {(m.drafter, m.n_max): m for m in r.measured}
     hw = r.hardware.to_dict()
     drafts = (", ".join(f"B={b} {t:.2f}" for b, t in r.draft_ms.items()) or "- (no draft head)")
+    if r.inject_ms:          # a block drafter: T_draft(B) is a block of B, plus the injection of B kept tokens
+        drafts += " ms; T_inject(B) " + ", ".join(f"B={b} {t:.2f}" for b, t in r.inject_ms.items())
     lines = [
         f"offload tune: {r.model} on {r.devices}; {r.seconds:.0f}s of a {r.budget_s:g}s budget, "
         f"load average {r.load_average[0]:.2f} -> {r.load_average[1]:.2f}",
@@ -668,7 +682,7 @@ def format_report(r: TuneResult) -> str:
     base = meas.get(("none", 0))
     for kind, table in tables.items():
         rows = {row.n: row for row in table.rows}
-        p_min = r.p_min if kind == "mtp" else 0.0
+        p_min = r.p_min if kind == r.head_drafter else 0.0
         lines += ["", f"drafter {kind}" + (" (no weights: draft passes cost nothing)" if kind == "ngram" else "")
                   + ":", table.format(), "",
                   f"predicted vs measured ({kind}, p_min {p_min:g}, {r.repeats} repeats x {r.tokens_per_run} "
@@ -698,7 +712,7 @@ def format_report(r: TuneResult) -> str:
         lines.append(f"{t.drafter:>7} {t.n_max:>5} {t.draft_pred:>7.2f}/{t.draft_meas:<7.2f} "
                      f"{t.verify_pred:>7.2f}/{t.verify_meas:<7.2f} {t.loop_pred:>6.2f}/{t.loop_meas:<6.2f}")
     lines += ["", r.hot.format() if r.hot is not None else f"hot experts: {r.hot_note}", ""]
-    p_min = r.p_min if r.chosen_drafter == "mtp" else 0.0
+    p_min = r.p_min if r.chosen_drafter == r.head_drafter else 0.0
     lines.append(f"chosen: drafter {r.chosen_drafter}, n_max {r.chosen_n_max} (p_min {p_min:g}): {r.choice}")
     if r.runner_up is not None:
         u = r.runner_up

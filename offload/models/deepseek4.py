@@ -36,7 +36,7 @@ from gpu.rope import RopeSpec, YaRN, rope_for
 from gpu.router import HashRouter, SqrtSoftplusRouter
 from offload.compiled_block import REFERENCE, compile_block
 from offload.errors import OffloadError
-from offload.gguf_model import NewerKeys
+from offload.gguf_model import NewerKeys, dsv4_config_problem
 from offload.models.shared.base import BuildContext, CausalLM, DecoderBlock, State
 from offload.models.shared.config import ModelConfig, config_fields, meta_value, yarn_scaling
 from offload.moe import MoE
@@ -46,7 +46,7 @@ COMPILED = REFERENCE.because("mHC streams, compressed attention and clamped expe
 ACTIVATION = "swiglu_clamp"
 CSA, HCA = 4, 128          # compress ratios: CSA overlaps its windows and has the indexer
 # drafters of an architecture of their own, as --draft files: arch → builder(draft weights, cfg,
-# ctx, embed=, output=); offload.dspark registers dflash (the runtime imports it)
+# ctx, embed=, output=, trunk= the trunk's ModelSpec); offload.dspark registers dflash (the runtime imports it)
 DRAFTERS: dict[str, Callable] = {}
 
 
@@ -90,37 +90,19 @@ class Deepseek4Config(ModelConfig):
 
 def config_from_gguf(spec: ModelSpec, meta) -> Deepseek4Config:
     def need(template: str):
-        v = meta_value(meta, template, spec.arch)
-        if v is None:
-            raise OffloadError(f"deepseek4: missing metadata key {template.format(arch=spec.arch)}")
-        return v
+        return meta_value(meta, template, spec.arch)
 
     # the header reader (offload.gguf_model) has refused a gating other than sqrt-softplus, a
     # bad compress ratio, and check_shapes a hyper-connection count or routing table the
-    # tensors do not match, before the model is built
-    for template in (Keys.LLM.EXPERT_GATING_FUNC, NewerKeys.COMPRESS_RATIOS, NewerKeys.HC_COUNT, Keys.Attention.Q_LORA_RANK,
-                     Keys.Attention.SLIDING_WINDOW, NewerKeys.OUTPUT_GROUP_COUNT, NewerKeys.OUTPUT_LORA_RANK,
-                     NewerKeys.HASH_LAYER_COUNT):
-        need(template)
-    n = spec.n_layer_trunk
-    if any(spec.compress_ratio(i) == CSA for i in range(n)):
-        for template in (Keys.Attention.Indexer.HEAD_COUNT, Keys.Attention.Indexer.KEY_LENGTH,
-                         Keys.Attention.Indexer.TOP_K):
-            need(template)
-    if spec.head_dim_k != spec.head_dim_v or set(spec.n_head_kv) != {1}:
-        raise OffloadError(f"deepseek4: one K=V head expected (head_count_kv {spec.n_head_kv[0]}, "
-                           f"key_length {spec.head_dim_k}, value_length {spec.head_dim_v})")
-    if (spec.n_head * spec.head_dim_k) % spec.o_groups:
-        raise OffloadError(f"deepseek4: {spec.n_head} heads of {spec.head_dim_k} do not split into "
-                           f"{spec.o_groups} output groups")
+    # tensors do not match; dsv4_config_problem a key this reads that is missing (torch-free:
+    # a DSpark drafter's header is checked with it before loading)
+    problem = dsv4_config_problem(spec, meta)
+    if problem is not None:
+        raise OffloadError(f"deepseek4: {problem}")
 
-    def per_block(template: str, default=None) -> tuple[float, ...]:
+    def per_block(template: str, default=None) -> tuple[float, ...]:     # present, long enough: checked above
         v = meta_value(meta, template, spec.arch, default)
-        if v is None:
-            raise OffloadError(f"deepseek4: missing metadata key {template.format(arch=spec.arch)}")
         v = list(v) if isinstance(v, (list, tuple)) else [v] * spec.n_layer
-        if len(v) < n:
-            raise OffloadError(f"deepseek4: {template.format(arch=spec.arch)} has {len(v)} values for {n} blocks")
         return tuple(float(x) for x in v[:spec.n_layer])
 
     clamp_exp = per_block(Keys.LLM.SWIGLU_CLAMP_EXP)
@@ -335,7 +317,7 @@ def build(cfg: Deepseek4Config, w, ctx: BuildContext, draft=None) -> Deepseek4:
     output_norm = RMSNorm(w.vector("output_norm.weight").to(output.device), cfg.rms_eps)
     nextn = dspark = None
     if draft is not None and draft.model.spec.arch in DRAFTERS:
-        dspark = DRAFTERS[draft.model.spec.arch](draft, cfg, ctx, embed=embed, output=output)
+        dspark = DRAFTERS[draft.model.spec.arch](draft, cfg, ctx, embed=embed, output=output, trunk=w.model.spec)
     elif draft is not None:
         nextn = mtp_head(draft, cfg, ctx, sidecar=True, embed=embed, output=output)
     elif cfg.n_nextn:

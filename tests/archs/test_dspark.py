@@ -12,7 +12,7 @@ import torch
 
 from offload.errors import OffloadError
 from offload.sampling import Sampler
-from offload.speculative import SpecOptions, generate_step
+from offload.speculative import SpecOptions, generate_step, make_drafter
 from tests.archs.test_deepseek4 import IDS, MTP_SPEC, load
 from tests.tiny_models import write_tiny_dspark, write_tiny_model
 
@@ -133,3 +133,93 @@ def test_dspark_drafts_when_sampling(pair):
         runs = [list(s.generate(PROMPT, max_tokens=8, stop_at_eos=False, n_max=3, spec_type="dspark",
                                 temperature=0.8, seed=3)) for _ in range(2)]
         assert len(runs[0]) == 8 and runs[0] == runs[1] and s.stats.drafted > 0
+
+
+# a dflash header the builder cannot use: (write_tiny_dspark keywords, the key the line names)
+BAD_HEADERS = {
+    "no block size": (dict(block_size=None), "a DSpark drafter needs metadata key dflash.block_size"),
+    "no mask token": (dict(mask_id=None), "a DSpark drafter needs metadata key tokenizer.ggml.mask_token_id"),
+    "block size 0": (dict(block_size=0), "dflash.block_size is 0; it must be an integer >= 1"),
+    "mask outside the vocabulary": (dict(mask_id=100000), "tokenizer.ggml.mask_token_id is 100000, not a token"),
+    "a bonus-anchor block of 1": (dict(block_size=1, sample_from_anchor=False), "dflash.block_size is 1; it must "
+                                  "be an integer >= 2 (dflash.sample_from_anchor is false"),
+    "no stage key": (dict(meta_overrides=(("{arch}.hyper_connection.sinkhorn_iterations", None),)),
+                     "the DSpark drafter's stages: missing metadata key dflash.hyper_connection.sinkhorn_iterations"),
+    "no swiglu clamp": (dict(meta_overrides=(("{arch}.swiglu_clamp_exp", None),)),
+                        "the DSpark drafter's stages: missing metadata key dflash.swiglu_clamp_exp"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_HEADERS)
+def test_a_bad_dflash_header_is_one_line_from_offload_plan(pair, tmp_path, capsys, case):
+    """Each key the DSpark builder reads is checked with the header, before any weight: offload
+    plan (in process, its CLI entry) exits 2 with one line naming the file and the key."""
+    from offload.cli import main
+    kw, needle = BAD_HEADERS[case]
+    bad = write_tiny_dspark(tmp_path / "bad.gguf", TRUNK, **kw).path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = main(["plan", str(pair[0].path), "--draft", str(bad), "--devices", "CPU=16GiB"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"{bad}: {needle}" in err, err
+
+
+def test_a_bad_dflash_header_stops_offload_run_before_loading(pair, tmp_path):
+    """offload run with a dflash --draft lacking dflash.block_size: status 2, one line (nothing
+    was loaded: no progress line before it), no traceback."""
+    from tests.cli.test_cli_plan import offload
+    bad = write_tiny_dspark(tmp_path / "no-block.gguf", TRUNK, block_size=None).path
+    r = offload("run", str(pair[0].path), "--draft", str(bad), "-n", "2", "-p", "hi", "--devices", "CPU=16GiB")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"{bad}: a DSpark drafter needs metadata key dflash.block_size" in r.stderr
+
+
+def test_sample_from_anchor_false_drafts_from_the_mask_rows(pair, tmp_path):
+    """dflash.sample_from_anchor false (llama.cpp's bonus-anchor layout, i_draft_beg = 1): a
+    draft of n is the block [x_Q, MASK × n]; its rows 1..n, the Markov chain started at row 1
+    from x_Q, give the drafts, so a block of size 5 drafts at most 4. Greedy with exact verify
+    at n_max 1-5 is still plain decoding's output."""
+    trunk, _ = pair
+    draft = write_tiny_dspark(tmp_path / "bonus.gguf", TRUNK, sample_from_anchor=False)
+    with _load(trunk, draft) as s, torch.inference_mode():
+        m = s.model
+        head = m.dspark
+        assert not head.sample_from_anchor and head.header.max_drafts == head.block_size - 1 == 4
+        state = m.new_state(head)
+        logits, taps = m.forward(torch.tensor(PROMPT), state)
+        x_q = int(logits[-1].argmax())
+        drafter = make_drafter(SpecOptions(n_max=5, type="dspark"), head, state, Sampler(), 64)
+        drafter.prime(taps, PROMPT)
+        got, _ = drafter.draft(x_q, len(PROMPT), 5)
+        base, _ = head.block([x_q] + [head.mask_id] * 4, len(PROMPT), state.nextn_cache)
+        state.nextn_cache.truncate(len(PROMPT))
+        want, prev = [], x_q
+        for i in range(1, 5):
+            col = base[i] + head.markov(prev)[1]
+            prev = int(col.argmax())
+            want.append(prev)
+        assert got == want and len(got) == 4
+        plain = list(s.generate(PROMPT, max_tokens=N_OUT, stop_at_eos=False))
+        for n_max in (1, 2, 3, 4, 5):
+            out = list(s.generate(PROMPT, max_tokens=N_OUT, stop_at_eos=False, n_max=n_max, verify="exact",
+                                  spec_type="dspark"))
+            assert out == plain and s.stats.drafted > 0, n_max
+            assert not any(s.stats.drafted_per_position[4:])       # the 5th position: never
+
+
+@pytest.mark.parametrize("anchor, rows", [(None, 5), (False, 4)])
+def test_offload_plan_forecasts_dspark_up_to_what_a_block_drafts(pair, tmp_path, capsys, anchor, rows):
+    """The n_max table of a dflash --draft ends at the block's drafts (block_size 5; 4 with
+    dflash.sample_from_anchor false), whatever --spec-max-n asks (6)."""
+    import json
+
+    from offload.cli import main
+    draft = write_tiny_dspark(tmp_path / "d.gguf", TRUNK, sample_from_anchor=anchor).path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = main(["plan", str(pair[0].path), "--draft", str(draft), "--devices", "CPU=16GiB", "--json",
+                   "--spec-max-n", "6"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    spec = json.loads(out.out)["speculative"]
+    assert spec["type"] == "dspark" and [r["n_max"] for r in spec["rows"]] == list(range(rows + 1))

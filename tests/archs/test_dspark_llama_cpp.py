@@ -31,7 +31,7 @@ from tests.tiny_models import write_tiny_dspark, write_tiny_model
 REL_TOL = 1e-5
 
 
-def _ours(trunk, draft, n):
+def _ours(trunk, draft, n, off=0):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         s = load(trunk, draft=str(draft))
@@ -46,7 +46,7 @@ def _ours(trunk, draft, n):
             base, h = m.dspark.block([x_q] + [m.dspark.mask_id] * (k - 1), len(PROMPT), state.nextn_cache)
             state.nextn_cache.truncate(len(PROMPT))
             rows, conf, prev = [], [], x_q
-            for i in range(k):
+            for i in range(off, k):       # off 1 (sample_from_anchor false): row 0 is no draft
                 e, bias = m.dspark.markov(prev)
                 col = base[i] + bias
                 rows.append(col.numpy().copy())
@@ -69,12 +69,17 @@ def _context(l, model, other=None):
     return ctx
 
 
-def test_dspark_block_logits_match_llama_cpp(tmp_path):
+@pytest.mark.parametrize("anchor", [None, False], ids=["sample_from_anchor absent", "sample_from_anchor false"])
+def test_dspark_block_logits_match_llama_cpp(tmp_path, anchor):
+    """``anchor`` None: the key absent (llama.cpp's default, true): drafts from block rows 0..;
+    False (a bonus-anchor export): row 0 is no draft (llama.cpp passes its logits through
+    unbiased), the Markov chain starts at row 1; rows 1.. compared."""
     l = pytest.importorskip("llama_cpp.llama_cpp")
     trunk = write_tiny_model(tmp_path / "trunk.gguf", TRUNK).path
-    draft = write_tiny_dspark(tmp_path / "dspark.gguf", TRUNK).path
+    draft = write_tiny_dspark(tmp_path / "dspark.gguf", TRUNK, sample_from_anchor=anchor).path
     sizes = (5, 2)
-    taps, x_q, ours, layers, mask = _ours(trunk, draft, sizes)
+    off = 0 if anchor is None else 1
+    taps, x_q, ours, layers, mask = _ours(trunk, draft, sizes, off)
     p, d = len(PROMPT), TRUNK.n_embd
 
     lib = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(l.__file__), "lib", "libllama.so"))[0])
@@ -123,10 +128,10 @@ def test_dspark_block_logits_match_llama_cpp(tmp_path):
             l.llama_batch_free(tb)
             rows, conf = ours[n]
             theirs = np.stack([np.ctypeslib.as_array(l.llama_get_logits_ith(cd, i), shape=(rows.shape[1],)).copy()
-                               for i in range(n)])
+                               for i in range(off, n)])
             errs[n] = float(np.abs(theirs - rows).max() / np.abs(rows).max())
             assert theirs.argmax(1).tolist() == rows.argmax(1).tolist(), n
-            got = np.array([get_conf(cd, i)[0] for i in range(n)])
+            got = np.array([get_conf(cd, i)[0] for i in range(off, n)])
             conf_errs[n] = float(np.abs(got - conf).max())
             l.llama_memory_seq_rm(l.llama_get_memory(cd), 0, p, -1)     # the block's keys: rolled back
     finally:
@@ -134,7 +139,7 @@ def test_dspark_block_logits_match_llama_cpp(tmp_path):
         l.llama_free(ct)
         l.llama_model_free(md)
         l.llama_model_free(mt)
-    print(f"\n  DSpark vs llama.cpp: taps rel err {taps_err:.1e}, block logits "
+    print(f"\n  DSpark vs llama.cpp (drafts from rows {off}..): taps rel err {taps_err:.1e}, block logits "
           + ", ".join(f"n={n} {e:.1e}" for n, e in errs.items())
           + "; confidences abs err " + ", ".join(f"n={n} {e:.1e}" for n, e in conf_errs.items()))
     assert taps_err < REL_TOL and all(e < REL_TOL for e in errs.values()), errs
