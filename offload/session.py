@@ -16,7 +16,7 @@ from offload.devices import DeviceMap
 from offload.errors import OffloadError
 from offload.models.shared.base import CausalLM
 from offload.profile import Profile
-from offload.sampling import Sampler
+from offload.sampling import Penalties, Sampler, with_penalties
 from offload.speculative import SpecOptions, drafter_uses_hidden, generate_step
 from offload.stats import RunStats, peak_rss_bytes
 from offload.weights import WeightStore
@@ -107,7 +107,8 @@ class Session:
         self.load_s += time.perf_counter() - t0
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, ubatch: int | None = None,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, min_p: float = 0.0,
+                 penalties: Penalties | None = None, ubatch: int | None = None,
                  stop_at_eos: bool = True, n_max: int = 0, p_min: float = 0.0, verify: str = "batched",
                  spec_type: str = "mtp", ngram_size: int = NGRAM_SIZE, head=None, cache_prompt: bool = False,
                  guide=None, on_token=None, on_prompt_logits=None) -> Iterator[int]:
@@ -120,7 +121,11 @@ class Session:
         ``cache_prompt``: keep the KV of the longest prefix shared with the previous
         ``cache_prompt`` sequence (``self.prompt_cache``) and evaluate only the rest.
         ``guide``, ``on_token``, ``on_prompt_logits``: as ``offload.speculative.generate_step``
-        takes them (the prompt's logits need every prompt token evaluated: no prompt cache)."""
+        takes them (the prompt's logits need every prompt token evaluated: no prompt cache).
+
+        Sampling (``offload.sampling``): greedy by default here (the library's callers ask for
+        what they want); ``offload run`` and ``offload serve`` pass llama.cpp's defaults.
+        ``penalties``: llama.cpp's repetition penalties, the prompt counted in their window."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         ubatch = self.plan.settings.ubatch if ubatch is None else ubatch
         ctx = self.plan.settings.ctx
@@ -141,7 +146,7 @@ class Session:
         # a drafter that reads the trunk's states keeps a cache the prompt cache must follow
         follows_trunk = n_max > 0 and drafter_uses_hidden(options.type)
         try:
-            sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+            sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p)
         except ValueError as exc:
             raise OffloadError(f"sampling: {exc}") from None
         stats = self.stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
@@ -151,6 +156,7 @@ class Session:
         else:
             state, n_cached = self.model.new_state(head if follows_trunk else None), 0
         eos = self.tokenizer.eos_ids if stop_at_eos else frozenset()
+        guide = with_penalties(guide, penalties, ids)
         try:
             for tok in generate_step(self.model, ids, state=state, sampler=sampler,
                                      head=head if follows_trunk else None, options=options, ubatch=ubatch,

@@ -22,7 +22,7 @@ def main(plan_path: str, rank: int, world: int, prompt: list[int], n: int, out: 
     mplan = build_multihost_plan(model, pf.hosts, pf.settings)
     check_launch(mplan, model.spec.arch, rank, world, plan_path)
     stage = load_stage(model, mplan, rank)
-    init_group(rank, world, 60.0)
+    init_group(rank, world, 600.0)        # generous: a cold kernel cache compiles for minutes on a busy box
     rows: list[np.ndarray] = []
     run = Pipeline(stage, rank, world)
     tokens = list(run.generate(prompt, max_tokens=n, sampler=Sampler(), ubatch=mplan.settings.ubatch,

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from offload.commands import run_hosts
+from offload.commands.sampling_args import add_sampling_arguments, describe_sampling, sampling_options
 from offload.commands.plan import add_placement_arguments, plan_from_args, spec_type_arg
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.host_memory import return_freed_memory
@@ -45,10 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("-f", "--prompt-file", help="read the prompt from this file")
     p.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=128,
                    help="tokens to generate (default 128)")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="top-p (1 = off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    add_sampling_arguments(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--stats-json", metavar="PATH", help="write timings/counters as JSON here")
     p.add_argument("-v", "--verbose", action="store_true",
@@ -270,10 +268,12 @@ def main(argv=None) -> int:
     model = open_cli_model(args)
     plan, model, _ = plan_from_args(args, model)
     spec, account = spec_settings(args, plan)
+    sampling = sampling_options(args)          # bad values: one line before loading
     session = runtime.load_plan(model, plan, progress=True, **session_options(args))
     with session:
         print(f"offload: {session.devices.describe()}", file=sys.stderr)
         print(f"offload: {account}", file=sys.stderr)
+        print(f"offload: {describe_sampling(sampling)}", file=sys.stderr)
         if args.verbose:
             for line in path_lines(session.model):
                 print(f"offload: {line}", file=sys.stderr)
@@ -281,9 +281,8 @@ def main(argv=None) -> int:
         stream = TextStream(session.detokenize)
         ids = session.tokenize(prompt)
         out = []
-        for tok in session.generate(ids, max_tokens=args.n_predict, temperature=args.temp,
-                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                    stop_at_eos=not args.ignore_eos, **spec):
+        for tok in session.generate(ids, max_tokens=args.n_predict, stop_at_eos=not args.ignore_eos,
+                                    **sampling, **spec):
             sys.stdout.write(stream.push(tok))
             sys.stdout.flush()
             out.append(tok)

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from offload.commands.sampling_args import sampling_options
 from offload.errors import OffloadError
 from offload.gguf_model import open_model
 from offload.plans import read_plan_file
@@ -84,10 +85,12 @@ def main(args: argparse.Namespace, prompt: str, rank: int, world: int) -> int:
 
     pipeline.check_launch(mplan, model.spec.arch, rank, world, args.placement)   # before any weight is read
     torch.set_num_threads(args.torch_threads)
-    try:
-        sampler = Sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    except ValueError as exc:
-        raise OffloadError(f"sampling: {exc}") from None
+    options = sampling_options(args)
+    if options["penalties"] is not None:
+        raise OffloadError("repetition penalties across hosts are not built yet (the last rank samples "
+                           "without the history): leave --repeat-penalty/--presence-penalty/--frequency-penalty off")
+    sampler = Sampler(temperature=options["temperature"], top_k=options["top_k"], top_p=options["top_p"],
+                      min_p=options["min_p"], seed=options["seed"])
     tokenizer = Tokenizer.from_gguf(model.metadata)
     ids = tokenizer.encode(prompt)
     if len(ids) + args.n_predict > mplan.settings.ctx:

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from offload.commands.plan import add_placement_arguments, plan_from_args
+from offload.commands.sampling_args import add_sampling_arguments, sampling_defaults
 from offload.commands.run import (add_session_arguments, add_spec_arguments, open_cli_model,
                                   runtime_process_settings, session_options, spec_settings)
 from offload.errors import ArgumentParser, OffloadError
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--alias", metavar="NAME", help="model name in /v1/models and responses (default: the file's stem)")
     g.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                    help="uvicorn's log level (info logs each request)")
+    add_sampling_arguments(p)
     add_session_arguments(p)
     add_spec_arguments(p)
     add_placement_arguments(p)
@@ -92,6 +94,7 @@ def main(argv=None) -> int:
     options = SpecOptions(n_max=spec["n_max"], p_min=p_min, verify=args.spec_verify,
                           type=spec.get("spec_type", "mtp"), ngram_size=spec.get("ngram_size", NGRAM_SIZE))
     # everything that can be wrong with the flags is found before the port is bound
+    sampling = sampling_defaults(args)
     template = ChatTemplate.for_model(model.metadata, Tokenizer.from_gguf(model.metadata), args.chat_template)
     name = args.alias or Path(plan.model_path).stem
     sock = listen_socket(args.host, args.port)
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
 
     tool_format = tool_formats.for_model(template.source, model.spec.arch)
     engine = Engine(load, model_name=name, template=template, spec=options, max_queue=args.max_queue,
-                    on_load_error=load_failed, tool_format=tool_format)
+                    on_load_error=load_failed, tool_format=tool_format, sampling=sampling)
     meta = {"arch": model.spec.arch, "n_ctx": plan.settings.ctx, "n_max": options.n_max, "spec_type": options.type,
             "drafting": plan.drafting, "chat_template": template.origin,
             "tool_format": tool_format.name if tool_format is not None else None}

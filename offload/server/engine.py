@@ -32,6 +32,7 @@ from offload.server.logprobs import Pieces, TokenLogprob, score
 from offload.server.metrics import Metrics
 from offload.server.protocol import APIError, Piece, Request, Result, server_busy
 from offload.server.stops import StopText
+from offload.sampling import SamplingDefaults
 from offload.speculative import SpecOptions
 from offload.stats import RunStats, add_per_position
 from offload.tokenizer import TextStream
@@ -63,8 +64,9 @@ class Job:
 class Engine:
     def __init__(self, load: Callable[[], object], *, model_name: str, template: ChatTemplate,
                  spec: SpecOptions, max_queue: int, on_load_error: Callable[[str], None],
-                 tool_format: ToolFormat | None = None):
+                 tool_format: ToolFormat | None = None, sampling: SamplingDefaults = SamplingDefaults()):
         self._load, self.model_name, self.template, self.spec = load, model_name, template, spec
+        self.sampling = sampling               # what a request that names no sampling field gets
         self.tool_format = tool_format         # how this model writes tool calls (None: unknown)
         self.max_queue, self._on_load_error = max_queue, on_load_error
         self.session = None
@@ -289,8 +291,9 @@ class Engine:
                     for i, row in enumerate(rows[:len(job.ids) - 1 - start]):
                         prompt_lp.append(score(row, job.ids[start + i + 1], k))
         finish, n_gen = "length", 0
-        gen = session.generate(job.ids, max_tokens=job.max_tokens, temperature=r.temperature, top_k=r.top_k,
-                               top_p=r.top_p, seed=choice_seed(r.seed, index), stop_at_eos=not r.ignore_eos,
+        gen = session.generate(job.ids, max_tokens=job.max_tokens, **self.sampling.of(r),
+                               seed=choice_seed(self.sampling.seed if r.seed is None else r.seed, index),
+                               stop_at_eos=not r.ignore_eos,
                                n_max=job.n_max, p_min=self.spec.p_min, verify=self.spec.verify,
                                spec_type=self.spec.type, ngram_size=self.spec.ngram_size,
                                cache_prompt=r.cache_prompt, guide=guide, on_token=on_token,

@@ -52,9 +52,15 @@ class Request:
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
     max_tokens: int | None = None              # None: up to the context
-    temperature: float = 1.0                   # OpenAI's default
-    top_p: float = 1.0
-    top_k: int = 0
+    # sampling: None = the server's default (offload serve's flags, llama.cpp's defaults)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None        # llama-server's fields
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None      # OpenAI's
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -106,6 +112,10 @@ class _Body:
         if v < lo or (lo_open and v == lo) or v > hi:
             raise APIError(400, f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", param=name)
         return float(v)
+
+    def optional_number(self, name, lo, hi, *, lo_open=False):
+        """``number`` whose absence is None (the server's default applies)."""
+        return None if self.body.get(name) is None else self.number(name, lo, hi, None, lo_open=lo_open)
 
     def bool(self, name, default):
         return self.get(name, "a boolean", lambda v: isinstance(v, bool), default)
@@ -182,9 +192,14 @@ def _common(body: _Body, endpoint: str) -> Request:
         endpoint=endpoint,
         model=body.get("model", "a string", lambda v: isinstance(v, str)),
         max_tokens=max_tokens,
-        temperature=body.number("temperature", 0.0, 2.0, 1.0),
-        top_p=body.number("top_p", 0.0, 1.0, 1.0, lo_open=True),
-        top_k=body.int("top_k", minimum=0, default=0),
+        temperature=body.optional_number("temperature", 0.0, 2.0),
+        top_p=body.optional_number("top_p", 0.0, 1.0, lo_open=True),
+        top_k=body.int("top_k", minimum=0),
+        min_p=body.optional_number("min_p", 0.0, 1.0),
+        repeat_penalty=body.optional_number("repeat_penalty", 0.0, 10.0, lo_open=True),
+        repeat_last_n=body.int("repeat_last_n", minimum=-1),
+        presence_penalty=body.optional_number("presence_penalty", -2.0, 2.0),
+        frequency_penalty=body.optional_number("frequency_penalty", -2.0, 2.0),
         seed=body.int("seed", minimum=0),
         stop=_stop(body),
         stream=body.bool("stream", False),

@@ -173,7 +173,7 @@ def test_offload_run_end_to_end(tmp_path, capsys):
         seed=36))
     prompt = "def main(argv):\n    return"
     plan = ["--devices", "CUDA0=4GiB,CPU=8GiB", "--n-cpu-moe", "2", "-c", "1024"]
-    assert main(["run", str(tiny.path), "-p", prompt, "-n", "24", "--ignore-eos", "--virtual-gpus", *plan]) == 0
+    assert main(["run", str(tiny.path), "-p", prompt, "-n", "24", "--ignore-eos", "--temp", "0", "--virtual-gpus", *plan]) == 0
     out = capsys.readouterr().out
     with rt.load(tiny.path, devices="CUDA0=4GiB,CPU=8GiB", n_cpu_moe=2, ctx=1024, virtual_gpus=True,
                  quiet=True) as s:

@@ -55,7 +55,7 @@ def test_offload_run_gives_the_same_text(pair):
     out = []
     for m in pair:
         p = subprocess.run([sys.executable, "-m", "offload", "run", str(m.path), "-p", "def the", "-n", "12",
-                            "--ignore-eos", "--decode-activations", "float"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            "--ignore-eos", "--decode-activations", "float", "--temp", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
         out.append(p.stdout)
     assert out[0] == out[1] and out[0].strip()

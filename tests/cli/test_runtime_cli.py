@@ -31,10 +31,17 @@ def tiny(tmp_path_factory):
 
 
 def test_stdout_is_exactly_the_generated_text(tiny, tmp_path):
+    """By default ``offload run`` samples as llama.cpp does (temperature 0.8, top-k 40, top-p
+    0.95, min-p 0.05) with a fresh seed it prints: the text is the library's generation with
+    those settings and that seed."""
     stats = tmp_path / "stats.json"
     p = run(tiny.path, "-p", "def the", "-n", "12", "--ignore-eos", "--stats-json", stats, check_rc=0)
+    line = next(x for x in p.stderr.splitlines() if x.startswith("offload: sampling: "))
+    assert line.startswith("offload: sampling: temp 0.8, top-k 40, top-p 0.95, min-p 0.05, seed "), line
+    seed = int(line.rsplit(" ", 1)[1])
     with rt.load(tiny.path, quiet=True) as s:
-        want = s.detokenize(s.generate("def the", max_tokens=12, stop_at_eos=False))
+        want = s.detokenize(s.generate("def the", max_tokens=12, stop_at_eos=False, temperature=0.8, top_k=40,
+                                       top_p=0.95, min_p=0.05, seed=seed))
     assert p.stdout == want + "\n"
     assert "prompt eval time" in p.stderr and "eval time" in p.stderr
     assert ": compiled" not in p.stderr and "nextn block" not in p.stderr     # the block paths: -v only
@@ -44,8 +51,9 @@ def test_stdout_is_exactly_the_generated_text(tiny, tmp_path):
 
 
 def test_virtual_gpus_plan_is_announced_and_gives_the_same_text(tiny):
-    plain = run(tiny.path, "-p", "def the", "-n", "8", "--ignore-eos", check_rc=0)
-    gpu = run(tiny.path, "-p", "def the", "-n", "8", "--ignore-eos", "--devices", "CUDA0=8GiB,CUDA1=8GiB,CPU=8GiB",
+    plain = run(tiny.path, "-p", "def the", "-n", "8", "--ignore-eos", "--temp", "0", check_rc=0)
+    gpu = run(tiny.path, "-p", "def the", "-n", "8", "--ignore-eos", "--temp", "0",
+              "--devices", "CUDA0=8GiB,CUDA1=8GiB,CPU=8GiB",
               "-ts", "1,1", "--n-cpu-moe", "2", "--virtual-gpus", check_rc=0)
     assert gpu.stdout == plain.stdout
     assert "virtual" in gpu.stderr and "CUDA1" in gpu.stderr
@@ -93,6 +101,8 @@ def test_bad_inputs_are_one_line_and_status_2(tiny, tmp_path, capsys):
         ((tiny.path, "--devices", "CUDA0=8GiB,CPU=8GiB", "--stats-json", stats), "--virtual-gpus"),
         ((tiny.path, "-n", "0"), "-n"),
         ((tiny.path, "--prompt-file", tmp_path / "nope.txt"), "nope.txt"),
+        ((tiny.path, "--min-p", "1.5"), "min_p"),
+        ((tiny.path, "--repeat-penalty", "0"), "repeat penalty"),
     ]
     for args, needle in cases:
         p = run_here(capsys, *args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from offload.sampling import Sampler
+from offload.sampling import Penalties, PenaltyGuide, Sampler, with_penalties
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, 3.0], dtype=np.float32)
 
@@ -53,3 +53,58 @@ def test_bad_parameters_are_refused():
     for kw in ({"temperature": -1}, {"top_p": 0.0}, {"top_k": -2}):
         with pytest.raises(ValueError):
             Sampler(**kw)
+
+
+def test_min_p_and_llama_cpp_order():
+    """top-p and min-p cut on the untempered distribution, then the temperature reshapes what
+    is left (llama.cpp's chain: top_k, top_p, min_p, temperature)."""
+    z = LOGITS.astype(np.float64)
+    full = softmax(z)
+    # min-p 0.3 keeps the tokens whose probability is at least 0.3 x the top one's
+    keep = full >= 0.3 * full.max()
+    p = Sampler(temperature=0.5, min_p=0.3).probs(LOGITS)
+    assert set(np.nonzero(p)[0]) == set(np.nonzero(keep)[0]) == {0, 5}
+    np.testing.assert_allclose(p[keep], softmax(z[keep] / 0.5), rtol=1e-12)
+    # top-p 0.7 at temperature 2: the set is the one of the T = 1 distribution (tokens 5 and 0:
+    # 0.63 + 0.23), not of the flatter T = 2 one (which would need a third token)
+    p = Sampler(temperature=2.0, top_p=0.7).probs(LOGITS)
+    assert set(np.nonzero(p)[0]) == {5, 0}
+    np.testing.assert_allclose(p[[5, 0]], softmax(z[[5, 0]] / 2.0), rtol=1e-12)
+    with pytest.raises(ValueError):
+        Sampler(min_p=1.5)
+
+
+def llama_penalised(row, history, repeat, presence, frequency, last_n):
+    """llama.cpp's penalties sampler, written out: counts over the last ``last_n`` tokens."""
+    out = np.array(row, dtype=np.float64)
+    window = history[-last_n:] if last_n > 0 else history
+    for tok in set(window):
+        c = window.count(tok)
+        out[tok] = out[tok] * repeat if out[tok] <= 0 else out[tok] / repeat
+        out[tok] -= c * frequency + presence
+    return out
+
+
+def test_penalties_are_llama_cpps_and_slide_with_the_window():
+    pen = Penalties(repeat=1.3, last_n=4, presence=0.4, frequency=0.25)
+    history = [5, 0, 5, 3, 5, 1]            # the window is the last 4: 5, 3, 5, 1
+    g = PenaltyGuide(pen, history)
+    want = llama_penalised(LOGITS, history, 1.3, 0.4, 0.25, 4)
+    np.testing.assert_allclose(g.mask(LOGITS), want, rtol=1e-6)
+    assert g.mask(LOGITS)[0] == LOGITS[0]   # token 0 left the window
+    twin = g.fork()
+    g.accept(2)                             # the window slides: 3, 5, 1, 2
+    np.testing.assert_allclose(g.mask(LOGITS), llama_penalised(LOGITS, history + [2], 1.3, 0.4, 0.25, 4),
+                               rtol=1e-6)
+    np.testing.assert_allclose(twin.mask(LOGITS), want, rtol=1e-6)     # a fork is its own copy
+    assert not Penalties().active and not Penalties(repeat=1.5, last_n=0).active
+    with pytest.raises(ValueError):
+        Penalties(repeat=0.0)
+
+
+def test_greedy_with_a_repeat_penalty_moves_off_a_seen_token():
+    """Greedy picks the argmax of the penalised row: a strong repeat penalty on token 5 (the
+    top logit) hands the choice to token 0."""
+    g = with_penalties(None, Penalties(repeat=2.0), [5])
+    assert Sampler()(g.mask(LOGITS)) == 0
+    assert with_penalties(None, Penalties(), [5]) is None          # nothing set: no guide

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from offload.sampling import Penalties, SamplingDefaults
 from offload.server.logprobs import log_softmax
 
 httpx = pytest.importorskip("httpx")
@@ -75,9 +77,10 @@ def test_chat_logprobs_equal_a_direct_forward(client, session, temperature, seed
                                        seed=seed, logprobs=True, top_logprobs=5,
                                        extra_body={"cache_prompt": False, "ignore_eos": True})
     ids = chat_ids(session)
-    # the same tokens as the runtime's own generation (same sampler, same seed)
-    gen = list(session.generate(ids, max_tokens=16, temperature=temperature, seed=seed, n_max=2,
-                                stop_at_eos=False))
+    # the same tokens as the runtime's own generation (same sampler: the server's defaults for
+    # the fields the request leaves out; same seed)
+    sampling = SamplingDefaults().of(SimpleNamespace(temperature=temperature))
+    gen = list(session.generate(ids, max_tokens=16, seed=seed, n_max=2, stop_at_eos=False, **sampling))
     content = r.choices[0].logprobs.content
     assert [c.token for c in content] == [session.tokenizer.piece(t) for t in gen]
     lp = direct(session, ids + gen)
@@ -250,3 +253,24 @@ def test_drafting_under_a_constraint_keeps_greedy_output(session):
     assert outs[0] == outs[1] == outs[2]
     assert session.tokenizer.eos_ids & {outs[0][-1]}
     pytest.importorskip("jsonschema").validate(json.loads(session.detokenize(outs[0])), PERSON)
+
+
+def test_penalties_and_min_p_are_the_librarys(client, session):
+    """(The server drafts with n_max 2, so the library does here too.) A request's llama.cpp
+    sampling fields reach the sampler: greedy with a repeat and a
+    presence penalty gives the library's penalised generation (which differs from plain
+    greedy on this looping model), and min-p with a seed gives the library's draw."""
+    ids = chat_ids(session)
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=24)
+    extra = {"cache_prompt": False, "ignore_eos": True}
+    pen = Penalties(repeat=1.5, presence=0.5)
+    r = client.chat.completions.create(**kw, temperature=0, presence_penalty=0.5,
+                                       extra_body={**extra, "repeat_penalty": 1.5})
+    want = session.detokenize(session.generate(ids, max_tokens=24, n_max=2, stop_at_eos=False, penalties=pen))
+    plain = session.detokenize(session.generate(ids, max_tokens=24, n_max=2, stop_at_eos=False))
+    assert r.choices[0].message.content == want != plain
+    r = client.chat.completions.create(**kw, temperature=1.0, seed=3,
+                                       extra_body={**extra, "min_p": 0.2})
+    sampling = SamplingDefaults().of(SimpleNamespace(min_p=0.2, temperature=1.0))
+    want = session.detokenize(session.generate(ids, max_tokens=24, n_max=2, stop_at_eos=False, seed=3, **sampling))
+    assert r.choices[0].message.content == want

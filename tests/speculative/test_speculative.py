@@ -32,7 +32,8 @@ RNG = np.random.default_rng(2024)
 P_LOGITS = RNG.normal(0.0, 1.2, (V, V))       # target: logits of the next token after x
 Q_LOGITS = RNG.normal(0.0, 1.2, (V, V))       # draft head: its own guess of the same
 # chi-square critical values at p = 0.001 (a 1-in-1000 false alarm) by degrees of freedom
-CHI2_CRIT = {4: 18.47, 14: 36.12, 19: 43.82, 24: 51.18}
+CHI2_CRIT = {4: 18.47, 14: 36.12, 15: 37.70, 16: 39.25, 17: 40.79, 18: 42.31, 19: 43.82, 20: 45.31,
+             21: 46.80, 22: 48.27, 23: 49.73, 24: 51.18}
 
 
 class Cache:
@@ -392,4 +393,49 @@ def test_a_guide_constrains_drafts_and_target_alike(verify):
     assert chi2(counts[keep], n * want[keep]) < crit
     unmasked = markov_probs(P_LOGITS)
     assert chi2(n * np.einsum("a,ab,bc->bc", p[3], unmasked, unmasked)[keep], n * want[keep]) > 10 * crit
+    assert 0 < accepted < drafted
+
+
+def test_loop_under_penalties_and_min_p_follows_the_penalised_chain():
+    """Repetition penalties change each row by the history (prompt included) and min-p cuts
+    it: speculative steps (n_max 2, drafts judged against the penalised rows, the draft head's
+    rows penalised by a fork of the same history) give tokens 2 and 3 the joint distribution
+    of the penalised chain, written out here from llama.cpp's formulas (chi-square)."""
+    from offload.sampling import Penalties, with_penalties
+    from tests.runtime.test_sampling import llama_penalised
+
+    pen = dict(repeat=1.6, presence=0.5, frequency=0.3, last_n=3)
+    sampler_kw = dict(temperature=0.9, min_p=0.1)
+
+    def row_probs(x, history):
+        z = llama_penalised(P_LOGITS[x], history, pen["repeat"], pen["presence"], pen["frequency"], pen["last_n"])
+        return Sampler(**sampler_kw).probs(z)
+
+    prompt = [1, 3]
+    want = np.zeros((V, V))
+    for a in range(V):
+        pa = row_probs(3, prompt)[a]
+        for b in range(V):
+            pb = row_probs(a, prompt + [a])[b]
+            want[b] += pa * pb * row_probs(b, prompt + [a, b])
+    n = 5000
+    counts = np.zeros((V, V))
+    drafted = accepted = 0
+    for seed in range(n):
+        stats = RunStats()
+        head, state = MarkovHead(), None
+        state = State(head.new_cache())
+        out = list(generate_step(MarkovLM(), prompt, state=state, sampler=Sampler(**sampler_kw, seed=seed),
+                                 head=head, options=SpecOptions(n_max=2), ubatch=4, max_tokens=3, stats=stats,
+                                 guide=with_penalties(None, Penalties(**pen), prompt)))
+        counts[out[1], out[2]] += 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    keep = want > 0
+    assert counts[~keep].sum() == 0
+    crit = CHI2_CRIT.get(int(keep.sum()) - 1)
+    assert crit is not None, int(keep.sum())
+    assert chi2(counts[keep], n * want[keep]) < crit
+    plain = np.einsum("a,ab,bc->bc", markov_probs(P_LOGITS, 0.9)[3], markov_probs(P_LOGITS, 0.9),
+                      markov_probs(P_LOGITS, 0.9))
+    assert chi2(n * plain[keep], n * want[keep]) > 3 * crit      # the test sees the penalties
     assert 0 < accepted < drafted

@@ -229,7 +229,7 @@ def cli(capsys, *args):
 def test_run_speculative_flags_stats_and_plan_default(capsys, tmp_path, session):
     stats = tmp_path / "stats.json"
     rc, out, err = cli(capsys, "run", SHIPPED, "--devices", "CPU=16GiB", "-p", PROMPTS[2], "-n", "30",
-                       "--ignore-eos", "--spec-n-max", "2", "--spec-diagnose", "--stats-json", stats)
+                       "--ignore-eos", "--temp", "0", "--spec-n-max", "2", "--spec-diagnose", "--stats-json", stats)
     assert rc == 0, err
     d = json.loads(stats.read_text())
     assert d["drafted"] > 0 and len(d["acceptance_per_position"]) == 2 and d["tokens_per_second"] > 0
