@@ -54,11 +54,11 @@ class PromptCache:
         n_cached = head_ok if drafting else min(common, len(ids) - 1)
         try:
             state.truncate(n_cached)
-        except ValueError:      # a sliding-window cache no longer holds the rows that prefix needs
+            if head_cache is not None:
+                head_cache.truncate(min(head_ok, n_cached))
+        except ValueError:      # a sliding-window cache (trunk's or drafter's) no longer holds that prefix
             self.state = state = model.new_state(head)
-            head_cache, n_cached = state.nextn_cache, 0
-        if head_cache is not None:
-            head_cache.truncate(min(head_ok, n_cached))
+            n_cached = 0
         self.tokens = list(ids)
         return state, n_cached
 
