@@ -9,7 +9,7 @@ from placement.limits import DX_PAD, S4_PAD, XQ_PAD, wants_int8
 from . import settings
 from .layout import activations, bsums_of, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
-from .rowdot import TOKEN_TILE, rows4, rows4_scratch
+from .rowdot import TOKEN_TILE, dot4, rows4, rows4_scratch
 from .rowdot8 import dot4_i8, quantize_rows
 from .simd8 import has_vnni
 
@@ -57,10 +57,39 @@ def _build(salt):
                     for i in range(nt):
                         for r in range(nr):
                             Y[t0 + i, r0 + r] = res[i, r]
-    return matmul_kernel, matmul_i8_kernel
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
+    def grouped_kernel(tag, w, X, bsums, Y, groups, chunks):
+        """Y[t, r] = W[r] . X[t·groups + r // (rows / groups)]: row group g of W takes the
+        activations of group g only (X: [T·groups, cols]); rows per group a multiple of 4, so
+        each row quad lies in one group. The same dot4 per (row, token) as matmul_kernel."""
+        _salt = salt  # noqa: F841
+        rows = w.shape[0]
+        rs = w.strides[0]
+        last = rows - 1
+        per = rows // groups
+        n = Y.shape[0]
+        cols = X.shape[1]
+        quads = (rows + 3) // 4
+        chunks = max(1, min(quads, chunks))
+        for ch in prange(chunks):
+            acc, cacc, res, toks, sc = rows4_scratch()
+            for q in range(ch * quads // chunks, (ch + 1) * quads // chunks):
+                r0 = 4 * q
+                g = r0 // per
+                nr = min(4, rows - r0)
+                for t0 in range(0, n, TOKEN_TILE):
+                    nt = min(TOKEN_TILE, n - t0)
+                    for i in range(nt):
+                        toks[i] = (t0 + i) * groups + g
+                    dot4(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
+                         min(r0 + 3, last) * rs, cols, X, bsums, toks, nt, acc, cacc, res, sc)
+                    for i in range(nt):
+                        for r in range(nr):
+                            Y[t0 + i, r0 + r] = res[i, r]
+    return matmul_kernel, matmul_i8_kernel, grouped_kernel
 
 
-_matmul_kernel, _matmul_i8_kernel = _build(source_digest())
+_matmul_kernel, _matmul_i8_kernel, _grouped_kernel = _build(source_digest())
 
 
 def int8_rows(rows: int, cols: int):
@@ -110,3 +139,26 @@ def matmul(x, w, qtype, *, name: str = "", int8: bool | str | None = None) -> np
         else:
             _matmul_kernel(kern.tag, wb, X, bsums_of(X), Y, n_threads)
     return Y[0] if squeeze else Y
+
+
+def grouped_matmul(x, w, qtype, groups: int, *, name: str = "") -> np.ndarray:
+    """A grouped projection (deepseek4's ``attn_output_a``, which llama.cpp views as
+    ``groups`` matrices): x float32 [B, groups, cols] → [B, rows], where output rows
+    g·rows/groups … (g+1)·rows/groups − 1 are group g's rows of W times x[:, g]. One parallel
+    call, each weight row read once (not groups × the product and its diagonal). Float
+    activations at every batch size (a group's product is 1/groups of the full one)."""
+    kern = get_kernel(qtype, name)
+    wb = weight_bytes(w, kern, 2, name)
+    cols = row_cols(wb.shape[1], kern)
+    if wb.shape[0] % groups or (wb.shape[0] // groups) % 4:
+        raise ValueError(f"{name or 'grouped_matmul'}: {wb.shape[0]} rows do not split into {groups} groups "
+                         "of a multiple of 4")
+    b = np.shape(x)[0]
+    X = activations(np.reshape(x, (-1, cols)), cols, name or "grouped_matmul")
+    if X.shape[0] != b * groups:
+        raise ValueError(f"{name or 'grouped_matmul'}: activations of shape {np.shape(x)}, expected [B, {groups}, "
+                         f"{cols}]")
+    Y = np.empty((b, wb.shape[0]), f32)
+    if b:
+        _grouped_kernel(kern.tag, wb, X, bsums_of(X), Y, groups, settings.apply_threads())
+    return Y
