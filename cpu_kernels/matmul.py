@@ -7,6 +7,7 @@ from numba import njit, prange
 from placement.limits import DX_PAD, S4_PAD, XQ_PAD, wants_int8
 
 from . import settings
+from .entry import first_call
 from .layout import activations, bsums_of, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
 from .rowdot import TOKEN_TILE, dot4, rows4, rows4_scratch
@@ -147,18 +148,46 @@ def grouped_matmul(x, w, qtype, groups: int, *, name: str = "") -> np.ndarray:
     g·rows/groups … (g+1)·rows/groups − 1 are group g's rows of W times x[:, g]. One parallel
     call, each weight row read once (not groups × the product and its diagonal). Float
     activations at every batch size (a group's product is 1/groups of the full one)."""
-    kern = get_kernel(qtype, name)
-    wb = weight_bytes(w, kern, 2, name)
-    cols = row_cols(wb.shape[1], kern)
-    if wb.shape[0] % groups or (wb.shape[0] // groups) % 4:
-        raise ValueError(f"{name or 'grouped_matmul'}: {wb.shape[0]} rows do not split into {groups} groups "
-                         "of a multiple of 4")
-    b = np.shape(x)[0]
-    X = activations(np.reshape(x, (-1, cols)), cols, name or "grouped_matmul")
-    if X.shape[0] != b * groups:
-        raise ValueError(f"{name or 'grouped_matmul'}: activations of shape {np.shape(x)}, expected [B, {groups}, "
-                         f"{cols}]")
-    Y = np.empty((b, wb.shape[0]), f32)
-    if b:
-        _grouped_kernel(kern.tag, wb, X, bsums_of(X), Y, groups, settings.apply_threads())
-    return Y
+    return BoundMatmul(w, qtype, name=name, groups=groups)(x)
+
+
+class BoundMatmul:
+    """``matmul`` (and ``grouped_matmul`` with ``groups``) for one weight: its kernel, raw rows
+    and column count resolved once, and float calls made through the compiled entry point after
+    the first (``cpu_kernels.entry``: no Numba dispatch, which types each argument per call).
+    A decode step makes a dozen such calls per deepseek4 block; int8 calls go through
+    ``matmul``."""
+
+    def __init__(self, w, qtype, *, name: str = "", groups: int = 0):
+        self.w, self.qtype, self.name, self.groups = w, qtype, name, groups
+        self.kern = get_kernel(qtype, name)
+        self.wb = weight_bytes(w, self.kern, 2, name)
+        self.cols = row_cols(self.wb.shape[1], self.kern)
+        if groups and (self.wb.shape[0] % groups or (self.wb.shape[0] // groups) % 4):
+            raise ValueError(f"{name or 'grouped_matmul'}: {self.wb.shape[0]} rows do not split into {groups} "
+                             "groups of a multiple of 4")
+        self._entry = None
+
+    def __call__(self, x, *, int8: bool | str | None = None) -> np.ndarray:
+        """x float32 [B, cols] (grouped: [B, groups, cols]) → [B, rows]."""
+        if self.groups:
+            b = np.shape(x)[0]
+            X = activations(np.reshape(x, (-1, self.cols)), self.cols, self.name or "grouped_matmul")
+            if X.shape[0] != b * self.groups:
+                raise ValueError(f"{self.name or 'grouped_matmul'}: activations of shape {np.shape(x)}, expected "
+                                 f"[B, {self.groups}, {self.cols}]")
+            kernel, tail = _grouped_kernel, (self.groups,)
+        else:
+            if np.ndim(x) != 2 or use_int8(self.kern, int8):
+                return matmul(x, self.w, self.qtype, name=self.name, int8=int8)
+            b = np.shape(x)[0]
+            X = activations(x, self.cols, self.name or "matmul")
+            kernel, tail = _matmul_kernel, ()
+        Y = np.empty((b, self.wb.shape[0]), f32)
+        if b and self.wb.shape[0]:
+            args = (self.kern.tag, self.wb, X, bsums_of(X), Y, *tail, settings.apply_threads())
+            if self._entry is None:
+                self._entry, _ = first_call(kernel, args)
+            else:
+                self._entry(*args)
+        return Y

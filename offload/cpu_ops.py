@@ -16,11 +16,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from cpu_kernels import ExpertWeights, grouped_matmul, matmul, moe_ffn, settings
+from cpu_kernels import ExpertWeights, moe_ffn, settings
 from cpu_kernels.entry import first_call
 from cpu_kernels.head import embed_rows
 from cpu_kernels.hyper import hc_pre
 from cpu_kernels.layout import weight_bytes
+from cpu_kernels.matmul import BoundMatmul
 from cpu_kernels.moe import int8_phases, routed_ffn_host, routed_int8_scratch, routed_scratch
 from cpu_kernels.registry import get_kernel, supported_types
 from gpu.hyper import HyperConnection
@@ -62,10 +63,11 @@ class RawLinear:
         self.data, self.qtype, self.bias, self.name = data, qtype, bias, name
         self.int8_batch = int8_batch
         self.device = torch.device("cpu")
+        self._matmul = BoundMatmul(data, qtype, name=name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         home = x.device
-        y = torch.from_numpy(compiled(matmul, to_host(x), self.data, self.qtype, name=self.name,
+        y = torch.from_numpy(compiled(self._matmul, to_host(x),
                                       int8=int8_request(x.shape[0] if x.dim() > 1 else 1, self.int8_batch)))
         if self.bias is not None:
             y += self.bias
@@ -80,10 +82,11 @@ class RawGroupedLinear:
     def __init__(self, data: np.ndarray, qtype: GGMLQuantizationType, groups: int, *, name: str = ""):
         self.data, self.qtype, self.groups, self.name = data, qtype, groups, name
         self.device = torch.device("cpu")
+        self._matmul = BoundMatmul(data, qtype, name=name, groups=groups)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         home = x.device
-        y = torch.from_numpy(compiled(grouped_matmul, to_host(x), self.data, self.qtype, self.groups, name=self.name))
+        y = torch.from_numpy(compiled(self._matmul, to_host(x)))
         return y if home.type == "cpu" else y.to(home)
 
 
