@@ -61,18 +61,19 @@ def hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps, y, post, comb):
 
 @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
 def _rms_mix(flat, fn, norm_eps, mix):
-    """mix = (flat · rsqrt(mean(flat²) + ε)) @ fn.T (the dot products vectorised: fastmath
-    only here, no infinities in play)."""
+    """mix = (flat · rsqrt(mean(flat²) + ε)) @ fn.T, normalised first as the references round
+    it (the dot products vectorised: fastmath only here, no infinities in play)."""
     k_n = flat.shape[0]
     ss = f32(0.0)
     for k in range(k_n):
         ss += flat[k] * flat[k]
     r = f32(1.0) / np.sqrt(ss / f32(k_n) + norm_eps)
+    normed = flat * r
     for j in range(fn.shape[0]):
         acc = f32(0.0)
         for k in range(k_n):
-            acc += flat[k] * fn[j, k]
-        mix[j] = acc * r
+            acc += normed[k] * fn[j, k]
+        mix[j] = acc
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
