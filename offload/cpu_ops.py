@@ -261,7 +261,10 @@ class RoutedHandoff:
         """The routed experts of the loaded batch → a view of ``out``'s first t rows (host;
         called from the worker thread or inline)."""
         with self.profile.time("cpu_experts"):
-            if compiled(self._entry, t, *self._args, settings.apply_threads()) < 0:
+            n = torch.get_num_threads()     # kept as compiled() keeps it; its call allocates, this path must not
+            bad = self._entry(t, *self._args, settings.apply_threads()) < 0
+            torch.set_num_threads(n)
+            if bad:
                 raise ValueError(f"{self.name}: expert id outside 0..{self.n_expert - 1}")
         return self._rows[t][3]
 
