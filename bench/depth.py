@@ -24,7 +24,9 @@ the weight, so no float slab has to be quantized (4.8 GB is written in about a m
 
 Workloads (``--only``): ``wide`` and ``narrow`` = greedy decode of ``--tokens`` tokens after an
 8-token prompt; ``prefill`` = one ``--prompt``-token prompt (256) on the wide model, as one
-ubatch; ``sweep`` = decode on each sweep model. Each engine and model runs in a fresh
+ubatch; ``sweep`` = decode on each sweep model. On request only: ``v4`` and ``v4-prefill``, the
+same decode and prefill on a random deepseek4 at V4-Flash's depth and layout, reduced widths
+(``bench.depth_v4``; ``--v4-expert-type``, MXFP4 by default). Each engine and model runs in a fresh
 process (``--one``), CPU only, ``-t`` threads: offload with ``threads=-t`` for its Numba
 kernels, ``--prefill-activations`` (int8, as ``offload run``) for prompt batches,
 ``--decode-activations`` (auto, as ``offload run``) for the routed experts' decode batches, and torch
@@ -81,7 +83,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
 from bench.cpu_kernels import ceiling_gbps, load_line
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = ("wide", "narrow", "prefill", "sweep")
+WORKLOADS = ("wide", "narrow", "prefill", "sweep", "v4", "v4-prefill")
+DEFAULT_WORKLOADS = WORKLOADS[:4]        # the deepseek4 ones on request (bench.depth_v4)
 SWEEP_BLOCKS = (4, 12, 24, 48)
 DECODE_PROMPT = 8
 FORMAT_VERSION = 1          # bump when the writer changes, so --keep files are rewritten
@@ -105,6 +108,30 @@ class DepthSpec:
     expert_type: Q = Q.Q4_0
     dense_type: Q = Q.Q8_0          # attention, output, token embedding
     seed: int = 0
+    arch = "qwen3moe"
+
+    def write_keys(self, w: GGUFWriter) -> int:
+        """qwen3moe's keys and the tiny vocabulary → its size."""
+        from tests.tiny_models import add_tiny_vocab
+        w.add_block_count(self.n_layer)
+        w.add_context_length(4096)
+        w.add_embedding_length(self.n_embd)
+        w.add_feed_forward_length(self.n_ff_exp)
+        w.add_head_count(self.n_head)
+        w.add_head_count_kv(self.n_head_kv)
+        w.add_key_length(self.head_dim)
+        w.add_value_length(self.head_dim)
+        w.add_rope_dimension_count(self.head_dim)
+        w.add_rope_freq_base(1e6)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_expert_count(self.n_expert)
+        w.add_expert_used_count(self.n_expert_used)
+        w.add_expert_feed_forward_length(self.n_ff_exp)
+        w.add_expert_weights_norm(True)
+        return add_tiny_vocab(w)
+
+    def tensors(self, n_vocab: int) -> list[TensorPlan]:
+        return tensors(self, n_vocab)
 
     @property
     def file_name(self) -> str:
@@ -123,6 +150,7 @@ class TensorPlan(NamedTuple):
     qtype: Q
     std: float                      # of the weight values
     mean: float = 0.0               # norm weights: 1 + 0.1 * N(0, 1)
+    value: np.ndarray | None = None  # written as is (deepseek4's I32 routing tables)
 
 
 def tensors(spec: DepthSpec, n_vocab: int) -> list[TensorPlan]:
@@ -155,10 +183,13 @@ def tensors(spec: DepthSpec, n_vocab: int) -> list[TensorPlan]:
 # of the random block scales, uniform 0.5..1.5: Q4_0's 4.61 measures 4.83 that way)
 _CODE_STD = {Q.Q4_0: 4.61, Q.Q8_0: 73.9, Q.Q4_K: 323.0, Q.Q5_K: 667.0, Q.Q6_K: 1344.0, Q.MXFP4: 11.6}
 EXPERT_TYPES = tuple(t.name for t in _CODE_STD)
+V4_EXPERT_TYPES = ("MXFP4", "Q4_0", "Q8_0")     # llama.cpp's deepseek4 runs these on a CPU
 
 
 def _random_data(rng: np.random.Generator, t: TensorPlan) -> np.ndarray:
     from cpu_kernels.synth import reader_shape, set_scales
+    if t.value is not None:
+        return t.value
     if t.qtype == Q.F32:
         return np.float32(t.mean) + rng.standard_normal(t.shape, dtype=np.float32) * np.float32(t.std)
     rshape = reader_shape(t.qtype, t.shape)
@@ -167,34 +198,21 @@ def _random_data(rng: np.random.Generator, t: TensorPlan) -> np.ndarray:
     return raw
 
 
-def write_model(path: Path, spec: DepthSpec, *, progress=None) -> Path:
-    """Write ``spec`` as a GGUF at ``path`` (through a temp file renamed at the end, so a
-    half-written file never has the final name). Streams one tensor at a time."""
+def write_model(path: Path, spec, *, progress=None) -> Path:
+    """Write ``spec`` (a ``DepthSpec``, or ``bench.depth_v4.V4DepthSpec``: its ``arch``,
+    ``write_keys(w) → n_vocab`` and ``tensors(n_vocab)``) as a GGUF at ``path`` (through a temp
+    file renamed at the end, so a half-written file never has the final name). Streams one
+    tensor at a time."""
     from cpu_kernels.synth import reader_shape
-    from tests.tiny_models import add_tiny_vocab
 
     rng = np.random.default_rng(spec.seed)
     tmp = path.with_name(path.name + ".part")
-    w = GGUFWriter(str(tmp), "qwen3moe")
-    w.add_block_count(spec.n_layer)
-    w.add_context_length(4096)
-    w.add_embedding_length(spec.n_embd)
-    w.add_feed_forward_length(spec.n_ff_exp)
-    w.add_head_count(spec.n_head)
-    w.add_head_count_kv(spec.n_head_kv)
-    w.add_key_length(spec.head_dim)
-    w.add_value_length(spec.head_dim)
-    w.add_rope_dimension_count(spec.head_dim)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_expert_count(spec.n_expert)
-    w.add_expert_used_count(spec.n_expert_used)
-    w.add_expert_feed_forward_length(spec.n_ff_exp)
-    w.add_expert_weights_norm(True)
-    plan = tensors(spec, add_tiny_vocab(w))
+    w = GGUFWriter(str(tmp), spec.arch)
+    plan = spec.tensors(spec.write_keys(w))
     for name, shape, qtype, *_ in plan:
-        if qtype == Q.F32:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+        if qtype in (Q.F32, Q.I32):
+            dtype = np.dtype(np.float32 if qtype == Q.F32 else np.int32)
+            w.add_tensor_info(name, shape, dtype, 4 * int(np.prod(shape)))
         else:
             rshape = reader_shape(qtype, shape)
             w.add_tensor_info(name, rshape, np.dtype(np.uint8), int(np.prod(rshape)), raw_dtype=qtype)
@@ -214,10 +232,10 @@ def write_model(path: Path, spec: DepthSpec, *, progress=None) -> Path:
     return path
 
 
-def model_bytes(spec: DepthSpec, n_vocab: int) -> int:
+def model_bytes(spec, n_vocab: int) -> int:
     """Bytes of tensor data the writer writes (alignment padding aside)."""
     return sum(int(np.prod(t.shape)) // GGML_QUANT_SIZES[t.qtype][0] * GGML_QUANT_SIZES[t.qtype][1]
-               for t in tensors(spec, n_vocab))
+               for t in spec.tensors(n_vocab))
 
 
 @dataclass(frozen=True)
@@ -482,7 +500,8 @@ def _llama_available() -> str | None:
 def main(argv=None) -> int:
     from offload.commands.run import DECODE_ACTIVATIONS, PREFILL_ACTIVATIONS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
+    ap.add_argument("--only", default=",".join(DEFAULT_WORKLOADS),
+                    help=f"comma list of {', '.join(WORKLOADS)} (default {','.join(DEFAULT_WORKLOADS)})")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--torch-threads", type=int, default=1, help="offload's torch threads (default 1, as offload run)")
     ap.add_argument("--prefill-activations", choices=PREFILL_ACTIVATIONS, default="int8",
@@ -490,8 +509,10 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-activations", choices=DECODE_ACTIVATIONS, default="auto",
                     help="offload's routed-expert activations for decode batches, as offload run's flag (default auto)")
     ap.add_argument("--expert-type", choices=EXPERT_TYPES, default=WIDE.expert_type.name,
-                    help=f"quant type of the models' expert tensors (default {WIDE.expert_type.name}; "
+                    help=f"quant type of the qwen3moe models' expert tensors (default {WIDE.expert_type.name}; "
                          "another type writes other files)")
+    ap.add_argument("--v4-expert-type", choices=V4_EXPERT_TYPES, default="MXFP4",
+                    help="quant type of the deepseek4 model's expert tensors (default MXFP4, as V4-Flash ships)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per pass (default 32)")
     ap.add_argument("--prompt", type=int, default=256, help="prefill prompt tokens (default 256)")
     ap.add_argument("--repeat", type=int, default=3, help="timed passes per workload and process (default 3)")
@@ -541,7 +562,7 @@ def main(argv=None) -> int:
             tmp.cleanup()
 
 
-def _model(folder: Path, spec: DepthSpec, progress) -> Path:
+def _model(folder: Path, spec, progress) -> Path:
     from tests.tiny_models import tiny_vocab
     path = folder / spec.file_name
     if path.exists():
@@ -574,12 +595,18 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
     if "sweep" in only:
         work += [(replace(narrow, n_layer=n), [(f"sweep {n} blocks", decode)])
                  for n in SWEEP_BLOCKS if n != NARROW.n_layer]
+    v4 = None
+    if "v4" in only or "v4-prefill" in only:
+        from bench.depth_v4 import V4
+        v4 = replace(V4, expert_type=Q[a.v4_expert_type])
+        work.append((v4, ([("v4 decode", decode)] if "v4" in only else []) +
+                     ([(f"v4 prefill {a.prompt}", prefill)] if "v4-prefill" in only else [])))
     rows: list[Row] = []
     for spec, jobs in work:
         path = _model(folder, spec, progress)
         b = token_bytes(path)
         job_rows = [Row(label, job["kind"], spec.n_layer if job["kind"] == "decode" else a.prompt, b,
-                        in_sweep="sweep" in only and spec.n_embd == NARROW.n_embd)
+                        in_sweep="sweep" in only and spec.arch == NARROW.arch and spec.n_embd == NARROW.n_embd)
                     for label, job in jobs]
         engines = [("offload", "offload")] + ([("llama.cpp", "llama")] if with_llama else [])
         for _ in range(a.rounds):          # engines alternate, so a change in the box's load hits both
@@ -604,6 +631,8 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
           f"(offload torch {a.torch_threads}); decode {a.tokens} tokens after {DECODE_PROMPT} (offload's "
           f"routed-expert activations {a.decode_activations}), prefill {a.prompt} (offload's activations "
           f"{a.prefill_activations}); {a.stat} of {a.rounds} x {a.repeat} passes")
+    if v4 is not None:
+        print(f"v4 rows: {v4.describe()}")
     print(f"memory-read ceiling (-t {a.threads}): {ceiling:.2f} GB/s, {a.stat} of {len(ceilings)} "
           f"measured before each process and at the end (min {min(ceilings):.2f}, max {max(ceilings):.2f}); "
           f"{load_line()}")

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 # Importing the families registers their decoders.
 from . import floats, iquants, kquants, legacy, nonlinear  # noqa: F401
-from .matmul import matmul
+from .matmul import grouped_matmul, matmul
 from .moe import ExpertWeights, moe_ffn
 from .registry import UnsupportedQuantType, supported_types
 from .settings import set_int8_activations, set_num_threads
 
-__all__ = ["matmul", "moe_ffn", "ExpertWeights", "set_num_threads", "set_int8_activations",
+__all__ = ["matmul", "grouped_matmul", "moe_ffn", "ExpertWeights", "set_num_threads", "set_int8_activations",
            "supported_types", "UnsupportedQuantType"]

@@ -7,9 +7,10 @@ from numba import njit, prange
 from placement.limits import DX_PAD, S4_PAD, XQ_PAD, wants_int8
 
 from . import settings
+from .entry import first_call
 from .layout import activations, bsums_of, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
-from .rowdot import TOKEN_TILE, rows4, rows4_scratch
+from .rowdot import TOKEN_TILE, dot4, rows4, rows4_scratch
 from .rowdot8 import dot4_i8, quantize_rows
 from .simd8 import has_vnni
 
@@ -57,10 +58,39 @@ def _build(salt):
                     for i in range(nt):
                         for r in range(nr):
                             Y[t0 + i, r0 + r] = res[i, r]
-    return matmul_kernel, matmul_i8_kernel
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
+    def grouped_kernel(tag, w, X, bsums, Y, groups, chunks):
+        """Y[t, r] = W[r] . X[t·groups + r // (rows / groups)]: row group g of W takes the
+        activations of group g only (X: [T·groups, cols]); rows per group a multiple of 4, so
+        each row quad lies in one group. The same dot4 per (row, token) as matmul_kernel."""
+        _salt = salt  # noqa: F841
+        rows = w.shape[0]
+        rs = w.strides[0]
+        last = rows - 1
+        per = rows // groups
+        n = Y.shape[0]
+        cols = X.shape[1]
+        quads = (rows + 3) // 4
+        chunks = max(1, min(quads, chunks))
+        for ch in prange(chunks):
+            acc, cacc, res, toks, sc = rows4_scratch()
+            for q in range(ch * quads // chunks, (ch + 1) * quads // chunks):
+                r0 = 4 * q
+                g = r0 // per
+                nr = min(4, rows - r0)
+                for t0 in range(0, n, TOKEN_TILE):
+                    nt = min(TOKEN_TILE, n - t0)
+                    for i in range(nt):
+                        toks[i] = (t0 + i) * groups + g
+                    dot4(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
+                         min(r0 + 3, last) * rs, cols, X, bsums, toks, nt, acc, cacc, res, sc)
+                    for i in range(nt):
+                        for r in range(nr):
+                            Y[t0 + i, r0 + r] = res[i, r]
+    return matmul_kernel, matmul_i8_kernel, grouped_kernel
 
 
-_matmul_kernel, _matmul_i8_kernel = _build(source_digest())
+_matmul_kernel, _matmul_i8_kernel, _grouped_kernel = _build(source_digest())
 
 
 def int8_rows(rows: int, cols: int):
@@ -110,3 +140,54 @@ def matmul(x, w, qtype, *, name: str = "", int8: bool | str | None = None) -> np
         else:
             _matmul_kernel(kern.tag, wb, X, bsums_of(X), Y, n_threads)
     return Y[0] if squeeze else Y
+
+
+def grouped_matmul(x, w, qtype, groups: int, *, name: str = "") -> np.ndarray:
+    """A grouped projection (deepseek4's ``attn_output_a``, which llama.cpp views as
+    ``groups`` matrices): x float32 [B, groups, cols] → [B, rows], where output rows
+    g·rows/groups … (g+1)·rows/groups − 1 are group g's rows of W times x[:, g]. One parallel
+    call, each weight row read once (not groups × the product and its diagonal). Float
+    activations at every batch size (a group's product is 1/groups of the full one)."""
+    return BoundMatmul(w, qtype, name=name, groups=groups)(x)
+
+
+class BoundMatmul:
+    """``matmul`` (and ``grouped_matmul`` with ``groups``) for one weight: its kernel, raw rows
+    and column count resolved once, and float calls made through the compiled entry point after
+    the first (``cpu_kernels.entry``: no Numba dispatch, which types each argument per call).
+    A decode step makes a dozen such calls per deepseek4 block; int8 calls go through
+    ``matmul``."""
+
+    def __init__(self, w, qtype, *, name: str = "", groups: int = 0):
+        self.w, self.qtype, self.name, self.groups = w, qtype, name, groups
+        self.kern = get_kernel(qtype, name)
+        self.wb = weight_bytes(w, self.kern, 2, name)
+        self.cols = row_cols(self.wb.shape[1], self.kern)
+        if groups and (self.wb.shape[0] % groups or (self.wb.shape[0] // groups) % 4):
+            raise ValueError(f"{name or 'grouped_matmul'}: {self.wb.shape[0]} rows do not split into {groups} "
+                             "groups of a multiple of 4")
+        self._entry = None
+
+    def __call__(self, x, *, int8: bool | str | None = None) -> np.ndarray:
+        """x float32 [B, cols] (grouped: [B, groups, cols]) → [B, rows]."""
+        if self.groups:
+            b = np.shape(x)[0]
+            X = activations(np.reshape(x, (-1, self.cols)), self.cols, self.name or "grouped_matmul")
+            if X.shape[0] != b * self.groups:
+                raise ValueError(f"{self.name or 'grouped_matmul'}: activations of shape {np.shape(x)}, expected "
+                                 f"[B, {self.groups}, {self.cols}]")
+            kernel, tail = _grouped_kernel, (self.groups,)
+        else:
+            if np.ndim(x) != 2 or use_int8(self.kern, int8):
+                return matmul(x, self.w, self.qtype, name=self.name, int8=int8)
+            b = np.shape(x)[0]
+            X = activations(x, self.cols, self.name or "matmul")
+            kernel, tail = _matmul_kernel, ()
+        Y = np.empty((b, self.wb.shape[0]), f32)
+        if b and self.wb.shape[0]:
+            args = (self.kern.tag, self.wb, X, bsums_of(X), Y, *tail, settings.apply_threads())
+            if self._entry is None:
+                self._entry, _ = first_call(kernel, args)
+            else:
+                self._entry(*args)
+        return Y

@@ -131,7 +131,8 @@ def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, si
 
 class CompressedAttention:
     """One deepseek4 block's attention (any kind: ``compressor`` None for window-only blocks,
-    ``indexer`` only on CSA blocks)."""
+    ``indexer`` only on CSA blocks). ``o_a`` is grouped: (T, o_groups, H·d / o_groups) →
+    (T, o_groups · rank), group g through its own rows (``gpu.linear.GroupedLinear``)."""
 
     def __init__(self, *, q_a: Projection, q_a_norm: RMSNorm, q_b: Projection, kv: Projection, kv_norm: RMSNorm,
                  o_a: Projection, o_b: Projection, sinks: torch.Tensor, n_head: int, head_dim: int,
@@ -174,16 +175,10 @@ class CompressedAttention:
                 chosen = self.indexer(x, qr, positions, cache.index_state, cache.index)
             else:
                 chosen = torch.arange(entries.shape[0], device=x.device)[None] < (pos + 1) // self.compressor.ratio
+            if t == 1:      # one query: gather the entries it attends to, in order, rather than score all and mask
+                take = chosen[0].nonzero().squeeze(1)
+                entries, chosen = entries[take], chosen[:, take]
             keys, seen = torch.cat((keys, entries)), torch.cat((seen, chosen), dim=1)
         o = attend_with_sink(q, keys, seen, self.sinks, d ** -0.5)
         o = rope_tail(self.rope, o, positions, inverse=True)
-        return self.o_b(self.grouped_o_a(o.reshape(t, h * d)))
-
-    def grouped_o_a(self, o: torch.Tensor) -> torch.Tensor:
-        """(T, H·d) → (T, groups·rank): group g of the heads through rows g·rank … of
-        ``attn_output_a`` (the 2-D file tensor; llama.cpp views it as groups at load). One
-        matmul of every group by the whole matrix, keeping the diagonal blocks: the same sums,
-        at groups × the flops of a per-group product."""
-        t, g = o.shape[0], self.o_groups
-        y = self.o_a(o.view(t * g, -1)).float().view(t, g, g, -1)                        # (T, g_in, g_out, rank)
-        return y.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(t, -1)
+        return self.o_b(self.o_a(o.reshape(t, self.o_groups, h * d // self.o_groups)))

@@ -30,6 +30,23 @@ class Linear:
         return y.to(home)
 
 
+class GroupedLinear:
+    """A (groups·out, in) projection used as ``groups`` matrices of ``out`` rows: (T, groups,
+    in) → (T, groups·out), group g through its own rows (deepseek4's ``attn_output_a``). On a
+    torch device: one product of every group by the whole matrix through ``linear`` (its
+    quantized kernels read the weight once, no dequantized copy is kept), then the diagonal
+    blocks: groups × the flops. The CPU path has a true grouped kernel
+    (``offload.cpu_ops.RawGroupedLinear``)."""
+
+    def __init__(self, linear: Linear, groups: int):
+        self.linear, self.groups, self.device = linear, groups, linear.device
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        t, g = x.shape[0], self.groups
+        y = self.linear(x.reshape(t * g, -1)).float().view(t, g, g, -1)                   # (T, g_in, g_out, out)
+        return y.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(t, -1)
+
+
 class Embedding:
     """Token embedding lookup over a raw table: only the looked-up rows are dequantized."""
 

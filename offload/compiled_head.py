@@ -18,7 +18,7 @@ from cpu_kernels.layout import weight_bytes
 from cpu_kernels.registry import get_kernel
 from gpu.norm import RMSNorm
 from offload.compiled_block import compiled_enabled
-from offload.cpu_ops import RawLinear, to_host
+from offload.cpu_ops import RawLinear, compiled, to_host
 from placement.limits import DECODE_TOKENS
 
 
@@ -52,7 +52,7 @@ class CompiledHead:
         t = xh.shape[0]
         row0 = {"all": 0, "last": max(t - 1, 0), "none": t}[logits]
         args, h, out = self._args(xh, row0, t - row0)
-        self._entry(*args)
+        compiled(self._entry, *args)
         return (None if logits == "none" else torch.from_numpy(out)), torch.from_numpy(h)
 
     def _args(self, xh: np.ndarray, row0: int, n_rows: int) -> tuple:

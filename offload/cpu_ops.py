@@ -16,12 +16,15 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from cpu_kernels import ExpertWeights, matmul, moe_ffn, settings
+from cpu_kernels import ExpertWeights, moe_ffn, settings
 from cpu_kernels.entry import first_call
 from cpu_kernels.head import embed_rows
+from cpu_kernels.hyper import hc_pre
 from cpu_kernels.layout import weight_bytes
+from cpu_kernels.matmul import BoundMatmul
 from cpu_kernels.moe import int8_phases, routed_ffn_host, routed_int8_scratch, routed_scratch
 from cpu_kernels.registry import get_kernel, supported_types
+from gpu.hyper import HyperConnection
 from offload.profile import Profile
 from placement.limits import DECODE_ACTIVATIONS, DECODE_TOKENS, int8_request
 
@@ -35,6 +38,20 @@ def to_host(x: torch.Tensor) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
+def compiled(fn, *args, **kw):
+    """``fn(*args, **kw)``, a call into Numba kernels, leaving torch's thread count as it was.
+    Numba's OpenMP launches set the calling thread's OpenMP thread count (the one torch's own
+    parallel regions read) to the kernels' count: torch, given fewer (``--torch-threads 1``),
+    then ran its small ops in parallel regions that wait for a second thread (a (1, 4, 4)
+    softmax of deepseek4's hyper-connections measured 15 ms on a loaded 2-core box, 4 µs
+    single-threaded)."""
+    n = torch.get_num_threads()
+    try:
+        return fn(*args, **kw)
+    finally:
+        torch.set_num_threads(n)
+
+
 class RawLinear:
     """``y = x @ W^T (+ b)`` with W the raw GGUF data of a 2-D tensor; batches of at least
     ``int8_batch`` tokens use int8 activations (``placement.limits.int8_request``: prompt
@@ -46,14 +63,48 @@ class RawLinear:
         self.data, self.qtype, self.bias, self.name = data, qtype, bias, name
         self.int8_batch = int8_batch
         self.device = torch.device("cpu")
+        self._matmul = BoundMatmul(data, qtype, name=name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         home = x.device
-        y = torch.from_numpy(matmul(to_host(x), self.data, self.qtype, name=self.name,
-                                    int8=int8_request(x.shape[0] if x.dim() > 1 else 1, self.int8_batch)))
+        y = torch.from_numpy(compiled(self._matmul, to_host(x),
+                                      int8=int8_request(x.shape[0] if x.dim() > 1 else 1, self.int8_batch)))
         if self.bias is not None:
             y += self.bias
         return y if home.type == "cpu" else y.to(home)
+
+
+class RawGroupedLinear:
+    """A grouped projection over the raw 2-D GGUF tensor (deepseek4's ``attn_output_a``):
+    (T, groups, cols) → (T, rows), group g through rows g·rows/groups … of W
+    (``cpu_kernels.grouped_matmul``)."""
+
+    def __init__(self, data: np.ndarray, qtype: GGMLQuantizationType, groups: int, *, name: str = ""):
+        self.data, self.qtype, self.groups, self.name = data, qtype, groups, name
+        self.device = torch.device("cpu")
+        self._matmul = BoundMatmul(data, qtype, name=name, groups=groups)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        home = x.device
+        y = torch.from_numpy(compiled(self._matmul, to_host(x)))
+        return y if home.type == "cpu" else y.to(home)
+
+
+class CpuHyperConnection(HyperConnection):
+    """``gpu.hyper.HyperConnection`` of a CPU-resident block, its mixing one compiled call
+    (``cpu_kernels.hyper.hc_pre``, single-threaded: 2n + n² dot products and a 4 × 4 Sinkhorn)
+    instead of ~90 torch ops of a few µs each."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._host = tuple(np.ascontiguousarray(v.cpu().numpy()) for v in (self.fn, self.base, self.scale))
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        xh = np.ascontiguousarray(to_host(x))
+        t, n, d = xh.shape
+        y, post, comb = np.empty((t, d), np.float32), np.empty((t, n), np.float32), np.empty((t, n, n), np.float32)
+        hc_pre(xh, *self._host, self.iters, self.hc_eps, self.norm_eps, y, post, comb)
+        return torch.from_numpy(y), torch.from_numpy(post), torch.from_numpy(comb)
 
 
 class RawEmbedding:
@@ -91,7 +142,7 @@ class RawEmbedding:
         if idx.dtype != np.int64 or not idx.flags.c_contiguous:     # the entry's argument types
             idx = np.ascontiguousarray(idx, dtype=np.int64)
         out = np.empty((len(idx), self.n_embd), np.float32)
-        bad = self._entry(self._tag, self._rows, idx, out)
+        bad = compiled(self._entry, self._tag, self._rows, idx, out)
         if bad >= 0:            # as numpy's gather would refuse it
             raise IndexError(f"token id {idx[bad]} is outside the vocabulary (0..{self._rows.shape[0] - 1})")
         return out
@@ -118,8 +169,8 @@ class CpuExperts:
                  owned: np.ndarray | None = None) -> np.ndarray:
         """Host arrays in, host array out — called from the worker thread."""
         with self.profile.time("cpu_experts"):
-            return moe_ffn(x, ids, w, self.weights, owned=owned, act=self.act, limit=self.limit,
-                           int8=self.int8(x.shape[0]), **self.biases)
+            return compiled(moe_ffn, x, ids, w, self.weights, owned=owned, act=self.act, limit=self.limit,
+                            int8=self.int8(x.shape[0]), **self.biases)
 
     def int8(self, batch: int) -> bool | str | None:
         """``moe_ffn``'s ``int8`` for a batch of ``batch`` tokens (``placement.limits.int8_request``)."""
@@ -210,7 +261,10 @@ class RoutedHandoff:
         """The routed experts of the loaded batch → a view of ``out``'s first t rows (host;
         called from the worker thread or inline)."""
         with self.profile.time("cpu_experts"):
-            if self._entry(t, *self._args, settings.apply_threads()) < 0:
+            n = torch.get_num_threads()     # kept as compiled() keeps it; its call allocates, this path must not
+            bad = self._entry(t, *self._args, settings.apply_threads()) < 0
+            torch.set_num_threads(n)
+            if bad:
                 raise ValueError(f"{self.name}: expert id outside 0..{self.n_expert - 1}")
         return self._rows[t][3]
 

@@ -111,6 +111,7 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
         raise OffloadError(f"decode activations {decode_activations!r}: expected one of "
                            f"{', '.join(DECODE_ACTIVATIONS)}")
     t0 = time.perf_counter()
+    torch_threads = torch.get_num_threads()     # put back after loading's first compiled calls (cpu_ops.compiled)
     if threads is not None:
         if threads < 1:
             raise OffloadError(f"threads must be >= 1, got {threads}")
@@ -171,4 +172,5 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
         for dev, n in draft_weights.allocated.items():
             session.allocated[dev] = session.allocated.get(dev, 0) + n
     session.load_s = time.perf_counter() - t0
+    torch.set_num_threads(torch_threads)
     return session

@@ -26,9 +26,9 @@ from cpu_kernels import ExpertWeights, supported_types
 from gpu.dequant import dequantize_numpy, to_torch
 from gpu.experts import ExpertSubset, StreamedExperts, TorchExperts
 from gpu.ffn import glu
-from gpu.linear import Embedding, HeadLinear, Linear
+from gpu.linear import Embedding, GroupedLinear, HeadLinear, Linear
 from gpu.quant import QuantTensor, supported
-from offload.cpu_ops import CpuExperts, RawEmbedding, RawLinear, prefault, release
+from offload.cpu_ops import CpuExperts, RawEmbedding, RawGroupedLinear, RawLinear, prefault, release
 from offload.devices import CPU, DeviceMap
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile
@@ -182,6 +182,14 @@ class WeightStore:
         w = self._upload(name, dev_name)
         return Linear(w, None if b is None else b.to(w.device),
                       compute_dtype=torch.float32 if float32 else self._dtype(dev_name), name=name)
+
+    def grouped_linear(self, name: str, groups: int):
+        """The 2-D tensor ``name`` as ``groups`` stacked matrices: (T, groups, in) → (T, rows)
+        (``gpu.linear.GroupedLinear``; on the CPU one grouped kernel call)."""
+        if self.device_name(name) == CPU:
+            data, qtype = self._cpu_matrix(name)
+            return RawGroupedLinear(data, qtype, groups, name=name)
+        return GroupedLinear(self.linear(name), groups)
 
     def embedding(self, name: str):
         if self.device_name(name) == CPU:

@@ -52,17 +52,24 @@ def split_nextn(src: str | Path, trunk: str | Path, draft: str | Path) -> int:
     return first
 
 
-def split_deepseek4_mtp(src: str | Path, trunk: str | Path, draft: str | Path) -> int:
+def split_deepseek4_mtp(src: str | Path, trunk: str | Path, draft: str | Path, *, with_root: bool = False) -> int:
     """``split_nextn`` for a bundled deepseek4 file, the draft in mainline's sidecar layout
     (``convert_hf_to_gguf.py --mtp``): the MTP head's own hc head ``blk.N.nextn.hc_head_*``
-    becomes the sidecar's root ``output_hc_*``."""
+    becomes the sidecar's root ``output_hc_*``. ``with_root``: the sidecar also holds
+    ``token_embd``, ``output_norm``, ``output`` and the tokenizer, as mainline's 34-tensor
+    sidecar does (llama.cpp's loader requires them)."""
     r = GGUFReader(str(src))
     arch = r.fields[Keys.General.ARCHITECTURE].contents()
     first = r.fields[Keys.LLM.BLOCK_COUNT.format(arch=arch)].contents() - 1
     prefix, head = f"blk.{first}.", f"blk.{first}.nextn.hc_head_"
+    # a trunk's per-block arrays have block_count entries (llama.cpp refuses any other length)
+    per_block = {k.format(arch=arch): r.fields[k.format(arch=arch)].contents()[:first]
+                 for k in (Keys.LLM.SWIGLU_CLAMP_EXP, Keys.LLM.SWIGLU_CLAMP_SHEXP) if k.format(arch=arch) in r.fields}
     _copy(r, Path(trunk), arch, {Keys.LLM.BLOCK_COUNT.format(arch=arch): first,
-                                 Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch): 0},
+                                 Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch): 0, **per_block},
           lambda name: not name.startswith(prefix), lambda key: True)
-    _copy(r, Path(draft), arch, {}, lambda name: name.startswith(prefix), lambda key: not key.startswith("tokenizer."),
+    root = ("token_embd.weight", "output_norm.weight", "output.weight") if with_root else ()
+    _copy(r, Path(draft), arch, {}, lambda name: name.startswith(prefix) or name in root,
+          lambda key: with_root or not key.startswith("tokenizer."),
           rename=lambda name: "output_hc_" + name.removeprefix(head) if name.startswith(head) else name)
     return first

@@ -573,16 +573,21 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), *, keep_weig
     tensors = tiny_tensors(spec)
     rng = np.random.default_rng(spec.seed)
     w = GGUFWriter(str(path), spec.arch)
+    write_tiny_keys(w, spec)
+    weights = _write_tensors(w, tensors, spec, rng, keep_weights=keep_weights)
+    return TinyModel(path, spec, weights)
+
+
+def write_tiny_keys(w: GGUFWriter, spec: TinySpec) -> int:
+    """Every metadata key of ``spec``'s model (the common ones, the architecture's, the
+    vocabulary) → the vocabulary size. (bench.depth writes its deepseek4 model's keys so.)"""
     w.add_block_count(n_blocks(spec))
     w.add_context_length(4096)
     w.add_embedding_length(spec.n_embd)
     w.add_feed_forward_length(spec.n_ff)
     w.add_head_count(spec.n_head)
     ARCHS[spec.arch].metadata(w, spec)
-    add_tiny_vocab(w, spec.extra_merges, spec.tokenizer_pre)
-
-    weights = _write_tensors(w, tensors, spec, rng, keep_weights=keep_weights)
-    return TinyModel(path, spec, weights)
+    return add_tiny_vocab(w, spec.extra_merges, spec.tokenizer_pre)
 
 
 def _write_tensors(w: GGUFWriter, tensors: list[TinyTensor], spec: TinySpec, rng: np.random.Generator, *,

@@ -35,6 +35,7 @@ from gpu.norm import RMSNorm
 from gpu.rope import RopeSpec, YaRN, rope_for
 from gpu.router import HashRouter, SqrtSoftplusRouter
 from offload.compiled_block import REFERENCE, compile_block
+from offload.cpu_ops import CpuHyperConnection
 from offload.errors import OffloadError
 from offload.gguf_model import NewerKeys, dsv4_config_problem
 from offload.models.shared.base import BuildContext, CausalLM, DecoderBlock, State
@@ -226,8 +227,9 @@ def _cache(cfg: Deepseek4Config, i: int, ctx: BuildContext):
 def _hyper(w, cfg: Deepseek4Config, p: str, part: str, home) -> HyperConnection:
     n = cfg.hc_mult
     vec = lambda name: w.vector(f"{p}.hc_{part}_{name}.weight").to(home)  # noqa: E731
-    return HyperConnection(vec("fn"), vec("base"), vec("scale"), n_streams=n, sinkhorn_iters=cfg.hc_iters,
-                           hc_eps=cfg.hc_eps, norm_eps=cfg.rms_eps)
+    kind = CpuHyperConnection if home.type == "cpu" else HyperConnection     # the CPU's: one compiled call
+    return kind(vec("fn"), vec("base"), vec("scale"), n_streams=n, sinkhorn_iters=cfg.hc_iters,
+                hc_eps=cfg.hc_eps, norm_eps=cfg.rms_eps)
 
 
 def _compressor(w, p: str, who: str, *, r: int, dim: int, rope, norm) -> Compressor:
@@ -250,7 +252,8 @@ def attention(w, cfg: Deepseek4Config, i: int, ctx: BuildContext, home) -> Compr
                           rope=rope)
     return CompressedAttention(
         q_a=w.linear(f"{p}.attn_q_a.weight"), q_a_norm=norm("attn_q_a_norm"), q_b=w.linear(f"{p}.attn_q_b.weight"),
-        kv=w.linear(f"{p}.attn_kv.weight"), kv_norm=norm("attn_kv_a_norm"), o_a=w.linear(f"{p}.attn_output_a.weight"),
+        kv=w.linear(f"{p}.attn_kv.weight"), kv_norm=norm("attn_kv_a_norm"),
+        o_a=w.grouped_linear(f"{p}.attn_output_a.weight", cfg.o_groups),
         o_b=w.linear(f"{p}.attn_output_b.weight"), sinks=w.vector(f"{p}.attn_sinks.weight").to(home),
         n_head=cfg.n_head, head_dim=cfg.head_dim, o_groups=cfg.o_groups, window=cfg.window, rope=rope,
         eps=cfg.rms_eps, compressor=compressor, indexer=indexer)

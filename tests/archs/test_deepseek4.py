@@ -308,6 +308,22 @@ def test_cpu_and_torch_experts_clamp_like_float64(qtype):
         moe_ffn(x, ids, wts, w, act="swiglu_clamp")
 
 
+@pytest.mark.parametrize("t", [1, 5])
+def test_compiled_hyper_connection_is_the_torch_one(t):
+    """A CPU block's mHC mixing (``cpu_kernels.hyper.hc_pre``, one compiled call) against
+    ``gpu.hyper.HyperConnection``: y, post and the Sinkhorn-normalised comb, float32 order only."""
+    from gpu.hyper import HyperConnection
+    from offload.cpu_ops import CpuHyperConnection
+    g = torch.Generator().manual_seed(t)
+    n, d = 4, 96
+    fn = torch.randn(24, n * d, generator=g) * 0.1
+    base, scale = torch.randn(24, generator=g), torch.randn(3, generator=g)
+    kw = dict(n_streams=n, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    x = torch.randn(t, n, d, generator=g)
+    for want, got in zip(HyperConnection(fn, base, scale, **kw)(x), CpuHyperConnection(fn, base, scale, **kw)(x)):
+        assert got.shape == want.shape and rel_err(got.numpy(), want.numpy()) < 1e-6
+
+
 def test_caches_hold_the_planned_rows_through_micro_batches(tiny):
     """300 tokens in 16-token micro-batches (the window ring drops rows past the window,
     compressed entries fill to ceil(ctx / r)): each block's cache holds exactly the bytes

@@ -14,8 +14,6 @@ logits by 6e-4 relative; off: 8e-7 and 7e-7)."""
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
 import warnings
 
 import numpy as np
@@ -24,6 +22,7 @@ import torch
 
 from tests.archs.test_dspark import PROMPT, TRUNK
 from tests.archs.test_deepseek4 import load
+from tests.llama_cpp_lib import Ext, context, load_model
 from tests.tiny_models import write_tiny_dspark, write_tiny_model
 
 # float32 both sides; summation order only (measured 7e-7). A wrong rope, mask, clamp or
@@ -56,19 +55,6 @@ def _ours(trunk, draft, n, off=0):
         return taps.numpy(), x_q, out, m.dspark.target_layers, m.dspark.mask_id
 
 
-def _context(l, model, other=None):
-    cp = l.llama_context_default_params()
-    cp.n_ctx = cp.n_batch = cp.n_ubatch = 256
-    cp.n_threads = cp.n_threads_batch = 2
-    cp.type_k = cp.type_v = 0                     # GGML_TYPE_F32
-    cp.flash_attn_type = 0                        # LLAMA_FLASH_ATTN_TYPE_DISABLED
-    if other is not None:
-        cp.ctx_other = other
-    ctx = l.llama_init_from_model(model, cp)
-    assert ctx
-    return ctx
-
-
 @pytest.mark.parametrize("anchor", [None, False], ids=["sample_from_anchor absent", "sample_from_anchor false"])
 def test_dspark_block_logits_match_llama_cpp(tmp_path, anchor):
     """``anchor`` None: the key absent (llama.cpp's default, true): drafts from block rows 0..;
@@ -82,22 +68,15 @@ def test_dspark_block_logits_match_llama_cpp(tmp_path, anchor):
     taps, x_q, ours, layers, mask = _ours(trunk, draft, sizes, off)
     p, d = len(PROMPT), TRUNK.n_embd
 
-    lib = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(l.__file__), "lib", "libllama.so"))[0])
-    set_inp = lib._Z30llama_set_embeddings_layer_inpP13llama_contextjb
-    set_inp.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool]
-    get_inp = lib._Z30llama_get_embeddings_layer_inpP13llama_contextj
-    get_inp.argtypes, get_inp.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
-    set_conf = lib._Z26llama_set_embeddings_nextnP13llama_contextbb       # the confidences, n_embd wide
-    set_conf.argtypes = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool]
-    get_conf = lib._Z30llama_get_embeddings_nextn_ithP13llama_contexti
-    get_conf.argtypes, get_conf.restype = [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)
+    ext = Ext(l)
+    set_inp, get_inp = ext.set_layer_inp, ext.get_layer_inp
+    set_conf = ext.set_nextn                   # the confidences, n_embd wide
+    get_conf = ext.get_nextn_ith
 
     l.llama_backend_init()
-    mp = l.llama_model_default_params()
-    mp.n_gpu_layers = 0
-    mt, md = l.llama_model_load_from_file(str(trunk).encode(), mp), l.llama_model_load_from_file(str(draft).encode(), mp)
-    ct = _context(l, mt)
-    cd = _context(l, md, other=ct)
+    mt, md = load_model(l, trunk), load_model(l, draft)
+    ct = context(l, mt)
+    cd = context(l, md, other=ct)
     try:
         for k in layers:
             set_inp(ct, k, True)

@@ -97,6 +97,26 @@ def test_matmul_quantized_gaussian_weights(qt):
     check_close(y1[None], x[:1], W)
 
 
+@pytest.mark.parametrize("qt", [T.F32, T.Q8_0, T.Q4_0, T.MXFP4], ids=lambda t: t.name)
+def test_grouped_matmul_is_each_groups_product(qt):
+    """deepseek4's grouped ``attn_output_a``: group g's rows times group g's activations,
+    against float64, and bit for bit the diagonal blocks of the full product (the same dot
+    per row and token), across token tiles."""
+    rng = seed(4, qt)
+    groups, per, cols = 3, 8, 64
+    w = random_blocks(qt, (groups * per, cols), rng)
+    W = dequant(w, qt)
+    for b in (1, 17):
+        x = rng.standard_normal((b, groups, cols)).astype(np.float32)
+        y = ck.grouped_matmul(x, w, qt, groups)
+        for g in range(groups):
+            check_close(y[:, g * per:(g + 1) * per], x[:, g], W[g * per:(g + 1) * per])
+        full = ck.matmul(x.reshape(b * groups, cols), w, qt).reshape(b, groups, groups, per)
+        assert np.array_equal(y, np.stack([full[:, g, g] for g in range(groups)], 1).reshape(b, -1))
+    with pytest.raises(ValueError, match="groups"):
+        ck.grouped_matmul(x, w, qt, 5)
+
+
 @pytest.mark.parametrize("qt", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
 def test_float_rows_not_a_multiple_of_32(qt):
     rng = seed(3, qt)
