@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from placement.acceptance import DEFAULT_DSPARK, DEFAULT_MTP
+from placement.concurrency import ConcurrencyRow, concurrency_table
 from placement.cost import HopLink, SpecProfile, SpecTable, pipeline_table, predicted_decode_tps, speculation_table
 from placement.devices import CPU
 from placement.draft import DRAFTER_KIND
@@ -134,14 +135,21 @@ def complete_hardware(hw: HardwareProfile, plan: Plan) -> HardwareProfile:
     return replace(hw, gpus={**defaults, **hw.gpus})
 
 
-def predict(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *,
-            profile: SpecProfile | None = None, max_n: int = DEFAULT_MAX_N,
-            hits: RoutingCounts | None = None) -> tuple[SpecTable, SpecSection]:
-    """The n_max table for ``plan`` and the ``speculative`` section that goes with it.
+@dataclass(frozen=True)
+class ForecastInputs:
+    """What a plan's drafting forecasts are computed from: its footprint, the box, the
+    acceptance profile, the drafter's kind (``placement.cost.DRAFT_KINDS``) and a block
+    drafter's injection pass."""
+    fp: DecodeFootprint
+    hw: HardwareProfile
+    profile: SpecProfile
+    kind: str
+    inject: ForwardFootprint | None
 
-    A section the plan already has (e.g. written by ``offload tune``) keeps its chosen
-    ``n_max``/``p_min``, its measurements and its profile; only the prediction is refreshed.
-    """
+
+def forecast_inputs(plan: Plan, model: PlannedModel, draft: PlannedModel | None,
+                    profile: SpecProfile | None = None) -> ForecastInputs:
+    """``ForecastInputs`` of ``plan`` (``profile``: default the plan's own)."""
     old = plan.speculative.entries() if plan.speculative is not None else {}
     if profile is None:
         profile = plan_profile(plan)
@@ -155,8 +163,32 @@ def predict(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *,
             profile = replace(profile, acceptance=DEFAULT_DSPARK)
     else:
         fp = plan_footprint(plan, model, draft)
-    table = speculation_table(fp, forecast_hardware(plan, profile.hardware), acceptance=profile.acceptance,
-                              max_n=max_n, routing=profile.routing, hits=hits, draft_kind=kind, inject=inject)
+    return ForecastInputs(fp, forecast_hardware(plan, profile.hardware), profile, kind, inject)
+
+
+def predict_concurrency(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *,
+                        profile: SpecProfile | None = None, max_n: int = DEFAULT_MAX_N,
+                        hits: RoutingCounts | None = None) -> tuple[ConcurrencyRow, ...]:
+    """Aggregate t/s and break-even n_max per number of active sequences
+    (``placement.concurrency``) for the plan's drafter."""
+    fc = forecast_inputs(plan, model, draft, profile)
+    return concurrency_table(fc.fp, fc.hw, acceptance=fc.profile.acceptance, max_n=max_n,
+                             routing=fc.profile.routing, hits=hits, draft_kind=fc.kind, inject=fc.inject)
+
+
+def predict(plan: Plan, model: PlannedModel, draft: PlannedModel | None, *,
+            profile: SpecProfile | None = None, max_n: int = DEFAULT_MAX_N,
+            hits: RoutingCounts | None = None) -> tuple[SpecTable, SpecSection]:
+    """The n_max table for ``plan`` and the ``speculative`` section that goes with it.
+
+    A section the plan already has (e.g. written by ``offload tune``) keeps its chosen
+    ``n_max``/``p_min``, its measurements and its profile; only the prediction is refreshed.
+    """
+    old = plan.speculative.entries() if plan.speculative is not None else {}
+    fc = forecast_inputs(plan, model, draft, profile)
+    profile, kind = fc.profile, fc.kind
+    table = speculation_table(fc.fp, fc.hw, acceptance=profile.acceptance, max_n=max_n, routing=profile.routing,
+                              hits=hits, draft_kind=kind, inject=fc.inject)
     section: dict[str, Any] = {"type": "dspark" if kind == "block" else "mtp", "n_max": table.best.n,
                                "p_min": profile.acceptance.p_min, "source": "predicted"}
     section.update({k: v for k, v in old.items() if k not in ("rows", "profile")})

@@ -32,13 +32,14 @@ from placement.plan import Plan
 from placement.plan_file import plan_to_yaml
 from placement.planner import (DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, DEFAULT_UBATCH, FIT_MODES, FLAG_NAMES,
                                PlanOptions, make_plan)
+from placement.concurrency import format_concurrency
 from placement.report import format_plan
 from placement.cost import SpecProfile, break_even_acceptance, predicted_decode_tps
 from placement.footprint import FootprintError
 from placement.hardware import HardwareProfile
 from placement.hot_experts import describe
 from placement.routing import RoutingCounts
-from placement.speculative import (DEFAULT_MAX_N, complete_hardware, drafter_kind, forecast_hardware, hot_gain,
+from placement.speculative import (DEFAULT_MAX_N, complete_hardware, drafter_kind, forecast_hardware, hot_gain, predict_concurrency,
                                    plan_footprint, plan_profile, predict)
 from placement.uncertainty import forecast_interval, format_inputs
 
@@ -266,7 +267,7 @@ def main(argv: list[str]) -> int:
     # a plan file's routing counts (``offload tune``) stay with it and feed its forecasts
     kept = read_plan_file(args.placement).routing if args.placement else None
     hits = RoutingCounts.from_file(args.routing) if args.routing else kept
-    table = gain = interval = plain_hw = plain_tps = fp = None
+    table = gain = interval = plain_hw = plain_tps = fp = concurrency = None
     probe_note = ""
     if args.spec_type in ("mtp", "dspark") and plan.drafting == "none":
         raise NoDraftHead(plan.model_path, f"--spec-type {args.spec_type}")
@@ -279,6 +280,8 @@ def main(argv: list[str]) -> int:
         table, section = predict(plan, model, draft, profile=profile, max_n=_head_max_n(args.spec_max_n, model, draft),
                                  hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
+        concurrency = predict_concurrency(plan, model, draft, profile=profile,
+                                          max_n=_head_max_n(args.spec_max_n, model, draft), hits=hits)
         if not args.no_probe:
             fp, used = plan_footprint(plan, model, draft), plan_profile(plan)
             interval = forecast_interval(fp, forecast_hardware(plan, used.hardware), table,
@@ -323,6 +326,8 @@ def main(argv: list[str]) -> int:
             extra["predicted_plain_tps"] = round(plain_tps, 4)
         if ngram is not None:
             extra["ngram_forecast"] = ngram
+        if concurrency is not None:
+            extra["concurrency_forecast"] = [r.to_dict() for r in concurrency]
         print(json.dumps({**plan.to_dict(), "llama_cpp_args": llama_cpp_args(plan, draft_arch), **extra}, indent=1))
     elif args.emit:
         if hot_note:
@@ -338,6 +343,8 @@ def main(argv: list[str]) -> int:
             if interval is not None:
                 print(format_inputs(forecast_hardware(plan, plan_profile(plan).hardware), interval.spread, fp))
             print(table.format(interval))
+            if concurrency is not None:
+                print(format_concurrency(concurrency))
         elif plain_tps is not None:
             print(f"\nplain decoding (no draft head; predicted, profile: {plain_hw.source}):")
             print(format_inputs(plain_hw, interval.spread, fp))
