@@ -26,8 +26,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from gpu.dsv4_cache import CompressedRows, CompressorState, Dsv4Cache
+from gpu.kv_cache import QuantRows
 from gpu.norm import RMSNorm
 from gpu.rope import Rope
 from placement.limits import SCORE_VALUES
@@ -71,8 +73,14 @@ class Compressor:
                 z = torch.cat((z_prev, z[..., d:]), dim=1)
             e = self.norm((kv * torch.softmax(z, dim=1)).sum(1))                             # (nw, d)
             e = rope_tail(self.rope, e[:, None], w * r)[:, 0]
-            rows.append(e.to(rows.rows.dtype))
-        return rows.rows[:rows.count]
+            rows.append(e)
+        return rows.values()
+
+
+def _for_ring(win, k: torch.Tensor) -> torch.Tensor:
+    """Keys as the window ring takes them: in its float dtype, or float32 for a quantized ring
+    (which quantizes them itself)."""
+    return k.float() if isinstance(win.k_type, Q) else k.to(win.k_type)
 
 
 def _chunk(heads: int, t: int, n_keys: int) -> int:
@@ -153,7 +161,7 @@ class CompressedAttention:
         """Write the keys of x into the window ring without attending (DSpark's context: the
         target's fused taps enter each stage only as keys)."""
         win = cache.window
-        win.append(self.keys(x, positions).transpose(0, 1).to(win.k.dtype))
+        win.append(_for_ring(win, self.keys(x, positions).transpose(0, 1)))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: Dsv4Cache) -> torch.Tensor:
         """x: (T, n_embd) normalised input at ``positions`` (T,) → (T, n_embd); advances ``cache``."""
@@ -163,7 +171,8 @@ class CompressedAttention:
         q = rope_tail(self.rope, q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps), positions)
         kv = self.keys(x, positions)
         win = cache.window
-        keys = win.append(kv.transpose(0, 1).to(win.k.dtype))[0][0].float()               # (L, d)
+        ring = win.append(_for_ring(win, kv.transpose(0, 1)))[0]
+        keys = (ring.float() if isinstance(ring, QuantRows) else ring)[0].float()           # (L, d)
         # the window by cache index (the sequence order; an MTP head's entry t sits at position t + 1)
         qi = torch.arange(win.length - t, win.length, device=x.device)[:, None]
         kj = torch.arange(win.start, win.length, device=x.device)[None]

@@ -18,22 +18,25 @@ state rows before n. Rolling back further than the state rows reach raises ``Val
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType as Q
 
-from gpu.kv_cache import WindowKVCache
+from gpu.kv_cache import CacheType, QuantRows, WindowKVCache, cache_storage, encode_rows
 from placement.limits import DECODE_TOKENS
 
 
 class CompressedRows:
-    """Compressed K entries (rows of ``width``) in the cache dtype; ``count`` of them valid.
-    ``max_rows`` (the plan's ``ceil(ctx / r)``) is allocated at once; None grows on demand."""
+    """Compressed K entries (rows of ``width``) in the cache type; ``count`` of them valid.
+    ``max_rows`` (the plan's ``ceil(ctx / r)``) is allocated at once; None grows on demand.
+    A quantized cache type (``gpu.kv_cache``) stores each entry as its own GGUF blocks,
+    quantized once when the entry is made, so rolling back (``count``) is exact."""
 
-    def __init__(self, width: int, *, max_rows: int | None, device: torch.device, dtype: torch.dtype):
-        self.max_rows = max_rows
-        self.rows = torch.empty(max_rows if max_rows is not None else 16, width, device=device, dtype=dtype)
+    def __init__(self, width: int, *, max_rows: int | None, device: torch.device, dtype: CacheType):
+        self.max_rows, self.width, self.dtype = max_rows, width, dtype
+        self.rows = cache_storage(1, max_rows if max_rows is not None else 16, width, dtype, device)[0]
         self.count = 0
 
-    def append(self, new: torch.Tensor) -> torch.Tensor:
-        """new: (m, width) → all valid entries (count, width)."""
+    def append(self, new: torch.Tensor) -> None:
+        """new: (m, width) float entries, stored in the cache type."""
         need = self.count + new.shape[0]
         if need > self.rows.shape[0]:
             if self.max_rows is not None:
@@ -41,9 +44,14 @@ class CompressedRows:
             grown = self.rows.new_empty(max(need, 2 * self.rows.shape[0]), self.rows.shape[1])
             grown[:self.count] = self.rows[:self.count]
             self.rows = grown
-        self.rows[self.count:need] = new
+        self.rows[self.count:need] = encode_rows(new, self.dtype)
         self.count = need
-        return self.rows[:need]
+
+    def values(self, take: torch.Tensor | None = None) -> torch.Tensor:
+        """The valid entries (or those at indices ``take``) as float32 (n, width); a quantized
+        cache dequantizes only those."""
+        rows = self.rows[:self.count] if take is None else self.rows[take]
+        return QuantRows(rows[None], self.dtype, self.width).float()[0] if isinstance(self.dtype, Q) else rows.float()
 
     @property
     def nbytes(self) -> int:

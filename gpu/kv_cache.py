@@ -61,7 +61,7 @@ class QuantRows:
         return self.tile(0, self.raw.shape[1])
 
 
-def _storage(n_head: int, cap: int, width: int, t: CacheType, device) -> torch.Tensor:
+def cache_storage(n_head: int, cap: int, width: int, t: CacheType, device) -> torch.Tensor:
     if isinstance(t, Q):
         if t not in QUANTIZERS:
             raise ValueError(f"no KV cache of type {t.name}")
@@ -84,8 +84,8 @@ class KVCache:
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.k_type, self.v_type = dtype, dtype if dtype_v is None else dtype_v
         self.head_dim, self.head_dim_v = head_dim, head_dim_v
-        self.k = _storage(n_head_kv, capacity, head_dim, self.k_type, device)
-        self.v = _storage(n_head_kv, capacity, head_dim_v, self.v_type, device) if head_dim_v else None
+        self.k = cache_storage(n_head_kv, capacity, head_dim, self.k_type, device)
+        self.v = cache_storage(n_head_kv, capacity, head_dim_v, self.v_type, device) if head_dim_v else None
         self.length = 0
         self._raw: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -102,9 +102,9 @@ class KVCache:
         """k, v: (H_kv, T, D) (v None for a K-only cache). Returns the cached keys/values
         (H_kv, length, D) incl. these (values None for a K-only cache)."""
         need = self.reserve(k.shape[1])
-        self.k[:, self.length:need] = _encode(k, self.k_type)
+        self.k[:, self.length:need] = encode_rows(k, self.k_type)
         if self.v is not None:
-            self.v[:, self.length:need] = _encode(v, self.v_type)
+            self.v[:, self.length:need] = encode_rows(v, self.v_type)
         self.length = need
         return (_rows(self.k, need, self.k_type, self.head_dim),
                 None if self.v is None else _rows(self.v, need, self.v_type, self.head_dim_v))
@@ -146,7 +146,7 @@ class KVCache:
         return type_name(self.k_type), type_name(self.v_type)
 
 
-def _encode(x: torch.Tensor, t: CacheType) -> torch.Tensor:
+def encode_rows(x: torch.Tensor, t: CacheType) -> torch.Tensor:
     """Rows (H, T, D) as the cache stores them."""
     return quantize(x, t) if isinstance(t, Q) else x.to(t)
 

@@ -26,7 +26,8 @@ attention tensor)::
   its ring (768 cells, 0.75 MiB).
 * ``row_bytes(t, n) = n / block_size(t) × type_size(t)`` (ggml_row_size). A block-quantized
   cache type quantizes each head's row on its own, so head_dim must be whole blocks of 32.
-  deepseek4's compressed caches take float types only (refused here, at plan time).
+  deepseek4's window ring, compressed entries and indexer keys all take the cache type (K = V:
+  ``-ctv`` must equal ``-ctk``, as llama.cpp requires); the compressors' state stays float32.
 
 **Compute buffer** — what *offload's runtime* allocates beyond weights and KV during one
 forward pass of ``T = ubatch`` tokens attending to ``L = ctx`` keys (the last prompt chunk of
@@ -247,12 +248,9 @@ def kv_bytes(spec: ModelSpec, layer: int, s: MemorySettings) -> int:
         raise PlacementError(f"-ctv {s.v_type} differs from -ctk {s.cache_type}: {spec.arch}'s cache keeps "
                              "K only (V is read from the K rows), so K and V take one type")
     if spec.compress_ratios:
-        if t not in FLOAT_CACHE_TYPES:
-            raise PlacementError(f"--cache-type {s.cache_type}: deepseek4's compressed caches are kept in "
-                                 "f32, f16 or bf16 only (quantized ones are not implemented)")
         c = dsv4_cache(spec, layer, s)
-        return ((c.window_cells + c.compressed_rows) * row_bytes(t, spec.head_dim_k)
-                + c.indexer_rows * row_bytes(t, spec.indexer_head_dim)
+        return ((c.window_cells + c.compressed_rows) * kv_row_bytes(t, spec.head_dim_k, "K (head_dim_k)")
+                + (kv_row_bytes(t, spec.indexer_head_dim, "indexer key") * c.indexer_rows if c.indexer_rows else 0)
                 + 4 * (c.state_rows * c.state_width + c.indexer_state_rows * c.indexer_state_width))
     n_kv = spec.n_head_kv[layer]
     per_cell = n_kv * kv_row_bytes(t, spec.head_dim_k, "K (head_dim_k)")

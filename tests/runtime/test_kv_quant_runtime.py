@@ -64,7 +64,7 @@ def test_mla_latent_cache_quantized(tiny_mla, monkeypatch):
 
 def test_planner_refuses_what_a_cache_cannot_take(tmp_path, tiny_mla):
     """One line each, from the planner: a head row that is not whole blocks, -ctv on a K-only
-    cache, deepseek4's compressed caches quantized."""
+    cache (deepseek4's K = V caches too, as llama.cpp requires)."""
     odd = write_tiny_model(tmp_path / "ds2-80.gguf", TinySpec(arch="deepseek2", n_layer=3))   # latent 64 + 16
     cases = [
         (dict(path=odd.path, cache_type="q8_0"), "--cache-type q8_0 needs KV rows of a multiple of 32 values; "
@@ -73,7 +73,7 @@ def test_planner_refuses_what_a_cache_cannot_take(tmp_path, tiny_mla):
     ]
     dsv4 = write_tiny_model(tmp_path / "dsv4.gguf", TinySpec(arch="deepseek4", head_dim=64, n_layer=4,
                                                              compress_ratios=(0, 4, 128, 4)))
-    cases.append((dict(path=dsv4.path, cache_type="q8_0"), "deepseek4's compressed caches are kept in f32, f16"))
+    cases.append((dict(path=dsv4.path, cache_type_k="q8_0", cache_type_v="f16"), "-ctv f16 differs from -ctk q8_0"))
     for kw, words in cases:
         path = kw.pop("path")
         with pytest.raises(PlacementError, match=words.replace("(", r"\(").replace(")", r"\)")) as e:
@@ -109,3 +109,41 @@ def test_gpt_oss_window_caches_quantized(tmp_path, monkeypatch):
     err = (logits["q8_0"] - logits["f32"]).abs().max() / logits["f32"].abs().max()
     print(f"gpt-oss q8_0 vs f32: {err:.2e}")
     assert err < 3e-2
+
+
+DSV4 = TinySpec(arch="deepseek4", head_dim=64, n_layer=4, compress_ratios=(0, 4, 128, 4))
+
+
+@pytest.mark.parametrize("cache_type", ["q8_0", "q4_0"])
+def test_deepseek4_caches_quantized(tmp_path, monkeypatch, cache_type):
+    """deepseek4's window ring, compressed entries and indexer keys in a quantized type (the
+    compressors' state stays float32): each device holds the plan's bytes on virtual GPUs; a
+    verify batch rolled back across the HCA boundary (position 128) leaves the caches as plain
+    decoding would, bit for bit (each entry is quantized once, from the same rows); and the
+    q8_0 logits stay near the f32 cache's: 3e-2 of the largest logit, as gpt-oss's (observed
+    8.3e-3; a misplaced row or entry shows at 1e-1 or more). q4_0's distance is printed, not
+    bounded: on this random model a 16-level step moves the indexer's top-k choices, which
+    moves logits by a lot (4.2e-1 observed), as it does between any two 4-bit caches."""
+    dsv4 = write_tiny_model(tmp_path / "dsv4.gguf", DSV4)
+    allocated, planned, cache = kv_after_full_context(dsv4.path, monkeypatch, cache_type=cache_type)
+    assert allocated == planned and cache.window.k.dtype == torch.uint8
+    ids = torch.tensor(np.random.default_rng(5).integers(1, 290, 140))
+    logits = {}
+    for t in ("f32", cache_type):
+        with rt.load(dsv4.path, devices="CPU=16GiB", ctx=256, cache_type=t, quiet=True) as s, torch.inference_mode():
+            plain, rolled = s.model.new_state(), s.model.new_state()
+            s.model.forward(ids[:126], plain, logits="none")
+            s.model.forward(ids[:126], rolled, logits="none")
+            s.model.forward(ids[126:131], rolled, logits="none")      # a verify batch over position 128 ...
+            rolled.truncate(126)                                       # ... rejected
+            rows = []
+            for i in range(126, 140):
+                a = s.model.forward(ids[i:i + 1], plain, logits="last")[0]
+                b = s.model.forward(ids[i:i + 1], rolled, logits="last")[0]
+                assert torch.equal(a, b), (t, i)
+                rows.append(a)
+            logits[t] = torch.cat(rows)
+    err = (logits[cache_type] - logits["f32"]).abs().max() / logits["f32"].abs().max()
+    print(f"deepseek4 {cache_type} vs f32: {err:.2e}")
+    if cache_type == "q8_0":
+        assert err < 3e-2
