@@ -124,17 +124,23 @@ def _bad_cases(tmp: Path, paths: dict[str, str]) -> dict[str, tuple[list[str], s
     }
 
 
+def assert_one_line_refusal(r, expected: str, out, where: str) -> None:
+    """Status 2, one ``offload: error:`` line holding ``expected``, no traceback, nothing on
+    stdout and no ``out`` file."""
+    assert r.returncode == 2, where
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("offload: error: "), where
+    assert expected in r.stderr, where
+    assert "Traceback" not in r.stderr and r.stdout == "", where
+    assert not out.exists(), where
+
+
 def test_bad_inputs_one_line_status_2_no_output_file(tmp_path, fixture_paths):
     cases = _bad_cases(tmp_path, fixture_paths)
     for name, (argv, expected) in cases.items():
         out = tmp_path / "missing-dir" / "plan.yaml" if name == "unwritable -o" else tmp_path / f"{name}.yaml"
         r = offload("plan", *argv, "-o", str(out))
         where = f"{name}: {r.stderr!r}"
-        assert r.returncode == 2, where
-        assert r.stderr.count("\n") == 1 and r.stderr.startswith("offload: error: "), where
-        assert expected in r.stderr, where
-        assert "Traceback" not in r.stderr and r.stdout == "", where
-        assert not out.exists(), where
+        assert_one_line_refusal(r, expected, out, where)
         assert not any(p.name.startswith(f".{out.name}.") for p in out.parent.glob("*")) if out.parent.exists() else True
 
 

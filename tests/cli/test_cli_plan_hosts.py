@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.cli.test_cli_plan import offload
+from tests.cli.test_cli_plan import assert_one_line_refusal, offload
 
 TWO = "a:CUDA0=24GiB,CPU=200GiB;b:CUDA0=24GiB,CPU=256GiB"
 
@@ -85,9 +85,4 @@ def test_bad_inputs_one_line_status_2_no_output_file(tmp_path, fixture_paths):
     for name, (argv, expected) in _bad_cases(tmp_path, fixture_paths).items():
         out = tmp_path / f"{name}.yaml"
         r = offload("plan", *argv, "-o", str(out))
-        where = f"{name}: {r.stderr!r}"
-        assert r.returncode == 2, where
-        assert r.stderr.count("\n") == 1 and r.stderr.startswith("offload: error: "), where
-        assert expected in r.stderr, where
-        assert "Traceback" not in r.stderr and r.stdout == "", where
-        assert not out.exists(), where
+        assert_one_line_refusal(r, expected, out, f"{name}: {r.stderr!r}")

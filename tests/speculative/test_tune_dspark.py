@@ -6,12 +6,12 @@ asserted: the timings only have to exist and be positive."""
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import yaml
 
 from tests.archs.test_dspark import TRUNK
+from tests.speculative.test_bench_dspark import cli
 from tests.tiny_models import write_tiny_dspark, write_tiny_model
 
 
@@ -19,15 +19,6 @@ from tests.tiny_models import write_tiny_dspark, write_tiny_model
 def pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("tune-dspark")
     return write_tiny_model(d / "trunk.gguf", TRUNK).path, write_tiny_dspark(d / "dspark.gguf", TRUNK).path
-
-
-def cli(capsys, *args):
-    from offload.cli import main
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rc = main([*map(str, args)])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def test_tune_measures_dspark_and_ngram_and_writes_the_choice(pair, tmp_path, capsys):
