@@ -88,9 +88,13 @@ def test_ranks_match_one_process(tmp_path, which, hosts):
     assert len(tokens) == N
     for r in ranks:                          # every rank saw the same tokens
         assert r["tokens"].tolist() == tokens
-    # the last rank's logits, pass by pass, are the single process's bit for bit
+    # the last rank's logits, pass by pass, are the single process's up to float rounding: each
+    # rank runs its torch ops single-threaded, the test process as it is set, and a different
+    # split of a reduction moves the last bit (seen: 4.8e-7 on logits of 3.8 for the MLA model);
+    # a misplaced block or a lost hidden state moves them by far more than 1e-5
     assert ranks[-1]["rows"].shape == rows.shape
-    assert np.array_equal(ranks[-1]["rows"], rows)
+    err = np.abs(ranks[-1]["rows"] - rows).max() / np.abs(rows).max()
+    assert err < 1e-5, err
 
 
 def _run(plan: Path, rank: int, world: int, port: int, *extra: str, err=subprocess.PIPE) -> subprocess.Popen:

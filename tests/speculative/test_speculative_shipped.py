@@ -260,7 +260,7 @@ def test_run_with_the_ngram_drafter(capsys, tmp_path):
     model's head is not needed (a NextN-less trunk drafts too)."""
     stats, trunk = tmp_path / "s.json", tmp_path / "trunk.gguf"
     rc, out, err = cli(capsys, "run", SHIPPED, "--devices", "CPU=16GiB", "-p", TASKS["extract"], "-n", "32",
-                       "--ignore-eos", "--spec-type", "ngram-simple", "--stats-json", stats)
+                       "--ignore-eos", "--temp", "0", "--spec-type", "ngram-simple", "--stats-json", stats)
     assert rc == 0, err
     d = json.loads(stats.read_text())
     assert d["spec"] == {"type": "ngram", "n_max": 3, "p_min": 0.0, "verify": "batched", "ngram_size": 12}
