@@ -1,6 +1,13 @@
 """One rank of a pipeline across hosts, for the tests (``python -m tests.pipeline_rank``):
 runs ``offload.pipeline`` as ``offload run`` does and saves the tokens it saw (and, on the
-last rank, each token's logits row) to an .npz, so the test can hold them to one process."""
+last rank, each token's logits row) to an .npz, so the test can hold them to one process.
+
+    python -m tests.pipeline_rank PLAN RANK WORLD PROMPT_IDS N OUT.npz [RUNS]
+
+RUNS: generations one after the other in the same pipeline, ``N_MAX:VERIFY`` comma-separated
+(default ``0:batched``, plain decoding); N_MAX > 0 drafts with the n-gram drafter (greedy).
+Run i's tokens and rows are saved as ``tokens_i``, ``rows_i``, its drafts as ``drafted_i``,
+``accepted_i``."""
 from __future__ import annotations
 
 import sys
@@ -12,10 +19,13 @@ from offload.gguf_model import open_model
 from offload.pipeline import Pipeline, check_launch, init_group, load_stage
 from offload.plans import read_plan_file
 from offload.sampling import Sampler
+from offload.speculative import SpecOptions
+from offload.stats import RunStats
 from placement.multihost import build_multihost_plan
 
 
-def main(plan_path: str, rank: int, world: int, prompt: list[int], n: int, out: str) -> None:
+def main(plan_path: str, rank: int, world: int, prompt: list[int], n: int, out: str,
+         runs: list[tuple[int, str]]) -> None:
     torch.set_num_threads(1)
     pf = read_plan_file(plan_path)
     model = open_model(pf.model_path)
@@ -23,14 +33,22 @@ def main(plan_path: str, rank: int, world: int, prompt: list[int], n: int, out: 
     check_launch(mplan, model.spec.arch, rank, world, plan_path)
     stage = load_stage(model, mplan, rank)
     init_group(rank, world, 600.0)        # generous: a cold kernel cache compiles for minutes on a busy box
-    rows: list[np.ndarray] = []
     run = Pipeline(stage, rank, world)
-    tokens = list(run.generate(prompt, max_tokens=n, sampler=Sampler(), ubatch=mplan.settings.ubatch,
-                               on_token=lambda t, row: rows.append(row.copy())))
+    saved = {}
+    for i, (n_max, verify) in enumerate(runs):
+        rows: list[np.ndarray] = []
+        options = SpecOptions(n_max=n_max, verify=verify, type="ngram") if n_max else SpecOptions()
+        stats = RunStats(n_prompt=len(prompt))
+        tokens = list(run.generate(prompt, max_tokens=n, sampler=Sampler(), ubatch=mplan.settings.ubatch,
+                                   options=options, stats=stats, on_token=lambda t, row: rows.append(row.copy())))
+        saved |= {f"tokens_{i}": np.array(tokens), f"rows_{i}": np.array(rows), f"drafted_{i}": stats.drafted,
+                  f"accepted_{i}": stats.accepted}
     torch.distributed.destroy_process_group()
-    np.savez(out, tokens=np.array(tokens), rows=np.array(rows))
+    np.savez(out, **saved)
 
 
 if __name__ == "__main__":
     plan, rank, world, prompt, n, out = sys.argv[1:7]
-    main(plan, int(rank), int(world), [int(x) for x in prompt.split(",")], int(n), out)
+    spec = sys.argv[7] if len(sys.argv) > 7 else "0:batched"
+    runs = [(int(n_max), verify) for n_max, verify in (r.split(":") for r in spec.split(","))]
+    main(plan, int(rank), int(world), [int(x) for x in prompt.split(",")], int(n), out, runs)
