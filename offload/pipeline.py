@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cpu_kernels import set_num_threads
 from offload.devices import resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, check_shapes
@@ -48,6 +49,7 @@ from offload.sampling import Sampler
 from offload.speculative import SpecOptions, generate_step
 from offload.stats import RunStats
 from offload.weights import WeightStore
+from placement.limits import INT8_FROM
 from placement.memory import kv_cells
 from placement.multihost import MultiHostPlan, shard
 
@@ -85,9 +87,30 @@ class Stage:
     def n_past(self) -> int:
         return self.caches[0].length
 
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Throw-away passes of this rank's part (one token, then a 2-token batch) on fresh
+        caches, as ``Session.warmup`` does, so kernel loading stays out of the timings. Local:
+        no other rank takes part."""
+        caches = [b.new_cache() for b in self.lm.blocks]
+        for t in (1, 2):
+            pos = torch.arange(caches[0].length, caches[0].length + t)
+            x = self.lm.embed(torch.zeros(t, dtype=TOKEN)) if self.first else torch.zeros(t, self.n_embd)
+            for run, lo, hi in self.lm.block_runs():
+                x = run(x, pos, caches[lo:hi])
+            if self.last:
+                self.lm.final(x, "last" if t == 1 else "all")
+
 
 def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: int | None = None) -> Stage:
-    """Rank ``rank``'s part of ``model`` under ``mplan``: only the tensors of its host."""
+    """Rank ``rank``'s part of ``model`` under ``mplan``: only the tensors of its host, loaded
+    with ``offload.runtime.load_plan``'s defaults (int8 activations for prompt batches from
+    ``INT8_FROM`` tokens, decode activations ``auto``), so a rank computes what one process
+    does. ``threads``: CPU kernel threads (None: the kernels' default)."""
+    if threads is not None:
+        if threads < 1:
+            raise OffloadError(f"threads must be >= 1, got {threads}")
+        set_num_threads(threads)
     host = mplan.hosts[rank]
     first, last = rank == 0, rank == len(mplan.hosts) - 1
     plan = host.plan
@@ -97,7 +120,8 @@ def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: in
     arch = architecture(model.spec.arch)
     devices = resolve(set(plan.tensors.values()))
     profile = Profile()
-    weights = WeightStore(sub, plan.tensors, devices, compute_dtype=compute_dtypes(devices, "auto"), profile=profile)
+    weights = WeightStore(sub, plan.tensors, devices, compute_dtype=compute_dtypes(devices, "auto"), profile=profile,
+                          hot_experts=plan.hot_experts, int8_batch=INT8_FROM, decode_activations="auto")
     ctx = BuildContext(profile=profile, pool=ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts"),
                        kv_dtype=kv_cache_type(plan.settings.cache_type),
                        kv_dtype_v=kv_cache_type(plan.settings.v_type),

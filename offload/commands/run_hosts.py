@@ -105,7 +105,8 @@ def main(args: argparse.Namespace, prompt: str, rank: int, world: int) -> int:
         print(f"offload: {account}", file=sys.stderr)
         print(f"offload: {describe_sampling(options)}", file=sys.stderr)
     t0 = time.perf_counter()
-    stage = pipeline.load_stage(model, mplan, rank)
+    stage = pipeline.load_stage(model, mplan, rank, threads=args.threads)
+    stage.warmup()
     load_s = time.perf_counter() - t0
     print(f"offload: rank {rank}/{world}: host {host.name}, blocks {host.blocks.start}-{host.blocks.stop - 1} "
           f"loaded in {load_s:.1f} s", file=sys.stderr)
