@@ -20,6 +20,7 @@ import sys
 import time
 
 from offload.commands.sampling_args import describe_sampling, sampling_options
+from offload.commands.spec_args import spec_settings
 from offload.errors import OffloadError, write_atomic
 from offload.gguf_model import open_model
 from offload.plans import read_plan_file
@@ -150,8 +151,6 @@ def pipeline_spec(args: argparse.Namespace, mplan: MultiHostPlan) -> tuple[dict,
     """``offload run``'s ``spec_settings`` for a plan across hosts: the n-gram drafter runs
     across hosts; a head drafter (MTP, DSpark) is refused when the flags ask for it, and when
     only the plan's ``speculative`` section names one, plain decoding runs with a note."""
-    from offload.commands.run import spec_settings     # run imports this module
-
     spec, account = spec_settings(args, mplan)
     kind = spec.get("spec_type")
     if not spec["n_max"] or kind == "ngram":
