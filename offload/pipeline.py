@@ -18,10 +18,12 @@ that dies or stops answering for ``timeout_s`` ends the others with a one-line e
 the rank waited on and the step.
 
 Built: plain decoding and speculative decoding with the n-gram drafter (it needs only the
-tokens, which the last rank has), greedy or sampled on the last rank, batched or exact
-verification, for architectures whose forward is embedding → blocks → output
-(``PIPELINE_ARCHS``). Not built, refused in one line: the MTP head and DSpark across hosts,
-deepseek4 (its hyper-connection streams), GPU devices backed by the CPU (``--virtual-gpus``).
+tokens) or the model's own MTP head (loaded on the last rank, which holds the trunk's last
+hidden state; ``placement.multihost`` gives that host a copy of ``token_embd`` when the head
+embeds with it), greedy or sampled on the last rank, batched or exact verification, for
+architectures whose forward is embedding → blocks → output (``PIPELINE_ARCHS``). Not built,
+refused in one line: a ``--draft`` head and DSpark across hosts, deepseek4 (its
+hyper-connection streams), GPU devices backed by the CPU (``--virtual-gpus``).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from offload.models.shared.base import BuildContext, CausalLM, State
 from offload.profile import Profile
 from offload.runtime import compute_dtypes, kv_cache_type
 from offload.sampling import Sampler
-from offload.speculative import SpecOptions, generate_step
+from offload.speculative import SpecOptions, drafter_uses_hidden, generate_step
 from offload.stats import RunStats
 from offload.weights import WeightStore
 from placement.limits import INT8_FROM
@@ -75,7 +77,7 @@ def check_launch(mplan: MultiHostPlan, arch: str, rank: int, world_size: int, so
 @dataclass
 class Stage:
     """One rank's part: a ``CausalLM`` holding its blocks (the embedding on the first rank,
-    the output layer on the last) and their caches."""
+    the output layer and the NextN head, if the model has one, on the last) and their caches."""
 
     lm: CausalLM
     first: bool
@@ -93,13 +95,16 @@ class Stage:
         caches, as ``Session.warmup`` does, so kernel loading stays out of the timings. Local:
         no other rank takes part."""
         caches = [b.new_cache() for b in self.lm.blocks]
+        head_cache = self.lm.nextn.new_cache() if self.lm.nextn is not None else None
         for t in (1, 2):
             pos = torch.arange(caches[0].length, caches[0].length + t)
             x = self.lm.embed(torch.zeros(t, dtype=TOKEN)) if self.first else torch.zeros(t, self.n_embd)
             for run, lo, hi in self.lm.block_runs():
                 x = run(x, pos, caches[lo:hi])
             if self.last:
-                self.lm.final(x, "last" if t == 1 else "all")
+                _, h = self.lm.final(x, "last" if t == 1 else "all")
+                if self.lm.nextn is not None:
+                    self.lm.nextn(torch.zeros(t, dtype=TOKEN), h, pos + 1, head_cache)
 
 
 def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: int | None = None) -> Stage:
@@ -131,7 +136,14 @@ def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: in
         embed = weights.embedding("token_embd.weight") if first else None
         blocks = [arch.block(weights, cfg, i, ctx) for i in host.blocks]
         output_norm, output = parts.output_ends(weights, cfg) if last else (None, None)
-    lm = CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=None)
+        nextn = None
+        if last:       # the NextN head drafts where the trunk's last hidden state is
+            head_embed = embed
+            if head_embed is None and weights.has("token_embd.weight"):     # placement.multihost.nextn_embedding
+                head_embed = weights.embedding("token_embd.weight")
+            nextn = parts.draft_head(weights, None, cfg, lambda store, i: arch.block(store, cfg, i, ctx),
+                                     embed=head_embed, output=output)
+    lm = CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=nextn)
     return Stage(lm, first, last, model.spec.n_embd, [b.new_cache() for b in blocks])
 
 
@@ -251,12 +263,15 @@ class Pipeline:
         else:
             yield from self._follow()
 
-    def _drive(self, prompt: Sequence[int], **kw) -> Iterator[int]:
+    def _drive(self, prompt: Sequence[int], *, options: SpecOptions, **kw) -> Iterator[int]:
         state = State(self.stage.caches)
         self._emitted = []
-        steps = generate_step(_Trunk(self), prompt, state=state, **kw)
+        steps = None
         op = ABORT
         try:
+            head = self._head(options)
+            state.nextn_cache = head.new_cache() if head is not None else None
+            steps = generate_step(_Trunk(self), prompt, state=state, head=head, options=options, **kw)
             for tok in steps:
                 self._emitted.append(tok)
                 yield tok
@@ -265,13 +280,24 @@ class Pipeline:
             op = STOP
             raise
         finally:
-            steps.close()                 # its ``finally`` rewinds the caches to what was yielded
+            if steps is not None:
+                steps.close()             # its ``finally`` rewinds the caches to what was yielded
             if not self.broken and self.world > 1:
                 try:
                     self._command(op, state.n_past)
                 except PipelineError:
                     if op == STOP:
                         raise
+
+    def _head(self, options: SpecOptions):
+        """The draft head ``options`` drafts with on this (the last) rank: the model's NextN
+        head for ``mtp``, None for a drafter that needs no head (n-gram) or no drafting."""
+        if not options.n_max or not drafter_uses_hidden(options.type):
+            return None
+        if options.type != "mtp" or self.stage.lm.nextn is None:
+            raise OffloadError(f"--spec-type {options.type} across hosts: the last rank has no such draft head "
+                               "(it drafts with the model's own NextN head, or --spec-type ngram)")
+        return self.stage.lm.nextn
 
     def _follow(self) -> Iterator[int]:
         s = self.stage

@@ -7,9 +7,9 @@ Every rank is given the same command line; the launch is checked against the pla
 size = its hosts) before any weight is read, then each rank loads its host's part and joins the
 pipeline (``offload.pipeline``). Rank 0 prints the text; every rank prints its timings; the
 last rank, which drafts, judges and samples, prints the run's statistics (and writes
-``--stats-json``). Speculative decoding runs with the n-gram drafter (``--spec-type ngram``);
-a head drafter (MTP, DSpark) is refused in one line when asked for, and the plan's own
-``speculative`` section falls back to plain decoding with a note.
+``--stats-json``). Speculative decoding takes the flags and the plan's ``speculative``
+section as ``offload run`` does, with the model's own MTP head (loaded on the last host) or
+the n-gram drafter; ``--draft`` and DSpark are refused in one line.
 """
 from __future__ import annotations
 
@@ -148,15 +148,11 @@ def main(args: argparse.Namespace, prompt: str, rank: int, world: int) -> int:
 
 
 def pipeline_spec(args: argparse.Namespace, mplan: MultiHostPlan) -> tuple[dict, str]:
-    """``offload run``'s ``spec_settings`` for a plan across hosts: the n-gram drafter runs
-    across hosts; a head drafter (MTP, DSpark) is refused when the flags ask for it, and when
-    only the plan's ``speculative`` section names one, plain decoding runs with a note."""
+    """``offload run``'s ``spec_settings`` for a plan across hosts: the n-gram drafter and the
+    model's own MTP head (on the last host) draft across hosts; another drafter is refused."""
     spec, account = spec_settings(args, mplan)
     kind = spec.get("spec_type")
-    if not spec["n_max"] or kind == "ngram":
-        return spec, account
-    if args.spec_type is not None or args.spec_n_max is not None:
+    if spec["n_max"] and kind not in ("ngram", "mtp"):
         raise OffloadError(f"speculative decoding with {kind} across hosts is not built yet "
-                           "(--spec-type ngram drafts from the context)")
-    return {"n_max": 0}, (f"speculative decoding off: the plan's speculative section drafts with {kind}, "
-                          "not built across hosts yet (--spec-type ngram drafts from the context)")
+                           "(--spec-type mtp or ngram)")
+    return spec, account

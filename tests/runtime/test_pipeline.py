@@ -50,25 +50,28 @@ def _plan_file(tmp: Path, model_path: str, hosts: str, ctx: int | None = None) -
     return path
 
 
-def _one_process(model_path: str, prompt=PROMPT, runs=((0, "batched"),)) -> list[tuple[list[int], np.ndarray]]:
-    """Greedy decoding of the same (all-CPU) placement in one process: per (n_max, verify) of
-    ``runs`` (n_max > 0: the n-gram drafter) the tokens and the logits row of each."""
+PLAIN = (("ngram", 0, "batched"),)
+
+
+def _one_process(model_path: str, prompt=PROMPT, runs=PLAIN) -> list[tuple[list[int], np.ndarray]]:
+    """Greedy decoding of the same (all-CPU) placement in one process: per (drafter, n_max,
+    verify) of ``runs`` the tokens and the logits row of each."""
     model = open_model(model_path)
     plan = make_plan(model, parse_devices("CPU=4GiB"), PlanOptions())
     out = []
     with runtime.load_plan(model, plan, quiet=True) as session:
-        for n_max, verify in runs:
+        for kind, n_max, verify in runs:
             rows = []
-            tokens = list(session.generate(prompt, max_tokens=N, n_max=n_max, spec_type="ngram", verify=verify,
+            tokens = list(session.generate(prompt, max_tokens=N, n_max=n_max, spec_type=kind, verify=verify,
                                            stop_at_eos=False,
                                            on_token=lambda t, row: rows.append(np.array(row, copy=True))))
             out.append((tokens, np.array(rows)))
     return out
 
 
-def _ranks(tmp: Path, plan: Path, world: int, prompt=PROMPT, runs=((0, "batched"),)) -> list[dict]:
+def _ranks(tmp: Path, plan: Path, world: int, prompt=PROMPT, runs=PLAIN) -> list[dict]:
     port = _port()
-    spec = ",".join(f"{n}:{v}" for n, v in runs)
+    spec = ",".join(f"{k}:{n}:{v}" for k, n, v in runs)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.pipeline_rank", str(plan), str(r), str(world),
                                ",".join(map(str, prompt)), str(N), str(tmp / f"rank{r}.npz"), spec],
                               cwd=ROOT, env=_env(port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -103,28 +106,29 @@ def test_ranks_match_one_process(tmp_path, which, hosts):
 # "Once upon a time": the shipped model soon repeats itself, so the n-gram drafter drafts, and
 # some drafts are rejected (each rejection in a batched verify is a rollback on every rank)
 SPEC_PROMPT = [0, 47, 78, 309, 1002, 267, 268, 734]
-SPEC_RUNS = ((0, "batched"), (1, "exact"), (2, "exact"), (3, "exact"), (1, "batched"), (2, "batched"),
-             (3, "batched"))
+SPEC_RUNS = PLAIN + tuple((kind, n, verify) for kind in ("ngram", "mtp") for verify in ("exact", "batched")
+                          for n in (1, 2, 3))
 
 
 def test_speculation_across_ranks_is_lossless(tmp_path):
-    """n-gram speculation over two ranks (the last drafts, judges and broadcasts the rollback):
-    exact verification yields plain decoding's tokens and rows; batched verification the single
-    process's tokens and rows with the same drafter and n_max, bit for bit."""
+    """Speculation over two ranks (the last drafts with the n-gram drafter or the model's MTP
+    head, judges, and broadcasts the rollback): exact verification yields plain decoding's
+    tokens and rows; batched verification the single process's tokens and rows with the same
+    drafter and n_max, bit for bit."""
     plan = _plan_file(tmp_path, str(SHIPPED_MODEL), "a:CPU=1GiB;b:CPU=1GiB")
     ranks = _ranks(tmp_path, plan, 2, SPEC_PROMPT, SPEC_RUNS)
     one = _one_process(str(SHIPPED_MODEL), SPEC_PROMPT, SPEC_RUNS)
-    plain_tokens, plain_rows = one[0]
-    for i, (n_max, verify) in enumerate(SPEC_RUNS):
-        tokens, rows = one[i] if verify == "batched" else one[0]
+    plain_tokens = one[0][0]
+    for i, run in enumerate(SPEC_RUNS):
+        tokens, rows = one[i] if run[2] == "batched" else one[0]
         for r in ranks:
-            assert r[f"tokens_{i}"].tolist() == tokens, (n_max, verify)
-        assert np.array_equal(ranks[-1][f"rows_{i}"], rows), (n_max, verify)
-        if verify == "exact":
+            assert r[f"tokens_{i}"].tolist() == tokens, run
+        assert np.array_equal(ranks[-1][f"rows_{i}"], rows), run
+        if run[2] == "exact":
             assert tokens == plain_tokens
-        if n_max:
+        if run[1]:
             drafted, accepted = int(ranks[-1][f"drafted_{i}"]), int(ranks[-1][f"accepted_{i}"])
-            assert 0 < accepted < drafted, (n_max, verify, drafted, accepted)   # kept some, rolled back some
+            assert 0 < accepted < drafted, (run, drafted, accepted)   # kept some, rolled back some
 
 
 def _run(plan: Path, rank: int, world: int, port: int, *extra: str, err=subprocess.PIPE) -> subprocess.Popen:
@@ -140,11 +144,12 @@ def _wait_for(path: Path, text: str, deadline: float) -> None:
 
 
 def test_offload_run_speculates_across_ranks(tmp_path):
-    """``offload run --spec-type ngram --spec-verify exact`` over two ranks prints the text of
-    plain greedy decoding in one process; the last rank's --stats-json shows the drafts."""
+    """``offload run --spec-type mtp --spec-verify exact`` over two ranks (the MTP head on the
+    last) prints the text of plain greedy decoding in one process; the last rank's
+    --stats-json shows the drafts."""
     plan = _plan_file(tmp_path, str(SHIPPED_MODEL), "a:CPU=1GiB;b:CPU=1GiB")
     port = _port()
-    flags = ("-n", "24", "--temp", "0", "--spec-type", "ngram", "--spec-n-max", "3", "--spec-verify", "exact",
+    flags = ("-n", "24", "--temp", "0", "--spec-type", "mtp", "--spec-n-max", "3", "--spec-verify", "exact",
              "--stats-json", str(tmp_path / "stats.json"))
     ranks = [_run(plan, r, 2, port, *flags) for r in range(2)]
     outs = [p.communicate(timeout=600) for p in ranks]
@@ -155,7 +160,7 @@ def test_offload_run_speculates_across_ranks(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr
     assert outs[0][0] == one.stdout
-    assert "speculative decoding: ngram" in outs[1][1]
+    assert "speculative decoding: mtp with the model's NextN head" in outs[1][1]
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["n_gen"] == 24 and stats["accepted"] > 0, stats
 
@@ -211,9 +216,7 @@ def test_launch_that_disagrees_with_the_plan_is_refused_before_loading(tmp_path)
         _refused(tmp_path, plan, "--placement", p)
     assert "--rank / --world-size run a plan across hosts" in \
         _refused(tmp_path, plan, str(SHIPPED_MODEL), "--rank", "0", "--world-size", "2")
-    assert "speculative decoding with mtp across hosts is not built yet (--spec-type ngram drafts" in \
-        _refused(tmp_path, plan, "--placement", p, "--rank", "0", "--world-size", "2", "--spec-n-max", "2")
-    assert "speculative decoding with mtp across hosts is not built yet" in \
-        _refused(tmp_path, plan, "--placement", p, "--rank", "1", "--world-size", "2", "--spec-type", "mtp")
+    assert "--spec-type dspark needs a DSpark drafter" in \
+        _refused(tmp_path, plan, "--placement", p, "--rank", "1", "--world-size", "2", "--spec-type", "dspark")
     assert "--draft (a draft head across hosts) is not built yet" in \
         _refused(tmp_path, plan, "--placement", p, "--rank", "0", "--world-size", "2", "--draft", str(SHIPPED_MODEL))
