@@ -10,13 +10,14 @@
   width (7168: at the model's width the bytes are lost in the latency);
 * decode: ``offload run --placement`` of a plan with one, two and three hosts (one process
   per rank, CPU devices, gloo, ``--torch-threads 1 -t 1``) and ``offload run`` of the model
-  in one process, greedy, ``-n`` tokens, each plain and with the n-gram drafter
-  (``--spec-n-max``, batched verify; 0 leaves it out); the configurations alternate within a
-  round (order reversed every other round) and the medians are printed; eval t/s is the last
-  rank's ``--stats-json`` (the prompt and loading excluded);
+  in one process, greedy, ``-n`` tokens, each plain and speculating with the n-gram drafter
+  and the model's MTP head (``--spec-n-max``, batched verify; 0 leaves them out); the
+  configurations alternate within a round (order reversed every other round) and the medians
+  are printed; eval t/s is the last rank's ``--stats-json`` (the prompt and loading excluded);
 * forecast: ``offload plan --hosts ... --hop-latency-us H --hop-gbps G`` with the hop measured
-  above and this box's probe (``offload probe --write``) as every host's hardware; the plain
-  decode t/s it predicts, and measured / predicted.
+  above and this box's probe (``offload probe --write``) as every host's hardware: the plain
+  decode t/s and the MTP t/s at ``--spec-n-max`` it predicts (the MTP one with the planner's
+  prior acceptance, not the measured one), and measured / predicted.
 
 Every process gets ``OMP_WAIT_POLICY=PASSIVE`` (three ranks share this box's cores); the load
 average is printed before and after.
@@ -57,8 +58,8 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------------------------
 
 def _bounce(rank: int, port: int, shapes: list[tuple[tuple[int, ...], str]], iters: int, out) -> None:
-    """Rank 0 sends each tensor to rank 1 and waits for it back; ``out`` gets the median
-    round trip per shape (seconds)."""
+    """Rank 0 sends each tensor to rank 1 and waits for it back; ``out`` gets the median and
+    the fastest round trip per shape (seconds)."""
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -77,7 +78,7 @@ def _bounce(rank: int, port: int, shapes: list[tuple[tuple[int, ...], str]], ite
                 dist.send(x, dst=0)
             if i >= 20:
                 times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
+        medians.append((statistics.median(times), min(times)))
     dist.destroy_process_group()
     if rank == 0:
         out.put(medians)
@@ -87,7 +88,8 @@ def _bounce(rank: int, port: int, shapes: list[tuple[tuple[int, ...], str]], ite
 class Hop:
     what: str
     nbytes: int
-    rtt_s: float
+    rtt_s: float               # median round trip
+    best_s: float              # fastest round trip: the link without the scheduler's waits
 
     @property
     def one_way_us(self) -> float:
@@ -108,12 +110,12 @@ def measure_hops(n_embd: int, n_max: int, iters: int) -> list[Hop]:
     for p in procs:
         p.join(timeout=60)
     hops = []
-    for (shape, dtype), rtt in zip(shapes, medians):
+    for (shape, dtype), (rtt, best) in zip(shapes, medians):
         size = 8 if dtype == "int64" else 4
         nbytes = size * shape[0] * (shape[1] if len(shape) > 1 else 1)
         what = (f"hidden state T={shape[0]}, n_embd {shape[1]}" if len(shape) > 1 else
                 f"pipeline command ({shape[0]} int64)")
-        hops.append(Hop(what, nbytes, rtt))
+        hops.append(Hop(what, nbytes, rtt, best))
     return hops
 
 
@@ -144,18 +146,18 @@ def _offload(*args: str, env: dict) -> subprocess.CompletedProcess:
     return r
 
 
-def run_flags(n: int, n_max: int, stats: Path) -> list[str]:
-    spec = ["--spec-type", "ngram", "--spec-n-max", str(n_max)] if n_max else ["--spec-type", "none"]
+def run_flags(n: int, kind: str, n_max: int, stats: Path) -> list[str]:
+    spec = ["--spec-type", kind, "--spec-n-max", str(n_max)] if kind != "none" else ["--spec-type", "none"]
     return ["-p", PROMPT, "-n", str(n), "--ignore-eos", "--temp", "0", "--torch-threads", "1", "-t", "1",
             "--stats-json", str(stats), *spec]
 
 
-def decode(plan: Path | None, model: str, world: int, n: int, n_max: int, tmp: Path) -> dict:
+def decode(plan: Path | None, model: str, world: int, n: int, kind: str, n_max: int, tmp: Path) -> dict:
     """One ``offload run``: ``world`` ranks of ``plan`` (None: the model in one process, no
     pipeline) → the last rank's stats."""
     stats = tmp / "stats.json"
     stats.unlink(missing_ok=True)
-    flags = run_flags(n, n_max, stats)
+    flags = run_flags(n, kind, n_max, stats)
     if plan is None:
         _offload("run", model, *flags, env=_env())
     else:
@@ -171,12 +173,15 @@ def decode(plan: Path | None, model: str, world: int, n: int, n_max: int, tmp: P
     return json.loads(stats.read_text())
 
 
-def forecast(model: str, world: int, hop_us: float, gbps: float | None, profile: Path, out: Path) -> float:
-    """Plan ``world`` hosts with the measured hop; the plain decode t/s the plan predicts."""
+def forecast(model: str, world: int, hop_us: float, gbps: float | None, profile: Path, out: Path,
+             n_max: int) -> tuple[float, float | None]:
+    """Plan ``world`` hosts with the measured hop → the plain decode t/s the plan predicts, and
+    its MTP t/s at ``n_max`` (None beyond the table)."""
     flags = ["--hop-latency-us", f"{hop_us:.2f}"] + (["--hop-gbps", f"{gbps:.3f}"] if gbps else [])
     doc = json.loads(_offload("plan", model, "--hosts", HOSTS[world], "--hw-profile", str(profile), *flags,
-                              "-o", str(out), "--json", env=_env()).stdout)
-    return float(doc["forecast"]["predicted_plain_tps"])
+                              "--spec-max-n", str(max(n_max, 1)), "-o", str(out), "--json", env=_env()).stdout)
+    rows = {r["n_max"]: r["tokens_per_s"] for r in (doc["speculative"] or {}).get("rows", [])}
+    return float(doc["forecast"]["predicted_plain_tps"]), rows.get(n_max)
 
 
 def main(argv=None) -> int:
@@ -185,7 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-n", type=int, default=64, help="tokens per run (default 64)")
     ap.add_argument("--iters", type=int, default=300, help="round trips per hop shape (default 300)")
-    ap.add_argument("--spec-n-max", type=int, default=3, help="n-gram drafts per step; 0: plain decoding only")
+    ap.add_argument("--spec-n-max", type=int, default=3,
+                    help="drafts per step (n-gram and MTP; default 3); 0: plain decoding only")
     a = ap.parse_args(argv)
     if a.model != str(SHIPPED_MODEL):
         raise SystemExit("the host specs here split the shipped model's blocks; give no model")
@@ -196,15 +202,17 @@ def main(argv=None) -> int:
     hops = measure_hops(n_embd, a.spec_n_max, a.iters)
     gbps = link_gbps(hops)
     hop_us = hops[0].one_way_us              # T=1 at the model's width: a decode pass's hop
-    print(f"hops on loopback (gloo send+recv, median of {a.iters} round trips):")
-    print(f"  {'what':<36} {'bytes':>8} {'round trip us':>14} {'one hop us':>11} {'bytes/token':>12}")
+    print(f"hops on loopback (gloo send+recv, median of {a.iters} round trips; one hop = half the median):")
+    print(f"  {'what':<36} {'bytes':>8} {'round trip us':>14} {'fastest us':>11} {'one hop us':>11} "
+          f"{'bytes/token':>12}")
     for h in hops:
         per_tok = h.nbytes // int(h.what.split("T=")[1].split(",")[0]) if "T=" in h.what else h.nbytes
-        print(f"  {h.what:<36} {h.nbytes:>8} {h.rtt_s * 1e6:>14.1f} {h.one_way_us:>11.1f} {per_tok:>12}")
+        print(f"  {h.what:<36} {h.nbytes:>8} {h.rtt_s * 1e6:>14.1f} {h.best_s * 1e6:>11.1f} {h.one_way_us:>11.1f} "
+              f"{per_tok:>12}")
     print(f"  link rate from T=1..16 at n_embd {WIDE}: " + (f"{gbps:.2f} GB/s" if gbps else "not measurable"))
 
     configs = [(None, 1)] + [("plan", w) for w in (1, 2, 3)]
-    kinds = [0] + ([a.spec_n_max] if a.spec_n_max else [])
+    kinds = [("none", 0)] + ([("ngram", a.spec_n_max), ("mtp", a.spec_n_max)] if a.spec_n_max else [])
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         profile = tmp / "box.yaml"
@@ -212,31 +220,46 @@ def main(argv=None) -> int:
         plans, predicted = {}, {}
         for w in (1, 2, 3):
             plans[w] = tmp / f"hosts{w}.yaml"
-            predicted[w] = forecast(a.model, w, hop_us, gbps, profile, plans[w])
+            predicted[w] = forecast(a.model, w, hop_us, gbps, profile, plans[w], a.spec_n_max)
         results: dict[tuple, list[dict]] = {}
         jobs = [(c, k) for c in configs for k in kinds]
         for r in range(a.rounds):
-            for (plan, w), k in (jobs if r % 2 == 0 else jobs[::-1]):
-                stats = decode(plans[w] if plan else None, a.model, w, a.n, k, tmp)
-                results.setdefault((plan, w, k), []).append(stats)
+            for (plan, w), (kind, n_max) in (jobs if r % 2 == 0 else jobs[::-1]):
+                stats = decode(plans[w] if plan else None, a.model, w, a.n, kind, n_max, tmp)
+                results.setdefault((plan, w, kind), []).append(stats)
             print(f"round {r + 1}/{a.rounds} done, load {os.getloadavg()[0]:.2f}", flush=True)
     load1 = os.getloadavg()
 
-    print(f"\ndecode, {Path(a.model).name}, -n {a.n} greedy, median of {a.rounds} rounds; forecast: offload plan "
-          f"--hosts with hop {hop_us:.1f} us" + (f", {gbps:.2f} GB/s" if gbps else "") + " and this box's probe")
-    print(f"  {'configuration':<44} {'plain t/s':>10} {'forecast':>9} {'meas/fc':>8}"
-          + (f" {'ngram t/s':>10} {'accepted':>9} {'passes':>7} {'ngram/plain':>12}" if a.spec_n_max else ""))
+    def tps(plan, w, kind) -> float:
+        return statistics.median(s["eval_tokens_per_second"] for s in results[(plan, w, kind)])
+
+    def name(plan, w) -> str:
+        return "offload run, one process" if plan is None else f"{w} rank{'s' if w > 1 else ''} ({HOSTS[w]})"
+
+    print(f"\nplain decode, {Path(a.model).name}, -n {a.n} greedy, median of {a.rounds} rounds; forecast: offload "
+          f"plan --hosts with hop {hop_us:.1f} us" + (f", {gbps:.2f} GB/s" if gbps else "") + " and this box's probe")
+    print(f"  {'configuration':<44} {'t/s':>8} {'forecast':>9} {'meas/fc':>8} {'vs 1 rank':>10}")
+    one_rank = tps("plan", 1, "none")
     for plan, w in configs:
-        name = "offload run, one process" if plan is None else f"{w} rank{'s' if w > 1 else ''} ({HOSTS[w]})"
-        plain = statistics.median(s["eval_tokens_per_second"] for s in results[(plan, w, 0)])
-        line = f"  {name:<44} {plain:>10.1f}"
-        line += f" {predicted[w]:>9.1f} {plain / predicted[w]:>8.2f}" if plan else f" {'':>9} {'':>8}"
-        if a.spec_n_max:
-            runs = results[(plan, w, a.spec_n_max)]
-            spec = statistics.median(s["eval_tokens_per_second"] for s in runs)
-            acc = runs[-1]["accepted"] / max(runs[-1]["drafted"], 1)
-            line += f" {spec:>10.1f} {acc:>9.0%} {runs[-1]['n_eval']:>7} {spec / plain:>12.2f}"
-        print(line)
+        plain = tps(plan, w, "none")
+        fc = f" {predicted[w][0]:>9.1f} {plain / predicted[w][0]:>8.2f}" if plan else f" {'':>9} {'':>8}"
+        print(f"  {name(plan, w):<44} {plain:>8.1f}{fc} {plain / one_rank:>10.2f}")
+    if a.spec_n_max:
+        print(f"\nspeculation, n_max {a.spec_n_max}, batched verify (acceptance and target passes of the last "
+              f"round; x plain: over the same configuration's plain t/s)")
+        print(f"  {'configuration':<44} {'ngram t/s':>9} {'acc':>5} {'x plain':>8} {'mtp t/s':>8} {'acc':>5} "
+              f"{'x plain':>8} {'mtp fc':>8} {'meas/fc':>8}")
+        for plan, w in configs:
+            plain = tps(plan, w, "none")
+            line = f"  {name(plan, w):<44}"
+            for kind in ("ngram", "mtp"):
+                last = results[(plan, w, kind)][-1]
+                v = tps(plan, w, kind)
+                line += f" {v:>{9 if kind == 'ngram' else 8}.1f} {last['accepted'] / max(last['drafted'], 1):>5.0%}"
+                line += f" {v / plain:>8.2f}"
+            fc = predicted[w][1] if plan else None
+            line += f" {fc:>8.1f} {tps(plan, w, 'mtp') / fc:>8.2f}" if fc else f" {'':>8} {'':>8}"
+            print(line)
     print(f"\n{os.cpu_count()} cores, load average {load0[0]:.2f} -> {load1[0]:.2f}, OMP_WAIT_POLICY=PASSIVE, "
           "--torch-threads 1 -t 1 per process")
     return 0
