@@ -24,6 +24,7 @@ from placement.hosts import parse_hosts
 from placement.multihost import make_multihost_plan
 from placement.plan_file import multihost_plan_to_yaml
 from placement.planner import PlanOptions, make_plan
+from tests.pipeline_rank import SEED
 from tests.tiny_models import TinySpec, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,19 +51,20 @@ def _plan_file(tmp: Path, model_path: str, hosts: str, ctx: int | None = None) -
     return path
 
 
-PLAIN = (("ngram", 0, "batched"),)
+PLAIN = (("ngram", 0, "batched", 0.0),)
 
 
 def _one_process(model_path: str, prompt=PROMPT, runs=PLAIN) -> list[tuple[list[int], np.ndarray]]:
-    """Greedy decoding of the same (all-CPU) placement in one process: per (drafter, n_max,
-    verify) of ``runs`` the tokens and the logits row of each."""
+    """Decoding of the same (all-CPU) placement in one process: per (drafter, n_max, verify,
+    temperature) of ``runs`` (sampled with the ranks' seed) the tokens and the logits row of each."""
     model = open_model(model_path)
     plan = make_plan(model, parse_devices("CPU=4GiB"), PlanOptions())
     out = []
     with runtime.load_plan(model, plan, quiet=True) as session:
-        for kind, n_max, verify in runs:
+        for kind, n_max, verify, temp in runs:
             rows = []
             tokens = list(session.generate(prompt, max_tokens=N, n_max=n_max, spec_type=kind, verify=verify,
+                                           temperature=temp, seed=SEED,
                                            stop_at_eos=False,
                                            on_token=lambda t, row: rows.append(np.array(row, copy=True))))
             out.append((tokens, np.array(rows)))
@@ -71,7 +73,7 @@ def _one_process(model_path: str, prompt=PROMPT, runs=PLAIN) -> list[tuple[list[
 
 def _ranks(tmp: Path, plan: Path, world: int, prompt=PROMPT, runs=PLAIN) -> list[dict]:
     port = _port()
-    spec = ",".join(f"{k}:{n}:{v}" for k, n, v in runs)
+    spec = ",".join(":".join(map(str, run)) for run in runs)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.pipeline_rank", str(plan), str(r), str(world),
                                ",".join(map(str, prompt)), str(N), str(tmp / f"rank{r}.npz"), spec],
                               cwd=ROOT, env=_env(port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -106,15 +108,16 @@ def test_ranks_match_one_process(tmp_path, which, hosts):
 # "Once upon a time": the shipped model soon repeats itself, so the n-gram drafter drafts, and
 # some drafts are rejected (each rejection in a batched verify is a rollback on every rank)
 SPEC_PROMPT = [0, 47, 78, 309, 1002, 267, 268, 734]
-SPEC_RUNS = PLAIN + tuple((kind, n, verify) for kind in ("ngram", "mtp") for verify in ("exact", "batched")
-                          for n in (1, 2, 3))
+SPEC_RUNS = PLAIN + tuple((kind, n, verify, 0.0) for kind in ("ngram", "mtp") for verify in ("exact", "batched")
+                          for n in (1, 2, 3)) + (("mtp", 3, "batched", 0.8),)
 
 
 def test_speculation_across_ranks_is_lossless(tmp_path):
     """Speculation over two ranks (the last drafts with the n-gram drafter or the model's MTP
     head, judges, and broadcasts the rollback): exact verification yields plain decoding's
     tokens and rows; batched verification the single process's tokens and rows with the same
-    drafter and n_max, bit for bit."""
+    drafter and n_max, bit for bit; sampled (temperature 0.8, the same seed), the single
+    process's tokens too: the last rank draws exactly as one process does."""
     plan = _plan_file(tmp_path, str(SHIPPED_MODEL), "a:CPU=1GiB;b:CPU=1GiB")
     ranks = _ranks(tmp_path, plan, 2, SPEC_PROMPT, SPEC_RUNS)
     one = _one_process(str(SHIPPED_MODEL), SPEC_PROMPT, SPEC_RUNS)
@@ -126,6 +129,8 @@ def test_speculation_across_ranks_is_lossless(tmp_path):
         assert np.array_equal(ranks[-1][f"rows_{i}"], rows), run
         if run[2] == "exact":
             assert tokens == plain_tokens
+        if run[3]:
+            assert tokens != plain_tokens           # it did sample
         if run[1]:
             drafted, accepted = int(ranks[-1][f"drafted_{i}"]), int(ranks[-1][f"accepted_{i}"])
             assert 0 < accepted < drafted, (run, drafted, accepted)   # kept some, rolled back some
