@@ -17,7 +17,9 @@
 * forecast: ``offload plan --hosts ... --hop-latency-us H --hop-gbps G`` with the hop measured
   above and this box's probe (``offload probe --write``) as every host's hardware: the plain
   decode t/s and the MTP t/s at ``--spec-n-max`` it predicts (the MTP one with the planner's
-  prior acceptance, not the measured one), and measured / predicted.
+  prior acceptance, not the measured one), and measured / predicted; beside it what a hop
+  cost inside decoding (the time per token over one rank's, divided by the forecast's hops
+  per pass: one per boundary and one back).
 
 Every process gets ``OMP_WAIT_POLICY=PASSIVE`` (three ranks share this box's cores); the load
 average is printed before and after.
@@ -238,12 +240,15 @@ def main(argv=None) -> int:
 
     print(f"\nplain decode, {Path(a.model).name}, -n {a.n} greedy, median of {a.rounds} rounds; forecast: offload "
           f"plan --hosts with hop {hop_us:.1f} us" + (f", {gbps:.2f} GB/s" if gbps else "") + " and this box's probe")
-    print(f"  {'configuration':<44} {'t/s':>8} {'forecast':>9} {'meas/fc':>8} {'vs 1 rank':>10}")
+    print(f"  {'configuration':<44} {'t/s':>8} {'forecast':>9} {'meas/fc':>8} {'vs 1 rank':>10} "
+          f"{'hop us in decode':>17}")
     one_rank = tps("plan", 1, "none")
     for plan, w in configs:
         plain = tps(plan, w, "none")
         fc = f" {predicted[w][0]:>9.1f} {plain / predicted[w][0]:>8.2f}" if plan else f" {'':>9} {'':>8}"
-        print(f"  {name(plan, w):<44} {plain:>8.1f}{fc} {plain / one_rank:>10.2f}")
+        # what a hop cost inside decoding: the time per token over 1 rank's, per hop (w per pass)
+        implied = f" {(1 / plain - 1 / one_rank) / w * 1e6:>17.0f}" if plan and w > 1 else f" {'':>17}"
+        print(f"  {name(plan, w):<44} {plain:>8.1f}{fc} {plain / one_rank:>10.2f}{implied}")
     if a.spec_n_max:
         print(f"\nspeculation, n_max {a.spec_n_max}, batched verify (acceptance and target passes of the last "
               f"round; x plain: over the same configuration's plain t/s)")
