@@ -4,18 +4,26 @@ moving CPU tensors over TCP (``torchrun`` or ``--rank/--world-size`` with env://
 ``MASTER_ADDR``, ``MASTER_PORT``).
 
 Each rank loads only its part (``load_stage``): the blocks of its host's range, the
-embedding on the first rank, the output layer on the last. A pass (``Pipeline.step``): the
-first rank embeds the tokens; each rank runs its blocks at the same positions (every rank
-keeps the caches of its own blocks) and sends the hidden state, (T, n_embd) float32, to the
-next; the last rank computes the logits and picks the token, which it broadcasts to every
-rank, so all ranks step in lockstep and stop together. A rank that dies or stops answering
-for ``timeout_s`` ends the others with a one-line error naming the rank waited on and the
-step.
+embedding on the first rank, the output layer on the last. The last rank drives: it runs the
+generation loop of one process (``offload.speculative.generate_step``: drafting, verifying,
+judging, sampling, stopping) and each target pass of that loop is a pass through every rank.
+Before a pass it broadcasts a command (``_command``): the position the pass starts at — every
+rank truncates its caches to it first, which is the rollback of rejected drafts — the pass's
+tokens (the pending token and the drafts of a verify batch; the first rank embeds them) and
+the tokens it has yielded since its last command (so every rank yields the same tokens).
+Each rank runs its blocks at the same positions (every rank keeps the caches of its own
+blocks) and sends the hidden state, (T, n_embd) float32, to the next; the last rank computes
+the logits. A last command (stop, or abort when the last rank failed) ends every rank. A rank
+that dies or stops answering for ``timeout_s`` ends the others with a one-line error naming
+the rank waited on and the step.
 
-Built: plain decoding (greedy or sampled on the last rank) for architectures whose forward
-is embedding → blocks → output (``PIPELINE_ARCHS``). Not built, refused in one line:
-speculative decoding across hosts, deepseek4 (its hyper-connection streams), GPU devices
-backed by the CPU (``--virtual-gpus``).
+Built: plain decoding and speculative decoding with the n-gram drafter (it needs only the
+tokens) or the model's own MTP head (loaded on the last rank, which holds the trunk's last
+hidden state; ``placement.multihost`` gives that host a copy of ``token_embd`` when the head
+embeds with it), greedy or sampled on the last rank, batched or exact verification, for
+architectures whose forward is embedding → blocks → output (``PIPELINE_ARCHS``). Not built,
+refused in one line: a ``--draft`` head and DSpark across hosts, deepseek4 (its
+hyper-connection streams), GPU devices backed by the CPU (``--virtual-gpus``).
 """
 from __future__ import annotations
 
@@ -30,16 +38,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cpu_kernels import set_num_threads
 from offload.devices import resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, check_shapes
 from offload.models import architecture
 from offload.models.shared import parts
-from offload.models.shared.base import BuildContext, CausalLM
+from offload.models.shared.base import BuildContext, CausalLM, State
 from offload.profile import Profile
 from offload.runtime import compute_dtypes, kv_cache_type
 from offload.sampling import Sampler
+from offload.speculative import SpecOptions, drafter_uses_hidden, generate_step
+from offload.stats import RunStats
 from offload.weights import WeightStore
+from placement.limits import INT8_FROM
 from placement.memory import kv_cells
 from placement.multihost import MultiHostPlan, shard
 
@@ -65,7 +77,7 @@ def check_launch(mplan: MultiHostPlan, arch: str, rank: int, world_size: int, so
 @dataclass
 class Stage:
     """One rank's part: a ``CausalLM`` holding its blocks (the embedding on the first rank,
-    the output layer on the last) and their caches."""
+    the output layer and the NextN head, if the model has one, on the last) and their caches."""
 
     lm: CausalLM
     first: bool
@@ -77,9 +89,33 @@ class Stage:
     def n_past(self) -> int:
         return self.caches[0].length
 
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Throw-away passes of this rank's part (one token, then a 2-token batch) on fresh
+        caches, as ``Session.warmup`` does, so kernel loading stays out of the timings. Local:
+        no other rank takes part."""
+        caches = [b.new_cache() for b in self.lm.blocks]
+        head_cache = self.lm.nextn.new_cache() if self.lm.nextn is not None else None
+        for t in (1, 2):
+            pos = torch.arange(caches[0].length, caches[0].length + t)
+            x = self.lm.embed(torch.zeros(t, dtype=TOKEN)) if self.first else torch.zeros(t, self.n_embd)
+            for run, lo, hi in self.lm.block_runs():
+                x = run(x, pos, caches[lo:hi])
+            if self.last:
+                _, h = self.lm.final(x, "last" if t == 1 else "all")
+                if self.lm.nextn is not None:
+                    self.lm.nextn(torch.zeros(t, dtype=TOKEN), h, pos + 1, head_cache)
+
 
 def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: int | None = None) -> Stage:
-    """Rank ``rank``'s part of ``model`` under ``mplan``: only the tensors of its host."""
+    """Rank ``rank``'s part of ``model`` under ``mplan``: only the tensors of its host, loaded
+    with ``offload.runtime.load_plan``'s defaults (int8 activations for prompt batches from
+    ``INT8_FROM`` tokens, decode activations ``auto``), so a rank computes what one process
+    does. ``threads``: CPU kernel threads (None: the kernels' default)."""
+    if threads is not None:
+        if threads < 1:
+            raise OffloadError(f"threads must be >= 1, got {threads}")
+        set_num_threads(threads)
     host = mplan.hosts[rank]
     first, last = rank == 0, rank == len(mplan.hosts) - 1
     plan = host.plan
@@ -89,7 +125,8 @@ def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: in
     arch = architecture(model.spec.arch)
     devices = resolve(set(plan.tensors.values()))
     profile = Profile()
-    weights = WeightStore(sub, plan.tensors, devices, compute_dtype=compute_dtypes(devices, "auto"), profile=profile)
+    weights = WeightStore(sub, plan.tensors, devices, compute_dtype=compute_dtypes(devices, "auto"), profile=profile,
+                          hot_experts=plan.hot_experts, int8_batch=INT8_FROM, decode_activations="auto")
     ctx = BuildContext(profile=profile, pool=ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts"),
                        kv_dtype=kv_cache_type(plan.settings.cache_type),
                        kv_dtype_v=kv_cache_type(plan.settings.v_type),
@@ -99,7 +136,14 @@ def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: in
         embed = weights.embedding("token_embd.weight") if first else None
         blocks = [arch.block(weights, cfg, i, ctx) for i in host.blocks]
         output_norm, output = parts.output_ends(weights, cfg) if last else (None, None)
-    lm = CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=None)
+        nextn = None
+        if last:       # the NextN head drafts where the trunk's last hidden state is
+            head_embed = embed
+            if head_embed is None and weights.has("token_embd.weight"):     # placement.multihost.nextn_embedding
+                head_embed = weights.embedding("token_embd.weight")
+            nextn = parts.draft_head(weights, None, cfg, lambda store, i: arch.block(store, cfg, i, ctx),
+                                     embed=head_embed, output=output)
+    lm = CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=nextn)
     return Stage(lm, first, last, model.spec.n_embd, [b.new_cache() for b in blocks])
 
 
@@ -107,27 +151,85 @@ class PipelineError(OffloadError):
     """A rank died or stopped answering (one line: this rank, the rank waited on, the step)."""
 
 
+# The last rank's commands, what every rank does next (int64, broadcast from the last rank):
+# [op, pos, T, n_emit, payload...]. FORWARD: truncate the caches to ``pos`` (the rollback of
+# the rejected drafts), then run the T tokens of the payload; STOP: truncate to ``pos``, the
+# generation is over; ABORT: the last rank failed (its own error says why). ``n_emit``: the
+# tokens the last rank yielded since its previous command, after the T tokens in the payload.
+FORWARD, STOP, ABORT = 1, 2, 3
+HEADER = 4
+
+
+class _Trunk:
+    """What ``offload.speculative.generate_step`` sees as the model on the last rank: a
+    ``forward`` that is one pass through every rank (the pass's tokens broadcast first).
+    It has no ``blocks``, so a non-finite pass is reported without the block search."""
+
+    def __init__(self, pipe: "Pipeline"):
+        self.pipe = pipe
+
+    def forward(self, ids: torch.Tensor, state: State, *, logits: str = "last"):
+        tokens = [int(i) for i in ids.tolist()]
+        self.pipe._command(FORWARD, state.n_past, tokens)
+        return self.pipe._pass(tokens, len(tokens), logits)
+
+
 class Pipeline:
     """The lockstep loop of one rank (module docstring). Every rank calls ``generate`` with the
-    same arguments; each yields the same tokens."""
+    same prompt, ``max_tokens`` and ``options``; each yields the same tokens."""
 
     def __init__(self, stage: Stage, rank: int, world_size: int):
         self.stage, self.rank, self.world = stage, rank, world_size
         self.step_no = 0
+        self.broken = False              # a wait failed: no collective may be tried again
+        self.slots = 2                   # payload in the command itself; set per generation
+        self._emitted: list[int] = []    # last rank: yielded since its previous command
 
     def _wait(self, what: str, peer: int, op) -> None:
         try:
             op()
         except RuntimeError as exc:      # gloo: a closed connection or the timeout
+            self.broken = True
             raise PipelineError(f"rank {self.rank}: step {self.step_no}: rank {peer} stopped answering while "
                                 f"{what} ({gloo_reason(exc)})") from None
 
+    def _command(self, op: int = 0, pos: int = 0, tokens: Sequence[int] = ()) -> tuple[int, int, list[int], list[int]]:
+        """The last rank sends (op, pos, tokens and the tokens it yielded since), every other
+        rank receives them: one broadcast, two when the payload outgrows ``slots`` (a prompt
+        chunk). Returns (op, pos, tokens, emitted)."""
+        src = self.world - 1
+        head = torch.zeros(HEADER + self.slots, dtype=TOKEN)
+        if self.stage.last:
+            emitted, self._emitted = self._emitted, []
+            payload = list(tokens) + emitted
+            head[:HEADER] = torch.tensor([op, pos, len(tokens), len(emitted)])
+            if len(payload) <= self.slots:
+                head[HEADER:HEADER + len(payload)] = torch.tensor(payload, dtype=TOKEN)
+            if self.world > 1:
+                self._broadcast(head, src)
+                if len(payload) > self.slots:
+                    self._broadcast(torch.tensor(payload, dtype=TOKEN), src)
+            self.step_no += 1
+            return op, pos, list(tokens), emitted
+        self._broadcast(head, src)
+        op, pos, t, n_emit = (int(v) for v in head[:HEADER])
+        if t + n_emit <= self.slots:
+            payload = head[HEADER:HEADER + t + n_emit]
+        else:
+            payload = torch.empty(t + n_emit, dtype=TOKEN)
+            self._broadcast(payload, src)
+        self.step_no += 1
+        values = payload.tolist()
+        return op, pos, values[:t], values[t:]
+
+    def _broadcast(self, values: torch.Tensor, src: int) -> None:
+        self._wait("sending the next tokens", src, lambda: dist.broadcast(values, src=src))
+
     @torch.inference_mode()
-    def step(self, ids: Sequence[int], *, logits: bool) -> np.ndarray | None:
-        """One pass of ``ids`` (T tokens; every rank knows T, only the first rank reads them)
-        → the last row's logits on the last rank (``logits``), else None."""
+    def _pass(self, ids: Sequence[int], t: int, logits: str) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """One pass of T tokens at the caches' next positions (only the first rank reads
+        ``ids``) → on the last rank ``CausalLM.final``'s (logits, hidden states), else None."""
         s = self.stage
-        t = len(ids)
         positions = torch.arange(s.n_past, s.n_past + t)
         if s.first:
             x = s.lm.embed(torch.as_tensor(list(ids), dtype=TOKEN))
@@ -137,41 +239,80 @@ class Pipeline:
         for run, lo, hi in s.lm.block_runs():
             x = run(x, positions, s.caches[lo:hi])
         if not s.last:
-            out = x.to("cpu", torch.float32).contiguous()
+            out = x.to("cpu", torch.float32).contiguous()       # (T, n_embd)
             self._wait("taking the hidden state", self.rank + 1, lambda: dist.send(out, dst=self.rank + 1))
             return None
-        if not logits:
-            return None
-        z, _ = s.lm.final(x, "last")
-        return z[-1].detach().to("cpu", torch.float32).numpy()
+        return s.lm.final(x, logits)
 
-    def _broadcast(self, values: torch.Tensor) -> torch.Tensor:
-        src = self.world - 1
-        self._wait("sending the sampled token", src, lambda: dist.broadcast(values, src=src))
-        return values
-
-    def generate(self, prompt: Sequence[int], *, max_tokens: int, sampler: Sampler, ubatch: int,
-                 eos: frozenset[int] = frozenset(),
+    def generate(self, prompt: Sequence[int], *, max_tokens: int, options: SpecOptions = SpecOptions(),
+                 ubatch: int, sampler: Sampler | None = None, eos: frozenset[int] = frozenset(),
+                 stats: RunStats | None = None, guide=None,
                  on_token: Callable[[int, np.ndarray], None] | None = None) -> Iterator[int]:
-        """Yield the generated tokens (on every rank): the prompt in passes of ``ubatch``
-        tokens, then one token a pass; the last rank samples, every rank gets the token.
-        ``on_token(token, row)``: on the last rank, each token with the logits row it was
-        chosen at (as ``offload.speculative.generate_step`` calls it)."""
-        prompt = list(prompt)
-        for lo in range(0, len(prompt), ubatch):
-            chunk = prompt[lo:lo + ubatch]
-            z = self.step(chunk, logits=lo + ubatch >= len(prompt))
-            self.step_no += 1
-        for _ in range(max_tokens):
-            token = torch.tensor([sampler(z) if z is not None else -1], dtype=TOKEN)
-            tok = int(self._broadcast(token)[0])
-            if on_token is not None and z is not None:
-                on_token(tok, z)
-            yield tok
-            if tok in eos:
+        """Yield the generated tokens of a fresh sequence (on every rank). The last rank runs
+        ``offload.speculative.generate_step`` (the prompt in passes of ``ubatch`` tokens, then
+        drafting with ``options`` — n_max 0 is plain decoding — verifying, judging, sampling
+        with ``sampler``, stopping at ``eos`` or ``max_tokens``); each of its target passes is a
+        pass through every rank, and every other rank follows its commands. ``stats``,
+        ``guide``, ``on_token``: as ``generate_step`` takes them, on the last rank."""
+        self.slots = 2 * (options.n_max + 1)     # a verify batch and the tokens of a step
+        State(self.stage.caches).truncate(0)     # a fresh sequence (no prompt cache across hosts)
+        if self.stage.last:
+            yield from self._drive(prompt, max_tokens=max_tokens, options=options, ubatch=ubatch,
+                                   sampler=sampler if sampler is not None else Sampler(), eos=eos, stats=stats,
+                                   guide=guide, on_token=on_token)
+        else:
+            yield from self._follow()
+
+    def _drive(self, prompt: Sequence[int], *, options: SpecOptions, **kw) -> Iterator[int]:
+        state = State(self.stage.caches)
+        self._emitted = []
+        steps = None
+        op = ABORT
+        try:
+            head = self._head(options)
+            state.nextn_cache = head.new_cache() if head is not None else None
+            steps = generate_step(_Trunk(self), prompt, state=state, head=head, options=options, **kw)
+            for tok in steps:
+                self._emitted.append(tok)
+                yield tok
+            op = STOP
+        except GeneratorExit:             # the caller stopped early: a clean end for everyone
+            op = STOP
+            raise
+        finally:
+            if steps is not None:
+                steps.close()             # its ``finally`` rewinds the caches to what was yielded
+            if not self.broken and self.world > 1:
+                try:
+                    self._command(op, state.n_past)
+                except PipelineError:
+                    if op == STOP:
+                        raise
+
+    def _head(self, options: SpecOptions):
+        """The draft head ``options`` drafts with on this (the last) rank: the model's NextN
+        head for ``mtp``, None for a drafter that needs no head (n-gram) or no drafting."""
+        if not options.n_max or not drafter_uses_hidden(options.type):
+            return None
+        if options.type != "mtp" or self.stage.lm.nextn is None:
+            raise OffloadError(f"--spec-type {options.type} across hosts: the last rank has no such draft head "
+                               "(it drafts with the model's own NextN head, or --spec-type ngram)")
+        return self.stage.lm.nextn
+
+    def _follow(self) -> Iterator[int]:
+        s = self.stage
+        while True:
+            op, pos, tokens, emitted = self._command()
+            yield from emitted
+            if op == ABORT:
+                raise PipelineError(f"rank {self.rank}: step {self.step_no}: rank {self.world - 1} ended the run "
+                                    "with an error (its own output says which)")
+            if s.n_past > pos:            # the drafts the last rank rejected
+                for c in s.caches:
+                    c.truncate(pos)
+            if op == STOP:
                 return
-            z = self.step([tok], logits=True)
-            self.step_no += 1
+            self._pass(tokens, len(tokens), "none")
 
 
 def init_group(rank: int, world_size: int, timeout_s: float) -> None:

@@ -4,8 +4,9 @@ same planner as one box (``placement.planner.make_plan``: rules, ``--fit``, targ
 The split (``split_blocks``): the trunk's blocks are cut into one range per host, in pipeline
 order, in proportion to what each host can hold (its devices' budgets less their targets). A
 block costs its weights and its KV cache at the plan's context; the first host also carries
-the input layer (``token_embd``), the last the output layer, the NextN blocks and a
-``--draft`` head, so the cut counts them where they sit. A block goes to the host its
+the input layer (``token_embd``), the last the output layer, the NextN blocks (with a second
+``token_embd`` when the NextN head embeds with it) and a ``--draft`` head, so the cut counts
+them where they sit. A block goes to the host its
 midpoint falls in (as ``placement.fit`` cuts GPU slots). When the model's weights and KV
 exceed all hosts together, the plan is refused before any host is planned.
 
@@ -42,12 +43,22 @@ class Shard:
     tensors: tuple[TensorInfo, ...]
 
 
+def nextn_embedding(model: PlannedModel) -> TensorInfo | None:
+    """``token_embd`` when the model's NextN head embeds its tokens with it (no
+    ``nextn.embed_tokens`` of its own, as GLM-4.5's files): the last host drafts, so it holds
+    a second copy (the head embeds every drafted token; fetching rows from the first host
+    would cost a round trip per draft)."""
+    if not model.spec.n_nextn or any(t.name.endswith(".nextn.embed_tokens.weight") for t in model.tensors):
+        return None
+    return next((t for t in model.tensors if t.name == "token_embd.weight"), None)
+
+
 def shard(model: PlannedModel, blocks: range, *, first: bool, last: bool) -> Shard:
     """``model``'s tensors of trunk ``blocks``; the first host adds the input layer, the last
     the output layer and the NextN blocks (and ``token_embd`` again when the output is tied
-    to it: the head's matrix)."""
+    to it — the head's matrix — or the NextN head embeds with it: ``nextn_embedding``)."""
     spec = model.spec
-    tied = last and tied_output(model.tensors) is not None
+    tied = last and (tied_output(model.tensors) is not None or nextn_embedding(model) is not None)
 
     def held(t: TensorInfo) -> bool:
         if t.layer is not None:
@@ -74,6 +85,9 @@ def _block_costs(model: PlannedModel, settings: MemorySettings, draft: PlannedMo
     tail += sum(kv_bytes(spec, i, settings) for i in range(spec.n_layer_trunk, spec.n_layer))
     if draft is not None:
         tail += sum(t.n_bytes for t in draft.tensors)
+    second = nextn_embedding(model)
+    if second is not None and tied_output(model.tensors) is None:
+        tail += second.n_bytes             # the last host's copy for the NextN head
     return head, trunk, tail
 
 

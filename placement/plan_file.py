@@ -59,7 +59,8 @@ HEADER = """\
 """
 # The speculative section's keys (placement.speculative.predict and offload tune write them)
 # and what each must be; n_max, p_min and profile have their own checks.
-SPEC_NUMBERS = ("predicted_plain_tps", "predicted_speedup", "draft_ms", "measured_speedup")
+SPEC_NUMBERS = ("predicted_plain_tps", "predicted_speedup", "draft_ms", "measured_speedup", "hop_latency_us",
+                "hop_gbps")
 SPEC_COUNTS = ("break_even_n_max", "best_n_max", "measured_best_n_max")
 SPEC_TEXT = ("type", "source", "routing", "choice")
 SPEC_LISTS = ("rows", "measured_rows")
@@ -241,6 +242,8 @@ def _speculative(doc: YamlDoc, spec: dict | None) -> SpecSection | None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                               or v < 0):
             doc.fail(at + (key,), f"speculative.{key} must be a finite number >= 0, got {v!r}")
+    if spec.get("hop_gbps") == 0:
+        doc.fail(at + ("hop_gbps",), "speculative.hop_gbps must be a number > 0, got 0")
     for key, kind in ((k, str) for k in SPEC_TEXT):
         if spec.get(key) is not None and not isinstance(spec[key], kind):
             doc.fail(at + (key,), f"speculative.{key} must be a string, got {spec[key]!r}")

@@ -37,6 +37,9 @@ class SpecSection:
     measured_rows: list[dict[str, Any]] | None = None
     tune: dict[str, Any] | None = None
     profile: SpecProfile | None = None
+    # a plan across hosts: the link its forecast assumed (``offload plan --hop-latency-us / --hop-gbps``)
+    hop_latency_us: float | None = None
+    hop_gbps: float | None = None
     keys: tuple[str, ...] = ()
 
     @classmethod

@@ -7,6 +7,7 @@ measured one and adds what it measured. The section's keys:
     source: predicted | tune
     predicted_plain_tps, break_even_n_max, best_n_max, predicted_speedup, draft_ms, routing, rows
     profile: {hardware, acceptance, routing}     (``SpecProfile``)
+    hop_latency_us, hop_gbps     a plan across hosts: the link between hosts its forecast assumed
 
 and, written by ``offload tune`` (kept by later refreshes): measured_speedup (of the chosen
 n_max), measured_best_n_max, choice (the rule that picked n_max), runner_up (the best other
@@ -275,8 +276,9 @@ def predict_multihost(mplan: MultiHostPlan, model: PlannedModel, draft: PlannedM
                       hits: RoutingCounts | None = None) -> tuple[SpecTable, SpecSection | None]:
     """The pipeline's n_max table (``placement.cost.pipeline_table``; ``link`` None: the hops
     cost nothing, the same blocks as if on one box) and, with a draft head, the plan's
-    ``speculative`` section. ``hardware``: one profile for every host (each completed with
-    its GPUs' defaults), else each host's defaults by GPU name."""
+    ``speculative`` section, with the link it assumed (``hop_latency_us``, ``hop_gbps``).
+    ``hardware``: one profile for every host (each completed with its GPUs' defaults), else
+    each host's defaults by GPU name."""
     parts, fp = host_footprints(mplan, model, draft)
     hws = [forecast_hardware(h.plan, complete_hardware(hardware, h.plan) if hardware is not None
                              else default_profile(h.plan).hardware) for h in mplan.hosts]
@@ -286,7 +288,8 @@ def predict_multihost(mplan: MultiHostPlan, model: PlannedModel, draft: PlannedM
                            acceptance=acceptance, max_n=max_n, hits=hits)
     if fp.draft is None:
         return table, None
+    hops = {} if link is None else {"hop_latency_us": link.latency_us, "hop_gbps": link.gbps}
     section: dict[str, Any] = {"type": "mtp", "n_max": table.best.n, "p_min": acceptance.p_min,
-                               "source": "predicted", **table.to_dict(),
+                               "source": "predicted", **hops, **table.to_dict(),
                                "profile": SpecProfile(hws[-1], acceptance)}
     return table, SpecSection.of(section)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from offload.bench_tasks import TASKS
 from offload.commands.plan import add_placement_arguments, plan_from_args
-from offload.commands.run import (add_session_arguments, open_cli_model, plan_drafters, runtime_process_settings,
-                                  session_options)
+from offload.commands.run import add_session_arguments, open_cli_model, runtime_process_settings, session_options
+from offload.commands.spec_args import plan_drafters
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.stats import conditional, per_position
 from placement.draft import NGRAM_SIZE, check_ngram_size, check_p_min

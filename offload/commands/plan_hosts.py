@@ -29,6 +29,7 @@ from placement.multihost import MultiHostPlan, build_multihost_plan, make_multih
 from placement.plan_file import multihost_plan_to_yaml
 from placement.planner import FLAG_NAMES, PlanOptions
 from placement.report import format_plan
+from placement.spec_section import SpecSection
 from placement.speculative import carried_bytes, predict_multihost
 
 # what the one-box command does that a plan across hosts does not (yet)
@@ -65,10 +66,14 @@ def _given_fixed(args: argparse.Namespace) -> list[str]:
     return [n for n in FLAG_NAMES + ("devices", "hosts") if getattr(args, n) not in (None, False)]
 
 
-def _link(args: argparse.Namespace) -> HopLink:
+def _link(args: argparse.Namespace, recorded: SpecSection | None = None) -> HopLink:
+    """The flags' link; a flag not given: the one the plan file's forecast recorded, else the prior."""
     base = HopLink()
-    return HopLink(base.latency_us if args.hop_latency_us is None else args.hop_latency_us,
-                   base.gbps if args.hop_gbps is None else args.hop_gbps)
+    latency = recorded.hop_latency_us if recorded is not None and recorded.hop_latency_us is not None \
+        else base.latency_us
+    gbps = recorded.hop_gbps if recorded is not None and recorded.hop_gbps is not None else base.gbps
+    return HopLink(latency if args.hop_latency_us is None else args.hop_latency_us,
+                   gbps if args.hop_gbps is None else args.hop_gbps)
 
 
 def _plan(args: argparse.Namespace, model: ModelFile | None) -> tuple[MultiHostPlan, ModelFile, ModelFile | None]:
@@ -122,8 +127,9 @@ def main(args: argparse.Namespace, model: ModelFile | None) -> int:
         if getattr(args, name, None):
             raise OffloadError(f"--hosts: {what} is not taken with a plan across hosts")
     check_n_max(args.spec_max_n, "--spec-max-n")
-    link = _link(args)
+    _link(args)                                   # bad hop flags: one line before the plan is made
     mplan, model, draft = _plan(args, model)
+    link = _link(args, mplan.speculative)
     if args.spec_type in ("mtp", "dspark") and mplan.drafting == "none":
         raise NoDraftHead(mplan.model_path, f"--spec-type {args.spec_type}")
     table = free = None

@@ -5,28 +5,32 @@
 
 Every rank is given the same command line; the launch is checked against the plan (world
 size = its hosts) before any weight is read, then each rank loads its host's part and joins the
-pipeline (``offload.pipeline``). Rank 0 prints the text; every rank prints its timings.
+pipeline (``offload.pipeline``). Rank 0 prints the text; every rank prints its timings; the
+last rank, which drafts, judges and samples, prints the run's statistics (and writes
+``--stats-json``). Speculative decoding takes the flags and the plan's ``speculative``
+section as ``offload run`` does, with the model's own MTP head (loaded on the last host) or
+the n-gram drafter; ``--draft`` and DSpark are refused in one line.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 
-from offload.commands.sampling_args import sampling_options
-from offload.errors import OffloadError
+from offload.commands.sampling_args import describe_sampling, sampling_options
+from offload.commands.spec_args import spec_settings
+from offload.errors import OffloadError, write_atomic
 from offload.gguf_model import open_model
 from offload.plans import read_plan_file
-from placement.multihost import build_multihost_plan
+from placement.draft import NGRAM_SIZE
+from placement.multihost import MultiHostPlan, build_multihost_plan
 
 DEFAULT_TIMEOUT_S = 60.0
 # run flags a pipeline does not take yet, as the user spells them
-_NOT_BUILT = (("spec_n_max", "--spec-n-max (speculative decoding across hosts)"),
-              ("spec_type", "--spec-type (speculative decoding across hosts)"),
-              ("draft", "--draft (speculative decoding across hosts)"),
-              ("spec_diagnose", "--spec-diagnose"), ("virtual_gpus", "--virtual-gpus"),
-              ("stats_json", "--stats-json"))
+_NOT_BUILT = (("draft", "--draft (a draft head across hosts)"),
+              ("spec_diagnose", "--spec-diagnose"), ("virtual_gpus", "--virtual-gpus"))
 
 
 def add_rank_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,19 +80,19 @@ def main(args: argparse.Namespace, prompt: str, rank: int, world: int) -> int:
     if pf.n_layer != model.spec.n_layer:
         raise OffloadError(f"{args.placement}: the plan's layout is for {pf.n_layer} blocks but {model.path} "
                            f"has {model.spec.n_layer}")
-    mplan = build_multihost_plan(model, pf.hosts, pf.settings)
+    mplan = build_multihost_plan(model, pf.hosts, pf.settings, speculative=pf.speculative)
     import torch
 
     from offload import pipeline
-    from offload.sampling import Sampler
+    from offload.sampling import Sampler, with_penalties
+    from offload.speculative import SpecOptions
+    from offload.stats import RunStats
     from offload.tokenizer import TextStream, Tokenizer
 
     pipeline.check_launch(mplan, model.spec.arch, rank, world, args.placement)   # before any weight is read
+    spec, account = pipeline_spec(args, mplan)
     torch.set_num_threads(args.torch_threads)
     options = sampling_options(args)
-    if options["penalties"] is not None:
-        raise OffloadError("repetition penalties across hosts are not built yet (the last rank samples "
-                           "without the history): leave --repeat-penalty/--presence-penalty/--frequency-penalty off")
     sampler = Sampler(temperature=options["temperature"], top_k=options["top_k"], top_p=options["top_p"],
                       min_p=options["min_p"], seed=options["seed"])
     tokenizer = Tokenizer.from_gguf(model.metadata)
@@ -97,12 +101,13 @@ def main(args: argparse.Namespace, prompt: str, rank: int, world: int) -> int:
         raise OffloadError(f"{len(ids)} prompt tokens + {args.n_predict} to generate exceed the context of "
                            f"{mplan.settings.ctx}")
     host = mplan.hosts[rank]
-    n_max = pf.speculative.n_max if pf.speculative is not None else None
-    if rank == 0 and n_max:
-        print(f"offload: note: the plan's speculative n_max {n_max} is not used: speculative decoding across "
-              "hosts is not built yet (plain decoding)", file=sys.stderr)
+    last = rank == world - 1
+    if last:
+        print(f"offload: {account}", file=sys.stderr)
+        print(f"offload: {describe_sampling(options)}", file=sys.stderr)
     t0 = time.perf_counter()
-    stage = pipeline.load_stage(model, mplan, rank)
+    stage = pipeline.load_stage(model, mplan, rank, threads=args.threads)
+    stage.warmup()
     load_s = time.perf_counter() - t0
     print(f"offload: rank {rank}/{world}: host {host.name}, blocks {host.blocks.start}-{host.blocks.stop - 1} "
           f"loaded in {load_s:.1f} s", file=sys.stderr)
@@ -110,11 +115,16 @@ def main(args: argparse.Namespace, prompt: str, rank: int, world: int) -> int:
     try:
         run = pipeline.Pipeline(stage, rank, world)
         stream = TextStream(tokenizer.decode)
+        stats = RunStats(n_prompt=len(ids), load_s=load_s)
         t1 = time.perf_counter()
         n = 0
         eos = frozenset() if args.ignore_eos else tokenizer.eos_ids
         for tok in run.generate(ids, max_tokens=args.n_predict, sampler=sampler, ubatch=mplan.settings.ubatch,
-                                eos=eos):
+                                options=SpecOptions(n_max=spec["n_max"], p_min=spec.get("p_min", 0.0),
+                                                    verify=spec.get("verify", "batched"),
+                                                    type=spec.get("spec_type", "mtp"),
+                                                    ngram_size=spec.get("ngram_size", NGRAM_SIZE)),
+                                eos=eos, stats=stats, guide=with_penalties(None, options["penalties"], ids)):
             n += 1
             if rank == 0:
                 sys.stdout.write(stream.push(tok))
@@ -124,7 +134,25 @@ def main(args: argparse.Namespace, prompt: str, rank: int, world: int) -> int:
         dt = time.perf_counter() - t1
         print(f"offload: rank {rank}: {len(ids)} prompt + {n} generated tokens in {dt * 1e3:.1f} ms "
               f"({n / dt:.2f} t/s overall)", file=sys.stderr)
+        if last:
+            for line in stats.lines():
+                print(f"offload: {line}", file=sys.stderr)
+            if args.stats_json:
+                payload = stats.as_dict() | {"rank": rank, "world_size": world,
+                                             "hosts": [h.name for h in mplan.hosts]}
+                write_atomic(args.stats_json, json.dumps(payload, indent=2) + "\n")
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return 0
+
+
+def pipeline_spec(args: argparse.Namespace, mplan: MultiHostPlan) -> tuple[dict, str]:
+    """``offload run``'s ``spec_settings`` for a plan across hosts: the n-gram drafter and the
+    model's own MTP head (on the last host) draft across hosts; another drafter is refused."""
+    spec, account = spec_settings(args, mplan)
+    kind = spec.get("spec_type")
+    if spec["n_max"] and kind not in ("ngram", "mtp"):
+        raise OffloadError(f"speculative decoding with {kind} across hosts is not built yet "
+                           "(--spec-type mtp or ngram)")
+    return spec, account

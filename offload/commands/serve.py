@@ -22,8 +22,8 @@ from pathlib import Path
 
 from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.commands.sampling_args import add_sampling_arguments, sampling_defaults
-from offload.commands.run import (add_session_arguments, add_spec_arguments, open_cli_model,
-                                  runtime_process_settings, session_options, spec_settings)
+from offload.commands.run import add_session_arguments, open_cli_model, runtime_process_settings, session_options
+from offload.commands.spec_args import add_spec_arguments, spec_settings
 from offload.errors import ArgumentParser, OffloadError
 
 DEFAULT_MAX_QUEUE = 32

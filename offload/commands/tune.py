@@ -272,9 +272,9 @@ def main(argv=None) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def tune_drafters(text: str | None, plan) -> list[str]:
-    """The drafters ``--spec-type`` names (``offload.commands.run.plan_drafters``; here ``none``
-    is refused: plain decoding is always measured)."""
-    from offload.commands.run import plan_drafters
+    """The drafters ``--spec-type`` names (``offload.commands.spec_args.plan_drafters``; here
+    ``none`` is refused: plain decoding is always measured)."""
+    from offload.commands.spec_args import plan_drafters
 
     if text is not None and any(spec_type(part.strip()) == "none" for part in text.split(",")):
         raise OffloadError("offload tune --spec-type: plain decoding is always measured; name drafters")

@@ -51,6 +51,26 @@ def test_json_output_file_and_reload(tmp_path, fixture_paths):
     assert r.returncode == 2 and "is a plan across hosts: run one process per host with --rank R" in r.stderr
 
 
+def test_the_plan_keeps_the_hop_it_forecast_with(tmp_path, fixture_paths):
+    """The speculative section records the link the forecast assumed; planning the file again
+    forecasts with it unless a flag says otherwise."""
+    out = tmp_path / "multihost.yaml"
+    first = offload("plan", fixture_paths["deepseek-v3"], "--draft", fixture_paths["deepseek-v3-mtp"], "--hosts", TWO,
+                    "-c", "32768", "--hop-latency-us", "250", "--hop-gbps", "5", "-o", str(out), "--json")
+    assert first.returncode == 0, first.stderr
+    spec = json.loads(first.stdout)["speculative"]
+    assert (spec["hop_latency_us"], spec["hop_gbps"]) == (250, 5)
+    assert "hop_latency_us: 250" in out.read_text() and "hop_gbps: 5" in out.read_text()
+    again = offload("plan", "--placement", str(out), "--json")
+    assert again.returncode == 0, again.stderr
+    b = json.loads(again.stdout)
+    assert (b["forecast"]["hop_latency_us"], b["forecast"]["hop_gbps"]) == (250, 5)
+    assert b["forecast"]["predicted_plain_tps"] == json.loads(first.stdout)["forecast"]["predicted_plain_tps"]
+    flag = json.loads(offload("plan", "--placement", str(out), "--hop-latency-us", "50", "--json").stdout)
+    assert (flag["forecast"]["hop_latency_us"], flag["forecast"]["hop_gbps"]) == (50, 5)
+    assert flag["forecast"]["predicted_plain_tps"] > b["forecast"]["predicted_plain_tps"]
+
+
 def _bad_cases(tmp: Path, paths: dict[str, str]) -> dict[str, tuple[list[str], str]]:
     dsv3 = paths["deepseek-v3"]
     (tmp / "bad-hosts.yaml").write_text("hosts:\n- name: a\n  devices: [{name: CPU, budget: 1GiB}\n")

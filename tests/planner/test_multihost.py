@@ -8,7 +8,7 @@ from placement.devices import CPU, GIB, parse_devices
 from placement.errors import PlacementError
 from placement.hosts import Host, parse_hosts
 from placement.memory import MemorySettings, kv_bytes
-from placement.multihost import build_multihost_plan, make_multihost_plan, shard, split_blocks
+from placement.multihost import build_multihost_plan, make_multihost_plan, nextn_embedding, shard, split_blocks
 from placement.plan_file import load_hosts_file, load_plan_file, multihost_plan_to_yaml, plan_to_yaml
 from placement.planner import PlanOptions, make_plan
 from placement.rules import parse_override
@@ -253,3 +253,23 @@ def test_malformed_hosts_yaml_one_line_with_its_line(text, match):
     with pytest.raises(PlacementError, match=match) as e:
         load_hosts_file(text, "hosts.yaml")
     assert "\n" not in str(e.value)
+
+
+def test_the_last_host_holds_token_embd_when_the_nextn_head_embeds_with_it(models):
+    """The shipped model's NextN block (GLM-4.5's layout without ``nextn.embed_tokens``) embeds
+    drafted tokens with ``token_embd``: the last host, which drafts, holds a second copy, counted
+    in its plan; a NextN block with its own ``embed_tokens`` needs none."""
+    from offload.gguf_model import open_model
+    from offload.probe import SHIPPED_MODEL
+
+    model = open_model(str(SHIPPED_MODEL))
+    assert nextn_embedding(model).name == "token_embd.weight"
+    mplan = make_multihost_plan(model, parse_hosts("a:CPU=1GiB;b:CPU=1GiB"))
+    first, last = mplan.hosts[0].plan, mplan.hosts[-1].plan
+    assert "token_embd.weight" in first.tensors and "token_embd.weight" in last.tensors
+    assert last.drafting == "in-model NextN"
+    held = sum(t.n_bytes for t in shard(model, mplan.hosts[-1].blocks, first=False, last=True).tensors)
+    assert sum(t.weights_bytes for t in last.totals) == held
+    again = load_plan_file(multihost_plan_to_yaml(mplan), "multihost.yaml")
+    assert build_multihost_plan(model, again.hosts, again.settings).hosts[-1].plan.tensors == last.tensors
+    assert nextn_embedding(models["glm-4.5-air"]) is None

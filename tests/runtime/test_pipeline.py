@@ -4,6 +4,7 @@ a rank that dies or stops answering ends the others in one line within the timeo
 that disagrees with the plan is refused before any weight is read."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -23,11 +24,12 @@ from placement.hosts import parse_hosts
 from placement.multihost import make_multihost_plan
 from placement.plan_file import multihost_plan_to_yaml
 from placement.planner import PlanOptions, make_plan
+from tests.pipeline_rank import SEED
 from tests.tiny_models import TinySpec, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [1, 17, 42, 5, 99, 3, 64, 8]
-N = 12
+N = 24
 
 
 def _port() -> int:
@@ -41,29 +43,39 @@ def _env(port: int) -> dict[str, str]:
             "PYTHONPATH": str(ROOT)}
 
 
-def _plan_file(tmp: Path, model_path: str, hosts: str) -> Path:
+def _plan_file(tmp: Path, model_path: str, hosts: str, ctx: int | None = None) -> Path:
     model = open_model(model_path)
-    mplan = make_multihost_plan(model, parse_hosts(hosts))
+    mplan = make_multihost_plan(model, parse_hosts(hosts), PlanOptions(ctx=ctx))
     path = tmp / "multihost.yaml"
     path.write_text(multihost_plan_to_yaml(mplan))
     return path
 
 
-def _one_process(model_path: str) -> tuple[list[int], np.ndarray]:
-    """Plain greedy decoding of the same (all-CPU) placement in one process."""
+PLAIN = (("ngram", 0, "batched", 0.0),)
+
+
+def _one_process(model_path: str, prompt=PROMPT, runs=PLAIN) -> list[tuple[list[int], np.ndarray]]:
+    """Decoding of the same (all-CPU) placement in one process: per (drafter, n_max, verify,
+    temperature) of ``runs`` (sampled with the ranks' seed) the tokens and the logits row of each."""
     model = open_model(model_path)
     plan = make_plan(model, parse_devices("CPU=4GiB"), PlanOptions())
-    rows = []
+    out = []
     with runtime.load_plan(model, plan, quiet=True) as session:
-        tokens = list(session.generate(PROMPT, max_tokens=N, n_max=0, stop_at_eos=False,
-                                       on_token=lambda t, row: rows.append(np.array(row, copy=True))))
-    return tokens, np.array(rows)
+        for kind, n_max, verify, temp in runs:
+            rows = []
+            tokens = list(session.generate(prompt, max_tokens=N, n_max=n_max, spec_type=kind, verify=verify,
+                                           temperature=temp, seed=SEED,
+                                           stop_at_eos=False,
+                                           on_token=lambda t, row: rows.append(np.array(row, copy=True))))
+            out.append((tokens, np.array(rows)))
+    return out
 
 
-def _ranks(tmp: Path, plan: Path, world: int) -> list[dict]:
+def _ranks(tmp: Path, plan: Path, world: int, prompt=PROMPT, runs=PLAIN) -> list[dict]:
     port = _port()
+    spec = ",".join(":".join(map(str, run)) for run in runs)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.pipeline_rank", str(plan), str(r), str(world),
-                               ",".join(map(str, PROMPT)), str(N), str(tmp / f"rank{r}.npz")],
+                               ",".join(map(str, prompt)), str(N), str(tmp / f"rank{r}.npz"), spec],
                               cwd=ROOT, env=_env(port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     for p in procs:
@@ -84,17 +96,48 @@ def test_ranks_match_one_process(tmp_path, which, hosts):
     plan = _plan_file(tmp_path, path, hosts)
     world = hosts.count(";") + 1
     ranks = _ranks(tmp_path, plan, world)
-    tokens, rows = _one_process(path)
+    [(tokens, rows)] = _one_process(path)
     assert len(tokens) == N
     for r in ranks:                          # every rank saw the same tokens
-        assert r["tokens"].tolist() == tokens
-    # the last rank's logits, pass by pass, are the single process's up to float rounding: each
-    # rank runs its torch ops single-threaded, the test process as it is set, and a different
-    # split of a reduction moves the last bit (seen: 4.8e-7 on logits of 3.8 for the MLA model);
-    # a misplaced block or a lost hidden state moves them by far more than 1e-5
-    assert ranks[-1]["rows"].shape == rows.shape
-    err = np.abs(ranks[-1]["rows"] - rows).max() / np.abs(rows).max()
+        assert r["tokens_0"].tolist() == tokens
+    # the last rank's logits, pass by pass, are the single process's up to float rounding: the
+    # ranks run their torch ops single-threaded, the test process as it is set, and a different
+    # split of a reduction in the MLA model's torch path moves the last bit (seen: 4.8e-7 on
+    # logits of 3.8); a misplaced block or a lost hidden state moves them by far more than 1e-5
+    assert ranks[-1]["rows_0"].shape == rows.shape
+    err = np.abs(ranks[-1]["rows_0"] - rows).max() / np.abs(rows).max()
     assert err < 1e-5, err
+
+
+# "Once upon a time": the shipped model soon repeats itself, so the n-gram drafter drafts, and
+# some drafts are rejected (each rejection in a batched verify is a rollback on every rank)
+SPEC_PROMPT = [0, 47, 78, 309, 1002, 267, 268, 734]
+SPEC_RUNS = PLAIN + tuple((kind, n, verify, 0.0) for kind in ("ngram", "mtp") for verify in ("exact", "batched")
+                          for n in (1, 2, 3)) + (("mtp", 3, "batched", 0.8),)
+
+
+def test_speculation_across_ranks_is_lossless(tmp_path):
+    """Speculation over two ranks (the last drafts with the n-gram drafter or the model's MTP
+    head, judges, and broadcasts the rollback): exact verification yields plain decoding's
+    tokens and rows; batched verification the single process's tokens and rows with the same
+    drafter and n_max, bit for bit; sampled (temperature 0.8, the same seed), the single
+    process's tokens too: the last rank draws exactly as one process does."""
+    plan = _plan_file(tmp_path, str(SHIPPED_MODEL), "a:CPU=1GiB;b:CPU=1GiB")
+    ranks = _ranks(tmp_path, plan, 2, SPEC_PROMPT, SPEC_RUNS)
+    one = _one_process(str(SHIPPED_MODEL), SPEC_PROMPT, SPEC_RUNS)
+    plain_tokens = one[0][0]
+    for i, run in enumerate(SPEC_RUNS):
+        tokens, rows = one[i] if run[2] == "batched" else one[0]
+        for r in ranks:
+            assert r[f"tokens_{i}"].tolist() == tokens, run
+        assert np.array_equal(ranks[-1][f"rows_{i}"], rows), run
+        if run[2] == "exact":
+            assert tokens == plain_tokens
+        if run[3]:
+            assert tokens != plain_tokens           # it did sample
+        if run[1]:
+            drafted, accepted = int(ranks[-1][f"drafted_{i}"]), int(ranks[-1][f"accepted_{i}"])
+            assert 0 < accepted < drafted, (run, drafted, accepted)   # kept some, rolled back some
 
 
 def _run(plan: Path, rank: int, world: int, port: int, *extra: str, err=subprocess.PIPE) -> subprocess.Popen:
@@ -109,19 +152,44 @@ def _wait_for(path: Path, text: str, deadline: float) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("fault,sig", [("dies", signal.SIGKILL), ("stops answering", signal.SIGSTOP)])
-def test_a_rank_that_fails_ends_the_other_in_one_line(tmp_path, fault, sig):
+def test_offload_run_speculates_across_ranks(tmp_path):
+    """``offload run --spec-type mtp --spec-verify exact`` over two ranks (the MTP head on the
+    last) prints the text of plain greedy decoding in one process; the last rank's
+    --stats-json shows the drafts."""
     plan = _plan_file(tmp_path, str(SHIPPED_MODEL), "a:CPU=1GiB;b:CPU=1GiB")
+    port = _port()
+    flags = ("-n", "24", "--temp", "0", "--spec-type", "mtp", "--spec-n-max", "3", "--spec-verify", "exact",
+             "--stats-json", str(tmp_path / "stats.json"))
+    ranks = [_run(plan, r, 2, port, *flags) for r in range(2)]
+    outs = [p.communicate(timeout=600) for p in ranks]
+    for p, (_, err) in zip(ranks, outs):
+        assert p.returncode == 0, err
+    one = subprocess.run([sys.executable, "-m", "offload", "run", str(SHIPPED_MODEL), "-p", "Once upon a time",
+                          "--ignore-eos", "-n", "24", "--temp", "0"], cwd=ROOT, env=_env(port),
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr
+    assert outs[0][0] == one.stdout
+    assert "speculative decoding: mtp with the model's NextN head" in outs[1][1]
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["n_gen"] == 24 and stats["accepted"] > 0, stats
+
+
+# a context and a run long enough that both ranks are still generating when one fails
+@pytest.mark.parametrize("fault,sig,spec", [
+    ("dies", signal.SIGKILL, ("-n", "4000", "--spec-type", "ngram", "--temp", "0")),
+    ("stops answering", signal.SIGSTOP, ("-n", "4000"))])
+def test_a_rank_that_fails_ends_the_other_in_one_line(tmp_path, fault, sig, spec):
+    plan = _plan_file(tmp_path, str(SHIPPED_MODEL), "a:CPU=1GiB;b:CPU=1GiB", ctx=4096)
     port, timeout = _port(), 8
     logs = [tmp_path / "rank0.err", tmp_path / "rank1.err"]
     with open(logs[0], "w") as e0, open(logs[1], "w") as e1:
-        r0 = _run(plan, 0, 2, port, "-n", "400", "--rank-timeout", str(timeout), err=e0)
-        r1 = _run(plan, 1, 2, port, "-n", "400", "--rank-timeout", str(timeout), err=e1)
+        r0 = _run(plan, 0, 2, port, "--rank-timeout", str(timeout), *spec, err=e0)
+        r1 = _run(plan, 1, 2, port, "--rank-timeout", str(timeout), *spec, err=e1)
         try:
             deadline = time.monotonic() + 300
             for log in logs:
                 _wait_for(log, "loaded in", deadline)
-            time.sleep(3)                    # both ranks are generating (400 tokens take far longer)
+            time.sleep(3)                    # both ranks are generating (the runs take far longer)
             assert r0.poll() is None and r1.poll() is None
             os.kill(r1.pid, sig)
             t0 = time.monotonic()
@@ -157,5 +225,7 @@ def test_launch_that_disagrees_with_the_plan_is_refused_before_loading(tmp_path)
         _refused(tmp_path, plan, "--placement", p)
     assert "--rank / --world-size run a plan across hosts" in \
         _refused(tmp_path, plan, str(SHIPPED_MODEL), "--rank", "0", "--world-size", "2")
-    assert "--spec-n-max (speculative decoding across hosts) is not built yet" in \
-        _refused(tmp_path, plan, "--placement", p, "--rank", "0", "--world-size", "2", "--spec-n-max", "2")
+    assert "--spec-type dspark needs a DSpark drafter" in \
+        _refused(tmp_path, plan, "--placement", p, "--rank", "1", "--world-size", "2", "--spec-type", "dspark")
+    assert "--draft (a draft head across hosts) is not built yet" in \
+        _refused(tmp_path, plan, "--placement", p, "--rank", "0", "--world-size", "2", "--draft", str(SHIPPED_MODEL))
