@@ -44,13 +44,7 @@ def hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps, y, post, comb):
                 c[i, j] = c[i, j] / s + eps
         _norm_cols(c, eps)
         for _ in range(iters - 1):
-            for i in range(n):
-                s = f32(0.0)
-                for j in range(n):
-                    s += c[i, j]
-                s += eps
-                for j in range(n):
-                    c[i, j] /= s
+            _norm_cols(c.T, eps)                # the rows: the columns of the transpose, same order
             _norm_cols(c, eps)
         for k in range(d):
             acc = f32(0.0)

@@ -122,9 +122,11 @@ class PenaltyGuide:
             return logits
         pen = self.penalties
         z = np.array(logits, copy=True)
-        ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
-        ids = ids[(ids >= 0) & (ids < z.shape[-1])]
-        counts = np.array([self.counts[int(i)] for i in ids], dtype=np.float64)
+        n = len(self.counts)
+        ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=n)
+        counts = np.fromiter(self.counts.values(), dtype=np.float64, count=n)     # the keys' order
+        inside = (ids >= 0) & (ids < z.shape[-1])
+        ids, counts = ids[inside], counts[inside]
         v = z[ids].astype(np.float64)
         v = np.where(v > 0, v / pen.repeat, v * pen.repeat)
         v -= counts * pen.frequency + (counts > 0) * pen.presence
