@@ -10,7 +10,10 @@ On a CUDA device it prints:
   (b) decode of a wide random model (near-real widths, experts in RAM through the CPU
       kernels, everything else on the GPU) with the fused kernels vs per-call dequantization;
   (c) CUDA graphs: not implemented, said so;
-  (d) logits parity of that model against the all-CPU path (f32 and bf16 on the GPU).
+  (d) logits parity of that model against the all-CPU path (f32 and bf16 on the GPU);
+  (e) attention over a quantized KV cache at 8k context (one decode token, 64 query heads
+      on 8 KV heads of 128): the Triton kernel (gpu/triton_kv_attention.py) against torch's
+      tile-by-tile dequantization and against an f16 cache, with its error beside.
 With ``--interpret`` it checks every fused type against ``gguf.quants.dequantize`` + float64
 for B = 1, 3, 16 under Triton's interpreter, the logits of a tiny model with the fused
 kernel forced onto a virtual GPU against the CPU path, and compiles every kernel ahead of
@@ -266,6 +269,48 @@ def _parity(path) -> bool:
     return all(checks.values())
 
 
+def _kv_attention(n_ctx: int) -> bool:
+    """One decode token's attention over an ``n_ctx``-cell cache per cache type: the Triton
+    kernel vs ``attend_tiles`` (torch, dequantizes tile by tile) on the same quantized cache,
+    and the f16 cache's ``attend_tiles`` as the baseline the quantized cache must beat."""
+    import torch
+
+    from gguf import GGMLQuantizationType as Q
+
+    from gpu.attention import attend_tiles
+    from gpu.kv_cache import KVCache
+    from gpu.triton_kv_attention import attend_quantized
+
+    dev, n_kv, n_head, d = torch.device("cuda"), 8, 64, 128
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(n_kv, n_ctx, d, generator=g).to(dev)
+    v = torch.randn(n_kv, n_ctx, d, generator=g).to(dev)
+    q = torch.randn(1, n_head, d, generator=g).to(dev)
+    f16 = KVCache(n_kv, d, device=dev, dtype=torch.float16, capacity=n_ctx)
+    fk, fv = f16.append(k, v)
+    want = attend_tiles(q, fk, fv)
+    f16_ms = _event_ms(lambda: attend_tiles(q, fk, fv), 20)
+    print(f"(e) attention over the KV cache, {n_ctx} cells, {n_head} heads on {n_kv} KV heads of {d}, 1 token; "
+          f"f16 cache with torch tiles: {f16_ms:.3f} ms")
+    print(f"  {'type':<8} {'cache MB':>9} {'triton ms':>10} {'torch tiles ms':>15} {'f16 / triton':>13} "
+          f"{'err / max':>10}  result")
+    ok = True
+    for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL):
+        cache = KVCache(n_kv, d, device=dev, dtype=qtype, capacity=n_ctx)
+        keys, values = cache.append(k, v)
+        got = attend_quantized(q, keys, values)
+        ref = attend_tiles(q, keys, values)
+        err = float((got - ref).abs().max() / ref.abs().max())
+        passed = err <= KERNEL_TOL
+        ok &= passed
+        tri = _event_ms(lambda: attend_quantized(q, keys, values), 20)
+        tor = _event_ms(lambda: attend_tiles(q, keys, values), 5)
+        mb = (keys.raw.numel() + values.raw.numel()) / 1e6
+        print(f"  {qtype.name:<8} {mb:>9.1f} {tri:>10.3f} {tor:>15.3f} {f16_ms / tri:>12.2f}x {err:>10.1e}  "
+              f"{'ok' if passed else 'FAIL'}  (vs f16 cache: {float((got - want).abs().max() / want.abs().max()):.1e})")
+    return ok
+
+
 def _section(fn, *args) -> bool:
     """Run one section; a failure is printed and counted, the other sections still run."""
     try:
@@ -283,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cols", type=int, default=8192, help="(a) weight columns (default 8192)")
     ap.add_argument("--layers", type=int, default=4, help="(b, d) blocks of the wide model (default 4)")
     ap.add_argument("--tokens", type=int, default=32, help="(b) tokens decoded per run (default 32)")
+    ap.add_argument("--kv-ctx", type=int, default=8192, help="(e) cache cells (default 8192)")
     ap.add_argument("--aot", metavar="CAPS", help="only compile the kernels for these compute capabilities "
                     "(e.g. 80,90; no GPU needed) and print registers and spills")
     args = ap.parse_args(argv)
@@ -299,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         results = [_section(_numerics), _section(_tiny_parity), _section(_aot_subprocess)]
     else:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-        results = [_section(_numerics), _section(_kernel_speed, args.rows, args.cols)]
+        results = [_section(_numerics), _section(_kernel_speed, args.rows, args.cols),
+                   _section(_kv_attention, args.kv_ctx)]
         with tempfile.TemporaryDirectory() as tmp:
             path = _wide_model(tmp, args.layers)
             results.append(_section(_decode, path, args.tokens))
