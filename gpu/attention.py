@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+import gpu.fused as fused
 from gpu.kv_cache import KVCache, QuantRows
 from gpu.norm import RMSNorm
 from gpu.rope import Rope
@@ -81,6 +82,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
     positions (0: all). keys/values may be ``QuantRows`` (a quantized cache; ``values is keys``
     for MLA's latent, one tile serving both)."""
     if isinstance(keys, QuantRows) or isinstance(values, QuantRows):
+        separate = isinstance(keys, QuantRows) and isinstance(values, QuantRows) and values is not keys
+        if separate and fused.use_fused_attention(keys.qtype, values.qtype, (keys.width, values.width),
+                                                  q.shape[0] * q.shape[1] // values.shape[0], q.device):
+            return fused.attend(q, keys, values, scale=scale, sinks=sinks, window=window)
         return attend_tiles(q, keys, values, scale=scale, sinks=sinks, window=window)
     if sinks is not None:
         return attend_with_sinks(q, keys, values, sinks, scale=scale, window=window)

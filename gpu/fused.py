@@ -49,6 +49,25 @@ def use_fused(qtype: Q, device: torch.device, batch: int) -> bool:
             and 0 < batch <= CROSSOVER and triton_available())
 
 
+FUSED_ATTENTION_ROWS = 64   # query rows (heads per KV head x tokens) one attention program holds
+
+
+def use_fused_attention(k_type: Q, v_type: Q, widths: tuple[int, int], rows: int, device: torch.device) -> bool:
+    """The Triton attention over a quantized cache (``gpu.triton_kv_attention``) for K and V
+    caches of these types and row widths, ``rows`` query rows per KV head? Fused types,
+    power-of-two widths, decode-sized batches (a prefill's rows would not fit one program's
+    registers)."""
+    return (device.type in FUSED_DEVICE_TYPES and CROSSOVER > 0 and triton_available()
+            and k_type in FUSED_TYPES and v_type in FUSED_TYPES and rows <= FUSED_ATTENTION_ROWS
+            and all(w >= 32 and not w & (w - 1) for w in widths))
+
+
+def attend(q: torch.Tensor, keys, values, **kw) -> torch.Tensor:
+    """``gpu.triton_kv_attention.attend_quantized``; imports triton on first use."""
+    from gpu.triton_kv_attention import attend_quantized
+    return attend_quantized(q, keys, values, **kw)
+
+
 def linear(raw: torch.Tensor, qtype: Q, x: torch.Tensor) -> torch.Tensor:
     """``x @ W^T`` through the fused kernel: raw (rows, row_bytes) uint8, x (B, cols) →
     (B, rows) in x's dtype. Imports triton on first use."""

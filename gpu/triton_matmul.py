@@ -55,6 +55,25 @@ def _nibble(w, o, j):   # element j (0..31) of 16 packed bytes at o: low nibbles
 
 
 @triton.jit
+def _lookup16(table, n):
+    """table[n] for 4-bit indices n without a per-element gather (measured on an H200: the
+    gather held IQ4_NL to 81 GB/s where Q4_0, the same layout without a table, ran at 478):
+    the 16 entries are uniform scalar loads, the element's value a select tree on n's bits."""
+    b0 = (n & 1) != 0
+    b1 = (n & 2) != 0
+    b2 = (n & 4) != 0
+    v0 = tl.where(b1, tl.where(b0, tl.load(table + 3), tl.load(table + 2)),
+                  tl.where(b0, tl.load(table + 1), tl.load(table + 0)))
+    v1 = tl.where(b1, tl.where(b0, tl.load(table + 7), tl.load(table + 6)),
+                  tl.where(b0, tl.load(table + 5), tl.load(table + 4)))
+    v2 = tl.where(b1, tl.where(b0, tl.load(table + 11), tl.load(table + 10)),
+                  tl.where(b0, tl.load(table + 9), tl.load(table + 8)))
+    v3 = tl.where(b1, tl.where(b0, tl.load(table + 15), tl.load(table + 14)),
+                  tl.where(b0, tl.load(table + 13), tl.load(table + 12)))
+    return tl.where((n & 8) != 0, tl.where(b2, v3, v2), tl.where(b2, v1, v0))
+
+
+@triton.jit
 def _k4_scale_min(w, base, sub):
     """ggml get_scale_min_k4: 8 six-bit (scale, min) pairs packed in scales[12] at base+4."""
     a = _u8(w, base + 4 + sub % 4)          # scales[sub]      (sub < 4) / scales[sub-4]
@@ -84,17 +103,17 @@ def _dequant(wp, base, sub, j, table, QTYPE: tl.constexpr):
         q = _nibble(wp, base + 8, j) | (((_u8(wp, base + 4 + j // 8) >> (j % 8)) & 1) << 4)
         w = _f16(wp, base) * q.to(tl.float32) + _f16(wp, base + 2)
     elif QTYPE == _IQ4_NL:   # block_iq4_nl: d f16, qs[16]: d * kvalues_iq4nl[q]
-        w = _f16(wp, base) * tl.load(table + _nibble(wp, base + 2, j))
+        w = _f16(wp, base) * _lookup16(table, _nibble(wp, base + 2, j))
     elif QTYPE == _MXFP4:    # block_mxfp4: e (E8M0), qs[16]: 2^(e-128) * doubled e2m1 value
         e = _u8(wp, base)
         # ggml_e8m0_to_fp32_half, exact: denormal for e < 2, else exponent bits e-1
         half = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-        w = half * tl.load(table + _nibble(wp, base + 1, j))
+        w = half * _lookup16(table, _nibble(wp, base + 1, j))
     elif QTYPE == _IQ4_XS:   # block_iq4_xs: d f16, scales_h u16, scales_l[4], qs[128]
         sh = (_u8(wp, base + 2 + sub // 4) >> (2 * (sub % 4))) & 3
         sl = (_u8(wp, base + 4 + sub // 2) >> (4 * (sub % 2))) & 15
         dl = _f16(wp, base) * ((sl | (sh << 4)) - 32).to(tl.float32)
-        w = dl * tl.load(table + _nibble(wp, base + 8 + 16 * sub, j))
+        w = dl * _lookup16(table, _nibble(wp, base + 8 + 16 * sub, j))
     elif QTYPE == _Q4_K:     # block_q4_K: d, dmin, scales[12], qs[128] (32 bytes per 2 sub-blocks)
         sc, mn = _k4_scale_min(wp, base, sub)
         q = (_u8(wp, base + 16 + 32 * (sub // 2) + j) >> (4 * (sub % 2))) & 15

@@ -206,8 +206,8 @@ class RoutedHandoff:
     layer's stream after the three device→host copies is waited on before the kernel reads
     them, and the caller's host→device copy of ``out`` is queued on that same stream, so the
     next ``load`` (which waits on the stream again) cannot overwrite ``out`` before it has
-    been read. Whether this CUDA path has run on a GPU: docs/gpu.md, "What has not run on a
-    GPU yet". On the CPU device (``--virtual-gpus``, a CPU block) the copies are plain memcpy
+    been read. It ran on an H200 (bench/gpu_check.py (b), (d)): docs/gpu.md, "What has run on a
+    GPU, and what has not". On the CPU device (``--virtual-gpus``, a CPU block) the copies are plain memcpy
     and it is tested."""
 
     def __init__(self, experts: CpuExperts, device: torch.device, k: int, owned: np.ndarray | None,

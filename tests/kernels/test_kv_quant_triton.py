@@ -35,6 +35,33 @@ def test_triton_attention_matches_the_torch_tiles(k_type, v_type):
     q = torch.randn(3, 4, 64, generator=g).to(DEV)
     sinks = torch.randn(4, generator=g).to(DEV)
     for kw in ({}, {"window": 20, "sinks": sinks}):
-        got = tka.attend_quantized(q, keys, values, **kw)
         want = attend_tiles(q, keys, values, **kw)
-        assert (got - want).abs().max() < 1e-5 * want.abs().max()
+        for splits in (None, 1, 3):          # the cache in one span, the device's default, three spans
+            got = tka.attend_quantized(q, keys, values, splits=splits, **kw)
+            assert (got - want).abs().max() < 1e-5 * want.abs().max(), (kw.keys(), splits)
+
+
+def test_attention_routes_decode_batches_to_the_kernel(monkeypatch):
+    """gpu.attention.attend takes the kernel for separate K and V caches of fused types with
+    power-of-two widths and decode-sized batches, on a device listed in FUSED_DEVICE_TYPES; the
+    torch tiles otherwise. The routed result equals the tiles' (tolerance as above)."""
+    from gpu import attention, fused
+    monkeypatch.setattr(fused, "FUSED_DEVICE_TYPES", (DEV.type,))
+    assert fused.use_fused_attention(Q.Q8_0, Q.Q4_0, (64, 64), 16, DEV)
+    assert not fused.use_fused_attention(Q.Q8_0, Q.Q4_0, (64, 64), fused.FUSED_ATTENTION_ROWS + 1, DEV)
+    assert not fused.use_fused_attention(Q.Q8_0, Q.Q4_0, (64, 96), 16, DEV)      # not a power of two
+    assert not fused.use_fused_attention(Q.Q8_0, Q.Q2_K, (64, 64), 16, DEV)      # no fused decoder
+    assert not fused.use_fused_attention(Q.Q8_0, Q.Q8_0, (64, 64), 16, torch.device("meta"))
+    monkeypatch.setattr(fused, "CROSSOVER", 0)                                  # OFFLOAD_FUSED_MAX_B=0
+    assert not fused.use_fused_attention(Q.Q8_0, Q.Q8_0, (64, 64), 16, DEV)
+    monkeypatch.undo()
+    monkeypatch.setattr(fused, "FUSED_DEVICE_TYPES", (DEV.type,))
+    g = torch.Generator().manual_seed(4)
+    cache = KVCache(2, 64, device=DEV, dtype=Q.Q8_0, dtype_v=Q.Q5_1)
+    keys, values = cache.append(torch.randn(2, 40, 64, generator=g).to(DEV), torch.randn(2, 40, 64, generator=g).to(DEV))
+    q = torch.randn(2, 4, 64, generator=g).to(DEV)
+    calls = []
+    monkeypatch.setattr(fused, "attend", lambda *a, **kw: calls.append(1) or tka.attend_quantized(*a, **kw))
+    got = attention.attend(q, keys, values)
+    want = attend_tiles(q, keys, values)
+    assert calls and (got - want).abs().max() < 1e-5 * want.abs().max()
