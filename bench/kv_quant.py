@@ -135,6 +135,9 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--no-deepseek2", action="store_true", help="skip the tiny deepseek2")
     ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--speed-tiny", action="store_true",
+                    help="also time a tiny deepseek2 (MLA latent cache) and gpt-oss (window caches, sinks): "
+                         "their CPU attention reads the quantized cache tile by tile through torch")
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
     types = tuple(a.types.split(","))
@@ -146,6 +149,13 @@ def main() -> int:
             error_table("tiny deepseek2 (random weights)", str(tiny.path), contexts, types, a.positions, a.threads)
     if not a.no_speed:
         speed_table(a.model, [int(x) for x in a.speed_contexts.split(",")], types, a.n, a.threads)
+    if a.speed_tiny:
+        from tests.tiny_models import TinySpec, write_tiny_model
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, spec in (("ds2", TinySpec(arch="deepseek2", n_layer=3, n_rot=32)),
+                               ("gpt-oss", TinySpec(arch="gpt-oss", n_layer=3, head_dim=64, n_head_kv=2, window=128))):
+                tiny = write_tiny_model(Path(tmp) / f"{name}.gguf", spec)
+                speed_table(str(tiny.path), [int(x) for x in a.speed_contexts.split(",")], types, a.n, a.threads)
     return 0
 
 

@@ -13,7 +13,10 @@ A quantized cache (``gpu.kv_cache.QuantRows``) is read a tile of cells at a time
 dequantized, scored and folded into a running softmax (flash attention's online rescaling), so
 no float copy of the whole cache exists at once. A tile holds at most ``CHUNK_VALUES``
 dequantized values and ``SCORE_VALUES`` scores (``placement.limits.kv_tile_cells``): few
-tiles, so few kernel launches on a GPU, and bounded temporaries.
+tiles, so few kernel launches on a GPU, and bounded temporaries. On the CPU (and CPU-backed
+virtual GPUs) quantized K and V go to ``CPU_QUANTIZED_ATTEND`` instead, compiled code that
+reads each row in place (``cpu_kernels.kv_attention``); on CUDA decode batches go to the
+Triton kernel (``gpu.fused.use_fused_attention``).
 """
 from __future__ import annotations
 
@@ -29,6 +32,10 @@ from gpu.rope import Rope
 from placement.limits import SCORE_VALUES, kv_tile_cells
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
+
+# Attention over quantized caches for layers on the CPU, compiled (``offload.cpu_ops`` installs
+# it: gpu does not import cpu_kernels); None: the torch tiles below.
+CPU_QUANTIZED_ATTEND: Callable | None = None
 
 
 class Attention:
@@ -82,6 +89,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
     positions (0: all). keys/values may be ``QuantRows`` (a quantized cache; ``values is keys``
     for MLA's latent, one tile serving both)."""
     if isinstance(keys, QuantRows) or isinstance(values, QuantRows):
+        if q.device.type == "cpu" and CPU_QUANTIZED_ATTEND is not None and \
+                isinstance(keys, QuantRows) and isinstance(values, QuantRows):
+            return CPU_QUANTIZED_ATTEND(q, keys, values, scale=scale, sinks=sinks, window=window)
         separate = isinstance(keys, QuantRows) and isinstance(values, QuantRows) and values is not keys
         if separate and fused.use_fused_attention(keys.qtype, values.qtype, (keys.width, values.width),
                                                   q.shape[0] * q.shape[1] // values.shape[0], q.device):

@@ -20,13 +20,29 @@ from cpu_kernels import ExpertWeights, moe_ffn, settings
 from cpu_kernels.entry import first_call
 from cpu_kernels.head import embed_rows
 from cpu_kernels.hyper import hc_pre
+from cpu_kernels.kv_attention import attend_cache
 from cpu_kernels.layout import weight_bytes
 from cpu_kernels.matmul import BoundMatmul
 from cpu_kernels.moe import int8_phases, routed_ffn_host, routed_int8_scratch, routed_scratch
 from cpu_kernels.registry import get_kernel, supported_types
+import gpu.attention
 from gpu.hyper import HyperConnection
 from offload.profile import Profile
 from placement.limits import DECODE_ACTIVATIONS, DECODE_TOKENS, int8_request
+
+
+def attend_quantized_cache(q: torch.Tensor, keys, values, *, scale: float | None = None,
+                           sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """``gpu.attention.attend`` for CPU-resident layers over quantized caches (``QuantRows``
+    keys and values; MLA passes its latent as both): the compiled ``attend_cache`` reads the
+    rows in place. Installed into ``gpu.attention`` below (gpu does not import cpu_kernels)."""
+    t, n_head, dk = q.shape
+    dv = values.width
+    out = np.empty((t, n_head, dv), np.float32)
+    sink = None if sinks is None else np.ascontiguousarray(sinks.detach().to("cpu", torch.float32).numpy())
+    attend_cache(to_host(q), get_kernel(keys.qtype).tag, keys.raw.numpy(), get_kernel(values.qtype).tag,
+                 values.raw.numpy(), dv, dk ** -0.5 if scale is None else float(scale), sink, int(window), out)
+    return torch.from_numpy(out)
 
 
 def to_host(x: torch.Tensor) -> np.ndarray:
@@ -295,3 +311,6 @@ def release(data: np.ndarray) -> None:
     last = (start + data.nbytes) // PAGE * PAGE
     if last > first:
         _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+gpu.attention.CPU_QUANTIZED_ATTEND = attend_quantized_cache
