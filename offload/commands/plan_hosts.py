@@ -151,7 +151,7 @@ def main(args: argparse.Namespace, model: ModelFile | None) -> int:
         extra = {}
         if table is not None:
             extra["forecast"] = {"hop_latency_us": link.latency_us, "hop_gbps": link.gbps,
-                                 "hops_per_pass": len(mplan.hosts), "carried_bytes_per_token": carried,
+                                 "hops_per_pass": len(mplan.hosts) if len(mplan.hosts) > 1 else 0, "carried_bytes_per_token": carried,
                                  "predicted_plain_tps": round(table.plain_tps, 4),
                                  "break_even_n_max": table.break_even_n, "best_n_max": table.best.n,
                                  "hops_free": {"predicted_plain_tps": round(free.plain_tps, 4),

@@ -106,3 +106,13 @@ def test_bad_inputs_one_line_status_2_no_output_file(tmp_path, fixture_paths):
         out = tmp_path / f"{name}.yaml"
         r = offload("plan", *argv, "-o", str(out))
         assert_one_line_refusal(r, expected, out, f"{name}: {r.stderr!r}")
+
+
+def test_one_host_has_no_hops(fixture_paths):
+    """A --hosts list of one host is planned the same way; its forecast charges no hop, and
+    --json says so (hops_per_pass 0)."""
+    r = offload("plan", fixture_paths["kimi-k2"], "--hosts", "a:CUDA0=80GiB,CPU=768GiB", "-c", "8192", "--json")
+    assert r.returncode == 0, r.stderr
+    f = json.loads(r.stdout)["forecast"]
+    assert f["hops_per_pass"] == 0
+    assert f["predicted_plain_tps"] == f["hops_free"]["predicted_plain_tps"]

@@ -230,3 +230,21 @@ def test_launch_that_disagrees_with_the_plan_is_refused_before_loading(tmp_path)
         _refused(tmp_path, plan, "--placement", p, "--rank", "1", "--world-size", "2", "--spec-type", "dspark")
     assert "--draft (a draft head across hosts) is not built yet" in \
         _refused(tmp_path, plan, "--placement", p, "--rank", "0", "--world-size", "2", "--draft", str(SHIPPED_MODEL))
+
+
+def test_torchrun_launch_gives_one_processes_text(tmp_path):
+    """``torchrun --standalone --nproc_per_node 2 -m offload run --placement PLAN`` (ranks and
+    the rendezvous from torchrun's environment, no --rank flags) prints plain greedy decoding's
+    text of one process."""
+    plan = _plan_file(tmp_path, str(SHIPPED_MODEL), "a:CPU=1GiB;b:CPU=1GiB")
+    env = {k: v for k, v in _env(_port()).items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    flags = ("-p", "Once upon a time", "--ignore-eos", "-n", "24", "--temp", "0")
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            "-m", "offload", "run", "--placement", str(plan), *flags],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert "rank 1/2: host b" in ranks.stderr
+    one = subprocess.run([sys.executable, "-m", "offload", "run", str(SHIPPED_MODEL), *flags], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr
+    assert ranks.stdout == one.stdout
