@@ -4,7 +4,8 @@
     torchrun --nnodes W --node-rank R ... -m offload run --placement multihost.yaml -p TEXT
 
 Every rank is given the same command line; the launch is checked against the plan (world
-size = its hosts) before any weight is read, then each rank loads its host's part and joins the
+size = its hosts; the host, by ``--host`` or by this machine's hostname where the plan names
+it) before any weight is read, then each rank loads its host's part and joins the
 pipeline (``offload.pipeline``). Rank 0 prints the text; every rank prints its timings; the
 last rank, which drafts, judges and samples, prints the run's statistics (and writes
 ``--stats-json``). Speculative decoding takes the flags and the plan's ``speculative``
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 
@@ -39,6 +41,10 @@ def add_rank_arguments(p: argparse.ArgumentParser) -> None:
                    help="this process's host, 0 = the plan's first (default: $RANK, as torchrun sets it)")
     g.add_argument("--world-size", type=int, default=None, metavar="W",
                    help="processes in the pipeline, one per host (default: $WORLD_SIZE)")
+    g.add_argument("--host", default=None, metavar="NAME",
+                   help="this process's host by its name in the plan (default: $OFFLOAD_HOST): gives the rank "
+                        "when --rank is not given, must agree with it when it is. Without it, a plan host named "
+                        "as this machine (its hostname) must be the launch's rank")
     g.add_argument("--rank-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help=f"a rank silent this long ends the run with an error (default {DEFAULT_TIMEOUT_S:g})")
 
@@ -63,9 +69,25 @@ def launch(args: argparse.Namespace) -> tuple[int, int] | None:
         if args.rank is not None or args.world_size is not None:
             raise OffloadError("--rank / --world-size run a plan across hosts (--placement PLAN.yaml with hosts:)")
         return None
+    names = [h.name for h in read_plan_file(args.placement).hosts]
+    host = args.host if args.host is not None else os.environ.get("OFFLOAD_HOST")
+    if host is not None:
+        if host not in names:
+            raise OffloadError(f"--host {host}: not a host of {args.placement} ({', '.join(names)})")
+        if rank is None:
+            rank = names.index(host)
     if rank is None or world is None:
         raise OffloadError(f"{args.placement} is a plan across hosts: run one process per host with --rank R "
                            "--world-size W (or launch with torchrun)")
+    if 0 <= rank < len(names):
+        if host is not None and names[rank] != host:
+            raise OffloadError(f"--host {host} is rank {names.index(host)} of {args.placement}, but the launch "
+                               f"gave rank {rank} (host {names[rank]})")
+        machine = socket.gethostname().split(".")[0]
+        if host is None and machine in names and names[rank] != machine:
+            raise OffloadError(f"this machine ({machine}) is rank {names.index(machine)} of {args.placement}, but the "
+                               f"launch gave it rank {rank} (host {names[rank]}); --host NAME says which host "
+                               "a process is where the plan's names are not the machines'")
     return rank, world
 
 
