@@ -32,7 +32,7 @@ import datetime
 import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -84,6 +84,7 @@ class Stage:
     last: bool
     n_embd: int
     caches: list
+    profile: Profile = field(default_factory=Profile)    # this rank's timers (its blocks, the hops' waits)
 
     @property
     def n_past(self) -> int:
@@ -144,7 +145,7 @@ def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: in
             nextn = parts.draft_head(weights, None, cfg, lambda store, i: arch.block(store, cfg, i, ctx),
                                      embed=head_embed, output=output)
     lm = CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=nextn)
-    return Stage(lm, first, last, model.spec.n_embd, [b.new_cache() for b in blocks])
+    return Stage(lm, first, last, model.spec.n_embd, [b.new_cache() for b in blocks], profile)
 
 
 class PipelineError(OffloadError):
@@ -187,7 +188,8 @@ class Pipeline:
 
     def _wait(self, what: str, peer: int, op) -> None:
         try:
-            op()
+            with self.stage.profile.time("transfer"):    # the run's split: time spent on the hops
+                op()
         except RuntimeError as exc:      # gloo: a closed connection or the timeout
             self.broken = True
             raise PipelineError(f"rank {self.rank}: step {self.step_no}: rank {peer} stopped answering while "
@@ -271,7 +273,8 @@ class Pipeline:
         try:
             head = self._head(options)
             state.nextn_cache = head.new_cache() if head is not None else None
-            steps = generate_step(_Trunk(self), prompt, state=state, head=head, options=options, **kw)
+            steps = generate_step(_Trunk(self), prompt, state=state, head=head, options=options,
+                                  profile=self.stage.profile, **kw)
             for tok in steps:
                 self._emitted.append(tok)
                 yield tok

@@ -171,6 +171,8 @@ def test_offload_run_speculates_across_ranks(tmp_path):
     assert one.returncode == 0, one.stderr
     assert outs[0][0] == one.stdout
     assert "speculative decoding: mtp with the model's NextN head" in outs[1][1]
+    split = next(line for line in outs[1][1].splitlines() if "eval split" in line)   # the last rank's own timers
+    assert "compiled CPU blocks 0.0 ms" not in split and "transfers 0.0 ms" not in split, split
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["n_gen"] == 24 and stats["accepted"] > 0, stats
 
