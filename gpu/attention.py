@@ -33,8 +33,8 @@ from placement.limits import SCORE_VALUES, kv_tile_cells
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
-# Attention over quantized caches for layers on the CPU, compiled (``offload.cpu_ops`` installs
-# it: gpu does not import cpu_kernels); None: the torch tiles below.
+# Attention over quantized caches for layers on the CPU, compiled (a model load installs it:
+# offload.cpu_ops.install_cpu_attention; gpu does not import cpu_kernels); None: the torch tiles below.
 CPU_QUANTIZED_ATTEND: Callable | None = None
 
 

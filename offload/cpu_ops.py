@@ -35,7 +35,7 @@ def attend_quantized_cache(q: torch.Tensor, keys, values, *, scale: float | None
                            sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """``gpu.attention.attend`` for CPU-resident layers over quantized caches (``QuantRows``
     keys and values; MLA passes its latent as both): the compiled ``attend_cache`` reads the
-    rows in place. Installed into ``gpu.attention`` below (gpu does not import cpu_kernels)."""
+    rows in place. ``install_cpu_attention`` puts it in ``gpu.attention``."""
     t, n_head, dk = q.shape
     dv = values.width
     out = np.empty((t, n_head, dv), np.float32)
@@ -43,6 +43,13 @@ def attend_quantized_cache(q: torch.Tensor, keys, values, *, scale: float | None
     attend_cache(to_host(q), get_kernel(keys.qtype).tag, keys.raw.numpy(), get_kernel(values.qtype).tag,
                  values.raw.numpy(), dv, dk ** -0.5 if scale is None else float(scale), sink, int(window), out)
     return torch.from_numpy(out)
+
+
+def install_cpu_attention() -> None:
+    """Route ``gpu.attention``'s attention over quantized caches on the CPU to
+    ``attend_quantized_cache`` (gpu does not import cpu_kernels). Called where a model is
+    built (``offload.runtime.load_plan``, ``offload.pipeline.load_stage``)."""
+    gpu.attention.CPU_QUANTIZED_ATTEND = attend_quantized_cache
 
 
 def to_host(x: torch.Tensor) -> np.ndarray:
@@ -311,6 +318,3 @@ def release(data: np.ndarray) -> None:
     last = (start + data.nbytes) // PAGE * PAGE
     if last > first:
         _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
-
-
-gpu.attention.CPU_QUANTIZED_ATTEND = attend_quantized_cache

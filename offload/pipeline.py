@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from cpu_kernels import set_num_threads
+from offload.cpu_ops import install_cpu_attention
 from offload.devices import resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, check_shapes
@@ -123,6 +124,7 @@ def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: in
     check_shapes(model)
     part = shard(model, host.blocks, first=first, last=last)
     sub = dataclasses.replace(model, tensors=part.tensors)      # the weight store sees this host's tensors
+    install_cpu_attention()
     arch = architecture(model.spec.arch)
     devices = resolve(set(plan.tensors.values()))
     profile = Profile()

@@ -12,7 +12,7 @@ import torch
 from cpu_kernels import set_num_threads
 from cpu_kernels.simd8 import has_vnni
 from gpu.kv_cache import CacheType
-from offload.cpu_ops import DECODE_ACTIVATIONS
+from offload.cpu_ops import DECODE_ACTIVATIONS, install_cpu_attention
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, check_shapes, open_model
@@ -116,6 +116,7 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
         if threads < 1:
             raise OffloadError(f"threads must be >= 1, got {threads}")
         set_num_threads(threads)
+    install_cpu_attention()
     arch = architecture(model.spec.arch)
     devices = resolve(set(plan.tensors.values()) | set(plan.draft_tensors.values()), virtual_gpus=virtual_gpus)
     if devices.virtual and not quiet:

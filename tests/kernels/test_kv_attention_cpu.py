@@ -1,5 +1,5 @@
 """The compiled attention over quantized caches on the CPU (cpu_kernels.kv_attention, through
-gpu.attention.attend once offload.cpu_ops has installed it) against the torch tiles
+gpu.attention.attend once a model load has installed it) against the torch tiles
 (gpu.attention.attend_tiles) over the same cached bytes: GQA with K and V of different types,
 several queries (causal), a sliding window and sinks (gpt-oss), MLA's latent passed as both
 K and V, and the logits of tiny deepseek2 and gpt-oss models with q8_0 caches.
@@ -27,8 +27,18 @@ def _close(got, want):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_the_runtime_installs_the_compiled_cpu_attention():
-    assert attention.CPU_QUANTIZED_ATTEND is cpu_ops.attend_quantized_cache
+@pytest.fixture(autouse=True)
+def compiled_read(monkeypatch):
+    """What a model load installs (offload.cpu_ops.install_cpu_attention), undone after each test."""
+    monkeypatch.setattr(attention, "CPU_QUANTIZED_ATTEND", cpu_ops.attend_quantized_cache)
+
+
+def test_loading_a_model_installs_the_compiled_cpu_attention(monkeypatch):
+    import offload.runtime as rt
+    from offload.probe import SHIPPED_MODEL
+    monkeypatch.setattr(attention, "CPU_QUANTIZED_ATTEND", None)
+    with rt.load(SHIPPED_MODEL, devices="CPU=8GiB", quiet=True):
+        assert attention.CPU_QUANTIZED_ATTEND is cpu_ops.attend_quantized_cache
 
 
 @pytest.mark.parametrize("k_type,v_type", [(Q.Q8_0, Q.Q8_0), (Q.Q4_0, Q.IQ4_NL), (Q.Q5_1, Q.Q4_1)],
@@ -66,8 +76,9 @@ def test_models_with_q8_0_caches_give_the_torch_tiles_logits(arch, tmp_path, mon
     tiny = write_tiny_model(tmp_path / "t.gguf", spec)
     ids = [3, 17, 257, 101, 46, 290, 5, 77, 200, 12, 64, 128]
 
-    def run():
+    def run(impl):
         with rt.load(tiny.path, devices="CPU=8GiB", cache_type="q8_0", quiet=True) as s:
+            monkeypatch.setattr(attention, "CPU_QUANTIZED_ATTEND", impl)      # after the load installed its own
             state = s.model.new_state()
             rows = [s.model.forward(torch.tensor(ids), state, logits="all")[0]]
             for t in (9, 33, 70):
@@ -75,9 +86,6 @@ def test_models_with_q8_0_caches_give_the_torch_tiles_logits(arch, tmp_path, mon
         return torch.cat(rows)
 
     calls = []
-    monkeypatch.setattr(attention, "CPU_QUANTIZED_ATTEND",
-                        lambda *a, **kw: calls.append(1) or cpu_ops.attend_quantized_cache(*a, **kw))
-    got = run()
+    got = run(lambda *a, **kw: calls.append(1) or cpu_ops.attend_quantized_cache(*a, **kw))
     assert len(calls) >= 4 * (tiny.spec.n_layer - 1)        # every block, every pass took it
-    monkeypatch.setattr(attention, "CPU_QUANTIZED_ATTEND", None)
-    _close(got, run())
+    _close(got, run(None))

@@ -114,7 +114,7 @@ def test_tiled_attention_equals_attention_over_the_dequantized_cache():
         got = attend_tiles(q, keys, values, tile=64, **kw)
         want = attend(q, keys.float(), values.float(), **kw)
         assert (got - want).abs().max() < 1e-5 * want.abs().max()
-    # attend takes QuantRows: the tiles, or the compiled CPU read once offload.cpu_ops installed it
+    # attend takes QuantRows: the tiles, or the compiled CPU read once a model load installed it
     # (tests/kernels/test_kv_attention_cpu.py; same values, summation order only)
     want = attend_tiles(q, keys, values)
     assert (attend(q, keys, values) - want).abs().max() < 1e-5 * want.abs().max()
