@@ -232,15 +232,6 @@ def test_launch_that_disagrees_with_the_plan_is_refused_before_loading(tmp_path)
         _refused(tmp_path, plan, "--placement", p, "--rank", "1", "--world-size", "2", "--spec-type", "dspark")
     assert "--draft (a draft head across hosts) is not built yet" in \
         _refused(tmp_path, plan, "--placement", p, "--rank", "0", "--world-size", "2", "--draft", str(SHIPPED_MODEL))
-    # host names: --host must name a host of the plan and agree with the rank
-    assert "--host c: not a host of" in _refused(tmp_path, plan, "--placement", p, "--host", "c", "--world-size", "2")
-    assert "--host b is rank 1 of" in _refused(tmp_path, plan, "--placement", p, "--host", "b", "--rank", "0",
-                                               "--world-size", "2")
-    # a plan host named as this machine must get that host's rank
-    machine = socket.gethostname().split(".")[0]
-    named = _plan_file(tmp_path, str(SHIPPED_MODEL), f"{machine}:CPU=1GiB;b:CPU=1GiB")
-    assert f"this machine ({machine}) is rank 0 of" in \
-        _refused(tmp_path, named, "--placement", str(named), "--rank", "1", "--world-size", "2")
 
 
 def test_torchrun_launch_gives_one_processes_text(tmp_path):
@@ -261,19 +252,30 @@ def test_torchrun_launch_gives_one_processes_text(tmp_path):
     assert ranks.stdout == one.stdout
 
 
-def test_host_name_gives_the_rank(tmp_path, monkeypatch):
-    """``--host NAME`` (or $OFFLOAD_HOST) picks this process's rank from the plan; a plan host
-    named as this machine, launched with that host's rank, passes."""
+def test_host_names_give_or_check_the_rank(tmp_path, monkeypatch):
+    """``--host NAME`` (or $OFFLOAD_HOST) picks this process's rank from the plan or must agree
+    with --rank; a plan host named as this machine must get that host's rank. The refusals are
+    OffloadErrors raised before any weight is read (the CLI prints them as one line, as the
+    subprocess cases above show for the others)."""
     from offload.commands.run import build_parser
     from offload.commands.run_hosts import launch
-    plan = _plan_file(tmp_path, str(SHIPPED_MODEL), "a:CPU=1GiB;b:CPU=1GiB")
+    from offload.errors import OffloadError
+    plan = str(_plan_file(tmp_path, str(SHIPPED_MODEL), "a:CPU=1GiB;b:CPU=1GiB"))
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("OFFLOAD_HOST", raising=False)
     parse = build_parser().parse_args
-    assert launch(parse(["--placement", str(plan), "--host", "b", "--world-size", "2"])) == (1, 2)
+    assert launch(parse(["--placement", plan, "--host", "b", "--world-size", "2"])) == (1, 2)
+    with pytest.raises(OffloadError, match="--host c: not a host of .* \\(a, b\\)"):
+        launch(parse(["--placement", plan, "--host", "c", "--world-size", "2"]))
+    with pytest.raises(OffloadError, match="--host b is rank 1 of .*, but the launch gave rank 0 \\(host a\\)"):
+        launch(parse(["--placement", plan, "--host", "b", "--rank", "0", "--world-size", "2"]))
     monkeypatch.setenv("OFFLOAD_HOST", "a")
-    assert launch(parse(["--placement", str(plan), "--world-size", "2"])) == (0, 2)
+    assert launch(parse(["--placement", plan, "--world-size", "2"])) == (0, 2)
     monkeypatch.delenv("OFFLOAD_HOST")
     machine = socket.gethostname().split(".")[0]
-    named = _plan_file(tmp_path, str(SHIPPED_MODEL), f"b:CPU=1GiB;{machine}:CPU=1GiB")
-    assert launch(parse(["--placement", str(named), "--rank", "1", "--world-size", "2"])) == (1, 2)
+    (tmp_path / "named").mkdir()
+    named = str(_plan_file(tmp_path / "named", str(SHIPPED_MODEL), f"b:CPU=1GiB;{machine}:CPU=1GiB"))
+    assert launch(parse(["--placement", named, "--rank", "1", "--world-size", "2"])) == (1, 2)
+    with pytest.raises(OffloadError, match=f"this machine \\({machine}\\) is rank 1 of .*gave it rank 0 \\(host b\\)"):
+        launch(parse(["--placement", named, "--rank", "0", "--world-size", "2"]))
+    assert launch(parse(["--placement", named, "--rank", "0", "--world-size", "2", "--host", "b"])) == (0, 2)
