@@ -33,7 +33,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .kv_rows import kv_axpy, kv_dot, kv_store_row
+from .kv_attention import attend_cache
+from .kv_rows import kv_store_row
 from .moe import _silu_glu, bsums_of_rows, routed_ffn, routed_scratch
 from .registry import source_digest
 from .rowdot import rows4, rows4_scratch
@@ -82,48 +83,10 @@ def _build(salt):
                     if it >= g0 + g1:
                         rows4(t2, w2, 4 * (it - g0 - g1), X, bsums, y2, acc, cacc, res, toks, sc)
 
-    @njit(parallel=True, **_kw)
-    def attend(q, kvt, kc, vc, n_past, out, n_head, scale):
-        """out (T, H·D) = softmax(q·K^T·scale) V per head over cache cells 0..n_past+i
-        (query i sits at cell n_past + i: causal). kc, vc: raw cache bytes (H_kv, cells,
-        row bytes) of the types ``kvt`` = (K tag, V tag); D is a multiple of 16 (32 for a
-        quantized type), read in place (a quantized row decodes block by block)."""
-        _salt = salt  # noqa: F841
-        kt, vt = kvt
-        t = q.shape[0]
-        n_kv = kc.shape[0]
-        d = q.shape[1] // n_head
-        ks0, ks1 = kc.strides[0], kc.strides[1]
-        vs0, vs1 = vc.strides[0], vc.strides[1]
-        group = n_head // n_kv
-        qf = q.reshape(-1)
-        of = out.reshape(-1)
-        for h in prange(n_head):
-            g = h // group
-            s = np.empty(n_past + t, f32)
-            for i in range(t):
-                n_keys = n_past + i + 1
-                qo = (i * n_head + h) * d
-                m = f32(0)
-                for j in range(n_keys):
-                    sj = kv_dot(kt, kc, g * ks0 + j * ks1, qf, qo, d) * scale
-                    s[j] = sj
-                    m = sj if j == 0 else max(m, sj)
-                tot = f32(0)
-                for j in range(n_keys):
-                    e = np.exp(s[j] - m)
-                    s[j] = e
-                    tot += e
-                inv = f32(1) / tot
-                for c in range(d):
-                    of[qo + c] = f32(0)
-                for j in range(n_keys):
-                    kv_axpy(vt, s[j] * inv, vc, g * vs0 + j * vs1, of, qo, d)
-
-    return matmuls_sharing_x, attend
+    return matmuls_sharing_x
 
 
-matmuls_sharing_x, attend = _build(source_digest())
+matmuls_sharing_x = _build(source_digest())
 
 
 @njit(**_kw)
@@ -213,7 +176,7 @@ def _route(logits, bias, kind, k, norm, scale, ids, wts):
 
 
 def _build_entries(salt):
-    # The entry points link matmuls_sharing_x / attend / moe's phases (and through them the decoders
+    # The entry points link matmuls_sharing_x / attend_cache / moe's phases (and through them the decoders
     # of other files) into their own compiled code: they carry the package's source digest
     # so that Numba's cache never serves them with an older decoder inlined.
     # The entries call each other as module globals, never as closure variables: Numba's cache key
@@ -287,7 +250,8 @@ def _build_entries(salt):
                 kv_store_row(kt, kc, g * kc.strides[0] + cell * kc.strides[1], kf, (t * n_kv + g) * d, d)
                 kv_store_row(vt, vc, g * vc.strides[0] + cell * vc.strides[1], vf, (t * n_kv + g) * d, d)
         att = np.empty((t_n, n_head * d), f32)
-        attend(q, kvt, kc, vc, n_past, att, n_head, f32(1) / np.sqrt(f32(d)))
+        attend_cache(q.reshape(t_n, n_head, d), kt, kc, vt, vc, n_past + t_n, d, f32(1) / np.sqrt(f32(d)), None, 0,
+                     att.reshape(t_n, n_head, d))
         atts = np.empty((t_n, n_head * d // 16), f32)
         bsums_of_rows(att, att.shape[0], atts)
         matmuls_sharing_x(to, wo, y, None, None, None, None, None, None, att, atts, chunks)

@@ -1,11 +1,13 @@
-"""Attention over a quantized KV cache on the CPU for the layers the compiled blocks do not
-take (MLA's latent cache, gpt-oss's sinks and windows, any torch-path block on the CPU):
-every cached row is read in place through ``kv_rows``' decoders, so no dequantized copy of
-the cache, or of a tile of it, is made.
+"""Attention over a KV cache in its own type on the CPU, every cached row read in place through
+``kv_rows``' decoders (no dequantized copy of the cache, or of a tile of it): the compiled
+blocks' attention half (``cpu_kernels.block``) and, for a quantized cache, the layers those
+blocks do not take (MLA's latent cache, gpt-oss's sinks and windows, any torch-path block on
+the CPU, through ``offload.cpu_ops.attend_quantized_cache``).
 
-``attend_cache(q, kt, kc, vt, vc, dv, scale, sinks, window, out)``: q (T, H, Dk) float32;
-kc, vc the caches' raw bytes (H_kv, L, row bytes) of types ``kt``, ``vt`` (QTags); query i
-sits at cell L − T + i and sees cells up to it (the last ``window`` of them when window > 0);
+``attend_cache(q, kt, kc, vt, vc, n_keys, dv, scale, sinks, window, out)``: q (T, H, Dk)
+float32; kc, vc the caches' raw bytes (H_kv, cells, row bytes) of types ``kt``, ``vt``
+(QTags), of which the first ``n_keys`` cells are valid; query i sits at cell n_keys − T + i
+and sees cells up to it (the last ``window`` of them when window > 0);
 ``sinks`` (H,) float32 logits that join each head's softmax with no value, or None; writes
 out (T, H, Dv). V is read from the first ``dv`` values of each V row, so MLA passes the latent
 cache as both K (the whole ``kv_lora + rope`` row) and V (its first ``kv_lora`` values).
@@ -25,10 +27,10 @@ _kw = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
 
 def _build(salt):
     @njit(parallel=True, **_kw)
-    def attend_cache(q, kt, kc, vt, vc, dv, scale, sinks, window, out):
+    def attend_cache(q, kt, kc, vt, vc, n_keys, dv, scale, sinks, window, out):
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         t, n_head, dk = q.shape
-        n_kv, n_keys = kc.shape[0], kc.shape[1]
+        n_kv = kc.shape[0]
         group = n_head // n_kv
         ks0, ks1 = kc.strides[0], kc.strides[1]
         vs0, vs1 = vc.strides[0], vc.strides[1]

@@ -41,7 +41,7 @@ def attend_quantized_cache(q: torch.Tensor, keys, values, *, scale: float | None
     out = np.empty((t, n_head, dv), np.float32)
     sink = None if sinks is None else np.ascontiguousarray(sinks.detach().to("cpu", torch.float32).numpy())
     attend_cache(to_host(q), get_kernel(keys.qtype).tag, keys.raw.numpy(), get_kernel(values.qtype).tag,
-                 values.raw.numpy(), dv, dk ** -0.5 if scale is None else float(scale), sink, int(window), out)
+                 values.raw.numpy(), values.raw.shape[1], dv, dk ** -0.5 if scale is None else float(scale), sink, int(window), out)
     return torch.from_numpy(out)
 
 
