@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from gguf import GGMLQuantizationType as Q
 
 from gpu.dsv4_cache import CompressedRows, CompressorState, Dsv4Cache
 from gpu.kv_cache import QuantRows
@@ -75,12 +74,6 @@ class Compressor:
             e = rope_tail(self.rope, e[:, None], w * r)[:, 0]
             rows.append(e)
         return rows.values()
-
-
-def _for_ring(win, k: torch.Tensor) -> torch.Tensor:
-    """Keys as the window ring takes them: in its float dtype, or float32 for a quantized ring
-    (which quantizes them itself)."""
-    return k.float() if isinstance(win.k_type, Q) else k.to(win.k_type)
 
 
 def _chunk(heads: int, t: int, n_keys: int) -> int:
@@ -161,7 +154,7 @@ class CompressedAttention:
         """Write the keys of x into the window ring without attending (DSpark's context: the
         target's fused taps enter each stage only as keys)."""
         win = cache.window
-        win.append(_for_ring(win, self.keys(x, positions).transpose(0, 1)))
+        win.append(self.keys(x, positions).transpose(0, 1))           # stored in the ring's type
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: Dsv4Cache) -> torch.Tensor:
         """x: (T, n_embd) normalised input at ``positions`` (T,) → (T, n_embd); advances ``cache``."""
@@ -171,7 +164,7 @@ class CompressedAttention:
         q = rope_tail(self.rope, q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps), positions)
         kv = self.keys(x, positions)
         win = cache.window
-        ring = win.append(_for_ring(win, kv.transpose(0, 1)))[0]
+        ring = win.append(kv.transpose(0, 1))[0]                       # stored in the ring's type
         keys = (ring.float() if isinstance(ring, QuantRows) else ring)[0].float()           # (L, d)
         # the window by cache index (the sequence order; an MTP head's entry t sits at position t + 1)
         qi = torch.arange(win.length - t, win.length, device=x.device)[:, None]

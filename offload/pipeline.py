@@ -313,8 +313,7 @@ class Pipeline:
                 raise PipelineError(f"rank {self.rank}: step {self.step_no}: rank {self.world - 1} ended the run "
                                     "with an error (its own output says which)")
             if s.n_past > pos:            # the drafts the last rank rejected
-                for c in s.caches:
-                    c.truncate(pos)
+                State(s.caches).truncate(pos)
             if op == STOP:
                 return
             self._pass(tokens, len(tokens), "none")

@@ -477,13 +477,19 @@ class HopLink:
         return {"hop_latency": self.latency_us * 1e-6, "hop_bytes": 1.0 / (self.gbps * 1e9)}
 
 
+def hops_per_pass(n_hosts: int) -> int:
+    """Hops of one pass through ``n_hosts`` hosts: one per boundary and one back with the
+    sampled tokens; one host: none."""
+    return n_hosts if n_hosts > 1 else 0
+
+
 def hop_features(n_hosts: int, batch: int, carried_bytes: int) -> dict[str, float]:
-    """One pass of ``batch`` tokens through ``n_hosts`` hosts: each boundary sends the state
-    the blocks carry (``carried_bytes`` per token: T x n_embd x 4, times deepseek4's hc_mult
-    streams); the last host sends the sampled tokens back to the first. One host: no hops."""
-    if n_hosts <= 1:
+    """One pass of ``batch`` tokens through ``n_hosts`` hosts (``hops_per_pass``): each boundary
+    sends the state the blocks carry (``carried_bytes`` per token: T x n_embd x 4, times
+    deepseek4's hc_mult streams); the last host sends the sampled tokens back to the first."""
+    if not hops_per_pass(n_hosts):
         return {}
-    return {"hop_latency": float(n_hosts),
+    return {"hop_latency": float(hops_per_pass(n_hosts)),
             "hop_bytes": float((n_hosts - 1) * batch * carried_bytes + batch * TOKEN_BYTES)}
 
 

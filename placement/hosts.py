@@ -35,7 +35,11 @@ class Host:
     @property
     def room_bytes(self) -> int:
         """What the host can hold: every device's budget less its fixed target."""
-        return sum(max(d.budget_bytes - self.targets.get(d.name, 0), 0) for d in self.devices)
+        return self.room_with(self.targets)
+
+    def room_with(self, targets: Mapping[str, int]) -> int:
+        """What the host can hold with ``targets`` (device → bytes kept free) on its devices."""
+        return sum(max(d.budget_bytes - targets.get(d.name, 0), 0) for d in self.devices)
 
 
 def check_host_name(name: object, what: str = "--hosts") -> str:

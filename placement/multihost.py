@@ -216,7 +216,7 @@ def make_multihost_plan(model: PlannedModel, hosts: Sequence[Host], options: Pla
             raise PlacementError(f"--hosts cannot be combined with {flag} (it places the slots of one box); "
                                  "use -ot rules or let the fit place each host's blocks")
     targets = host_fit_targets(hosts, options.fit_target)
-    rooms = [sum(max(d.budget_bytes - t.get(d.name, 0), 0) for d in h.devices) for h, t in zip(hosts, targets)]
+    rooms = [h.room_with(t) for h, t in zip(hosts, targets)]
     k, v = options.cache_types()
     settings = MemorySettings(model.spec.n_ctx_train if options.ctx is None else options.ctx, k, options.ubatch,
                               cache_type_v=v)

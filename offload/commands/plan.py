@@ -277,11 +277,10 @@ def main(argv: list[str]) -> int:
         plan = dataclasses.replace(plan, speculative=None)
     elif plan.drafting != "none" and args.spec_type != "ngram":
         profile, probe_note = forecast_profile(args, plan)
-        table, section = predict(plan, model, draft, profile=profile, max_n=_head_max_n(args.spec_max_n, model, draft),
-                                 hits=hits)
+        max_n = _head_max_n(args.spec_max_n, model, draft)
+        table, section = predict(plan, model, draft, profile=profile, max_n=max_n, hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
-        concurrency = predict_concurrency(plan, model, draft, profile=profile,
-                                          max_n=_head_max_n(args.spec_max_n, model, draft), hits=hits)
+        concurrency = predict_concurrency(plan, model, draft, profile=profile, max_n=max_n, hits=hits)
         if not args.no_probe:
             fp, used = plan_footprint(plan, model, draft), plan_profile(plan)
             interval = forecast_interval(fp, forecast_hardware(plan, used.hardware), table,

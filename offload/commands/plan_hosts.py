@@ -21,7 +21,7 @@ from offload.errors import OffloadError, write_atomic
 from offload.gguf_model import ModelFile, check_shapes, open_model
 from offload.plans import open_draft, read_hosts, read_plan_file
 from offload.probe import hw_profile_path
-from placement.cost import HopLink, SpecTable
+from placement.cost import HopLink, SpecTable, hops_per_pass
 from placement.draft import NoDraftHead, check_n_max
 from placement.footprint import FootprintError
 from placement.hardware import HardwareProfile
@@ -107,8 +107,9 @@ def _hardware(args: argparse.Namespace) -> HardwareProfile | None:
 
 def format_forecast(table: SpecTable, free: SpecTable, link: HopLink, n_hosts: int, carried: int,
                     drafting: bool) -> str:
-    head = (f"\nacross {n_hosts} hosts (predicted; {n_hosts} hops per pass: {n_hosts - 1} of {carried} bytes "
-            f"per token, one back with the tokens; hop {link.latency_us:g} us, {link.gbps:g} GB/s):")
+    hops = (f"{hops_per_pass(n_hosts)} hops per pass: {n_hosts - 1} of {carried} bytes per token, one back with "
+            f"the tokens; hop {link.latency_us:g} us, {link.gbps:g} GB/s" if hops_per_pass(n_hosts) else "no hops")
+    head = f"\nacross {n_hosts} hosts (predicted; {hops}):"
     if drafting:
         body = table.format()
         free_line = (f"with the hops free (the same passes on one box): plain {free.plain_tps:.2f} t/s, "
@@ -151,7 +152,7 @@ def main(args: argparse.Namespace, model: ModelFile | None) -> int:
         extra = {}
         if table is not None:
             extra["forecast"] = {"hop_latency_us": link.latency_us, "hop_gbps": link.gbps,
-                                 "hops_per_pass": len(mplan.hosts) if len(mplan.hosts) > 1 else 0, "carried_bytes_per_token": carried,
+                                 "hops_per_pass": hops_per_pass(len(mplan.hosts)), "carried_bytes_per_token": carried,
                                  "predicted_plain_tps": round(table.plain_tps, 4),
                                  "break_even_n_max": table.break_even_n, "best_n_max": table.best.n,
                                  "hops_free": {"predicted_plain_tps": round(free.plain_tps, 4),
