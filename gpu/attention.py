@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import gpu.fused as fused
-from gpu.kv_cache import KVCache, QuantRows
+from gpu.kv_cache import KVCache, QuantRows, Segments
 from gpu.norm import RMSNorm
 from gpu.rope import Rope
 from placement.limits import SCORE_VALUES, kv_tile_cells
@@ -87,7 +87,15 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
     (Hkv, L, Dv) with H a multiple of Hkv → (T, H, Dv) float32. ``scale``: default 1/√Dk.
     ``sinks``: (H,) per-head sink logits; ``window``: a query sees only the last ``window``
     positions (0: all). keys/values may be ``QuantRows`` (a quantized cache; ``values is keys``
-    for MLA's latent, one tile serving both)."""
+    for MLA's latent, one tile serving both). keys/values may be ``Segments`` (several
+    sequences stepped as one batch, ``gpu.kv_cache.SequenceBatch``): each sequence's queries
+    attend over its own rows."""
+    if isinstance(keys, Segments):
+        parts, lo = [], 0
+        for k, v, n in zip(keys, values, keys.rows):
+            parts.append(attend(q[lo:lo + n], k, v, scale=scale, sinks=sinks, window=window))
+            lo += n
+        return torch.cat(parts)
     if isinstance(keys, QuantRows) or isinstance(values, QuantRows):
         if q.device.type == "cpu" and CPU_QUANTIZED_ATTEND is not None and \
                 isinstance(keys, QuantRows) and isinstance(values, QuantRows):

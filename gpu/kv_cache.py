@@ -195,3 +195,35 @@ class WindowKVCache(KVCache):
             raise ValueError(f"sliding-window cache keeps positions {self.start}..{self.length - 1}: "
                              f"cannot roll back to {n}")
         super().truncate(n)
+
+
+class Segments(list):
+    """What ``SequenceBatch.append`` returns for keys (or values): one sequence's cached rows
+    per item, in batch order, with ``rows`` the new rows each sequence brought. ``attention.attend``
+    attends each sequence's queries over its own item."""
+
+    def __init__(self, items, rows: list[int]):
+        super().__init__(items)
+        self.rows = rows
+
+
+class SequenceBatch:
+    """Several sequences' caches of one block, stepped as one batch (continuous batching):
+    the batch's T rows are the sequences' rows one after another, ``rows[i]`` of them for
+    sequence i. ``append`` splits the new K/V rows (H, T, D) by sequence into each cache and
+    returns ``Segments``; attention then runs per sequence over its own cache while every
+    projection and the MoE see all T rows at once."""
+
+    def __init__(self, caches: list, rows: list[int]):
+        if len(caches) != len(rows):
+            raise ValueError(f"{len(caches)} caches for {len(rows)} row counts")
+        self.caches, self.rows = caches, rows
+
+    def append(self, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple[Segments, Segments]:
+        keys, values, lo = [], [], 0
+        for cache, n in zip(self.caches, self.rows):
+            kk, vv = cache.append(k[:, lo:lo + n], None if v is None else v[:, lo:lo + n])
+            keys.append(kk)
+            values.append(vv)
+            lo += n
+        return Segments(keys, self.rows), Segments(values, self.rows)

@@ -47,7 +47,7 @@ from cpu_kernels.layout import weight_bytes
 from cpu_kernels.registry import get_kernel
 from gpu.attention import Attention
 from gpu.ffn import SwiGLU
-from gpu.kv_cache import KVCache
+from gpu.kv_cache import KVCache, SequenceBatch
 from gpu.router import SigmoidRouter, SoftmaxRouter
 from offload.cpu_ops import CpuExperts, RawLinear, to_host
 from offload.moe import MoE
@@ -346,20 +346,31 @@ class CompiledBlock:
         if t > DECODE_TOKENS or self._rebound():
             return self.reference(x, positions, cache)
         xh, pos, cos, sin, chunks = self._step_inputs(x, positions)
-        need = cache.reserve(t)
         y = np.empty_like(xh)
-        kc, vc = cache.raw()
-        attn = (xh, y, pos, cos, sin, self._kv_tag, kc, vc, cache.length, self._eps) + self._attn_args + (chunks,)
-        ffn = (y, self._eps) + self._ffn_args + (chunks,)
+        # several sequences (SequenceBatch): attention per sequence over its own cache, then
+        # one FFN half over every row, so each touched expert is read once for the batch
+        caches, rows = (cache.caches, cache.rows) if isinstance(cache, SequenceBatch) else ([cache], [t])
         with self.profile.time("cpu_block"):
+            lo = 0
+            for c, n in zip(caches, rows):
+                need = c.reserve(n)
+                kc, vc = c.raw()
+                self._attend((xh[lo:lo + n], y[lo:lo + n], pos[lo:lo + n], cos, sin, self._kv_tag, kc, vc,
+                              c.length, self._eps) + self._attn_args + (chunks,))
+                c.length = need
+                lo += n
+            ffn = (y, self._eps) + self._ffn_args + (chunks,)
             if self._ffn_entry is not None:
-                self._attn_entry(*attn)
                 self._ffn_entry(*ffn)
             else:
-                self._attn_entry = first_call(kb.attention_half, attn)[0]
                 self._ffn_entry = first_call(self._ffn_half, ffn)[0]
-        cache.length = need
         return torch.from_numpy(y)
+
+    def _attend(self, args: tuple) -> None:
+        if self._attn_entry is not None:
+            self._attn_entry(*args)
+        else:
+            self._attn_entry = first_call(kb.attention_half, args)[0]
 
     def _step_inputs(self, x: torch.Tensor, positions: torch.Tensor):
         """(x, positions, cos, sin, threads) as the compiled entries take them."""
@@ -412,8 +423,9 @@ class BlockRun:
         return self._raws
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, caches) -> torch.Tensor:
-        n_past = caches[0].length
-        if x.shape[0] > DECODE_TOKENS or any(c.length != n_past for c in caches) or \
+        several = isinstance(caches[0], SequenceBatch)     # several sequences: block by block
+        n_past = -1 if several else caches[0].length
+        if several or x.shape[0] > DECODE_TOKENS or any(c.length != n_past for c in caches) or \
                 any(b._rebound() for b in self.blocks):
             for b, c in zip(self.blocks, caches):
                 x = b(x, positions, c)

@@ -4,7 +4,9 @@ cache. ``offload.runtime`` builds it.
 """
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import replace
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Mapping, Sequence
@@ -12,6 +14,8 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from offload.batching import Batcher, Slot
+from offload.online_n_max import AUTO_CAP, POLICIES, EpsilonGreedy, OnlineNMax, prior_for
 from offload.devices import DeviceMap
 from offload.errors import OffloadError
 from offload.models.shared.base import CausalLM
@@ -75,6 +79,8 @@ class Session:
         self.load_s = 0.0
         self.stats: RunStats | None = None
         self.prompt_cache = PromptCache()
+        self._batcher = None                 # offload.batching.Batcher, made by the first ``slots``
+        self.batch_stats: list[RunStats] = []
 
     @property
     def config(self):
@@ -111,7 +117,7 @@ class Session:
                  penalties: Penalties | None = None, ubatch: int | None = None,
                  stop_at_eos: bool = True, n_max: int = 0, p_min: float = 0.0, verify: str = "batched",
                  spec_type: str = "mtp", ngram_size: int = NGRAM_SIZE, head=None, cache_prompt: bool = False,
-                 guide=None, on_token=None, on_prompt_logits=None) -> Iterator[int]:
+                 guide=None, on_token=None, on_prompt_logits=None, slot=None) -> Iterator[int]:
         """Yield generated token ids for a fresh sequence. The prompt is processed in
         batches of ``ubatch`` tokens (default: the plan's), then one step at a time: plain
         decoding with ``n_max = 0``, else speculative decoding with the drafter ``spec_type``
@@ -125,7 +131,11 @@ class Session:
 
         Sampling (``offload.sampling``): greedy by default here (the library's callers ask for
         what they want); ``offload run`` and ``offload serve`` pass llama.cpp's defaults.
-        ``penalties``: llama.cpp's repetition penalties, the prompt counted in their window."""
+        ``penalties``: llama.cpp's repetition penalties, the prompt counted in their window.
+
+        ``slot`` (``offload.batching.Slot``, from ``slots``): generate as one of several
+        sequences stepped together (continuous batching), with the slot's own prompt cache;
+        its ``stats`` is this generation's RunStats."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         ubatch = self.plan.settings.ubatch if ubatch is None else ubatch
         ctx = self.plan.settings.ctx
@@ -136,8 +146,15 @@ class Session:
         if len(ids) + max_tokens > ctx:
             raise OffloadError(f"{len(ids)} prompt tokens + {max_tokens} to generate exceed the "
                                f"context of {ctx} (raise --ctx)")
+        policy = n_max if isinstance(n_max, str) else None      # "auto" | "bandit": chosen online
+        if policy is not None:
+            if policy not in POLICIES:
+                raise OffloadError(f"n_max {policy!r}: a number, or one of {', '.join(POLICIES)}")
+            n_max = AUTO_CAP
         options = SpecOptions(n_max=n_max, p_min=p_min, verify=verify, type=spec_type, ngram_size=ngram_size)
         head = head if head is not None else self.draft_head(options.type)
+        if policy is not None and options.type == "dspark" and head is not None:    # drafts at most its block
+            options = replace(options, n_max=min(n_max, head.header.max_drafts))
         if n_max and head is None and options.type == "dspark":
             raise OffloadError(f"--spec-type dspark needs a DSpark drafter (--draft FILE, a dflash GGUF); "
                                f"{self.plan.model_path} was loaded without one")
@@ -149,29 +166,100 @@ class Session:
             sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p)
         except ValueError as exc:
             raise OffloadError(f"sampling: {exc}") from None
-        stats = self.stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
+        stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
+        if slot is None:
+            self.stats = stats
+            model, holder, profile, lock = self.model, self, self.profile, None
+        else:
+            slot.stats = stats
+            model, holder, profile, lock = slot.model, slot, slot.profile, slot.batcher.lock
+        chooser = None
+        if policy == "auto":
+            chooser = OnlineNMax(options.n_max, slot.batcher.costs if slot is not None else None,
+                                 prior_for(options.type))
+        elif policy == "bandit":
+            chooser = EpsilonGreedy(options.n_max, seed=0 if seed is None else seed)
         cache_prompt = cache_prompt and on_prompt_logits is None
         if cache_prompt:
-            state, n_cached = self.prompt_cache.take(self.model, head, ids, drafting=follows_trunk)
+            state, n_cached = holder.prompt_cache.take(model, head, ids, drafting=follows_trunk)
         else:
-            state, n_cached = self.model.new_state(head if follows_trunk else None), 0
+            state, n_cached = model.new_state(head if follows_trunk else None), 0
         eos = self.tokenizer.eos_ids if stop_at_eos else frozenset()
         guide = with_penalties(guide, penalties, ids)
+        if slot is not None:
+            slot.batcher.join()
         try:
-            for tok in generate_step(self.model, ids, state=state, sampler=sampler,
+            for tok in generate_step(model, ids, state=state, sampler=sampler,
                                      head=head if follows_trunk else None, options=options, ubatch=ubatch,
-                                     max_tokens=max_tokens, eos=eos, stats=stats, profile=self.profile,
+                                     max_tokens=max_tokens, eos=eos, stats=stats, profile=profile,
                                      n_cached=n_cached, guide=guide, on_token=on_token,
-                                     on_prompt_logits=on_prompt_logits):
+                                     on_prompt_logits=on_prompt_logits, compute_lock=lock,
+                                     n_policy=chooser):
                 if cache_prompt:
-                    self.prompt_cache.tokens.append(tok)
+                    holder.prompt_cache.tokens.append(tok)
                 yield tok
         except Exception:
             if cache_prompt:              # a pass may have stopped between layers: start over
-                self.prompt_cache = PromptCache()
+                holder.prompt_cache = PromptCache()
             raise
         finally:
+            if slot is not None:
+                slot.batcher.leave()
+            if chooser is not None:
+                chooser.close()
+                stats.spec["n_max_policy"] = chooser.report()
             stats.memory = self.memory(state)
+
+    def slots(self, n: int) -> list:
+        """``n`` slots (``offload.batching.Slot``) whose generations step through the model
+        together (continuous batching), sharing this session's one batcher."""
+        if self._batcher is None:
+            self._batcher = Batcher(self.model)
+        return [Slot(i, self._batcher, PromptCache()) for i in range(n)]
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], *, seed: int | None = None,
+                       parallel: int | None = None, **options) -> list[list[int]]:
+        """Generate for every prompt, up to ``parallel`` of them (default: all) at once as one
+        batch per step (continuous batching: a finished prompt's place goes to the next);
+        returns each prompt's token ids, in order. ``options`` are ``generate``'s; with a
+        ``seed``, prompt i samples with ``seed + i``. ``self.batch_stats`` holds each prompt's
+        RunStats afterwards."""
+        prompts = list(prompts)
+        if parallel is not None and parallel < 1:
+            raise OffloadError(f"parallel must be >= 1, got {parallel}")
+        if not prompts:
+            return []
+        n = len(prompts) if parallel is None else parallel
+        slots = self.slots(min(n, len(prompts)))
+        out: list[list[int] | None] = [None] * len(prompts)
+        stats: list[RunStats | None] = [None] * len(prompts)
+        errors: list[BaseException] = []
+        todo = iter(range(len(prompts)))
+        pick = threading.Lock()
+
+        def work(slot) -> None:
+            while not errors:
+                with pick:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                try:
+                    out[i] = list(self.generate(prompts[i], seed=None if seed is None else seed + i,
+                                                slot=slot, **options))
+                    stats[i] = slot.stats
+                except BaseException as exc:     # re-raised in the caller's thread
+                    errors.append(exc)
+                    return
+
+        threads = [threading.Thread(target=work, args=(s,), name=f"offload-slot-{s.index}") for s in slots]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        self.batch_stats = stats
+        return out
 
     def draft_head(self, spec_type: str):
         """The head the drafter ``spec_type`` drafts with: the NextN head for ``mtp``, the
@@ -198,6 +286,8 @@ class Session:
         return {"peak_rss": peak_rss_bytes(), "weights": dict(self.allocated), "kv": dict(kv)}
 
     def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
         self._pool.shutdown(wait=True)
 
     def __enter__(self):

@@ -367,7 +367,8 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
                   eos: Collection[int] = (), stats: RunStats | None = None,
                   profile: Profile | None = None, n_cached: int = 0, guide: Guide | None = None,
                   on_token: Callable[[int, np.ndarray], None] | None = None,
-                  on_prompt_logits: Callable[[int, np.ndarray], None] | None = None) -> Iterator[int]:
+                  on_prompt_logits: Callable[[int, np.ndarray], None] | None = None,
+                  compute_lock=None, n_policy: Callable | None = None) -> Iterator[int]:
     """Yield up to ``max_tokens`` token ids continuing ``prompt`` (token ids) on ``state``
     (``state.nextn_cache`` is the head's). ``model``: ``forward(ids, state,
     logits="all"|"last"|"none") -> (logits, final hidden states)``. When ``options.n_max > 0``
@@ -379,7 +380,13 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
     with drafting the head's pairs 0..n_cached-1) — a reused prompt prefix; only the rest of
     the prompt is evaluated. 0 = fresh caches.
 
-    ``guide``, ``on_token``, ``on_prompt_logits``: see the module's docstring."""
+    ``guide``, ``on_token``, ``on_prompt_logits``: see the module's docstring.
+
+    ``compute_lock``: held by the drafter's calls (under continuous batching ``model.forward``
+    is the batcher's, which computes under the same lock: ``offload.batching``).
+
+    ``n_policy``: ``policy(stats) -> n``, each step's n_max (at most ``options.n_max``) chosen
+    online (``offload.online_n_max``); None: ``options.n_max`` every step."""
     ids = [int(i) for i in prompt]
     stats = stats if stats is not None else RunStats(n_prompt=len(ids))
     if not 0 <= n_cached < len(ids) or state.n_past != n_cached:
@@ -389,6 +396,8 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
     profile = profile if profile is not None else Profile()
     drafting = options.n_max > 0
     drafter = make_drafter(options, head, state, sampler, ubatch, guide) if drafting else None
+    if drafter is not None and compute_lock is not None:
+        drafter = _Locked(drafter, compute_lock)
     if drafting:
         stats.spec = options.as_dict()
     keep_hidden = drafter is not None and drafter.uses_hidden
@@ -431,8 +440,9 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
             t1 = time.perf_counter()
             with torch.inference_mode():
                 try:
+                    n_step = options.n_max if n_policy is None else min(options.n_max, n_policy(stats))
                     emitted, rows = _step(model, state, drafter, sampler, options, emitted[-1],
-                                          n_cap=min(options.n_max, max_tokens - stats.n_gen - 1),
+                                          n_cap=min(n_step, max_tokens - stats.n_gen - 1),
                                           stats=stats, profile=profile, guide=guide)
                 except _NonFinite as bad:
                     raise nonfinite_error(model, seq[:-1] + bad.tokens,
@@ -446,6 +456,23 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
         if drafter is not None:
             drafter.rollback(keep)
         stats.eval_profile = profile.snapshot()
+
+
+class _Locked:
+    """``obj`` whose method calls hold ``lock``; plain attributes read through."""
+
+    def __init__(self, obj, lock):
+        self._obj, self._lock = obj, lock
+
+    def __getattr__(self, name):
+        value = getattr(self._obj, name)
+        if not callable(value):
+            return value
+
+        def locked(*args, **kwargs):
+            with self._lock:
+                return value(*args, **kwargs)
+        return locked
 
 
 class _NonFinite(Exception):

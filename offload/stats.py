@@ -164,8 +164,11 @@ class RunStats:
         rest = max(self.eval_s - self.draft_s - self.verify_s, 0.0)
         pos = " ".join(f"{a:.3f}" for a in self.acceptance_per_position) or "-"
         cond = " ".join(f"{a:.3f}" for a in self.acceptance_conditional) or "-"
+        policy = s.get("n_max_policy")
+        n_max = (f"{policy['policy']} (up to {s.get('n_max')}; last chose {policy['n_max_chosen']}, "
+                 f"mean {policy['n_max_mean']:.2f})" if policy else s.get("n_max"))
         return [
-            f"speculative           = {s.get('type', 'mtp')}, n_max {s.get('n_max')}, p_min {s.get('p_min', 0.0):.2f}, "
+            f"speculative           = {s.get('type', 'mtp')}, n_max {n_max}, p_min {s.get('p_min', 0.0):.2f}, "
             f"verify {s.get('verify', 'batched')}",
             f"draft acceptance rate = {self.acceptance:.5f} ({self.accepted:5d} accepted / {self.drafted:5d} drafted), "
             f"mean accepted length {self.mean_accepted_length:.3f} (1 + accepted / {self.n_steps} steps)",

@@ -30,7 +30,8 @@ def llama_cpp_args(plan: Plan, draft_arch: str | None = None) -> list[str]:
     """argv (without the program name) for llama-server / llama-cli; ``draft_arch``: the
     ``--draft`` GGUF's architecture (``DRAFT_SPEC_TYPE``)."""
     s, layout = plan.settings, plan.placement.layout
-    args = ["-m", plan.model_path, "-c", str(s.ctx)]
+    # llama-server divides -c among its -np slots; here each sequence has the whole context
+    args = ["-m", plan.model_path, "-c", str(s.ctx * s.parallel)] + (["-np", str(s.parallel)] if s.parallel > 1 else [])
     if s.ubatch != DEFAULT_UBATCH:
         args += ["-ub", str(s.ubatch)]
     if s.cache_type != "f16":

@@ -161,9 +161,12 @@ class MemorySettings:
     gpu_dtype: str = "auto"              # what GPU-resident weights are dequantized into
     host_backed: tuple[str, ...] = ()    # GPU devices backed by host RAM (--virtual-gpus)
     cache_type_v: str | None = None      # V's type where it differs from K's (llama.cpp's -ctv)
+    parallel: int = 1                    # sequences at once (-np), each with caches of its own
 
     def __post_init__(self) -> None:
         cache_type(self.cache_type)
+        if self.parallel < 1:
+            raise PlacementError(f"-np (sequences at once) must be >= 1, got {self.parallel}")
         if self.cache_type_v is not None:
             cache_type(self.cache_type_v)
         if self.ctx < 1 or self.ubatch < 1:
@@ -242,7 +245,12 @@ def kv_row_bytes(t: GGMLQuantizationType, width: int, what: str) -> int:
 
 
 def kv_bytes(spec: ModelSpec, layer: int, s: MemorySettings) -> int:
-    """KV cache bytes of one block at ``s.ctx`` (see the module docstring)."""
+    """KV cache bytes of one block at ``s.ctx``, for each of ``s.parallel`` sequences (see the
+    module docstring)."""
+    return s.parallel * _sequence_kv_bytes(spec, layer, s)
+
+
+def _sequence_kv_bytes(spec: ModelSpec, layer: int, s: MemorySettings) -> int:
     t, tv = cache_type(s.cache_type), cache_type(s.v_type)
     if (spec.compress_ratios or spec.is_mla) and tv != t:
         raise PlacementError(f"-ctv {s.v_type} differs from -ctk {s.cache_type}: {spec.arch}'s cache keeps "

@@ -215,6 +215,9 @@ def make_multihost_plan(model: PlannedModel, hosts: Sequence[Host], options: Pla
         if getattr(options, attr) is not None:
             raise PlacementError(f"--hosts cannot be combined with {flag} (it places the slots of one box); "
                                  "use -ot rules or let the fit place each host's blocks")
+    if options.parallel > 1:   # the pipeline carries one sequence: a plan for more could not run
+        raise PlacementError(f"--hosts cannot be combined with -np {options.parallel}: a pipeline across hosts "
+                             "runs one sequence at a time")
     targets = host_fit_targets(hosts, options.fit_target)
     rooms = [h.room_with(t) for h, t in zip(hosts, targets)]
     k, v = options.cache_types()

@@ -125,6 +125,7 @@ class Plan:
             "cache_type": self.settings.cache_type,
             "cache_type_v": self.settings.v_type,
             "ubatch": self.settings.ubatch,
+            "parallel": self.settings.parallel,
             "devices": [{
                 "name": t.name, "budget_bytes": t.budget_bytes, "target_bytes": t.target_bytes,
                 "weights_bytes": t.weights_bytes, "kv_bytes": t.kv_bytes,

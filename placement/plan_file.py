@@ -65,8 +65,8 @@ SPEC_COUNTS = ("break_even_n_max", "best_n_max", "measured_best_n_max")
 SPEC_TEXT = ("type", "source", "routing", "choice")
 SPEC_LISTS = ("rows", "measured_rows")
 SPEC_KEYS = frozenset(SECTION_KEYS)
-TOP_KEYS = {"version", "model", "draft", "context", "cache_type", "cache_type_v", "ubatch", "devices", "layout",
-            "rules", "draft_placement", "speculative", "totals", "notes", "hot_experts", "routing", "hosts"}
+TOP_KEYS = {"version", "model", "draft", "context", "cache_type", "cache_type_v", "ubatch", "parallel",
+            "devices", "layout", "rules", "draft_placement", "speculative", "totals", "notes", "hot_experts", "routing", "hosts"}
 # one box's placement: at the top of a one-host plan, under each host of a plan with ``hosts:``
 PLACEMENT_KEYS = ("devices", "layout", "rules", "draft_placement", "totals", "hot_experts")
 HOST_KEYS = {"name", "blocks", "devices", "layout", "rules", "draft_placement", "totals"}
@@ -112,7 +112,8 @@ def _totals_doc(plan: Plan) -> dict[str, Any]:
 
 def _settings_doc(path: str, draft: str | None, s: MemorySettings) -> dict[str, Any]:
     return {"version": VERSION, "model": path, "draft": draft, "context": s.ctx, "cache_type": s.cache_type,
-            **({"cache_type_v": s.cache_type_v} if s.cache_type_v else {}), "ubatch": s.ubatch}
+            **({"cache_type_v": s.cache_type_v} if s.cache_type_v else {}), "ubatch": s.ubatch,
+            **({"parallel": s.parallel} if s.parallel > 1 else {})}
 
 
 def _dump(doc: dict[str, Any]) -> str:
@@ -445,10 +446,12 @@ def load_plan_file(text: str, source: str) -> PlanFile:
         doc.fail(("model",), "model must name the GGUF file the plan is for")
     ctx = _positive(doc, top, "context")
     ubatch = _positive(doc, top, "ubatch", default=512)
+    parallel = _positive(doc, top, "parallel", default=1)
     cache = _get(doc, top, (), "cache_type", (str,), required=False, default="f16")
     cache_v = _get(doc, top, (), "cache_type_v", (str,), required=False)
     try:
-        settings = MemorySettings(ctx, cache, ubatch, cache_type_v=None if cache_v == cache else cache_v)
+        settings = MemorySettings(ctx, cache, ubatch, cache_type_v=None if cache_v == cache else cache_v,
+                                  parallel=parallel)
     except PlacementError as exc:
         doc.fail(("cache_type_v" if cache_v is not None else "cache_type",), f"cache_type: {exc}")
 

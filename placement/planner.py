@@ -57,6 +57,7 @@ class PlanOptions:
     cache_type_v: str | None = None                 # -ctv / --cache-type-v: V, over --cache-type
     ubatch: int = DEFAULT_UBATCH
     routing: RoutingCounts | None = None            # --routing: fill the GPUs' room with hot experts
+    parallel: int = 1                               # -np: sequences at once, a KV cache each
 
     def __post_init__(self) -> None:
         if self.fit not in FIT_MODES:
@@ -76,7 +77,7 @@ class PlanOptions:
         False = not given): ``override_tensor`` a list of ``-ot`` values (or one), ``tensor_split``
         "3,1" or numbers, ``fit_target`` "1024,2048" or 1024 or [1024, 2048] (MiB, or sizes like "2GiB");
         ``cpu_moe``, ``n_cpu_moe``, ``n_gpu_layers``, ``fit``, ``fit_ctx``, ``ctx``,
-        ``cache_type`` (``cache_type_k``, ``cache_type_v``), ``ubatch`` as typed values;
+        ``cache_type`` (``cache_type_k``, ``cache_type_v``), ``ubatch``, ``parallel`` as typed values;
         ``routing`` a routing profile's path (or a ``RoutingCounts``)."""
         unknown = sorted(set(flags) - set(FLAG_NAMES))
         if unknown:
@@ -113,7 +114,7 @@ class PlanOptions:
 
 
 FLAG_NAMES = ("override_tensor", "cpu_moe", "n_cpu_moe", "n_gpu_layers", "tensor_split", "fit", "fit_target",
-              "fit_ctx", "ctx", "cache_type", "cache_type_k", "cache_type_v", "ubatch", "routing")
+              "fit_ctx", "ctx", "cache_type", "cache_type_k", "cache_type_v", "ubatch", "routing", "parallel")
 
 
 def _numbers(value) -> tuple[float, ...]:
@@ -172,7 +173,8 @@ def _whole_tensor_plan(model: PlannedModel, devices: Sequence[Device], options: 
     n_layer = model.spec.n_layer
     targets = gpu_targets(options.fit_target, devices)
     settings = MemorySettings(model.spec.n_ctx_train if options.ctx is None else options.ctx,
-                              options.cache_types()[0], options.ubatch, cache_type_v=options.cache_types()[1])
+                              options.cache_types()[0], options.ubatch, cache_type_v=options.cache_types()[1],
+                              parallel=options.parallel)
     rules = options.user_rules()
     gpus = [d for d in devices if d.is_gpu]
     layout = layout_from_flags(n_layer, [g.name for g in gpus], options.n_gpu_layers, options.tensor_split,

@@ -80,7 +80,8 @@ def format_plan(plan: Plan, model: PlannedModel, draft: PlannedModel | None = No
                  + (", MLA" if spec.is_mla else ""))
     if draft is not None:
         lines.append(f"draft    {plan.draft_path} ({len(draft.tensors)} tensors)")
-    lines.append(f"context  {plan.settings.ctx} ({plan.settings.type_label} KV cache), ubatch "
+    slots = f" × {plan.settings.parallel} sequences (-np)" if plan.settings.parallel > 1 else ""
+    lines.append(f"context  {plan.settings.ctx}{slots} ({plan.settings.type_label} KV cache), ubatch "
                  f"{plan.settings.ubatch}; placement: {plan.mode}; drafting: {plan.drafting}")
     lines.append("")
     head = ["device", "budget", "weights", "KV cache", "compute", "target", "free after", "above target"]

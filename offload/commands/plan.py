@@ -77,6 +77,9 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                    help="auto-fit may shrink the context down to N (steps of 256) when --ctx is not given "
                         f"(default {DEFAULT_FIT_CTX})")
     g.add_argument("-c", "--ctx", type=int, metavar="N", help="context length (default: the model's)")
+    g.add_argument("-np", "--parallel", type=int, metavar="N",
+                   help="sequences at once (llama-server's -np; offload serve's slots): each gets a KV cache "
+                        "of the whole --ctx (llama-server divides -c among them), and the plan counts N (default 1)")
     g.add_argument("--cache-type", metavar="TYPE",
                    help=f"KV cache type of K and V: {', '.join(CACHE_TYPES)} (default f16)")
     g.add_argument("-ctk", "--cache-type-k", metavar="TYPE", help="K's cache type (as llama.cpp; over --cache-type)")

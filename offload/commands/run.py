@@ -28,6 +28,7 @@ from offload.commands.plan import add_placement_arguments, plan_from_args
 from offload.commands.spec_args import add_spec_arguments, spec_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.host_memory import return_freed_memory
+from offload.online_n_max import AUTO_CAP
 from offload.probe import SHIPPED_MODEL
 
 DEFAULT_MODEL = SHIPPED_MODEL      # models/tiny-glm4moe-mtp.gguf, also what offload probe times
@@ -182,7 +183,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
         payload = stats.as_dict()
         if args.spec_diagnose:
-            payload["drift"] = diagnose(session, ids + out[:-1], spec.get("n_max", 0))
+            n_max = spec.get("n_max", 0)
+            payload["drift"] = diagnose(session, ids + out[:-1], AUTO_CAP if n_max == "auto" else n_max)
         if args.stats_json:
             payload |= {"plan": plan.to_dict() | {"tensors": None}}
             write_atomic(args.stats_json, json.dumps(payload, indent=2) + "\n")

@@ -5,9 +5,13 @@
                   [--alias NAME] [--spec-* as for offload run]
 
 ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not), ``GET /v1/models``,
-``GET /health`` (503 while the model loads) and ``GET /metrics`` (Prometheus). Requests are
-served one at a time in arrival order; ``--max-queue`` more may wait, the next gets a 503.
-Consecutive requests reuse the KV of their longest common prompt prefix (the prompt cache).
+``GET /health`` (503 while the model loads) and ``GET /metrics`` (Prometheus). ``-np N``
+(llama-server's ``--parallel``; the plan counts N KV caches) serves N requests at once by
+continuous batching: every step runs the tokens of all of them through the model as one
+batch, a new request's prompt in chunks of ``--prompt-chunk`` between those steps. Requests
+wait in arrival order for a free slot; ``--max-queue`` may wait, the next gets a 503.
+Each slot reuses the KV of the longest prompt prefix it shares with its previous request
+(the prompt cache).
 Speculative decoding as in ``offload run``: the plan's ``n_max`` or ``--spec-n-max``; a
 request's ``n_max`` field overrides it. Logprobs (with ``echo`` on completions), ``n``
 choices, tool calls in the chat template's format, and ``response_format`` JSON by
@@ -27,6 +31,7 @@ from offload.commands.spec_args import add_spec_arguments, spec_settings
 from offload.errors import ArgumentParser, OffloadError
 
 DEFAULT_MAX_QUEUE = 32
+PROMPT_CHUNK = 128     # prompt tokens per batched step with several slots (a step's latency is everyone's)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free one, printed)")
     g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
-                   help=f"requests that may wait while one is served; more get 503 (default {DEFAULT_MAX_QUEUE})")
+                   help=f"requests that may wait while every slot is busy; more get 503 (default {DEFAULT_MAX_QUEUE})")
+    g.add_argument("--prompt-chunk", type=int, metavar="N",
+                   help="with -np > 1: a request's prompt runs N tokens per step, in the same steps as the "
+                        f"other slots' decoding, so they do not stall for a long prompt (default {PROMPT_CHUNK})")
     g.add_argument("--chat-template", metavar="FILE",
                    help="jinja2 chat template (default: the GGUF's tokenizer.chat_template, else offload's own)")
     g.add_argument("--alias", metavar="NAME", help="model name in /v1/models and responses (default: the file's stem)")
@@ -70,6 +78,8 @@ def main(argv=None) -> int:
         raise OffloadError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:
         raise OffloadError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.prompt_chunk is not None and args.prompt_chunk < 1:
+        raise OffloadError(f"--prompt-chunk must be >= 1, got {args.prompt_chunk}")
     if args.torch_threads < 1:
         raise OffloadError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     runtime_process_settings()
@@ -81,6 +91,7 @@ def main(argv=None) -> int:
     from offload.server.app import build_app
     from offload.server import tool_formats
     from offload.server.engine import Engine
+    from offload.online_n_max import AUTO_CAP
     from offload.speculative import SpecOptions
     from offload.tokenizer import Tokenizer
     from placement.draft import NGRAM_SIZE
@@ -91,7 +102,8 @@ def main(argv=None) -> int:
     plan, model, _ = plan_from_args(args, model)
     spec, account = spec_settings(args, plan)
     p_min = args.spec_p_min if args.spec_p_min is not None else float((plan.speculative or SpecSection()).p_min or 0.0)
-    options = SpecOptions(n_max=spec["n_max"], p_min=p_min, verify=args.spec_verify,
+    options = SpecOptions(n_max=AUTO_CAP if spec["n_max"] == "auto" else spec["n_max"], p_min=p_min,
+                          verify=args.spec_verify,
                           type=spec.get("spec_type", "mtp"), ngram_size=spec.get("ngram_size", NGRAM_SIZE))
     # everything that can be wrong with the flags is found before the port is bound
     sampling = sampling_defaults(args)
@@ -117,8 +129,11 @@ def main(argv=None) -> int:
 
     tool_format = tool_formats.for_model(template.source, model.spec.arch)
     engine = Engine(load, model_name=name, template=template, spec=options, max_queue=args.max_queue,
-                    on_load_error=load_failed, tool_format=tool_format, sampling=sampling)
-    meta = {"arch": model.spec.arch, "n_ctx": plan.settings.ctx, "n_max": options.n_max, "spec_type": options.type,
+                    on_load_error=load_failed, tool_format=tool_format, sampling=sampling,
+                    parallel=plan.settings.parallel, prompt_chunk=args.prompt_chunk or PROMPT_CHUNK,
+                    n_max=spec["n_max"])
+    meta = {"arch": model.spec.arch, "n_ctx": plan.settings.ctx, "n_parallel": plan.settings.parallel,
+            "n_max": options.n_max, "spec_type": options.type,
             "drafting": plan.drafting, "chat_template": template.origin,
             "tool_format": tool_format.name if tool_format is not None else None}
     print(f"offload: {account}", file=sys.stderr)

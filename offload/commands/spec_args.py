@@ -26,9 +26,12 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
                         "model); dspark: a DSpark block drafter (--draft FILE); none: plain decoding. "
                         "llama.cpp's draft-mtp, draft-dspark and ngram-* are accepted "
                         "(default: the plan's speculative.type, else mtp when there is a head)")
-    g.add_argument("--spec-n-max", "--spec-draft-n-max", dest="spec_n_max", type=int, default=None, metavar="N",
+    g.add_argument("--spec-n-max", "--spec-draft-n-max", dest="spec_n_max", type=n_max_arg, default=None,
+                   metavar="N|auto",
                    help="longest draft per step (default: the plan's speculative.n_max; with an explicit "
-                        f"--spec-type and no plan value {DEFAULT_EXPLICIT_N_MAX}; else 0 = plain)")
+                        f"--spec-type and no plan value {DEFAULT_EXPLICIT_N_MAX}; else 0 = plain); auto: "
+                        "each sequence's n_max chosen every few steps from its measured acceptance and the "
+                        "measured step costs at the current batch size (offload.online_n_max)")
     g.add_argument("--spec-p-min", "--spec-draft-p-min", dest="spec_p_min", type=float, default=None, metavar="P",
                    help="stop drafting when the draft's top probability is below P (MTP, DSpark; "
                         "default: the plan's speculative.p_min, else 0)")
@@ -41,6 +44,16 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
                         "token-identical to plain decoding")
 
 
+def n_max_arg(text: str) -> int | str:
+    """``--spec-n-max`` for argparse: a draft length, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
 def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
     """The flags and the plan's ``speculative`` section → the drafter and its settings as
     keywords for ``Session.generate`` (n_max, p_min, verify, spec_type, ngram_size), and a
@@ -49,7 +62,7 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
     block = block_drafter(plan)
     head = {"in-model NextN": "the model's NextN head",
             "--draft": f"the {'DSpark drafter' if block else 'NextN head'} of {plan.draft_path}"}
-    if args.spec_n_max is not None:
+    if args.spec_n_max is not None and args.spec_n_max != "auto":
         check_n_max(args.spec_n_max, "--spec-n-max")
     if args.spec_p_min is not None:
         check_p_min(args.spec_p_min, "--spec-p-min")

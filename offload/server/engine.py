@@ -1,10 +1,9 @@
-"""The model side of ``offload serve``: one loaded ``Session``, one worker thread, requests
-served one at a time in arrival order (FIFO).
-
-Why one at a time: the model runs one sequence (``Block`` takes one cache); batching several
-sequences would need batched attention over separate caches. What it could win is what a
-verify batch wins (the experts a batch of tokens touches are read once) — see the
-numbers for this box in docs/serving.md.
+"""The model side of ``offload serve``: one loaded ``Session`` and ``parallel`` slots
+(llama-server's ``-np``), each a worker thread that takes the next queued request (FIFO).
+With one slot, requests are served one at a time; with several, the slots' generations step
+through the model together (``offload.batching``: continuous batching, each slot with its own
+caches, prompt cache and drafter, every step one batch of all their tokens), and a finished
+or cancelled request frees its slot at once.
 
 The event loop never runs the model: ``prepare`` checks a request and builds its prompt (in
 the loop, cheap), ``submit`` queues it (503 when ``max_queue`` requests already wait), and
@@ -38,7 +37,7 @@ from offload.stats import RunStats, add_per_position
 from offload.tokenizer import TextStream
 
 
-@dataclass
+@dataclass(eq=False)          # a job is itself: compared and hashed by identity
 class Job:
     request: Request
     ids: list[int]
@@ -64,7 +63,8 @@ class Job:
 class Engine:
     def __init__(self, load: Callable[[], object], *, model_name: str, template: ChatTemplate,
                  spec: SpecOptions, max_queue: int, on_load_error: Callable[[str], None],
-                 tool_format: ToolFormat | None = None, sampling: SamplingDefaults = SamplingDefaults()):
+                 tool_format: ToolFormat | None = None, sampling: SamplingDefaults = SamplingDefaults(),
+                 parallel: int = 1, prompt_chunk: int | None = None, n_max: int | str | None = None):
         self._load, self.model_name, self.template, self.spec = load, model_name, template, spec
         self.sampling = sampling               # what a request that names no sampling field gets
         self.tool_format = tool_format         # how this model writes tool calls (None: unknown)
@@ -76,7 +76,10 @@ class Engine:
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._current: Job | None = None      # the job being generated
+        self.n_max = spec.n_max if n_max is None else n_max    # a request's default: a number or "auto"
+        self.parallel = parallel               # slots: requests generated at once
+        self.prompt_chunk = prompt_chunk       # a slot's prompt runs in chunks of this (None: the plan's ubatch)
+        self._running: set[Job] = set()        # the jobs being generated
         self._thread = threading.Thread(target=self._main, name="offload-engine", daemon=True)
 
     # -- event-loop side ------------------------------------------------------------
@@ -110,8 +113,8 @@ class Engine:
                 job.cancelled.set()
             self._queue.clear()
             self._cond.notify_all()
-        if self._current is not None:
-            self._current.cancelled.set()
+        for job in list(self._running):
+            job.cancelled.set()
 
     def prepare(self, request: Request, loop: asyncio.AbstractEventLoop) -> Job:
         """Check ``request`` against the model and build its prompt; APIError if it cannot run."""
@@ -151,7 +154,7 @@ class Engine:
             raise APIError(400, f"{wanted} exceed the context of {ctx} tokens (the server's --ctx)",
                            param="messages" if request.messages is not None else "prompt",
                            code="context_length_exceeded")
-        n_max = self.spec.n_max if request.n_max is None else request.n_max
+        n_max = self.n_max if request.n_max is None else request.n_max
         if n_max and self.spec.type != "ngram" and session.draft_head(self.spec.type) is None:
             raise APIError(400, f"n_max {n_max}: the model has no {self.spec.type} draft head "
                            "(the server was started without one; --spec-type ngram drafts from the context)",
@@ -214,23 +217,34 @@ class Engine:
             self._on_load_error(f"loading failed: {type(exc).__name__}: {exc}")
             return
         self.session = session
+        slots = session.slots(self.parallel) if self.parallel > 1 else [None]
+        workers = [threading.Thread(target=self._work, args=(slot,), name=f"offload-slot-{i}", daemon=True)
+                   for i, slot in enumerate(slots[1:], 1)]
+        for w in workers:
+            w.start()
+        self._work(slots[0])
+
+    def _work(self, slot) -> None:
+        """One slot: take the next queued job, generate it, repeat until the server stops."""
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
-                job = self._current = self._queue.popleft()
+                job = self._queue.popleft()
+                self._running.add(job)
                 self.metrics.queued = len(self._queue)
-            self.metrics.processing = 1
+                self.metrics.processing = len(self._running)
             try:
-                self._serve(job)
+                self._serve(job, slot)
             finally:
                 job.finished = True
-                self._current = None
-                self.metrics.processing = 0
+                with self._cond:
+                    self._running.discard(job)
+                    self.metrics.processing = len(self._running)
 
-    def _serve(self, job: Job) -> None:
+    def _serve(self, job: Job, slot=None) -> None:
         session, r = self.session, job.request
         if job.cancelled.is_set():          # left between leaving the queue and starting
             self.metrics.cancelled += 1
@@ -244,7 +258,7 @@ class Engine:
                 guide = self.vocabulary.guide(job.grammar) if job.grammar is not None else None
                 if guide is not None:
                     guides.append(guide)
-                finish, n, prompt_lp = self._choice(job, index, prompt_lp, guide)
+                finish, n, prompt_lp = self._choice(job, index, prompt_lp, guide, slot)
             except OffloadError as exc:
                 job.emit("error", APIError(400, str(exc)))
                 return
@@ -253,8 +267,9 @@ class Engine:
                 job.emit("error", APIError(500, f"generation failed: {type(exc).__name__}: {exc}",
                                            type="server_error"))
                 return
-            runs.append(session.stats)
-            self.metrics.record(session.stats)
+            st = session.stats if slot is None else slot.stats
+            runs.append(st)
+            self.metrics.record(st)
             n_gen += n
             if job.cancelled.is_set():
                 self.metrics.cancelled += 1
@@ -266,7 +281,7 @@ class Engine:
             t["constrain_per_token_ms"] = t["constrain_ms"] / n_gen if n_gen else 0.0
         job.emit("done", Result(prompt_tokens=len(job.ids), completion_tokens=n_gen, timings=t))
 
-    def _choice(self, job: Job, index: int, prompt_lp, guide: TokenGuide | None):
+    def _choice(self, job: Job, index: int, prompt_lp, guide: TokenGuide | None, slot=None):
         """Generate choice ``index``, emitting its pieces; → (finish_reason, tokens generated,
         the prompt's logprobs when echo asked for them)."""
         session, r = self.session, job.request
@@ -297,7 +312,8 @@ class Engine:
                                n_max=job.n_max, p_min=self.spec.p_min, verify=self.spec.verify,
                                spec_type=self.spec.type, ngram_size=self.spec.ngram_size,
                                cache_prompt=r.cache_prompt, guide=guide, on_token=on_token,
-                               on_prompt_logits=on_prompt)
+                               on_prompt_logits=on_prompt, slot=slot,
+                               ubatch=self.prompt_chunk if slot is not None else None)
         try:
             for tok in gen:
                 if r.echo and n_gen == 0:        # the prompt ran: echo it first
@@ -387,4 +403,6 @@ def timings(st, n_max: int) -> dict:
         "predicted_per_second": st.eval_tps,
         "n_max": n_max, "draft_n": st.drafted, "draft_n_accepted": st.accepted,
         "draft_acceptance_per_position": st.acceptance_per_position,
+        **({"n_max_chosen": st.spec["n_max_policy"]["n_max_chosen"],
+            "n_max_mean": st.spec["n_max_policy"]["n_max_mean"]} if "n_max_policy" in st.spec else {}),
     }

@@ -6,6 +6,7 @@ architecture):
   kernels) == each plan of ``PLANS`` on virtual GPUs (torch on dequantized copies), and what
   each device holds for weights is what the planner counted for it;
 - a batched prompt == the same prompt one token at a time through the KV cache;
+- several sequences stepped as one batch (continuous batching) == each sequence alone;
 - after a full context the KV bytes each device holds are the plan's, device by device (blocks
   over two virtual GPUs and the CPU; the NextN head's cache too, where the model has one).
 
@@ -123,6 +124,47 @@ def test_batched_prompt_matches_one_token_at_a_time(case, plan):
         steps = np.stack([s.model.forward(torch.tensor([t]), state)[0][0].numpy() for t in IDS])
         assert state.n_past == len(IDS)
     assert np.abs(batched - steps).max() < REL_TOL * np.abs(batched).max()
+
+
+@pytest.mark.parametrize("plan", ["cpu", "all-gpu"])
+def test_several_sequences_stepped_together_match_each_alone(case, plan):
+    """Continuous batching (``CausalLM.forward_batch``): three sequences at different
+    lengths, stepped as one batch — a decode-sized step (1, 3 and 2 tokens: the compiled CPU
+    blocks where they apply) and one with a 20-token prompt chunk among single tokens (the
+    reference path) — give each sequence the logits, hidden states and cache lengths its own
+    ``forward`` gives. Attention runs per sequence, everything else over all rows: float32
+    rounding of other matmul shapes only (1e-4 of the logit scale). An architecture that
+    batches sequences runs each step as one ``forward``; deepseek4 runs them one by one.
+    Float activations: a single token alone takes the decode kind, inside a 22-row step the
+    prompt kind, and with int8 ones those differ by their rounding (tests/kernels/test_prefill.py)."""
+    _, tiny = case
+    kw = PLANS.get(plan, dict(devices="CPU=16GiB"))
+    rng = np.random.default_rng(9)
+    prompts = [IDS[:4], IDS, IDS[:7]]
+    steps = [[1, 3, 2], [1, 20, 1]]
+    with rt.load(tiny.path, virtual_gpus=True, quiet=True, **FLOAT, **kw) as s, torch.inference_mode():
+        model = s.model
+        alone, together = [model.new_state() for _ in prompts], [model.new_state() for _ in prompts]
+        for p, a, b in zip(prompts, alone, together):
+            model.forward(torch.tensor(p), a, logits="none")
+            model.forward(torch.tensor(p), b, logits="none")
+        calls = []
+        forward = model.forward
+        for rows in steps:
+            ids = [torch.tensor(rng.integers(1, 290, n)) for n in rows]
+            want = [forward(t, a, logits="all") for t, a in zip(ids, alone)]
+            calls.clear()
+            model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+            try:
+                got = model.forward_batch([(t, b, "all") for t, b in zip(ids, together)])
+            finally:
+                del model.forward
+            assert len(calls) == (1 if model.batches_sequences else len(rows))
+            for (zw, hw), (zg, hg), a, b in zip(want, got, alone, together):
+                assert b.n_past == a.n_past
+                assert zg.shape == zw.shape and hg.shape == hw.shape
+                assert (zg - zw).abs().max() < REL_TOL * zw.abs().max(), rows
+                assert (hg - hw).abs().max() < REL_TOL * hw.abs().max(), rows
 
 
 def test_kv_per_device_is_the_plan_with_virtual_gpus(case, capsys):

@@ -164,6 +164,22 @@ def test_nextn_cache_counted_only_when_drafting_with_it(models, fixture_paths):
         + sum(t.n_bytes for t in draft.tensors)
 
 
+def test_parallel_sequences_count_a_cache_each(models):
+    """-np N: N sequences, each with caches of the whole context; the rest of the plan is the
+    same, and a count whose caches do not fit is refused in one line."""
+    glm = models["glm-4.5-air"]
+    devices = parse_devices("CUDA0=200GiB,CPU=64GiB")
+    placement = Placement((), LayerLayout(47, ("CUDA0",), 48, (48.0,)))
+    one = build_plan(glm, placement, MemorySettings(32768), devices, {}, mode="flags")
+    four = build_plan(glm, placement, MemorySettings(32768, parallel=4), devices, {}, mode="flags")
+    assert four.totals[0].kv_bytes == 4 * one.totals[0].kv_bytes == 4 * 47 * 32768 * (8 * 128 * 2) * 2
+    assert four.totals[0].weights_bytes == one.totals[0].weights_bytes
+    with pytest.raises(PlacementError, match=r"the plan does not fit: CUDA0 needs .* \(weights .* \+ KV 376.00 GiB"):
+        build_plan(glm, placement, MemorySettings(32768, parallel=64), devices, {}, mode="flags").check_fits()
+    with pytest.raises(PlacementError, match=r"-np \(sequences at once\) must be >= 1"):
+        MemorySettings(4096, parallel=0)
+
+
 def test_settings_reject():
     with pytest.raises(PlacementError, match="unknown --cache-type 'q3'"):
         MemorySettings(4096, "q3")

@@ -273,3 +273,10 @@ def test_the_last_host_holds_token_embd_when_the_nextn_head_embeds_with_it(model
     again = load_plan_file(multihost_plan_to_yaml(mplan), "multihost.yaml")
     assert build_multihost_plan(model, again.hosts, again.settings).hosts[-1].plan.tensors == last.tensors
     assert nextn_embedding(models["glm-4.5-air"]) is None
+
+
+def test_several_sequences_across_hosts_are_refused(models):
+    """The pipeline carries one sequence: a -np plan across hosts could not run."""
+    with pytest.raises(PlacementError, match=r"^--hosts cannot be combined with -np 2"):
+        make_multihost_plan(models["glm-4.5-air"], parse_hosts("a:CPU=512GiB;b:CPU=512GiB"),
+                            PlanOptions(ctx=4096, parallel=2))

@@ -21,6 +21,7 @@ PLANS = {   # name: (model, argv after the model path)
     "fit-shrunk-ctx": ("glm-4.5-air", ["--devices", "CUDA0=12GiB,CPU=128GiB"]),
     "fit-split-file": ("gpt-oss-120b", ["--devices", "CUDA0=24GiB,CUDA1=24GiB,CPU=64GiB", "-c", "16384"]),
     "cpu-only": ("gpt-oss-120b", ["--devices", "CPU=128GiB", "-c", "8192"]),
+    "fit-parallel": ("glm-4.5-air", ["--devices", "CUDA0=24GiB,CPU=128GiB", "-c", "8192", "-np", "4"]),
     "flags": ("qwen3-30b-a3b", ["--devices", "CUDA0=24GiB,CUDA1=24GiB,CPU=64GiB", "-ngl", "30", "-ts", "3,1",
                                 "--n-cpu-moe", "10", "-ot", r"blk\.4[0-5]\.ffn_.*=CPU,blk\.2[0-9]\.ffn_up_exps=CUDA1",
                                 "-c", "8192", "-ub", "256"]),
@@ -58,7 +59,9 @@ def test_yaml_round_trip_gives_the_same_map(plans, key):
 def test_llama_cpp_flags_give_the_same_map(plans, key):
     plan, model, draft = plans[key]
     args = llama_cpp_args(plan)
-    assert args[args.index("-c") + 1] == str(plan.settings.ctx)
+    # llama-server's -c is every slot's together (-np): each of ours has the whole --ctx
+    assert args[args.index("-c") + 1] == str(plan.settings.ctx * plan.settings.parallel)
+    assert ("-np" in args) == (plan.settings.parallel > 1)
     tensors, draft_tensors = apply_flags(args, [t.name for t in model.tensors], model.spec.n_layer,
                                          [t.name for t in draft.tensors] if draft else ())
     assert tensors == dict(plan.tensors)

@@ -134,3 +134,43 @@ def test_an_ngram_drafting_server_drafts_and_reuses_the_prompt_cache():
         assert drafted["timings"]["n_max"] == 3 and drafted["timings"]["draft_n"] > 0
         assert drafted["choices"][0]["text"] == plain["choices"][0]["text"] == again["choices"][0]["text"]
         assert again["timings"]["cache_n"] == again["usage"]["prompt_tokens"] - 1
+
+
+def test_slots_serve_requests_together_with_each_ones_text():
+    """``-np 2`` (``Engine(parallel=2)``): four greedy completions sent at once are generated
+    two at a time by continuous batching, each with the text it gets served alone; a free slot
+    takes the next queued request, and both slots end idle."""
+    import offload.runtime as rt
+
+    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
+    prompts = ["import os\n", "def main(argv):\n    ", "class Config:\n    ", "Once upon a time"]
+    with rt.load(model, devices="CPU=16GiB", int8_prefill=False, quiet=True) as session:
+        alone = [session.detokenize(session.generate(p, max_tokens=16, stop_at_eos=False)) for p in prompts]
+        eng = Engine(lambda: session, model_name="m", template=ChatTemplate("{{ messages }}", origin="test"),
+                     spec=SpecOptions(), max_queue=4, on_load_error=lambda message: None, parallel=2,
+                     prompt_chunk=8)
+        with TestClient(build_app(eng, model_meta={"n_ctx": 512})) as client:
+            for _ in range(200):
+                if client.get("/health").status_code == 200:
+                    break
+                threading.Event().wait(0.05)
+            got: list = [None] * len(prompts)
+
+            def one(i):
+                body = {"prompt": prompts[i], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+                got[i] = client.post("/v1/completions", json=body).json()
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            metrics = client.get("/metrics").text
+            body = {"prompt": prompts[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+            auto = client.post("/v1/completions", json=body | {"n_max": "auto"}).json()
+            bad = client.post("/v1/completions", json=body | {"n_max": "fast"})
+        assert [g["choices"][0]["text"] for g in got] == alone
+        assert auto["timings"]["n_max"] == "auto" and 0 <= auto["timings"]["n_max_chosen"] <= 6
+        assert bad.status_code == 400 and "'n_max' must be an integer" in bad.json()["error"]["message"]
+        assert session._batcher.stats.largest == 2 and session._batcher.active == 0
+        assert "offload_requests_processing 0" in metrics

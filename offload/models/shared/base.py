@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from gpu.kv_cache import CacheType, KVCache
+from gpu.kv_cache import CacheType, KVCache, SequenceBatch
 from gpu.norm import RMSNorm
 from gpu.rope import Rope, rope_for
 from offload.compiled_block import block_runs
@@ -70,6 +70,22 @@ class State:
             c.truncate(n)
 
 
+class BatchState:
+    """Several sequences' ``State``s stepped as one batch (``CausalLM.forward_batch``): the
+    batch's rows are sequence 0's ``rows[0]`` tokens, then sequence 1's, …; ``positions``
+    are each sequence's own, and ``caches[i]`` is block i's caches as one ``SequenceBatch``
+    (attention per sequence, everything else over all rows)."""
+
+    def __init__(self, states: list[State], rows: list[int]):
+        self.states, self.rows = states, rows
+        self.caches = [SequenceBatch([s.caches[i] for s in states], rows) for i in range(len(states[0].caches))]
+
+    def positions(self, n: int) -> torch.Tensor:
+        if n != sum(self.rows):
+            raise ValueError(f"{n} tokens for a batch of {sum(self.rows)} rows")
+        return torch.cat([s.positions(r) for s, r in zip(self.states, self.rows)])
+
+
 class CausalLM:
     """The ends every causal LM here shares; an architecture's ``forward(ids, state, *,
     logits)`` states what lies between them. ``forward`` runs the trunk over ids (T,) at
@@ -110,6 +126,29 @@ class CausalLM:
         if head is None or head.norm is not self.output_norm or head.output is not self.output:
             head = self._head = CompiledHead.bind(self.output_norm, self.output) or _NoHead(self)
         return head
+
+    # whether ``forward`` can take a ``BatchState`` (its attention reads caches through
+    # ``append``/``attend``); an architecture with caches of its own kind says False and
+    # ``forward_batch`` runs its sequences one after another
+    batches_sequences = True
+
+    def forward_batch(self, seqs: list[tuple[torch.Tensor, State, str]]) -> list[tuple]:
+        """Several sequences' passes as one: ``seqs`` holds (ids (T_i,), state, logits) each;
+        returns each one's (logits, hidden) as its own ``forward`` would. One pass over the
+        concatenated rows (``BatchState``); its logits are computed for every row when any
+        sequence wants some."""
+        if len(seqs) == 1 or not self.batches_sequences:
+            return [self.forward(ids, state, logits=logits) for ids, state, logits in seqs]
+        rows = [int(ids.shape[0]) for ids, _, _ in seqs]
+        want = "all" if any(lg != "none" for _, _, lg in seqs) else "none"
+        z, h = self.forward(torch.cat([ids for ids, _, _ in seqs]), BatchState([s for _, s, _ in seqs], rows),
+                            logits=want)
+        out, lo = [], 0
+        for (_, _, lg), n in zip(seqs, rows):
+            zi = None if lg == "none" else z[lo:lo + n] if lg == "all" else z[lo + n - 1:lo + n]
+            out.append((zi, h[lo:lo + n]))
+            lo += n
+        return out
 
     def block_runs(self) -> list:
         """``offload.compiled_block.block_runs`` of the current ``blocks`` (rebuilt when
