@@ -1,17 +1,18 @@
 """Several clients at once against ``offload serve -np N`` (continuous batching), from the
 clients' side, against a real server process.
 
-    python -m bench.parallel [MODEL.gguf] [--levels 1,2,4,8] [--n-max 2] [--tokens 64]
-                             [--rounds 3] [-- serve flags]
+    python -m bench.parallel [MODEL.gguf] [--levels 1,2,4,8] [--modes 0,1,2,3,auto,bandit]
+                             [--tokens 64] [--rounds 3] [-- serve flags]
 
-For each speculation mode (off, and a fixed ``--n-max``) one server runs with ``-np`` = the
-largest level; at each concurrency level C, C streaming clients (distinct prompts, greedy,
+For each speculation mode (fixed n_max values; ``auto``, the online choice; ``bandit``, the
+ε-greedy comparator) one server runs with ``-np`` = the largest level; at each concurrency level C, C streaming clients (distinct prompts, greedy,
 ``ignore_eos``) are released together, ``--rounds`` times. Printed per row: aggregate
 tokens/s (every client's tokens over the wall time of the round; median and spread over the
 rounds), its ratio to one client alone on the same server, time to first token and
 inter-token latency percentiles (client clock, over every request of every round), the
 draft acceptance, and requests that failed. A server with ``-np 1`` (no batcher) serving one
-client is the baseline row of each mode. Then the planner's forecast of aggregate tokens/s
+client is the baseline row of plain decoding. Then each online mode against the best fixed
+n_max at each level, and the planner's forecast of aggregate tokens/s
 per number of sequences (``offload plan --json``'s ``concurrency_forecast``, from the plan's
 hardware profile) beside the measured numbers.
 """
@@ -114,31 +115,39 @@ def forecast(model: str, flags: list[str]) -> dict[int, dict]:
     return {r["sequences"]: r for r in rows}
 
 
+def mode_name(n_max) -> str:
+    return "off" if n_max == 0 else f"n_max {n_max}" if isinstance(n_max, int) else n_max
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.parallel", description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default=str(SHIPPED))
     p.add_argument("--levels", default="1,2,4,8", help="client counts (default 1,2,4,8)")
-    p.add_argument("--n-max", type=int, default=2, help="the fixed-n_max mode's draft length (default 2)")
+    p.add_argument("--modes", default="0,1,2,3,auto,bandit",
+                   help="speculation modes: fixed n_max values, auto, bandit (default 0,1,2,3,auto,bandit)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--devices", default="CPU=16GiB")
     p.add_argument("serve_flags", nargs=argparse.REMAINDER, help="after --: flags for offload serve")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
+    modes = [m if m in ("auto", "bandit") else int(m) for m in args.modes.split(",")]
     flags = [f for f in args.serve_flags if f != "--"]
     np_max = max(levels)
     print(f"model {args.model}; -np {np_max}; {args.tokens} tokens per request, greedy; {args.rounds} rounds; "
           f"devices {args.devices}")
     table = []
-    for mode, n_max in (("off", 0), (f"n_max {args.n_max}", args.n_max)):
-        base = ServeProcess(args.model, ["--devices", args.devices, "-np", "1", "--spec-n-max", str(n_max), *flags])
-        try:
-            row = level_row(base.url, 1, args, n_max)
-        finally:
-            base.close()
-        table.append((mode, "-np 1", row))
+    for n_max in modes:
+        mode = mode_name(n_max)
+        if n_max == 0:           # the batcher's own cost: one client on a server without one
+            base = ServeProcess(args.model, ["--devices", args.devices, "-np", "1", "--spec-n-max", "0", *flags],
+                                passive=False)
+            try:
+                table.append((mode, "-np 1", level_row(base.url, 1, args, n_max)))
+            finally:
+                base.close()
         srv = ServeProcess(args.model, ["--devices", args.devices, "-np", str(np_max), "--spec-n-max", str(n_max),
-                                        *flags])
+                                        *flags], passive=False)
         try:
             for c in levels:
                 table.append((mode, f"-np {np_max}", level_row(srv.url, c, args, n_max)))
@@ -152,19 +161,28 @@ def main(argv=None) -> int:
         print(f"{mode:<9} {server:<7} {r['clients']:>7} {r['tps']:>9.1f} {r['lo']:>7.1f}-{r['hi']:<7.1f} "
               f"{r['tps'] / one['tps']:>6.2f} {r['ttft50']:>7.1f}ms {r['ttft99']:>5.1f}ms {r['itl50']:>6.1f}ms "
               f"{r['itl99']:>5.1f}ms {acc:>7} {r['failed']:>6}")
+    batched = {(m, r["clients"]): r["tps"] for m, s, r in table if s != "-np 1"}
+    fixed = [mode_name(m) for m in modes if isinstance(m, int)]
+    online = [mode_name(m) for m in modes if isinstance(m, str)]
+    if fixed and online:
+        print("\nonline n_max against the best fixed n_max, per number of clients (aggregate t/s):")
+        for c in levels:
+            best = max(fixed, key=lambda m: batched[(m, c)])
+            cells = "  ".join(f"{m} {batched[(m, c)]:.1f} ({batched[(m, c)] / batched[(best, c)]:.3f})"
+                              for m in online)
+            print(f"  {c} clients: best fixed {best} {batched[(best, c)]:.1f};  {cells}")
     fc = forecast(args.model, ["--devices", args.devices])
-    if fc:
+    if fc and 0 in modes:
         print("\nforecast (offload plan --json, the plan's hardware profile) vs measured, aggregate t/s:")
-        print(f"{'sequences':>9} {'plain fc':>9} {'measured':>9} {'best n':>6} {'best fc':>9} "
-              f"{'n_max ' + str(args.n_max) + ' meas':>12}")
+        print(f"{'sequences':>9} {'plain fc':>9} {'plain meas':>10} {'best n fc':>9} {'best fc':>9} "
+              f"{'best fixed meas':>16}")
         for c in levels:
             f = fc.get(c)
-            off = next((r for m, s, r in table if m == "off" and s != "-np 1" and r["clients"] == c), None)
-            on = next((r for m, s, r in table if m != "off" and s != "-np 1" and r["clients"] == c), None)
-            if f is None or off is None or on is None:
+            if f is None:
                 continue
-            print(f"{c:>9} {f['plain_tps']:>9.1f} {off['tps']:>9.1f} {f['best_n_max']:>6} {f['best_tps']:>9.1f} "
-                  f"{on['tps']:>12.1f}")
+            best = max(fixed, key=lambda m: batched[(m, c)])
+            print(f"{c:>9} {f['plain_tps']:>9.1f} {batched[('off', c)]:>10.1f} {f['best_n_max']:>9} "
+                  f"{f['best_tps']:>9.1f} {best:>8} {batched[(best, c)]:>7.1f}")
     return 0
 
 

@@ -182,7 +182,8 @@ def _build_entries(salt):
     # The entries call each other as module globals, never as closure variables: Numba's cache key
     # hashes the pickled closure, and a pickled dispatcher carries a per-process id (and its
     # signatures so far), so a closure over one missed the cache in every new process.
-    global _norm_and_bsums, _swiglu, _swiglu_down, attention_half, dense_half, moe_half, blocks_run
+    global _norm_and_bsums, _swiglu, _swiglu_down, _qkv, _cache_and_attend, _out, attention_half
+    global attention_half_seqs, dense_half, moe_half, blocks_run
 
     @njit(**_kw)
     def _norm_and_bsums(x, w, eps):
@@ -217,21 +218,13 @@ def _build_entries(salt):
         matmuls_sharing_x(td, dw, Y, None, None, None, None, None, None, G, gs, chunks)
 
     @njit(**_kw)
-    def attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
-                       attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
-                       n_head, n_rot, chunks):
-        """y = x + attention(attn_norm(x)) for x (T, n_embd) at cache cells n_past.. (written
-        here: the caller has made room and advances the cache length by T afterwards).
-
-        ``w*`` raw GGUF rows, ``t*`` their QTags, ``b*`` biases or None, ``q_norm``/``k_norm``
-        per-head RMSNorm weights or None; ``cos``/``sin`` (positions, n_rot/2) tables; ``kc``,
-        ``vc`` the cache's raw bytes, ``kvt`` its (K, V) types' QTags.
-        """
+    def _qkv(x, positions, cos, sin, eps, n_kv, attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, q_norm, k_norm,
+             n_head, n_rot, chunks):
+        """attn_norm, the q/k/v projections (one work list), biases, per-head norms and RoPE:
+        (q, k, v) as (T, heads · d) rows."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
-        t_n, n_embd = x.shape
-        n_kv = kc.shape[0]
+        t_n = x.shape[0]
         d = wq.shape[0] // n_head
-        kt, vt = kvt
         xn, xs = _norm_and_bsums(x, attn_norm, eps)
         q = np.empty((t_n, n_head * d), f32)
         k = np.empty((t_n, n_kv * d), f32)
@@ -243,21 +236,69 @@ def _build_entries(salt):
             for t in range(t_n):
                 for c in range(n_kv * d):
                     v[t, c] += bv[c]
+        return q, k, v
+
+    @njit(**_kw)
+    def _cache_and_attend(q, k, v, lo, hi, kvt, kc, vc, n_past, n_head, att):
+        """Rows lo..hi (one sequence's) of k/v into its cache at cells n_past.., then their
+        queries attend over that cache into att's rows lo..hi."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        kt, vt = kvt
+        n_kv = kc.shape[0]
+        d = q.shape[1] // n_head
         kf, vf = k.reshape(-1), v.reshape(-1)
-        for t in range(t_n):                 # one row per head and token (a quantized one: D / 32 blocks)
+        for t in range(lo, hi):              # one row per head and token (a quantized one: D / 32 blocks)
+            cell = n_past + t - lo
             for g in range(n_kv):
-                cell = n_past + t
                 kv_store_row(kt, kc, g * kc.strides[0] + cell * kc.strides[1], kf, (t * n_kv + g) * d, d)
                 kv_store_row(vt, vc, g * vc.strides[0] + cell * vc.strides[1], vf, (t * n_kv + g) * d, d)
-        att = np.empty((t_n, n_head * d), f32)
-        attend_cache(q.reshape(t_n, n_head, d), kt, kc, vt, vc, n_past + t_n, d, f32(1) / np.sqrt(f32(d)), None, 0,
-                     att.reshape(t_n, n_head, d))
-        atts = np.empty((t_n, n_head * d // 16), f32)
+        attend_cache(q[lo:hi].reshape(hi - lo, n_head, d), kt, kc, vt, vc, n_past + hi - lo, d,
+                     f32(1) / np.sqrt(f32(d)), None, 0, att[lo:hi].reshape(hi - lo, n_head, d))
+
+    @njit(**_kw)
+    def _out(att, to, wo, x, y, chunks):
+        """y = x + o(att)."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        atts = np.empty((att.shape[0], att.shape[1] // 16), f32)
         bsums_of_rows(att, att.shape[0], atts)
         matmuls_sharing_x(to, wo, y, None, None, None, None, None, None, att, atts, chunks)
-        for t in range(t_n):
-            for c in range(n_embd):
+        for t in range(x.shape[0]):
+            for c in range(x.shape[1]):
                 y[t, c] += x[t, c]
+
+    @njit(**_kw)
+    def attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
+                       attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
+                       n_head, n_rot, chunks):
+        """y = x + attention(attn_norm(x)) for x (T, n_embd) at cache cells n_past.. (written
+        here: the caller has made room and advances the cache length by T afterwards).
+
+        ``w*`` raw GGUF rows, ``t*`` their QTags, ``b*`` biases or None, ``q_norm``/``k_norm``
+        per-head RMSNorm weights or None; ``cos``/``sin`` (positions, n_rot/2) tables; ``kc``,
+        ``vc`` the cache's raw bytes, ``kvt`` its (K, V) types' QTags.
+        """
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        q, k, v = _qkv(x, positions, cos, sin, eps, kc.shape[0], attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv,
+                       q_norm, k_norm, n_head, n_rot, chunks)
+        att = np.empty(q.shape, f32)
+        _cache_and_attend(q, k, v, 0, x.shape[0], kvt, kc, vc, n_past, n_head, att)
+        _out(att, to, wo, x, y, chunks)
+
+    @njit(**_kw)
+    def attention_half_seqs(x, y, positions, cos, sin, kvt, kcs, vcs, starts, n_pasts, eps,
+                            attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
+                            n_head, n_rot, chunks):
+        """``attention_half`` for several sequences stepped as one batch (continuous
+        batching): rows starts[s]..starts[s+1] are sequence s's, at its cache (``kcs[s]``,
+        ``vcs[s]``, typed lists) cells n_pasts[s]..; the norm and the q/k/v and o projections
+        run once over every row, the cache writes and attention per sequence."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        q, k, v = _qkv(x, positions, cos, sin, eps, kcs[0].shape[0], attn_norm, tq, wq, bq, tk, wk, bk, tv, wv,
+                       bv, q_norm, k_norm, n_head, n_rot, chunks)
+        att = np.empty(q.shape, f32)
+        for s in range(len(n_pasts)):
+            _cache_and_attend(q, k, v, starts[s], starts[s + 1], kvt, kcs[s], vcs[s], n_pasts[s], n_head, att)
+        _out(att, to, wo, x, y, chunks)
 
     @njit(**_kw)
     def dense_half(y, eps, ffn_norm, tg, wg, tu, wu, td, wd, chunks):
@@ -333,7 +374,9 @@ def _build_entries(salt):
             x, y = y, x
         return x
 
-    return _norm_and_bsums, _swiglu, _swiglu_down, attention_half, dense_half, moe_half, blocks_run
+    return (_norm_and_bsums, _swiglu, _swiglu_down, _qkv, _cache_and_attend, _out, attention_half,
+            attention_half_seqs, dense_half, moe_half, blocks_run)
 
 
-_norm_and_bsums, _swiglu, _swiglu_down, attention_half, dense_half, moe_half, blocks_run = _build_entries(source_digest())
+(_norm_and_bsums, _swiglu, _swiglu_down, _qkv, _cache_and_attend, _out, attention_half, attention_half_seqs,
+ dense_half, moe_half, blocks_run) = _build_entries(source_digest())

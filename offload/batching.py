@@ -11,9 +11,11 @@ step; one that ends (finished, cancelled, failed) leaves at once, and the others
 wait for it. Prompts go in chunks (the caller's ``ubatch``), so a long prompt shares its
 steps with the others' decode tokens instead of stalling them for its whole length.
 
-Everything that computes (the batched pass, and each sequence's drafter) runs under one
-lock: the model's kernels and torch's thread pool are shared, so two threads computing at
-once would only compete for the same cores.
+Everything that computes — the batched passes and each sequence's drafter (``call``) — runs
+on one thread, the one that loaded the model and runs ``Batcher.run``: the sequences' threads
+only sample, detokenize and hand text on. (Kernels run from a second thread cost the first
+one 4× its decode speed on a 2-core box while that thread lived: each thread that launches
+OpenMP regions keeps a team of its own.)
 """
 from __future__ import annotations
 
@@ -32,7 +34,17 @@ class _Pass:
     logits: str
     result: tuple | None = None
     error: BaseException | None = None
-    done: bool = False
+    done: threading.Event = field(default_factory=threading.Event)   # wakes its own thread only
+
+
+@dataclass
+class _Call:
+    fn: object
+    args: tuple
+    kwargs: dict
+    result: object = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -52,19 +64,20 @@ class BatchStats:
 
 class Batcher:
     """Runs the passes of every sequence in generation as one batch per step (see the module
-    docstring). ``join``/``leave`` bracket a sequence's generation; ``close`` ends the thread."""
+    docstring). ``join``/``leave`` bracket a sequence's generation (its own thread); ``run``
+    serves the passes, and the drafters' calls (``call``), on the thread that calls it — the
+    thread that loaded the model: every kernel then runs on one thread (a second thread that
+    has run OpenMP kernels, even idle, cost the first 4× its decode speed on a 2-core box)."""
 
     def __init__(self, model):
         self.model = model
-        self.lock = threading.RLock()             # held while anything computes
         self.stats = BatchStats()
         self.costs = StepCosts()                  # forward time by rows: --spec-n-max auto reads it
         self._cond = threading.Condition()
         self._active = 0
         self._pending: list[_Pass] = []
+        self._calls: list[_Call] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="offload-batcher", daemon=True)
-        self._thread.start()
 
     @property
     def active(self) -> int:
@@ -79,55 +92,75 @@ class Batcher:
             self._active -= 1
             self._cond.notify_all()               # the others may be all that is left waiting
 
-    def forward(self, ids, state, logits: str):
-        p = _Pass(ids, state, logits)
+    def _wait(self, job):
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
-            self._pending.append(p)
+            # the queue is looked up under the lock: ``run`` swaps in new lists as it takes them
+            (self._pending if isinstance(job, _Pass) else self._calls).append(job)
             self._cond.notify_all()
-            while not p.done:
-                self._cond.wait()
-        if p.error is not None:
-            raise p.error
-        return p.result
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def forward(self, ids, state, logits: str):
+        """A sequence's pass, run in the next step with the other sequences' (blocks until then)."""
+        return self._wait(_Pass(ids, state, logits))
+
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the batcher's thread, between steps (a drafter's work)."""
+        return self._wait(_Call(fn, args, kwargs))
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            for job in self._pending + self._calls:
+                job.error = RuntimeError("the batcher is closed")
+                job.done.set()
+            self._pending, self._calls = [], []
             self._cond.notify_all()
-        self._thread.join(timeout=5)
 
     def _ready(self) -> bool:
         return bool(self._pending) and len(self._pending) >= self._active
 
-    def _run(self) -> None:
+    def run(self, stop) -> None:
+        """Serve passes and calls on this thread until ``stop()`` is true with nothing left to
+        do, or ``close``. ``stop`` is asked again whenever a sequence leaves, and every 50 ms."""
         while True:
             with self._cond:
-                while not self._closed and not self._ready():
-                    self._cond.wait()
+                while not self._closed and not self._calls and not self._ready():
+                    if stop() and not self._pending:
+                        return
+                    self._cond.wait(0.05)
                 if self._closed:
-                    for p in self._pending:
-                        p.error, p.done = RuntimeError("the batcher is closed"), True
-                    self._cond.notify_all()
                     return
-                batch, self._pending = self._pending, []
-            try:
-                rows = sum(int(p.ids.shape[0]) for p in batch)
-                with self.lock:
-                    t0 = time.perf_counter()
-                    results = self.model.forward_batch([(p.ids, p.state, p.logits) for p in batch])
-                    self.costs.record(rows, time.perf_counter() - t0)
-                self.stats.record(len(batch), rows)
-                for p, r in zip(batch, results):
-                    p.result = r
-            except BaseException as exc:          # every sequence in the step gets the error
-                for p in batch:
-                    p.error = exc
-            with self._cond:
-                for p in batch:
-                    p.done = True
-                self._cond.notify_all()
+                calls, self._calls = self._calls, []
+                batch = []
+                if not calls:
+                    batch, self._pending = self._pending, []
+            for c in calls:
+                try:
+                    c.result = c.fn(*c.args, **c.kwargs)
+                except BaseException as exc:      # re-raised in the sequence's thread
+                    c.error = exc
+            if batch:
+                self._step(batch)
+            for job in calls + batch:
+                job.done.set()
+
+    def _step(self, batch: list[_Pass]) -> None:
+        try:
+            rows = sum(int(p.ids.shape[0]) for p in batch)
+            t0 = time.perf_counter()
+            results = self.model.forward_batch([(p.ids, p.state, p.logits) for p in batch])
+            self.costs.record(rows, time.perf_counter() - t0)
+            self.stats.record(len(batch), rows)
+            for p, r in zip(batch, results):
+                p.result = r
+        except BaseException as exc:              # every sequence in the step gets the error
+            for p in batch:
+                p.error = exc
 
 
 class SlotModel:

@@ -321,7 +321,8 @@ class CompiledBlock:
         # the kernels' positional tuples, made once (the records' as_args)
         self._attn_args, self._ffn_args = bound.attention.as_args(), bound.ffn.as_args()
         self._ffn_half = type(bound.ffn).KERNEL
-        self._attn_entry = self._ffn_entry = None
+        self._attn_entry = self._ffn_entry = self._seqs_entry = None
+        self._seq_raws = None                          # (raws, kc list, vc list) of the last batch
         self._rope_tables = (None, None, None)        # (cos tensor, cos, sin as numpy)
         ffn = reference.ffn
         self._bound_parts = (ffn, getattr(ffn, "router", None))
@@ -347,18 +348,18 @@ class CompiledBlock:
             return self.reference(x, positions, cache)
         xh, pos, cos, sin, chunks = self._step_inputs(x, positions)
         y = np.empty_like(xh)
-        # several sequences (SequenceBatch): attention per sequence over its own cache, then
-        # one FFN half over every row, so each touched expert is read once for the batch
-        caches, rows = (cache.caches, cache.rows) if isinstance(cache, SequenceBatch) else ([cache], [t])
         with self.profile.time("cpu_block"):
-            lo = 0
-            for c, n in zip(caches, rows):
-                need = c.reserve(n)
-                kc, vc = c.raw()
-                self._attend((xh[lo:lo + n], y[lo:lo + n], pos[lo:lo + n], cos, sin, self._kv_tag, kc, vc,
-                              c.length, self._eps) + self._attn_args + (chunks,))
-                c.length = need
-                lo += n
+            if isinstance(cache, SequenceBatch):
+                self._attend_sequences(xh, y, pos, cos, sin, cache, chunks)
+            else:
+                need = cache.reserve(t)
+                kc, vc = cache.raw()
+                attn = (xh, y, pos, cos, sin, self._kv_tag, kc, vc, cache.length, self._eps) + self._attn_args + (chunks,)
+                if self._attn_entry is not None:
+                    self._attn_entry(*attn)
+                else:
+                    self._attn_entry = first_call(kb.attention_half, attn)[0]
+                cache.length = need
             ffn = (y, self._eps) + self._ffn_args + (chunks,)
             if self._ffn_entry is not None:
                 self._ffn_entry(*ffn)
@@ -366,11 +367,27 @@ class CompiledBlock:
                 self._ffn_entry = first_call(self._ffn_half, ffn)[0]
         return torch.from_numpy(y)
 
-    def _attend(self, args: tuple) -> None:
-        if self._attn_entry is not None:
-            self._attn_entry(*args)
+    def _attend_sequences(self, xh, y, pos, cos, sin, batch: SequenceBatch, chunks: int) -> None:
+        """Several sequences (continuous batching): ``attention_half_seqs``, the projections
+        once over every row and each sequence's rows over its own cache; the FFN half then
+        reads each touched expert once for the batch."""
+        needs = [c.reserve(n) for c, n in zip(batch.caches, batch.rows)]
+        raws = [c.raw() for c in batch.caches]
+        if self._seq_raws is None or len(raws) != len(self._seq_raws[0]) or \
+                any(r is not s for r, s in zip(raws, self._seq_raws[0])):
+            # typed lists rebuilt only when the sequences or a cache's storage changed
+            self._seq_raws = (raws, List([r[0] for r in raws]), List([r[1] for r in raws]))
+        starts = np.zeros(len(raws) + 1, np.int64)
+        np.cumsum(batch.rows, out=starts[1:])
+        n_pasts = np.array([c.length for c in batch.caches], np.int64)
+        args = (xh, y, pos, cos, sin, self._kv_tag, self._seq_raws[1], self._seq_raws[2], starts, n_pasts,
+                self._eps) + self._attn_args + (chunks,)
+        if self._seqs_entry is not None:
+            self._seqs_entry(*args)
         else:
-            self._attn_entry = first_call(kb.attention_half, args)[0]
+            self._seqs_entry = first_call(kb.attention_half_seqs, args)[0]
+        for c, need in zip(batch.caches, needs):
+            c.length = need
 
     def _step_inputs(self, x: torch.Tensor, positions: torch.Tensor):
         """(x, positions, cos, sin, threads) as the compiled entries take them."""

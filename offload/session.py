@@ -169,10 +169,10 @@ class Session:
         stats = RunStats(n_prompt=len(ids), load_s=self.load_s)
         if slot is None:
             self.stats = stats
-            model, holder, profile, lock = self.model, self, self.profile, None
+            model, holder, profile, compute = self.model, self, self.profile, None
         else:
             slot.stats = stats
-            model, holder, profile, lock = slot.model, slot, slot.profile, slot.batcher.lock
+            model, holder, profile, compute = slot.model, slot, slot.profile, slot.batcher.call
         chooser = None
         if policy == "auto":
             chooser = OnlineNMax(options.n_max, slot.batcher.costs if slot is not None else None,
@@ -193,7 +193,7 @@ class Session:
                                      head=head if follows_trunk else None, options=options, ubatch=ubatch,
                                      max_tokens=max_tokens, eos=eos, stats=stats, profile=profile,
                                      n_cached=n_cached, guide=guide, on_token=on_token,
-                                     on_prompt_logits=on_prompt_logits, compute_lock=lock,
+                                     on_prompt_logits=on_prompt_logits, compute=compute,
                                      n_policy=chooser):
                 if cache_prompt:
                     holder.prompt_cache.tokens.append(tok)
@@ -212,10 +212,17 @@ class Session:
 
     def slots(self, n: int) -> list:
         """``n`` slots (``offload.batching.Slot``) whose generations step through the model
-        together (continuous batching), sharing this session's one batcher."""
+        together (continuous batching), sharing this session's one batcher. Each slot's
+        generation runs on a thread of its own, while the thread that loaded the model runs
+        ``self.batcher.run(stop)`` (``generate_batch`` and ``offload serve -np`` do both)."""
+        return [Slot(i, self.batcher, PromptCache()) for i in range(n)]
+
+    @property
+    def batcher(self) -> Batcher:
+        """The session's one ``Batcher`` (made at first use)."""
         if self._batcher is None:
             self._batcher = Batcher(self.model)
-        return [Slot(i, self._batcher, PromptCache()) for i in range(n)]
+        return self._batcher
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], *, seed: int | None = None,
                        parallel: int | None = None, **options) -> list[list[int]]:
@@ -254,8 +261,15 @@ class Session:
         threads = [threading.Thread(target=work, args=(s,), name=f"offload-slot-{s.index}") for s in slots]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        try:          # this thread computes every step while the prompts' threads generate
+            self.batcher.run(lambda: not any(t.is_alive() for t in threads))
+        except BaseException:     # (Ctrl-C) the waiting generations get an error and end
+            self._batcher.close()
+            self._batcher = None
+            raise
+        finally:
+            for t in threads:
+                t.join()
         if errors:
             raise errors[0]
         self.batch_stats = stats

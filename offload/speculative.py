@@ -368,7 +368,7 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
                   profile: Profile | None = None, n_cached: int = 0, guide: Guide | None = None,
                   on_token: Callable[[int, np.ndarray], None] | None = None,
                   on_prompt_logits: Callable[[int, np.ndarray], None] | None = None,
-                  compute_lock=None, n_policy: Callable | None = None) -> Iterator[int]:
+                  compute: Callable | None = None, n_policy: Callable | None = None) -> Iterator[int]:
     """Yield up to ``max_tokens`` token ids continuing ``prompt`` (token ids) on ``state``
     (``state.nextn_cache`` is the head's). ``model``: ``forward(ids, state,
     logits="all"|"last"|"none") -> (logits, final hidden states)``. When ``options.n_max > 0``
@@ -382,8 +382,8 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
 
     ``guide``, ``on_token``, ``on_prompt_logits``: see the module's docstring.
 
-    ``compute_lock``: held by the drafter's calls (under continuous batching ``model.forward``
-    is the batcher's, which computes under the same lock: ``offload.batching``).
+    ``compute``: ``compute(fn, *args)`` runs the drafter's calls (under continuous batching:
+    ``Batcher.call``, on the thread that runs every pass, ``offload.batching``); None: here.
 
     ``n_policy``: ``policy(stats) -> n``, each step's n_max (at most ``options.n_max``) chosen
     online (``offload.online_n_max``); None: ``options.n_max`` every step."""
@@ -396,8 +396,8 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
     profile = profile if profile is not None else Profile()
     drafting = options.n_max > 0
     drafter = make_drafter(options, head, state, sampler, ubatch, guide) if drafting else None
-    if drafter is not None and compute_lock is not None:
-        drafter = _Locked(drafter, compute_lock)
+    if drafter is not None and compute is not None:
+        drafter = _Elsewhere(drafter, compute)
     if drafting:
         stats.spec = options.as_dict()
     keep_hidden = drafter is not None and drafter.uses_hidden
@@ -458,21 +458,18 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
         stats.eval_profile = profile.snapshot()
 
 
-class _Locked:
-    """``obj`` whose method calls hold ``lock``; plain attributes read through."""
+class _Elsewhere:
+    """``obj`` whose method calls run through ``compute(fn, *args, **kwargs)``; plain
+    attributes read through."""
 
-    def __init__(self, obj, lock):
-        self._obj, self._lock = obj, lock
+    def __init__(self, obj, compute):
+        self._obj, self._compute = obj, compute
 
     def __getattr__(self, name):
         value = getattr(self._obj, name)
         if not callable(value):
             return value
-
-        def locked(*args, **kwargs):
-            with self._lock:
-                return value(*args, **kwargs)
-        return locked
+        return lambda *args, **kwargs: self._compute(value, *args, **kwargs)
 
 
 class _NonFinite(Exception):

@@ -23,12 +23,17 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, model, flags: list[str], *, log=subprocess.DEVNULL, start_s: float = 600):
+    def __init__(self, model, flags: list[str], *, log=subprocess.DEVNULL, start_s: float = 600,
+                 passive: bool = True):
         """``log``: where the server's stdout and stderr go. Waits up to ``start_s`` for
-        ``/health`` (a cold Numba cache compiles the kernels first: minutes on 2 cores)."""
+        ``/health`` (a cold Numba cache compiles the kernels first: minutes on 2 cores).
+        ``passive``: OpenMP threads sleep between parallel regions (tests share the box with
+        other tests); a benchmark leaves OpenMP's default, as a user runs it."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        if passive:
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         model = [str(model)] if model is not None else []      # None: the --placement plan names it
         self.proc = subprocess.Popen([sys.executable, "-m", "offload.cli", "serve", *model, "--host", "127.0.0.1",
                                       "--port", str(self.port), *flags],

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         payload = stats.as_dict()
         if args.spec_diagnose:
             n_max = spec.get("n_max", 0)
-            payload["drift"] = diagnose(session, ids + out[:-1], AUTO_CAP if n_max == "auto" else n_max)
+            payload["drift"] = diagnose(session, ids + out[:-1], AUTO_CAP if isinstance(n_max, str) else n_max)
         if args.stats_json:
             payload |= {"plan": plan.to_dict() | {"tensors": None}}
             write_atomic(args.stats_json, json.dumps(payload, indent=2) + "\n")

@@ -174,8 +174,8 @@ def pipeline_spec(args: argparse.Namespace, mplan: MultiHostPlan) -> tuple[dict,
     model's own MTP head (on the last host) draft across hosts; another drafter is refused."""
     spec, account = spec_settings(args, mplan)
     kind = spec.get("spec_type")
-    if spec["n_max"] == "auto":
-        raise OffloadError("--spec-n-max auto across hosts is not built yet (give a number)")
+    if isinstance(spec["n_max"], str):
+        raise OffloadError(f"--spec-n-max {spec['n_max']} across hosts is not built yet (give a number)")
     if spec["n_max"] and kind not in ("ngram", "mtp"):
         raise OffloadError(f"speculative decoding with {kind} across hosts is not built yet "
                            "(--spec-type mtp or ngram)")

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     plan, model, _ = plan_from_args(args, model)
     spec, account = spec_settings(args, plan)
     p_min = args.spec_p_min if args.spec_p_min is not None else float((plan.speculative or SpecSection()).p_min or 0.0)
-    options = SpecOptions(n_max=AUTO_CAP if spec["n_max"] == "auto" else spec["n_max"], p_min=p_min,
+    options = SpecOptions(n_max=AUTO_CAP if isinstance(spec["n_max"], str) else spec["n_max"], p_min=p_min,
                           verify=args.spec_verify,
                           type=spec.get("spec_type", "mtp"), ngram_size=spec.get("ngram_size", NGRAM_SIZE))
     # everything that can be wrong with the flags is found before the port is bound

@@ -8,6 +8,7 @@ import argparse
 
 from offload.commands.plan import spec_type_arg
 from offload.errors import OffloadError
+from offload.online_n_max import POLICIES
 from placement.draft import NGRAM_SIZE, NoDraftHead, check_n_max, check_ngram_size, check_p_min, spec_type
 from placement.spec_section import SpecSection
 from placement.speculative import BLOCK_DRAFTERS
@@ -45,13 +46,14 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def n_max_arg(text: str) -> int | str:
-    """``--spec-n-max`` for argparse: a draft length, or ``auto``."""
-    if text.strip().lower() == "auto":
-        return "auto"
+    """``--spec-n-max`` for argparse: a draft length, or a policy that chooses it online
+    (``auto``; ``bandit``, the ε-greedy comparator)."""
+    if text.strip().lower() in POLICIES:
+        return text.strip().lower()
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number or {' / '.join(POLICIES)}, got {text!r}") from None
 
 
 def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
@@ -62,7 +64,7 @@ def spec_settings(args: argparse.Namespace, plan) -> tuple[dict, str]:
     block = block_drafter(plan)
     head = {"in-model NextN": "the model's NextN head",
             "--draft": f"the {'DSpark drafter' if block else 'NextN head'} of {plan.draft_path}"}
-    if args.spec_n_max is not None and args.spec_n_max != "auto":
+    if args.spec_n_max is not None and args.spec_n_max not in POLICIES:
         check_n_max(args.spec_n_max, "--spec-n-max")
     if args.spec_p_min is not None:
         check_p_min(args.spec_p_min, "--spec-p-min")

@@ -115,6 +115,9 @@ class Engine:
             self._cond.notify_all()
         for job in list(self._running):
             job.cancelled.set()
+        batcher = getattr(self.session, "_batcher", None)
+        if batcher is not None:         # passes still waiting end with an error, not a hang
+            batcher.close()
 
     def prepare(self, request: Request, loop: asyncio.AbstractEventLoop) -> Job:
         """Check ``request`` against the model and build its prompt; APIError if it cannot run."""
@@ -217,12 +220,13 @@ class Engine:
             self._on_load_error(f"loading failed: {type(exc).__name__}: {exc}")
             return
         self.session = session
-        slots = session.slots(self.parallel) if self.parallel > 1 else [None]
-        workers = [threading.Thread(target=self._work, args=(slot,), name=f"offload-slot-{i}", daemon=True)
-                   for i, slot in enumerate(slots[1:], 1)]
-        for w in workers:
-            w.start()
-        self._work(slots[0])
+        if self.parallel == 1:
+            self._work(None)
+            return
+        # N slot threads generate; this thread, which loaded the model, computes every step
+        for i, slot in enumerate(session.slots(self.parallel)):
+            threading.Thread(target=self._work, args=(slot,), name=f"offload-slot-{i}", daemon=True).start()
+        session.batcher.run(lambda: self._stopping)
 
     def _work(self, slot) -> None:
         """One slot: take the next queued job, generate it, repeat until the server stops."""

@@ -11,6 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from offload.online_n_max import POLICIES
 from offload.server.tools import Tool, ToolCall, arguments_json
 from offload.server.logprobs import (MAX_TOP_LOGPROBS, Pieces, TokenLogprob, chat_content,
                                      completion_logprobs)
@@ -65,7 +66,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
-    n_max: int | str | None = None             # offload: draft length for this request, or "auto"
+    n_max: int | str | None = None             # offload: draft length for this request, or "auto" / "bandit"
     cache_prompt: bool = True                  # llama-server's: reuse the previous prompt's KV
     ignore_eos: bool = False                   # llama-server's: generate past end-of-sequence
     n: int = 1                                 # independent choices
@@ -204,7 +205,7 @@ def _common(body: _Body, endpoint: str) -> Request:
         stop=_stop(body),
         stream=body.bool("stream", False),
         include_usage=include_usage,
-        n_max="auto" if body.body.get("n_max") == "auto" else body.int("n_max", minimum=0),
+        n_max=body.body["n_max"] if body.body.get("n_max") in POLICIES else body.int("n_max", minimum=0),
         cache_prompt=body.bool("cache_prompt", True),
         ignore_eos=body.bool("ignore_eos", False),
         n=n,
