@@ -152,6 +152,9 @@ class TuneResult:
     runner_up: dict | None = None                # the other drafter's best: type, n_max, speedup, margin
     head_drafter: str | None = "mtp"             # the drafter with weights (mtp | dspark) p_min is for
     inject_ms: dict[int, float] = field(default_factory=dict)   # B → a block drafter's injection of B tokens
+    # several sequences at once (-np), forecast from the fitted costs and the chosen drafter's
+    # measured acceptance (placement.concurrency)
+    concurrency: tuple = ()
 
     @property
     def table(self) -> SpecTable:
@@ -183,6 +186,7 @@ class TuneResult:
             "runner_up": self.runner_up, "section": self.section.to_dict(),
             "table_text": self.table.format(), "break_even_n_max": self.table.break_even_n,
             "best_n_max": self.table.best.n,
+            "concurrency_forecast": [r.to_dict() for r in self.concurrency],
             "op_offload_rates": None if self.prefill is None else self.prefill.to_dict(),
             "routing_counts": None if self.routing_counts is None else self.routing_counts.to_dict(),
             "hot_experts": self.hot.to_dict() if self.hot is not None else {"skipped": self.hot_note},

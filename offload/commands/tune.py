@@ -72,6 +72,7 @@ from offload.commands.run import add_session_arguments, runtime_process_settings
 from offload.errors import ArgumentParser, OffloadError, write_atomic
 from offload.plans import read_plan_file
 from offload.tune_result import HotComparison, MeasuredRow, RunRecord, StepTerms, TuneResult
+from placement.concurrency import format_concurrency
 from placement.draft import DRAFTER_KIND, check_p_min, spec_type
 from placement.errors import PlacementError
 
@@ -284,6 +285,7 @@ def tune_drafters(text: str | None, plan) -> list[str]:
 def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock,
          kinds: list[str] | None = None) -> TuneResult:
     from offload import tune as measure
+    from placement.concurrency import concurrency_table
     from placement.cost import SpecProfile, best_over_p_min, speculation_table
     from placement.cost_fit import fit_profile
     from placement.routing import distinct_experts_uniform
@@ -453,6 +455,11 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
                                               [m for m in measured if m.drafter == k or
                                                (m.drafter == "none" and k == kinds[0])],
                                               draft_kind=DRAFTER_KIND[k], inject=inject)]
+    # -np N: aggregate t/s and break-even n_max per number of sequences, from what was measured
+    conc_kind = chosen_kind if chosen_kind in by_kind else next(iter(by_kind), None)
+    concurrency = () if conc_kind is None else concurrency_table(
+        fp, hw, acceptance=by_kind[conc_kind].acceptance, max_n=n_cap.get(conc_kind, max_n), routing=routing,
+        draft_kind=DRAFTER_KIND[conc_kind], inject=inject if conc_kind == "dspark" else None)
     return TuneResult(
         model=plan.model_path, devices=session.devices.describe(), budget_s=budget, seconds=clock.elapsed(),
         load_average=(load0, load1), tokens_per_run=n_tok, calibration_step_ms=plain_step * 1e3,
@@ -467,7 +474,7 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         p_min=p_min, stages=tuple(stages), repeats=rep, runs=tuple(records), measured=tuple(measured),
         chosen_n_max=chosen, choice=rule, section=section, prefill=rates, routing_counts=counts,
         hot=hot, hot_note=hot_note, tables=by_kind, chosen_drafter=chosen_kind, drafter_choices=choices,
-        runner_up=runner_up, head_drafter=head_kind)
+        runner_up=runner_up, head_drafter=head_kind, concurrency=concurrency)
 
 
 def choose_drafter(choices: dict[str, tuple[int, str]], measured: list[MeasuredRow]) -> tuple[str, dict | None]:
@@ -712,6 +719,9 @@ def format_report(r: TuneResult) -> str:
         lines.append(f"{t.drafter:>7} {t.n_max:>5} {t.draft_pred:>7.2f}/{t.draft_meas:<7.2f} "
                      f"{t.verify_pred:>7.2f}/{t.verify_meas:<7.2f} {t.loop_pred:>6.2f}/{t.loop_meas:<6.2f}")
     lines += ["", r.hot.format() if r.hot is not None else f"hot experts: {r.hot_note}", ""]
+    if r.concurrency:
+        lines += [format_concurrency(r.concurrency).replace(
+            "(forecast;", "(forecast from the fitted costs and this drafter's measured acceptance;"), ""]
     p_min = r.p_min if r.chosen_drafter == r.head_drafter else 0.0
     lines.append(f"chosen: drafter {r.chosen_drafter}, n_max {r.chosen_n_max} (p_min {p_min:g}): {r.choice}")
     if r.runner_up is not None:

@@ -96,6 +96,8 @@ def test_tune_writes_a_plan_that_run_uses(capsys, tmp_path, plan_file):
     assert prof["acceptance"]["source"] == "measured" and len(prof["acceptance"]["accept"]) <= 2
     assert prof["routing"]["source"] == "measured" and len(prof["routing"]["distinct"]) == 3
     assert "predicted vs measured" in out and "drafter mtp" in out and "drafter ngram" in out
+    assert "several sequences at once (forecast from the fitted costs" in out      # -np 1, 2, 4, 8
+    assert [r["sequences"] for r in json.loads(out_json.read_text())["concurrency_forecast"]] == [1, 2, 4, 8]
     assert f"chosen: drafter {spec['type']}, n_max {spec['n_max']}" in out and "runner-up" in out
     assert "calibrate" in err and "passes" in err and "acceptance" in err and "runs" in err
     d = json.loads(out_json.read_text())
