@@ -39,6 +39,19 @@ def test_hand_computed_rows_for_a_free_drafter():
     assert [round(r.speedup, 3) for r in rows] == [1.241, 1.328, 1.448]
 
 
+def test_each_sequence_pays_its_own_loop_time():
+    """The loop's step time (sampling, the generation loop) is each sequence's: plain aggregate
+    = S / (v(S) + S · step)."""
+    fp = _hand_footprint()
+    headless = DecodeFootprint(fp.target, None, fp.n_embd)
+    hw = _hand_profile().with_linear_params({"step": 0.004, "spec_step": 0.0}, source="hand")
+    rows = concurrency_table(headless, hw, acceptance=AcceptanceProfile(accept=(0.5,)), max_n=1,
+                             draft_kind="free", sequences=(1, 4))
+    for row, s in zip(rows, (1, 4)):
+        assert row.plain_tps == pytest.approx(s / (verify_s(s) + s * 0.004), rel=1e-12)
+        assert row.best_tps == pytest.approx(s * 1.5 / (verify_s(2 * s) + s * 0.004), rel=1e-12)
+
+
 def test_one_sequence_is_the_n_max_table_and_bad_input():
     from placement.cost import speculation_table
     fp, hw = _hand_footprint(), _hand_profile()
