@@ -23,19 +23,18 @@ import json
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from bench.serve import CLIENT, pct, together
 from tests.serve_process import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models" / "tiny-glm4moe-mtp.gguf"
 PROMPTS = ["import os\n", "def main(argv):\n    ", "class Config:\n    ", "Once upon a time",
            "SELECT * FROM", "#include <stdio.h>\n", "The quick brown fox", "for i in range(10):\n    "]
-CLIENT = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64))
 
 
 def stream(url: str, prompt: str, tokens: int, n_max: int) -> dict:
@@ -58,30 +57,15 @@ def stream(url: str, prompt: str, tokens: int, n_max: int) -> dict:
 
 def crowd(url: str, clients: int, tokens: int, n_max: int) -> tuple[float, list[dict], int]:
     """C clients released together → (wall s, their results, failures)."""
-    results: list = [None] * clients
-    gate = threading.Barrier(clients)
-
     def one(i):
-        gate.wait()
         try:
-            results[i] = stream(url, PROMPTS[i % len(PROMPTS)], tokens, n_max)
+            return stream(url, PROMPTS[i % len(PROMPTS)], tokens, n_max)
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
-            results[i] = exc
+            return exc
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall, results = together(clients, one)
     ok = [r for r in results if isinstance(r, dict)]
     return wall, ok, clients - len(ok)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return 1e3 * xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
 
 
 def level_row(url: str, clients: int, args, n_max: int) -> dict:

@@ -96,33 +96,46 @@ def ttft(url: str, turns: int, reps: int, max_tokens: int) -> None:
               f"{med(lambda r: r[3]['prompt_ms']):>13.1f}ms")
 
 
-def crowd(url: str, clients: int, max_tokens: int, label: str) -> None:
-    body = {"prompt": "import sys\n", "max_tokens": max_tokens, "temperature": 0.8, "ignore_eos": True}
+def together(clients: int, one) -> tuple[float, list]:
+    """``one(i)`` for i < clients, each on its thread, released together by a barrier →
+    (wall seconds from the release, their results)."""
     results: list = [None] * clients
     gate = threading.Barrier(clients)
 
-    def one(i):
+    def run(i):
         gate.wait()
-        t = time.perf_counter()
-        try:
-            status = CLIENT.post(f"{url}/v1/completions", json=body | {"seed": i}).status_code
-        except httpx.TransportError as exc:
-            status = type(exc).__name__
-        results[i] = (status, time.perf_counter() - t)
+        results[i] = one(i)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    return time.perf_counter() - t0, results
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (seconds) in ms, nearest rank; NaN for none."""
+    xs = sorted(xs)
+    return 1e3 * xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
+
+
+def crowd(url: str, clients: int, max_tokens: int, label: str) -> None:
+    body = {"prompt": "import sys\n", "max_tokens": max_tokens, "temperature": 0.8, "ignore_eos": True}
+
+    def one(i):
+        t = time.perf_counter()
+        try:
+            status = CLIENT.post(f"{url}/v1/completions", json=body | {"seed": i}).status_code
+        except httpx.TransportError as exc:
+            status = type(exc).__name__
+        return status, time.perf_counter() - t
+
+    wall, results = together(clients, one)
     ok = sorted(s for st, s in results if st == 200)
     busy = sorted(s for st, s in results if st == 503)
     other = [st for st, _ in results if st not in (200, 503)]
-
-    def pct(xs, q):
-        return 1e3 * xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
 
     print(f"{label}: {len(ok)} answered, {len(busy)} got 503, {len(other)} other {other or ''}; wall {wall:.2f} s")
     if ok:

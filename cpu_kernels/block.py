@@ -20,6 +20,9 @@ them is a few hundred scalar operations per token. The math is the reference pat
 (an architecture's ``DecoderBlock`` over ``gpu.*``); only the float rounding order differs.
 
 ``blocks_run`` steps a run of such blocks (the same argument types) in one call.
+``attention_half_seqs`` is the attention half for several sequences stepped as one batch
+(continuous batching): the norm and projections over every row, each sequence's rows over
+its own cache; the MoE half then runs once over all of them.
 
 Absent parts are ``None`` (no q/k bias or norm, no shared expert): Numba prunes those
 branches when it specialises an entry for a block's argument types (quant tags included),

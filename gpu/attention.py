@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import gpu.fused as fused
-from gpu.kv_cache import KVCache, QuantRows, Segments
+from gpu.kv_cache import KVCache, QuantRows, Segments, spans
 from gpu.norm import RMSNorm
 from gpu.rope import Rope
 from placement.limits import SCORE_VALUES, kv_tile_cells
@@ -91,11 +91,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
     sequences stepped as one batch, ``gpu.kv_cache.SequenceBatch``): each sequence's queries
     attend over its own rows."""
     if isinstance(keys, Segments):
-        parts, lo = [], 0
-        for k, v, n in zip(keys, values, keys.rows):
-            parts.append(attend(q[lo:lo + n], k, v, scale=scale, sinks=sinks, window=window))
-            lo += n
-        return torch.cat(parts)
+        return torch.cat([attend(q[lo:hi], k, v, scale=scale, sinks=sinks, window=window)
+                          for k, v, (lo, hi) in zip(keys, values, spans(keys.rows))])
     if isinstance(keys, QuantRows) or isinstance(values, QuantRows):
         if q.device.type == "cpu" and CPU_QUANTIZED_ATTEND is not None and \
                 isinstance(keys, QuantRows) and isinstance(values, QuantRows):

@@ -197,6 +197,15 @@ class WindowKVCache(KVCache):
         super().truncate(n)
 
 
+def spans(rows: list[int]) -> list[tuple[int, int]]:
+    """(lo, hi) of each sequence's rows in a batch of sequences ``rows[i]`` rows long each."""
+    out, lo = [], 0
+    for n in rows:
+        out.append((lo, lo + n))
+        lo += n
+    return out
+
+
 class Segments(list):
     """What ``SequenceBatch.append`` returns for keys (or values): one sequence's cached rows
     per item, in batch order, with ``rows`` the new rows each sequence brought. ``attention.attend``
@@ -220,10 +229,9 @@ class SequenceBatch:
         self.caches, self.rows = caches, rows
 
     def append(self, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple[Segments, Segments]:
-        keys, values, lo = [], [], 0
-        for cache, n in zip(self.caches, self.rows):
-            kk, vv = cache.append(k[:, lo:lo + n], None if v is None else v[:, lo:lo + n])
+        keys, values = [], []
+        for cache, (lo, hi) in zip(self.caches, spans(self.rows)):
+            kk, vv = cache.append(k[:, lo:hi], None if v is None else v[:, lo:hi])
             keys.append(kk)
             values.append(vv)
-            lo += n
         return Segments(keys, self.rows), Segments(values, self.rows)

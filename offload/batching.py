@@ -28,23 +28,13 @@ from offload.profile import Profile
 
 
 @dataclass
-class _Pass:
-    ids: object
-    state: object
-    logits: str
-    result: tuple | None = None
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)   # wakes its own thread only
-
-
-@dataclass
-class _Call:
-    fn: object
-    args: tuple
-    kwargs: dict
+class _Job:
+    """Work waiting for the batcher's thread: a pass (``work`` = (ids, state, logits)) or a
+    call (``work`` = a function of no arguments)."""
+    work: object
     result: object = None
     error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)   # wakes its own thread only
 
 
 @dataclass
@@ -75,8 +65,8 @@ class Batcher:
         self.costs = StepCosts()                  # forward time by rows: --spec-n-max auto reads it
         self._cond = threading.Condition()
         self._active = 0
-        self._pending: list[_Pass] = []
-        self._calls: list[_Call] = []
+        self._pending: list[_Job] = []           # passes
+        self._calls: list[_Job] = []
         self._closed = False
 
     @property
@@ -92,12 +82,12 @@ class Batcher:
             self._active -= 1
             self._cond.notify_all()               # the others may be all that is left waiting
 
-    def _wait(self, job):
+    def _wait(self, job: _Job, is_pass: bool):
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
             # the queue is looked up under the lock: ``run`` swaps in new lists as it takes them
-            (self._pending if isinstance(job, _Pass) else self._calls).append(job)
+            (self._pending if is_pass else self._calls).append(job)
             self._cond.notify_all()
         job.done.wait()
         if job.error is not None:
@@ -106,11 +96,11 @@ class Batcher:
 
     def forward(self, ids, state, logits: str):
         """A sequence's pass, run in the next step with the other sequences' (blocks until then)."""
-        return self._wait(_Pass(ids, state, logits))
+        return self._wait(_Job((ids, state, logits)), True)
 
     def call(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the batcher's thread, between steps (a drafter's work)."""
-        return self._wait(_Call(fn, args, kwargs))
+        return self._wait(_Job(lambda: fn(*args, **kwargs)), False)
 
     def close(self) -> None:
         with self._cond:
@@ -141,7 +131,7 @@ class Batcher:
                     batch, self._pending = self._pending, []
             for c in calls:
                 try:
-                    c.result = c.fn(*c.args, **c.kwargs)
+                    c.result = c.work()
                 except BaseException as exc:      # re-raised in the sequence's thread
                     c.error = exc
             if batch:
@@ -149,11 +139,11 @@ class Batcher:
             for job in calls + batch:
                 job.done.set()
 
-    def _step(self, batch: list[_Pass]) -> None:
+    def _step(self, batch: list[_Job]) -> None:
         try:
-            rows = sum(int(p.ids.shape[0]) for p in batch)
+            rows = sum(int(p.work[0].shape[0]) for p in batch)
             t0 = time.perf_counter()
-            results = self.model.forward_batch([(p.ids, p.state, p.logits) for p in batch])
+            results = self.model.forward_batch([p.work for p in batch])
             self.costs.record(rows, time.perf_counter() - t0)
             self.stats.record(len(batch), rows)
             for p, r in zip(batch, results):

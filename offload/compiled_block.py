@@ -440,13 +440,13 @@ class BlockRun:
         return self._raws
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, caches) -> torch.Tensor:
-        several = isinstance(caches[0], SequenceBatch)     # several sequences: block by block
-        n_past = -1 if several else caches[0].length
-        if several or x.shape[0] > DECODE_TOKENS or any(c.length != n_past for c in caches) or \
-                any(b._rebound() for b in self.blocks):
+        # several sequences (SequenceBatch caches) go block by block too
+        if isinstance(caches[0], SequenceBatch) or x.shape[0] > DECODE_TOKENS or \
+                any(c.length != caches[0].length for c in caches) or any(b._rebound() for b in self.blocks):
             for b, c in zip(self.blocks, caches):
                 x = b(x, positions, c)
             return x
+        n_past = caches[0].length
         first = self.blocks[0]
         xh, pos, cos, sin, chunks = first._step_inputs(x, positions)
         xh = xh.copy()                      # the run uses it as scratch; x stays the caller's

@@ -98,7 +98,7 @@ class OnlineNMax:
         self.n = min(n_cap, 2)                   # until measured: the default profile's usual best
         self.chosen: list[int] = []              # every choice, for the report
         self._steps, self._since_draft = 0, 0
-        self._last = (0, 0.0, 0, 0.0)            # (n_steps, verify_s, drafted, draft_s) at the last call
+        self._last = (0, 0.0, 0)                 # (n_steps, verify_s, drafted) at the last call
 
     def expected(self, stats, n: int) -> float:
         total, run = 1.0, 1.0
@@ -116,7 +116,7 @@ class OnlineNMax:
         if not self.shared and steps > last[0]:  # alone: this sequence's own verify pass is the forward
             self.costs.record(1 + round((drafted - last[2]) / (steps - last[0])),
                               (verify_s - last[1]) / (steps - last[0]))
-        self._last = (steps, verify_s, drafted, draft_s)
+        self._last = (steps, verify_s, drafted)
         per_draft = draft_s / drafted if drafted else 0.0
         if steps == 0 or steps - self._steps >= EVERY:
             self._steps = steps

@@ -115,9 +115,6 @@ class Engine:
             self._cond.notify_all()
         for job in list(self._running):
             job.cancelled.set()
-        batcher = getattr(self.session, "_batcher", None)
-        if batcher is not None:         # passes still waiting end with an error, not a hang
-            batcher.close()
 
     def prepare(self, request: Request, loop: asyncio.AbstractEventLoop) -> Job:
         """Check ``request`` against the model and build its prompt; APIError if it cannot run."""

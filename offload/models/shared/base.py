@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from gpu.kv_cache import CacheType, KVCache, SequenceBatch
+from gpu.kv_cache import CacheType, KVCache, SequenceBatch, spans
 from gpu.norm import RMSNorm
 from gpu.rope import Rope, rope_for
 from offload.compiled_block import block_runs
@@ -143,12 +143,8 @@ class CausalLM:
         want = "all" if any(lg != "none" for _, _, lg in seqs) else "none"
         z, h = self.forward(torch.cat([ids for ids, _, _ in seqs]), BatchState([s for _, s, _ in seqs], rows),
                             logits=want)
-        out, lo = [], 0
-        for (_, _, lg), n in zip(seqs, rows):
-            zi = None if lg == "none" else z[lo:lo + n] if lg == "all" else z[lo + n - 1:lo + n]
-            out.append((zi, h[lo:lo + n]))
-            lo += n
-        return out
+        return [(None if lg == "none" else z[lo:hi] if lg == "all" else z[hi - 1:hi], h[lo:hi])
+                for (_, _, lg), (lo, hi) in zip(seqs, spans(rows))]
 
     def block_runs(self) -> list:
         """``offload.compiled_block.block_runs`` of the current ``blocks`` (rebuilt when
