@@ -23,9 +23,13 @@ CASES = {
     "glm4moe-Q8_0": TinySpec(),
     "glm4moe-Q4_0-qknorm": TinySpec(expert_type=Q.Q4_0, qk_norm=True, seed=1),
     "glm4moe-Q4_K-tied": TinySpec(expert_type=Q.Q4_K, tied_output=True, seed=2),
-    "glm4moe-Q6_K-densequant": TinySpec(expert_type=Q.Q6_K, dense_type=Q.Q8_0, embd_type=Q.Q8_0, seed=3),
+    "glm4moe-Q4_K-densequant": TinySpec(expert_type=Q.Q4_K, dense_type=Q.Q8_0, embd_type=Q.Q8_0, seed=3),
     "glm4moe-F16-nonorm": TinySpec(expert_type=Q.F16, weights_norm=False, weights_scale=1.0, seed=4),
     "qwen3moe-Q8_0": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, seed=5),
+    "qwen3moe-Q4_0-nonorm": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.Q4_0,
+                                     weights_norm=False, seed=7),
+    # the full tier: the same modes with one more expert type each (see FULL_CASES)
+    "glm4moe-Q6_K-densequant": TinySpec(expert_type=Q.Q6_K, dense_type=Q.Q8_0, embd_type=Q.Q8_0, seed=3),
     "qwen3moe-Q5_K": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.Q5_K, seed=6),
     "qwen3moe-Q4_1-nonorm": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.Q4_1,
                                      weights_norm=False, seed=7),
@@ -57,11 +61,22 @@ CASES = {
 }
 
 
+# Each further expert type is one more compile of the whole compiled pass (10-25 s on two cores);
+# the default tier runs each mode with a type the other cases already compile. Q6_K and Q5_K
+# experts stay in the default tier through the deepseek2 cases, Q4_1 through tests/kernels.
+FULL_CASES = {"glm4moe-Q6_K-densequant", "qwen3moe-Q5_K", "qwen3moe-Q4_1-nonorm"}
+
+
+def tiered(cases) -> list:
+    """``cases``' names as parameters, those in FULL_CASES marked for the full tier."""
+    return [pytest.param(c, marks=pytest.mark.full) if c in FULL_CASES else c for c in cases]
+
+
 def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", tiered(CASES))
 def test_logits_match_transformers(case, tmp_path):
     tiny = write_tiny_model(tmp_path / f"{case}.gguf", CASES[case])
     with torch.no_grad():

@@ -52,10 +52,13 @@ def test_iq2_xxs_experts_equal_their_f32_values(pair):
 
 
 def test_offload_run_gives_the_same_text(pair):
+    # the f32 cache and float activations of _logits: the process loads the kernels that test
+    # compiled instead of compiling the f16-cache variants (~10 s on two cores)
     out = []
     for m in pair:
         p = subprocess.run([sys.executable, "-m", "offload", "run", str(m.path), "-p", "def the", "-n", "12",
-                            "--ignore-eos", "--decode-activations", "float", "--temp", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            "--ignore-eos", "--decode-activations", "float", "--cache-type", "f32", "--temp", "0"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
         out.append(p.stdout)
     assert out[0] == out[1] and out[0].strip()
