@@ -5,7 +5,8 @@
                   [--alias NAME] [--spec-* as for offload run]
 
 ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not), ``GET /v1/models``,
-``GET /health`` (503 while the model loads) and ``GET /metrics`` (Prometheus). ``-np N``
+``GET /health`` (503 while the model loads), ``GET /metrics`` (Prometheus) and ``GET /slots``
+(each slot's state; ``POST /slots/ID?action=erase`` empties its prompt cache; ``--no-slots``: off). ``-np N``
 (llama-server's ``--parallel``; the plan counts N KV caches) serves N requests at once by
 continuous batching: every step runs the tokens of all of them through the model as one
 batch, a new request's prompt in chunks of ``--prompt-chunk`` between those steps. Requests
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free one, printed)")
     g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests that may wait while every slot is busy; more get 503 (default {DEFAULT_MAX_QUEUE})")
+    g.add_argument("--no-slots", dest="slots", action="store_false",
+                   help="turn off GET /slots (each slot's state: generating or idle, tokens decoded, "
+                        "prompt cache) and POST /slots/ID?action=erase (empty a slot's prompt cache), "
+                        "as llama-server's --no-slots")
     g.add_argument("--prompt-chunk", type=int, metavar="N",
                    help="with -np > 1: a request's prompt runs N tokens per step, in the same steps as the "
                         f"other slots' decoding, so they do not stall for a long prompt (default {PROMPT_CHUNK})")
@@ -141,7 +146,7 @@ def main(argv=None) -> int:
           f"{tool_format.name if tool_format is not None else 'none'}", file=sys.stderr)
     print(f"offload: listening on {url} (GET /health is 503 until the model has loaded)",
           file=sys.stderr, flush=True)
-    config = uvicorn.Config(build_app(engine, model_meta=meta), host=args.host, port=args.port,
+    config = uvicorn.Config(build_app(engine, model_meta=meta, slots_endpoint=args.slots), host=args.host, port=args.port,
                             log_level=args.log_level, timeout_graceful_shutdown=3, lifespan="on")
     server = uvicorn.Server(config)
     try:

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from offload.server.engine import Engine, Job
 from offload.server.protocol import APIError, Choice, Responder, parse_chat, parse_completion
 
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/slots")
 CLIENT_CLOSED = 499               # nginx's status for "the client closed the connection"
 
 
@@ -84,6 +84,23 @@ async def models(request: HTTPRequest) -> Response:
 async def metrics(request: HTTPRequest) -> Response:
     return PlainTextResponse(request.app.state.engine.metrics.render(),
                              media_type="text/plain; version=0.0.4")
+
+
+async def slots(request: HTTPRequest) -> Response:
+    engine: Engine = request.app.state.engine
+    if not request.app.state.slots_endpoint:
+        return error_response(APIError(501, "the slots endpoint is off (offload serve --no-slots)",
+                                       type="not_supported_error"))
+    if not engine.ready:
+        return error_response(APIError(503, "loading model", type="unavailable_error"))
+    if request.method == "GET":
+        return JSONResponse(engine.slot_states())
+    action = request.query_params.get("action")
+    if action != "erase":
+        raise APIError(400, f"action {action!r}: this server's slots take action=erase (save and restore "
+                       "are llama-server's; offload keeps no slot files)", param="action")
+    index = request.path_params["id_slot"]
+    return JSONResponse({"id_slot": index, "n_erased": engine.erase_slot(index)})
 
 
 async def chat_completions(request: HTTPRequest) -> Response:
@@ -189,7 +206,7 @@ async def _whole(engine: Engine, job: Job, responder: Responder, request: HTTPRe
             engine.cancel(job)
 
 
-def build_app(engine: Engine, *, model_meta: dict) -> Starlette:
+def build_app(engine: Engine, *, model_meta: dict, slots_endpoint: bool = True) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         engine.start()
@@ -199,9 +216,11 @@ def build_app(engine: Engine, *, model_meta: dict) -> Starlette:
     app = Starlette(
         routes=[Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
                 Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-                Route("/v1/completions", completions, methods=["POST"])],
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/slots", slots), Route("/slots/{id_slot:int}", slots, methods=["POST"])],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         lifespan=lifespan)
     app.state.engine, app.state.model_meta, app.state.started = engine, model_meta, int(time.time())
+    app.state.slots_endpoint = slots_endpoint
     app.add_middleware(CountRequests, engine=engine)
     return app

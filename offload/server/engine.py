@@ -32,6 +32,7 @@ from offload.server.metrics import Metrics
 from offload.server.protocol import APIError, Piece, Request, Result, server_busy
 from offload.server.stops import StopText
 from offload.sampling import SamplingDefaults
+from offload.session import PromptCache
 from offload.speculative import SpecOptions
 from offload.stats import RunStats, add_per_position
 from offload.tokenizer import TextStream
@@ -51,6 +52,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
+    task: int = -1                            # llama-server's id_task: numbered at submit
 
     def emit(self, kind: str, value) -> None:
         """From the worker thread: hand an event to the job's event loop."""
@@ -80,6 +82,9 @@ class Engine:
         self.parallel = parallel               # slots: requests generated at once
         self.prompt_chunk = prompt_chunk       # a slot's prompt runs in chunks of this (None: the plan's ubatch)
         self._running: set[Job] = set()        # the jobs being generated
+        self._slots: list = []                 # the session's slots (-np > 1), once loaded
+        self._busy: dict[int, Job] = {}        # slot index → the job it generates (under _cond)
+        self._tasks = 0                        # jobs submitted so far
         self._thread = threading.Thread(target=self._main, name="offload-engine", daemon=True)
 
     # -- event-loop side ------------------------------------------------------------
@@ -189,6 +194,8 @@ class Engine:
             if len(self._queue) >= self.max_queue:
                 self.metrics.rejected += 1
                 raise server_busy(f"{len(self._queue)} requests are already waiting (--max-queue {self.max_queue})")
+            job.task = self._tasks
+            self._tasks += 1
             self._queue.append(job)
             self.metrics.queued = len(self._queue)
             self._cond.notify()
@@ -203,6 +210,50 @@ class Engine:
                 self._queue.remove(job)
                 self.metrics.queued = len(self._queue)
                 self.metrics.cancelled += 1
+
+    # -- slots (GET /slots, POST /slots/{id}?action=erase) ------------------------------
+
+    def slot_states(self) -> list[dict]:
+        """Each slot as llama-server's ``GET /slots`` lists it: its context, whether it is
+        generating (and for which task, how far), the tokens its prompt cache holds, and the
+        request's sampling and draft settings."""
+        session = self.session
+        with self._cond:
+            busy = dict(self._busy)
+        out = []
+        for i in range(self.parallel):
+            slot = self._slots[i] if self._slots else None
+            holder = slot if slot is not None else session
+            stats = holder.stats
+            job = busy.get(i)
+            state = {"id": i, "n_ctx": session.plan.settings.ctx, "is_processing": job is not None,
+                     "id_task": job.task if job is not None else -1,
+                     "n_cached": len(holder.prompt_cache.tokens)}
+            if job is not None:
+                r = job.request
+                state |= {"n_prompt_tokens": len(job.ids),
+                          "n_decoded": stats.n_gen if stats is not None else 0,
+                          "params": {"n_predict": job.max_tokens, "n_max": job.n_max, "stream": r.stream,
+                                     **{k: v for k, v in self.sampling.of(r).items() if k != "penalties"}},
+                          "draft_n": stats.drafted if stats is not None else 0,
+                          "draft_n_accepted": stats.accepted if stats is not None else 0}
+            out.append(state)
+        return out
+
+    def erase_slot(self, index: int) -> int:
+        """Empty slot ``index``'s prompt cache (llama-server's ``action=erase``); → the tokens
+        it held. APIError 404 for no such slot, 409 while it generates."""
+        if not 0 <= index < self.parallel:
+            raise APIError(404, f"slot {index} does not exist; this server has {self.parallel} "
+                           f"(ids 0-{self.parallel - 1})", param="id_slot")
+        with self._cond:        # a worker marks its slot busy under this lock before reading its cache
+            if index in self._busy:
+                raise APIError(409, f"slot {index} is processing task {self._busy[index].task}; "
+                               "erase it when it is idle", param="id_slot")
+            holder = self._slots[index] if self._slots else self.session
+            n = len(holder.prompt_cache.tokens)
+            holder.prompt_cache = PromptCache()
+        return n
 
     # -- worker thread --------------------------------------------------------------
 
@@ -221,7 +272,8 @@ class Engine:
             self._work(None)
             return
         # N slot threads generate; this thread, which loaded the model, computes every step
-        for i, slot in enumerate(session.slots(self.parallel)):
+        self._slots = session.slots(self.parallel)
+        for i, slot in enumerate(self._slots):
             threading.Thread(target=self._work, args=(slot,), name=f"offload-slot-{i}", daemon=True).start()
         session.batcher.run(lambda: self._stopping)
 
@@ -235,6 +287,7 @@ class Engine:
                     return
                 job = self._queue.popleft()
                 self._running.add(job)
+                self._busy[slot.index if slot is not None else 0] = job
                 self.metrics.queued = len(self._queue)
                 self.metrics.processing = len(self._running)
             try:
@@ -243,6 +296,7 @@ class Engine:
                 job.finished = True
                 with self._cond:
                     self._running.discard(job)
+                    self._busy.pop(slot.index if slot is not None else 0, None)
                     self.metrics.processing = len(self._running)
 
     def _serve(self, job: Job, slot=None) -> None:

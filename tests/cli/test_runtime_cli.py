@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args, check_rc=None):
+    # bytes, decoded here: text mode would read a generated "\r" as "\n" (universal newlines)
     p = subprocess.run([sys.executable, "-m", "offload", "run", *map(str, args)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, timeout=300)
+    p.stdout, p.stderr = p.stdout.decode(), p.stderr.decode()
     if check_rc is not None:
         assert p.returncode == check_rc, p.stderr
     return p

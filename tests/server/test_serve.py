@@ -94,6 +94,8 @@ def test_health_models_metrics(server):
     models = httpx.get(f"{server}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["meta"]["n_ctx"] == 512 and models["data"][0]["meta"]["n_max"] == 2
+    slots = httpx.get(f"{server}/slots").json()          # one slot (no -np): its context, idle
+    assert [(s["id"], s["n_ctx"], s["is_processing"]) for s in slots] == [(0, 512, False)]
     text = httpx.get(f"{server}/metrics").text
     for name in ("requests_total", "prompt_tokens_total", "tokens_predicted_total", "predicted_tokens_seconds",
                  "draft_tokens_total", "draft_tokens_accepted_total", "requests_deferred"):

@@ -174,3 +174,59 @@ def test_slots_serve_requests_together_with_each_ones_text():
         assert bad.status_code == 400 and "'n_max' must be an integer" in bad.json()["error"]["message"]
         assert session._batcher.stats.largest == 2 and session._batcher.active == 0
         assert "offload_requests_processing 0" in metrics
+
+
+def test_slots_endpoint_shows_each_slot_and_erases_an_idle_ones_cache():
+    """``GET /slots`` (llama-server's): with ``-np 2``, a request in flight shows on one slot
+    as processing its task, with its prompt length, tokens decoded so far and sampling; the
+    slot ends idle with the request's prompt and text in its prompt cache, which
+    ``POST /slots/ID?action=erase`` empties (409 while the slot generates, 404 for no such
+    slot, 400 for another action); ``--no-slots`` answers 501."""
+    import offload.runtime as rt
+
+    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
+    with rt.load(model, devices="CPU=16GiB", ctx=4096, int8_prefill=False, quiet=True) as session:
+        eng = Engine(lambda: session, model_name="m", template=ChatTemplate("{{ messages }}", origin="test"),
+                     spec=SpecOptions(), max_queue=4, on_load_error=lambda message: None, parallel=2)
+        with TestClient(build_app(eng, model_meta={"n_ctx": 4096})) as client:
+            for _ in range(200):
+                if client.get("/health").status_code == 200:
+                    break
+                threading.Event().wait(0.05)
+            idle = client.get("/slots").json()
+            body = {"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+                    "top_k": 7}
+            done: list = []
+            worker = threading.Thread(target=lambda: done.append(client.post("/v1/completions", json=body).json()))
+            worker.start()
+            seen = None
+            while worker.is_alive() and seen is None:
+                states = client.get("/slots").json()
+                busy = [s for s in states if s["is_processing"] and s["n_decoded"] > 0]
+                if busy:
+                    seen = busy[0]
+                    refused = client.post(f"/slots/{seen['id']}?action=erase")
+            worker.join(300)
+            after = client.get("/slots").json()
+            used = next(s for s in after if s["n_cached"] > 0)
+            erased = client.post(f"/slots/{used['id']}?action=erase")
+            emptied = client.get("/slots").json()
+            missing = client.post("/slots/2?action=erase")
+            save = client.post("/slots/0?action=save")
+        with TestClient(build_app(engine(lambda: session), model_meta={"n_ctx": 4096}, slots_endpoint=False)) as client:
+            off = client.get("/slots")
+    assert [s["id"] for s in idle] == [0, 1]
+    assert all(not s["is_processing"] and s["n_cached"] == 0 and s["n_ctx"] == 4096 for s in idle)
+    assert seen is not None, "the request was never seen in flight"
+    assert seen["id_task"] == 0 and seen["n_prompt_tokens"] == done[0]["usage"]["prompt_tokens"]
+    assert 0 < seen["n_decoded"] < 3000
+    assert seen["params"]["n_predict"] == 3000 and seen["params"]["top_k"] == 7 and seen["params"]["temperature"] == 0
+    assert refused.status_code == 409 and "is processing task 0" in refused.json()["error"]["message"]
+    usage = done[0]["usage"]
+    assert not any(s["is_processing"] for s in after)
+    assert used["n_cached"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert erased.status_code == 200 and erased.json() == {"id_slot": used["id"], "n_erased": used["n_cached"]}
+    assert all(s["n_cached"] == 0 for s in emptied)
+    assert missing.status_code == 404 and "slot 2 does not exist" in missing.json()["error"]["message"]
+    assert save.status_code == 400 and "action 'save'" in save.json()["error"]["message"]
+    assert off.status_code == 501 and "--no-slots" in off.json()["error"]["message"]
