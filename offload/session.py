@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from offload.batching import Batcher, Slot
-from offload.online_n_max import AUTO_CAP, POLICIES, EpsilonGreedy, OnlineNMax, prior_for
+from offload.online_n_max import AUTO_CAP, POLICIES, EpsilonGreedy, OnlineNMax, StepCosts, prior_for
 from offload.devices import DeviceMap
 from offload.errors import OffloadError
 from offload.models.shared.base import CausalLM
@@ -79,6 +79,7 @@ class Session:
         self.load_s = 0.0
         self.stats: RunStats | None = None
         self.prompt_cache = PromptCache()
+        self._step_costs = StepCosts()       # what --spec-n-max auto measured alone, kept across generations
         self._batcher = None                 # offload.batching.Batcher, made by the first ``slots``
         self.batch_stats: list[RunStats] = []
 
@@ -175,8 +176,8 @@ class Session:
             model, holder, profile, compute = slot.model, slot, slot.profile, slot.batcher.call
         chooser = None
         if policy == "auto":
-            chooser = OnlineNMax(options.n_max, slot.batcher.costs if slot is not None else None,
-                                 prior_for(options.type))
+            chooser = OnlineNMax(options.n_max, slot.batcher.costs if slot is not None else self._step_costs,
+                                 prior_for(options.type), drafter=options.type, timed_by_batcher=slot is not None)
         elif policy == "bandit":
             chooser = EpsilonGreedy(options.n_max, seed=0 if seed is None else seed)
         cache_prompt = cache_prompt and on_prompt_logits is None

@@ -191,7 +191,7 @@ class MtpDrafter:
                  guide: Guide | None = None):
         self.head, self.cache, self.sampler, self.options, self.ubatch = head, cache, sampler, options, ubatch
         self.guide = guide
-        self.pend_h: torch.Tensor | None = None    # (k, n_embd) trunk states h_{Q-k..Q-1}
+        self.pend_h: list[torch.Tensor] = []       # trunk states h_{Q-k..Q-1}, (rows, n_embd) pieces
         self.pend_tok: list[int] = []              # x_{Q-k+1..Q-1}; the pending token x_Q comes last
         self.valid = 0                             # head entries computed from trunk states
         self.ran = False                           # the head ran this step's pending pairs
@@ -205,7 +205,7 @@ class MtpDrafter:
         if n - start > 1:
             self._run(list(ids[start + 1:]), hidden[:n - 1 - start], start + 1, logits=False)
         self.valid = n - 1
-        self.pend_h, self.pend_tok = hidden[n - 1 - start:], []
+        self.pend_h, self.pend_tok = [hidden[n - 1 - start:]], []
 
     def _run(self, tokens: list[int], hidden: torch.Tensor, pos0: int, *, logits: bool = True):
         """Head over pairs in ubatch chunks → (last row's logits (V,) or None, last h_mtp (1, n_embd))."""
@@ -236,7 +236,8 @@ class MtpDrafter:
         tokens = self.pend_tok + [x_q]
         k = len(tokens)
         assert self.cache.length == q_len - k, (self.cache.length, q_len, k)
-        logits, h = self._run(tokens, self.pend_h, q_len - k + 1)
+        pend = self.pend_h[0] if len(self.pend_h) == 1 else torch.cat(self.pend_h)
+        logits, h = self._run(tokens, pend, q_len - k + 1)
         self.valid, self.ran = q_len, True
         drafts: list[int] = []
         qs: list[np.ndarray | None] = []
@@ -264,13 +265,15 @@ class MtpDrafter:
     def accept(self, q_len: int, x_q: int, hidden: torch.Tensor, accepted: list[int]) -> None:
         """After verification: drop the chained entries; the trunk states of x_q and the
         accepted drafts (``hidden``, rows 0..m) become the pending pairs. A step that did not
-        draft (no budget left) adds them to the pairs still pending."""
+        draft (no budget left, or n_max chosen 0) adds them to the pairs still pending: kept as
+        pieces, joined once when a draft runs them (a long run of plain steps stays O(1) a step)."""
         if self.ran:
             self.cache.truncate(q_len)
-            self.pend_h, self.pend_tok = hidden, list(accepted)
+            self.pend_h, self.pend_tok = [hidden], list(accepted)
         else:
-            self.pend_h = torch.cat([self.pend_h, hidden])
-            self.pend_tok = self.pend_tok + [x_q] + list(accepted)
+            self.pend_h.append(hidden)
+            self.pend_tok.append(x_q)
+            self.pend_tok.extend(accepted)
         self.ran = False
 
     def rollback(self, keep: int) -> None:

@@ -21,11 +21,19 @@ from offload.stats import RunStats
 SHIPPED = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
 
 
-def measured(rows_ms: dict[int, float]) -> StepCosts:
+def measured(rows_ms: dict[int, float], draft_ms: float = 0.0) -> StepCosts:
+    """Forward times by rows and a steady drafting time per drafted token, as if measured."""
     costs = StepCosts()
     for r, ms in rows_ms.items():
         costs.record(r, ms / 1e3)
+    costs.record_draft(draft_ms / 1e3)
     return costs
+
+
+def policy_for(n_cap: int, costs: StepCosts, **kw) -> OnlineNMax:
+    """A policy on hand-set costs: the batcher's kind, which times the forward passes itself
+    (so the hand-made stats add no measurement)."""
+    return OnlineNMax(n_cap, costs, timed_by_batcher=True, **kw)
 
 
 def stats_with(accept: list[float], steps: int = 10_000) -> RunStats:
@@ -52,7 +60,7 @@ def test_step_costs_interpolate_and_extend_the_measured_line():
 
 def test_auto_alone_picks_the_n_the_measured_rates_favour():
     """t(R) = 1, 1.2, 1.4, 1.6 ms for 1..4 rows: tokens/ms = 1, 1.583, 1.871, 1.683 → n = 2."""
-    policy = OnlineNMax(3, measured({1: 1.0, 4: 1.6}))
+    policy = policy_for(3, measured({1: 1.0, 4: 1.6}))
     assert policy(stats_with([0.9, 0.8, 0.1])) == 2
     assert policy.report() == {"policy": "auto", "n_max_chosen": 2, "n_max_mean": 2.0}
 
@@ -63,17 +71,17 @@ def test_auto_counts_the_other_sequences_of_the_step():
     at n = 0 against 9.9/3 = 3.3 at n = 1 (and less beyond) → n = 0."""
     costs = measured({1: 1.0, 2: 1.05, 3: 1.1, 9: 2.0, 10: 3.0})
     st = stats_with([0.9, 0.8, 0.1])
-    alone = OnlineNMax(3, costs)
+    alone = policy_for(3, costs)
     assert alone(st) == 2
     alone.close()
-    others = [OnlineNMax(3, costs) for _ in range(8)]
+    others = [policy_for(3, costs) for _ in range(8)]
     for o in others:
         costs.share(id(o), 1, 1.0, 0.0)
-    assert OnlineNMax(3, costs)(st) == 0
+    assert policy_for(3, costs)(st) == 0
 
 
 def test_a_drafter_never_accepted_falls_to_zero_and_still_probes():
-    policy = OnlineNMax(4, measured({1: 1.0, 5: 1.8}))
+    policy = policy_for(4, measured({1: 1.0, 5: 1.8}))
     st = stats_with([0.0, 0.0, 0.0, 0.0])
     picks = []
     for _ in range(2 * PROBE_EVERY):
@@ -81,6 +89,59 @@ def test_a_drafter_never_accepted_falls_to_zero_and_still_probes():
         st.n_steps += 1
     assert picks.count(1) == 2 and set(picks) == {0, 1}          # one probe per PROBE_EVERY steps
     assert picks[PROBE_EVERY - 1] == 1
+
+
+def test_a_steps_own_overhead_makes_fewer_longer_steps_pay():
+    """t(R) = 1, 1.5 ms for 1, 2 rows, 0.5 ms per drafted token, a_1 = 0.9: counting the
+    forward and drafting only, n = 1 gives 1.9 tokens in 2 ms against 1 in 1 ms → n = 0; with
+    2 ms a step costs the sequence besides (loop, hand-over), 1.9 in 4 ms beats 1 in 3 → n = 1."""
+    st = stats_with([0.9])
+    assert policy_for(1, measured({1: 1.0, 2: 1.5}, draft_ms=0.5))(st) == 0
+    costs = measured({1: 1.0, 2: 1.5}, draft_ms=0.5)
+    costs.record_overhead(0.002)
+    assert policy_for(1, costs)(st) == 1
+
+
+def test_no_probe_where_even_accepted_drafts_would_lose():
+    """t(R) = 1, 2.5, 4, 5.5 ms for 1..4 rows and 0.5 ms per drafted token: with every draft
+    accepted, n = 1 gives 2 tokens in 3 ms (0.67 per ms), n = 2 3 in 5 ms, against 1 per ms
+    plain: a probe could only lose, so the policy never drafts."""
+    policy = policy_for(3, measured({1: 1.0, 4: 5.5}, draft_ms=0.5))
+    st = stats_with([0.0, 0.0, 0.0])
+    picks = []
+    for _ in range(3 * PROBE_EVERY):
+        picks.append(policy(st))
+        st.n_steps += 1
+    assert set(picks) == {0}
+
+
+def test_steady_drafting_time_is_timed_on_consecutive_drafting_steps_only():
+    """A drafting step right after a plain one also runs the head over the pairs the plain
+    steps left pending: its time is not the steady cost of a drafted token."""
+    costs = StepCosts()
+    policy = OnlineNMax(2, costs, timed_by_batcher=True)
+    st = RunStats(n_prompt=1)
+    for drafted, seconds in ((0, 0.0), (2, 0.010), (2, 0.002), (0, 0.0), (2, 0.012)):
+        policy(st)
+        st.n_steps += 1
+        st.drafted += drafted
+        st.draft_s += seconds
+    policy(st)
+    assert costs.draft_s == pytest.approx(0.001)          # only the second step's 2 ms / 2 drafts
+
+
+def test_a_new_sequence_starts_from_what_earlier_ones_measured():
+    """A sequence that drafted 100 steps with nothing accepted leaves that in the history; the
+    next one (same costs, same drafter) chooses n = 0 at its first step, where the prior alone
+    (a_1 = 0.77) would choose to draft. Another drafter's history does not apply."""
+    costs = measured({1: 1.0, 4: 1.6})
+    fresh = stats_with([0.0], steps=0)
+    assert policy_for(3, costs)(fresh) > 0
+    first = policy_for(3, costs)
+    first(stats_with([0.0, 0.0, 0.0], steps=100))
+    first.close()
+    assert policy_for(3, costs)(fresh) == 0
+    assert policy_for(3, costs, drafter="ngram")(fresh) > 0
 
 
 def test_bandit_tries_every_n_then_keeps_the_fastest():
