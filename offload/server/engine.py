@@ -1,5 +1,7 @@
 """The model side of ``offload serve``: one loaded ``Session`` and ``parallel`` slots
-(llama-server's ``-np``), each a worker thread that takes the next queued request (FIFO).
+(llama-server's ``-np``), each a worker thread. Queued requests are handed out in arrival
+order, each to the idle slot whose prompt cache it shares the longest prefix with (else the
+slot idle longest), so a conversation's next turn finds its KV where it left it.
 With one slot, requests are served one at a time; with several, the slots' generations step
 through the model together (``offload.batching``: continuous batching, each slot with its own
 caches, prompt cache and drafter, every step one batch of all their tokens), and a finished
@@ -32,7 +34,7 @@ from offload.server.metrics import Metrics
 from offload.server.protocol import APIError, Piece, Request, Result, server_busy
 from offload.server.stops import StopText
 from offload.sampling import SamplingDefaults
-from offload.session import PromptCache
+from offload.session import PromptCache, common_prefix
 from offload.speculative import SpecOptions
 from offload.stats import RunStats, add_per_position
 from offload.tokenizer import TextStream
@@ -84,6 +86,9 @@ class Engine:
         self._running: set[Job] = set()        # the jobs being generated
         self._slots: list = []                 # the session's slots (-np > 1), once loaded
         self._busy: dict[int, Job] = {}        # slot index → the job it generates (under _cond)
+        self._idle: dict[int, int] = {}        # idle slot index → the count of jobs finished when it became idle
+        self._inbox: dict[int, Job] = {}       # slot index → the job handed to it, not taken yet
+        self._finished = 0
         self._tasks = 0                        # jobs submitted so far
         self._thread = threading.Thread(target=self._main, name="offload-engine", daemon=True)
 
@@ -117,6 +122,8 @@ class Engine:
             for job in self._queue:
                 job.cancelled.set()
             self._queue.clear()
+            for job in self._inbox.values():
+                job.cancelled.set()
             self._cond.notify_all()
         for job in list(self._running):
             job.cancelled.set()
@@ -198,7 +205,33 @@ class Engine:
             self._tasks += 1
             self._queue.append(job)
             self.metrics.queued = len(self._queue)
-            self._cond.notify()
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """(Under ``_cond``.) Hand the queued jobs, oldest first, to idle slots: each to the idle
+        slot whose prompt cache it can reuse most (llama-server's slot choice by prompt
+        similarity: the longest shared prefix, counted when it is at least half of what that
+        slot holds), else to the slot idle longest, whose cache is the stalest to give up."""
+        handed = False
+        while self._queue and self._idle:
+            job = self._queue.popleft()
+            def fit(i):
+                cached = self._holder(i).prompt_cache.tokens
+                n = common_prefix(cached, job.ids)
+                return (n if 2 * n >= len(cached) else 0, -self._idle[i])
+            index = max(self._idle, key=fit)
+            del self._idle[index]
+            self._inbox[index] = self._busy[index] = job
+            self._running.add(job)
+            handed = True
+        if handed:
+            self.metrics.queued = len(self._queue)
+            self.metrics.processing = len(self._running)
+            self._cond.notify_all()
+
+    def _holder(self, index: int):
+        """What holds slot ``index``'s prompt cache and stats: its Slot, or the session (-np 1)."""
+        return self._slots[index] if self._slots else self.session
 
     def cancel(self, job: Job) -> None:
         """The client left: drop the job if it still waits, else stop its generation."""
@@ -222,8 +255,7 @@ class Engine:
             busy = dict(self._busy)
         out = []
         for i in range(self.parallel):
-            slot = self._slots[i] if self._slots else None
-            holder = slot if slot is not None else session
+            holder = self._holder(i)
             stats = holder.stats
             job = busy.get(i)
             state = {"id": i, "n_ctx": session.plan.settings.ctx, "is_processing": job is not None,
@@ -250,7 +282,7 @@ class Engine:
             if index in self._busy:
                 raise APIError(409, f"slot {index} is processing task {self._busy[index].task}; "
                                "erase it when it is idle", param="id_slot")
-            holder = self._slots[index] if self._slots else self.session
+            holder = self._holder(index)
             n = len(holder.prompt_cache.tokens)
             holder.prompt_cache = PromptCache()
         return n
@@ -278,25 +310,26 @@ class Engine:
         session.batcher.run(lambda: self._stopping)
 
     def _work(self, slot) -> None:
-        """One slot: take the next queued job, generate it, repeat until the server stops."""
+        """One slot: wait for the job ``_dispatch`` hands it, generate it, repeat until the
+        server stops."""
+        index = slot.index if slot is not None else 0
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                self._idle[index] = self._finished
+                self._dispatch()
+                while index not in self._inbox and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
-                job = self._queue.popleft()
-                self._running.add(job)
-                self._busy[slot.index if slot is not None else 0] = job
-                self.metrics.queued = len(self._queue)
-                self.metrics.processing = len(self._running)
+                job = self._inbox.pop(index)
             try:
                 self._serve(job, slot)
             finally:
                 job.finished = True
                 with self._cond:
                     self._running.discard(job)
-                    self._busy.pop(slot.index if slot is not None else 0, None)
+                    self._busy.pop(index, None)
+                    self._finished += 1
                     self.metrics.processing = len(self._running)
 
     def _serve(self, job: Job, slot=None) -> None:

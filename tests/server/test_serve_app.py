@@ -230,3 +230,41 @@ def test_slots_endpoint_shows_each_slot_and_erases_an_idle_ones_cache():
     assert missing.status_code == 404 and "slot 2 does not exist" in missing.json()["error"]["message"]
     assert save.status_code == 400 and "action 'save'" in save.json()["error"]["message"]
     assert off.status_code == 501 and "--no-slots" in off.json()["error"]["message"]
+
+
+def test_a_request_goes_to_the_slot_holding_its_prefix():
+    """``-np 3``, requests one after another: a new prompt takes a slot nobody used (the one
+    idle longest), so the other conversations' caches stay; a prompt that continues an
+    earlier one goes to that one's slot and reuses its KV (``timings.cache_n``), whichever
+    slot thread is free first."""
+    import offload.runtime as rt
+
+    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
+    with rt.load(model, devices="CPU=16GiB", int8_prefill=False, quiet=True) as session:
+        eng = Engine(lambda: session, model_name="m", template=ChatTemplate("{{ messages }}", origin="test"),
+                     spec=SpecOptions(), max_queue=4, on_load_error=lambda message: None, parallel=3)
+        with TestClient(build_app(eng, model_meta={"n_ctx": 512})) as client:
+            for _ in range(200):
+                if client.get("/health").status_code == 200:
+                    break
+                threading.Event().wait(0.05)
+
+            def complete(prompt):
+                body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                r = client.post("/v1/completions", json=body).json()
+                return r["choices"][0]["text"], r["timings"]["cache_n"], r["usage"]["prompt_tokens"]
+
+            a_text, a_cached, _ = complete("def main(argv):\n    ")
+            b_text, b_cached, _ = complete("Once upon a time")
+            holding = [s["n_cached"] for s in client.get("/slots").json()]
+            _, a2_cached, a2_prompt = complete("def main(argv):\n    " + a_text + "\n    return 0")
+            _, b2_cached, _ = complete("Once upon a time" + b_text)
+            slots = client.get("/slots").json()
+    ids = session.tokenize
+    assert a_cached == 0 and b_cached == 0
+    assert sorted(n > 0 for n in holding) == [False, True, True]       # two slots, one conversation each
+    # each continuation reuses its own conversation's prompt and text (all but the text's last token,
+    # whose KV the previous request never computed)
+    assert a2_cached >= len(ids("def main(argv):\n    ")) and a2_cached < a2_prompt
+    assert b2_cached >= len(ids("Once upon a time"))
+    assert sorted(s["n_cached"] > 0 for s in slots) == [False, True, True]
