@@ -26,6 +26,24 @@ def engine(load, on_load_error=lambda message: None) -> Engine:
                   spec=SpecOptions(), max_queue=2, on_load_error=on_load_error)
 
 
+SHIPPED = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
+
+
+def wait_healthy(client) -> None:
+    """Until ``/health`` says the model has loaded (10 s at most)."""
+    for _ in range(200):
+        if client.get("/health").status_code == 200:
+            return
+        threading.Event().wait(0.05)
+
+
+def slots_engine(session, parallel: int, **kw) -> Engine:
+    """An engine over a loaded session with ``parallel`` slots (``offload serve -np``)."""
+    kw = {"spec": SpecOptions(), **kw}
+    return Engine(lambda: session, model_name="m", template=ChatTemplate("{{ messages }}", origin="test"),
+                  max_queue=4, on_load_error=lambda message: None, parallel=parallel, **kw)
+
+
 def test_503_while_loading_then_ok():
     release, loaded = threading.Event(), threading.Event()
 
@@ -70,7 +88,7 @@ def test_failed_load_is_reported():
 
 
 def test_import_offload_and_offload_plan_load_no_server_stack():
-    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
+    model = SHIPPED
     code = ("import contextlib, io, sys, offload\n"
             "from offload.cli import main\n"
             f"with contextlib.redirect_stdout(io.StringIO()): assert main(['plan', {str(model)!r}, "
@@ -116,18 +134,12 @@ def test_an_ngram_drafting_server_drafts_and_reuses_the_prompt_cache():
     works for it (no head cache to follow: the whole common prefix is reused)."""
     import offload.runtime as rt
 
-    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
-    with rt.load(model, devices="CPU=16GiB", quiet=True) as session:
-        eng = Engine(lambda: session, model_name="m", template=ChatTemplate("{{ messages }}", origin="test"),
-                     spec=SpecOptions(n_max=3, type="ngram", verify="exact"), max_queue=2,
-                     on_load_error=lambda message: None)
+    with rt.load(SHIPPED, devices="CPU=16GiB", quiet=True) as session:
+        eng = slots_engine(session, 1, spec=SpecOptions(n_max=3, type="ngram", verify="exact"))
         prompt = '"""HTTP status codes.\n\n    200 OK\n    404 Not Found\n"""\n\nREASONS = {\n'
         body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
         with TestClient(build_app(eng, model_meta={"n_ctx": 512})) as client:
-            for _ in range(200):
-                if client.get("/health").status_code == 200:
-                    break
-                threading.Event().wait(0.05)
+            wait_healthy(client)
             plain = client.post("/v1/completions", json=body | {"n_max": 0}).json()
             drafted = client.post("/v1/completions", json=body).json()
             again = client.post("/v1/completions", json=body).json()
@@ -142,18 +154,12 @@ def test_slots_serve_requests_together_with_each_ones_text():
     takes the next queued request, and both slots end idle."""
     import offload.runtime as rt
 
-    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
     prompts = ["import os\n", "def main(argv):\n    ", "class Config:\n    ", "Once upon a time"]
-    with rt.load(model, devices="CPU=16GiB", int8_prefill=False, quiet=True) as session:
+    with rt.load(SHIPPED, devices="CPU=16GiB", int8_prefill=False, quiet=True) as session:
         alone = [session.detokenize(session.generate(p, max_tokens=16, stop_at_eos=False)) for p in prompts]
-        eng = Engine(lambda: session, model_name="m", template=ChatTemplate("{{ messages }}", origin="test"),
-                     spec=SpecOptions(), max_queue=4, on_load_error=lambda message: None, parallel=2,
-                     prompt_chunk=8)
+        eng = slots_engine(session, 2, prompt_chunk=8)
         with TestClient(build_app(eng, model_meta={"n_ctx": 512})) as client:
-            for _ in range(200):
-                if client.get("/health").status_code == 200:
-                    break
-                threading.Event().wait(0.05)
+            wait_healthy(client)
             got: list = [None] * len(prompts)
 
             def one(i):
@@ -184,15 +190,10 @@ def test_slots_endpoint_shows_each_slot_and_erases_an_idle_ones_cache():
     slot, 400 for another action); ``--no-slots`` answers 501."""
     import offload.runtime as rt
 
-    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
-    with rt.load(model, devices="CPU=16GiB", ctx=4096, int8_prefill=False, quiet=True) as session:
-        eng = Engine(lambda: session, model_name="m", template=ChatTemplate("{{ messages }}", origin="test"),
-                     spec=SpecOptions(), max_queue=4, on_load_error=lambda message: None, parallel=2)
+    with rt.load(SHIPPED, devices="CPU=16GiB", ctx=4096, int8_prefill=False, quiet=True) as session:
+        eng = slots_engine(session, 2)
         with TestClient(build_app(eng, model_meta={"n_ctx": 4096})) as client:
-            for _ in range(200):
-                if client.get("/health").status_code == 200:
-                    break
-                threading.Event().wait(0.05)
+            wait_healthy(client)
             idle = client.get("/slots").json()
             body = {"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
                     "top_k": 7}
@@ -239,15 +240,10 @@ def test_a_request_goes_to_the_slot_holding_its_prefix():
     slot thread is free first."""
     import offload.runtime as rt
 
-    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4moe-mtp.gguf"
-    with rt.load(model, devices="CPU=16GiB", int8_prefill=False, quiet=True) as session:
-        eng = Engine(lambda: session, model_name="m", template=ChatTemplate("{{ messages }}", origin="test"),
-                     spec=SpecOptions(), max_queue=4, on_load_error=lambda message: None, parallel=3)
+    with rt.load(SHIPPED, devices="CPU=16GiB", int8_prefill=False, quiet=True) as session:
+        eng = slots_engine(session, 3)
         with TestClient(build_app(eng, model_meta={"n_ctx": 512})) as client:
-            for _ in range(200):
-                if client.get("/health").status_code == 200:
-                    break
-                threading.Event().wait(0.05)
+            wait_healthy(client)
 
             def complete(prompt):
                 body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
