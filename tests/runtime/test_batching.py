@@ -82,3 +82,69 @@ def test_bad_prompts_in_a_batch_are_one_line_errors(session):
     with pytest.raises(OffloadError, match="parallel must be >= 1"):
         session.generate_batch(PROMPTS, parallel=0)
     assert session.generate_batch([]) == []
+
+
+def test_groups_of_decode_rows_pack_in_order_up_to_the_compiled_limit():
+    from offload.batching import decode_groups
+    assert decode_groups([3] * 8) == [(0, 5), (5, 8)]          # 15 + 9 rows
+    assert decode_groups([5, 9, 4, 7]) == [(0, 2), (2, 4)]
+    assert decode_groups([2] * 8) is None                       # 16 rows: one compiled pass
+    assert decode_groups([3, 128]) is None                      # a prompt chunk: one pass
+
+
+def test_split_choice_tries_both_ways_then_keeps_the_faster():
+    from offload.batching import SplitChoice
+    choice, seconds = SplitChoice(), {False: 0.012, True: 0.006}
+    ways = []
+    for _ in range(2 * SplitChoice.TRIALS + SplitChoice.RECHECK):
+        way = choice.split(2)                   # steps that split into two groups
+        ways.append(way)
+        choice.record(2, way, seconds[way])
+    trials = ways[:2 * SplitChoice.TRIALS]
+    assert trials.count(True) == trials.count(False) == SplitChoice.TRIALS
+    kept = ways[2 * SplitChoice.TRIALS:]
+    assert kept.count(False) == 1 and kept[SplitChoice.RECHECK - 1] is False   # the one re-check
+    assert choice.split(3) is False and SplitChoice().split(2) is False        # another group count starts over
+
+
+def test_a_step_past_the_compiled_limit_split_in_groups_gives_each_sequence_its_own_logits(session):
+    """Eight sequences of three rows (24, past the compiled blocks' 16): the grouped way (each
+    group compiled) gives each sequence the logits of its own pass to float32 summation order;
+    one pass (the reference path past 16 rows) agrees to 1e-4 of the logit scale."""
+    import numpy as np
+    import torch
+
+    from offload.batching import decode_groups
+    m = session.model
+    prompts = [session.tokenize(p) for p in PROMPTS + ["Hello", "x = [", "# TODO"]]
+    steps = [[7 + i, 11, 13 + i] for i in range(len(prompts))]
+
+    def states():
+        out = []
+        for ids in prompts:
+            st = m.new_state(None)
+            with torch.inference_mode():
+                m.forward(torch.tensor(ids), st, logits="none")
+            out.append(st)
+        return out
+
+    with torch.inference_mode():
+        alone = [m.forward(torch.tensor(ids), st, logits="all")[0].numpy() for ids, st in zip(steps, states())]
+        seqs = [(torch.tensor(ids), st, "all") for ids, st in zip(steps, states())]
+        grouped = [r for lo, hi in decode_groups([3] * len(seqs)) for r in m.forward_batch(seqs[lo:hi])]
+        seqs = [(torch.tensor(ids), st, "all") for ids, st in zip(steps, states())]
+        one = m.forward_batch(seqs)
+    scale = max(np.abs(a).max() for a in alone)
+    for a, g, o in zip(alone, grouped, one):
+        assert np.abs(g[0].numpy() - a).max() <= 1e-5 * scale
+        assert np.abs(o[0].numpy() - a).max() <= 1e-4 * scale
+
+
+def test_steps_past_the_compiled_limit_time_both_ways(session):
+    """Eight prompts with MTP drafts of 2 (verify steps of 3 rows each: 24 rows) run their steps
+    both ways; the batcher keeps the times per group count, and every prompt gets its tokens."""
+    prompts = PROMPTS + ["Hello", "x = [", "# TODO"]
+    out = session.generate_batch(prompts, max_tokens=24, stop_at_eos=False, n_max=2)
+    assert [len(t) for t in out] == [24] * len(prompts)
+    times = session._batcher.splits._times
+    assert any(split for _, split in times) and any(not split for _, split in times)
