@@ -67,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
 def listen_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before anything loads: a taken port is a one-line error
     (port 0 picks a free one)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # proto IPPROTO_TCP, not the default 0: asyncio turns Nagle off (TCP_NODELAY) only on
+    # connections whose socket says TCP, and with Nagle on, every request after the first on a
+    # kept-alive connection waited ~40 ms (the client's delayed ACK) for its response's tail
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

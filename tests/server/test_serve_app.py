@@ -264,3 +264,34 @@ def test_a_request_goes_to_the_slot_holding_its_prefix():
     assert a2_cached >= len(ids("def main(argv):\n    ")) and a2_cached < a2_prompt
     assert b2_cached >= len(ids("Once upon a time"))
     assert sorted(s["n_cached"] > 0 for s in slots) == [False, True, True]
+
+
+def test_the_servers_connections_have_nagle_off():
+    """``offload serve``'s listening socket says TCP, so the event loop turns Nagle off on
+    each connection it accepts (TCP_NODELAY): with it on, every request after the first on
+    a kept-alive connection (the openai client keeps them) waited for the client's delayed
+    ACK, ~40 ms, before its response's last bytes left."""
+    import asyncio
+    import socket
+
+    from offload.commands.serve import listen_socket
+
+    async def accepted_nodelay() -> int:
+        sock = listen_socket("127.0.0.1", 0)
+        seen = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                seen.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP,
+                                                                              socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        try:
+            return await asyncio.wait_for(seen, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) == 1
