@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from offload.online_n_max import WINDOW, StepCosts
+from offload.online_n_max import StepCosts, Window
 from offload.profile import Profile
 from placement.limits import DECODE_TOKENS
 
@@ -86,21 +86,19 @@ class SplitChoice:
     RECHECK = 64
 
     def __init__(self):
-        self._times: dict[tuple[int, bool], list[float]] = {}
+        self._times: dict[tuple[int, bool], Window] = {}
         self._seen: dict[int, int] = {}
 
     def split(self, n_groups: int) -> bool:
-        one, split = self._times.get((n_groups, False), []), self._times.get((n_groups, True), [])
+        one, split = self._times.get((n_groups, False), Window()), self._times.get((n_groups, True), Window())
         if len(one) < self.TRIALS or len(split) < self.TRIALS:
             return len(split) < len(one)
         self._seen[n_groups] = self._seen.get(n_groups, 0) + 1
-        faster = sorted(split)[len(split) // 2] < sorted(one)[len(one) // 2]
+        faster = split.median() < one.median()
         return not faster if self._seen[n_groups] % self.RECHECK == 0 else faster
 
     def record(self, n_groups: int, split: bool, seconds: float) -> None:
-        times = self._times.setdefault((n_groups, split), [])
-        times.append(seconds)
-        del times[:-WINDOW]
+        self._times.setdefault((n_groups, split), Window()).add(seconds)
 
 
 class Batcher:

@@ -52,44 +52,62 @@ POLICIES = ("auto", "bandit")
 AUTO_CAP = 6            # the longest draft an online policy may choose (a DSpark block: its own)
 
 
+class Window:
+    """The last ``WINDOW`` samples of one measured time, and their median (computed once per
+    new sample). The caller serialises access."""
+
+    def __init__(self):
+        self._samples: deque = deque(maxlen=WINDOW)
+        self._median: float | None = None
+
+    def add(self, seconds: float) -> None:
+        self._samples.append(seconds)
+        self._median = None
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def median(self) -> float | None:
+        """None while empty."""
+        if self._median is None and self._samples:
+            self._median = statistics.median(self._samples)
+        return self._median
+
+
 class StepCosts:
     """Measured forward time by the rows it carried (the batcher records every step; the median of
     the last ``WINDOW`` per row count), the steady drafting time per drafted token, and the
     acceptance earlier sequences measured per drafter (``history``)."""
 
     def __init__(self):
-        self._times: dict[int, deque] = {}
+        self._times: dict[int, Window] = {}
         self._pts: list[tuple[int, float]] | None = None   # (rows, median) by rows; None: recompute
         self._lock = threading.Lock()
         self.shares: dict[int, tuple[int, float, float]] = {}   # policy id → (rows, E tokens, draft s)
-        self._draft: deque = deque(maxlen=WINDOW)   # steady drafting time per drafted token
-        self._over: deque = deque(maxlen=WINDOW)    # a sequence's step time outside forward and drafting
-        self._draft_median: float | None = None
+        self._draft = Window()                   # steady drafting time per drafted token
+        self._over = Window()                    # a sequence's step time outside forward and drafting
         self.history: dict[str, tuple[list[int], list[int]]] = {}   # drafter → (reached, accepted) per position
 
     def record_draft(self, seconds: float) -> None:
         with self._lock:
-            self._draft.append(seconds)
-            self._draft_median = None
+            self._draft.add(seconds)
 
     def record_overhead(self, seconds: float) -> None:
         with self._lock:
-            self._over.append(seconds)
+            self._over.add(seconds)
 
     @property
     def overhead_s(self) -> float:
         """The median time a step costs a sequence beyond the forward pass and drafting: its
         loop and sampling (recorded by sequences alone; 0 until then)."""
         with self._lock:
-            return statistics.median(self._over) if self._over else 0.0
+            return self._over.median() or 0.0
 
     @property
     def draft_s(self) -> float | None:
         """The median steady drafting time per drafted token (None: not measured yet)."""
         with self._lock:
-            if self._draft_median is None and self._draft:
-                self._draft_median = statistics.median(self._draft)
-            return self._draft_median
+            return self._draft.median()
 
     def remember(self, drafter: str, reached: list[int], accepted: list[int]) -> None:
         """Add a finished sequence's per-position counts to ``drafter``'s history."""
@@ -106,7 +124,7 @@ class StepCosts:
 
     def record(self, rows: int, seconds: float) -> None:
         with self._lock:
-            self._times.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
+            self._times.setdefault(rows, Window()).add(seconds)
             self._pts = None
 
     def time(self, rows: int) -> float | None:
@@ -114,7 +132,7 @@ class StepCosts:
         of all of them beyond (one count measured: ``ROW_PRIOR`` of it per further row)."""
         with self._lock:
             if self._pts is None:       # the medians once per new sample, not per lookup
-                self._pts = sorted((r, statistics.median(v)) for r, v in self._times.items())
+                self._pts = sorted((r, w.median()) for r, w in self._times.items())
             pts = self._pts
         if not pts:
             return None

@@ -83,9 +83,8 @@ class Engine:
         self.n_max = spec.n_max if n_max is None else n_max    # a request's default: a number or "auto"
         self.parallel = parallel               # slots: requests generated at once
         self.prompt_chunk = prompt_chunk       # a slot's prompt runs in chunks of this (None: the plan's ubatch)
-        self._running: set[Job] = set()        # the jobs being generated
         self._slots: list = []                 # the session's slots (-np > 1), once loaded
-        self._busy: dict[int, Job] = {}        # slot index → the job it generates (under _cond)
+        self._busy: dict[int, Job] = {}        # slot index → the job handed to it or generating (under _cond)
         self._idle: dict[int, int] = {}        # idle slot index → the count of jobs finished when it became idle
         self._inbox: dict[int, Job] = {}       # slot index → the job handed to it, not taken yet
         self._finished = 0
@@ -122,11 +121,9 @@ class Engine:
             for job in self._queue:
                 job.cancelled.set()
             self._queue.clear()
-            for job in self._inbox.values():
+            for job in self._busy.values():     # handed to a slot, or generating
                 job.cancelled.set()
             self._cond.notify_all()
-        for job in list(self._running):
-            job.cancelled.set()
 
     def prepare(self, request: Request, loop: asyncio.AbstractEventLoop) -> Job:
         """Check ``request`` against the model and build its prompt; APIError if it cannot run."""
@@ -222,11 +219,10 @@ class Engine:
             index = max(self._idle, key=fit)
             del self._idle[index]
             self._inbox[index] = self._busy[index] = job
-            self._running.add(job)
             handed = True
         if handed:
             self.metrics.queued = len(self._queue)
-            self.metrics.processing = len(self._running)
+            self.metrics.processing = len(self._busy)
             self._cond.notify_all()
 
     def _holder(self, index: int):
@@ -327,10 +323,9 @@ class Engine:
             finally:
                 job.finished = True
                 with self._cond:
-                    self._running.discard(job)
                     self._busy.pop(index, None)
                     self._finished += 1
-                    self.metrics.processing = len(self._running)
+                    self.metrics.processing = len(self._busy)
 
     def _serve(self, job: Job, slot=None) -> None:
         session, r = self.session, job.request
