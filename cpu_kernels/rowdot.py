@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba.extending import overload
 
 from .dispatch import elem, layout, quants, scales
+from .registry import QTagType, kernel_by_name
 from .simd import prefetch, vfma, vlane, vload, vsplat, vstore, vsum, vzero
 
 f32 = np.float32
@@ -63,23 +65,76 @@ def _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, k, xf, xo, sc, a0, a1, a2, a
     return a0, a1, a2, a3
 
 
-@njit(fastmath=True, error_model="numpy", _nrt=False)
 def _one(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xo, xs, sc):
     """Four row dots with one token whose activations start at xf[xo] and whose 16-column
-    sums are xs; the accumulators stay in registers. sc: float32 scratch [>= 64]."""
+    sums are xs; the accumulators stay in registers. sc: float32 scratch [>= 64]. Resolved per
+    quant type while Numba types the caller: 32-weight blocks or 256-weight ones (typing only
+    the layout's own loop body keeps a 32-weight type from compiling eight unrolled sub-block
+    steps it never runs; jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(_one, jit_options={"_nrt": False})
+def _ol_one(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xo, xs, sc):
+    if isinstance(tag, QTagType):
+        impl = _one_blocks32 if kernel_by_name(tag.qname).sub_blocks_per_block == 1 else _one_blocks256
+        return (lambda tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xo, xs, sc:
+                impl(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xo, xs, sc))
+    return None
+
+
+@njit(fastmath=True, error_model="numpy", _nrt=False)
+def _one_blocks32(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xo, xs, sc):
+    """``_one`` for 32-weight blocks: the m parts are scalars z (block offset times the sums
+    of its two 16-column halves)."""
     bb, n_sub, same_d = layout(tag)
     a0 = vzero()
     a1 = vzero()
     a2 = vzero()
     a3 = vzero()
-    c0 = vzero()        # m parts: vectors for 256-weight blocks, scalars z for 32-weight ones
-    c1 = vzero()
-    c2 = vzero()
-    c3 = vzero()
     z0 = f32(0)
     z1 = f32(0)
     z2 = f32(0)
     z3 = f32(0)
+    for b in range(n_sub_blocks):
+        ob = b * bb
+        _prefetch_next_group(w, ro0, ro1, ob, bb)
+        d0, m0 = scales(tag, w, ro0 + ob)
+        d1, m1 = scales(tag, w, ro1 + ob)
+        d2, m2 = scales(tag, w, ro2 + ob)
+        d3, m3 = scales(tag, w, ro3 + ob)
+        x0 = vload(xf, xo + 32 * b)
+        x1 = vload(xf, xo + 32 * b + 16)
+        s0 = xs[2 * b]
+        s1 = xs[2 * b + 1]
+        v0, v1 = quants(tag, w, ro0 + ob, 0)
+        a0 = _sub_block_dot_vd(a0, v0, v1, x0, x1, d0, same_d)
+        z0 += vlane(m0, 0) * s0 + vlane(m0, 1) * s1
+        v0, v1 = quants(tag, w, ro1 + ob, 0)
+        a1 = _sub_block_dot_vd(a1, v0, v1, x0, x1, d1, same_d)
+        z1 += vlane(m1, 0) * s0 + vlane(m1, 1) * s1
+        v0, v1 = quants(tag, w, ro2 + ob, 0)
+        a2 = _sub_block_dot_vd(a2, v0, v1, x0, x1, d2, same_d)
+        z2 += vlane(m2, 0) * s0 + vlane(m2, 1) * s1
+        v0, v1 = quants(tag, w, ro3 + ob, 0)
+        a3 = _sub_block_dot_vd(a3, v0, v1, x0, x1, d3, same_d)
+        z3 += vlane(m3, 0) * s0 + vlane(m3, 1) * s1
+    return vsum(a0) + z0, vsum(a1) + z1, vsum(a2) + z2, vsum(a3) + z3
+
+
+@njit(fastmath=True, error_model="numpy", _nrt=False)
+def _one_blocks256(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xo, xs, sc):
+    """``_one`` for 256-weight blocks: the m parts are vectors (one product of the block's 16
+    offsets with its 16 group sums)."""
+    bb, n_sub, same_d = layout(tag)
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    c0 = vzero()
+    c1 = vzero()
+    c2 = vzero()
+    c3 = vzero()
     for b in range(n_sub_blocks // n_sub):
         ob = b * bb
         _prefetch_next_group(w, ro0, ro1, ob, bb)
@@ -87,46 +142,27 @@ def _one(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xo, xs, sc):
         d1, m1 = scales(tag, w, ro1 + ob)
         d2, m2 = scales(tag, w, ro2 + ob)
         d3, m3 = scales(tag, w, ro3 + ob)
-        if n_sub == 1:
-            x0 = vload(xf, xo + 32 * b)
-            x1 = vload(xf, xo + 32 * b + 16)
-            s0 = xs[2 * b]
-            s1 = xs[2 * b + 1]
-            v0, v1 = quants(tag, w, ro0 + ob, 0)
-            a0 = _sub_block_dot_vd(a0, v0, v1, x0, x1, d0, same_d)
-            z0 += vlane(m0, 0) * s0 + vlane(m0, 1) * s1
-            v0, v1 = quants(tag, w, ro1 + ob, 0)
-            a1 = _sub_block_dot_vd(a1, v0, v1, x0, x1, d1, same_d)
-            z1 += vlane(m1, 0) * s0 + vlane(m1, 1) * s1
-            v0, v1 = quants(tag, w, ro2 + ob, 0)
-            a2 = _sub_block_dot_vd(a2, v0, v1, x0, x1, d2, same_d)
-            z2 += vlane(m2, 0) * s0 + vlane(m2, 1) * s1
-            v0, v1 = quants(tag, w, ro3 + ob, 0)
-            a3 = _sub_block_dot_vd(a3, v0, v1, x0, x1, d3, same_d)
-            z3 += vlane(m3, 0) * s0 + vlane(m3, 1) * s1
-        else:
-            xsv = vload(xs, 16 * b)
-            c0 = vfma(m0, xsv, c0)
-            c1 = vfma(m1, xsv, c1)
-            c2 = vfma(m2, xsv, c2)
-            c3 = vfma(m3, xsv, c3)
-            vstore(sc, 0, d0)
-            vstore(sc, 16, d1)
-            vstore(sc, 32, d2)
-            vstore(sc, 48, d3)
-            # All sub-blocks of the block unrolled: K-quant bit positions depend on k, so the
-            # shifts become constants and bytes shared by neighbouring sub-blocks load once.
-            xu = xo + 32 * b * n_sub
-            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 0, xf, xu, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 1, xf, xu + 32, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 2, xf, xu + 64, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 3, xf, xu + 96, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 4, xf, xu + 128, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 5, xf, xu + 160, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 6, xf, xu + 192, sc, a0, a1, a2, a3, same_d)
-            a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 7, xf, xu + 224, sc, a0, a1, a2, a3, same_d)
-    return (vsum(a0) + vsum(c0) + z0, vsum(a1) + vsum(c1) + z1,
-            vsum(a2) + vsum(c2) + z2, vsum(a3) + vsum(c3) + z3)
+        xsv = vload(xs, 16 * b)
+        c0 = vfma(m0, xsv, c0)
+        c1 = vfma(m1, xsv, c1)
+        c2 = vfma(m2, xsv, c2)
+        c3 = vfma(m3, xsv, c3)
+        vstore(sc, 0, d0)
+        vstore(sc, 16, d1)
+        vstore(sc, 32, d2)
+        vstore(sc, 48, d3)
+        # All sub-blocks of the block unrolled: K-quant bit positions depend on k, so the
+        # shifts become constants and bytes shared by neighbouring sub-blocks load once.
+        xu = xo + 32 * b * n_sub
+        a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 0, xf, xu, sc, a0, a1, a2, a3, same_d)
+        a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 1, xf, xu + 32, sc, a0, a1, a2, a3, same_d)
+        a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 2, xf, xu + 64, sc, a0, a1, a2, a3, same_d)
+        a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 3, xf, xu + 96, sc, a0, a1, a2, a3, same_d)
+        a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 4, xf, xu + 128, sc, a0, a1, a2, a3, same_d)
+        a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 5, xf, xu + 160, sc, a0, a1, a2, a3, same_d)
+        a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 6, xf, xu + 192, sc, a0, a1, a2, a3, same_d)
+        a0, a1, a2, a3 = _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, 7, xf, xu + 224, sc, a0, a1, a2, a3, same_d)
+    return vsum(a0) + vsum(c0), vsum(a1) + vsum(c1), vsum(a2) + vsum(c2), vsum(a3) + vsum(c3)
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
