@@ -79,7 +79,8 @@ from placement.errors import PlacementError
 DEFAULT_MAX_N = 6
 DEFAULT_BUDGET_S = 120.0
 DEFAULT_TOKENS = 128
-MIN_BUDGET_S = 20.0          # below this not even one repeat of baseline vs one n_max fits
+MIN_BUDGET_S = 8.0           # below this the pass timings get under a second (tune still runs one
+                             # repeat of each mode, overrunning a tight budget by up to that)
 MIN_TOKENS = 16
 PASSES_SHARE = 0.15         # of --budget for the pass timings; the runs get what is left
 FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")

@@ -114,6 +114,6 @@ def test_run_bench_tune_end_to_end(tmp_path, capsys):
                  "--virtual-gpus", *gpu]) == 0
     assert "mtp n=2" in capsys.readouterr().out
     assert main(["plan", str(tiny.path), *gpu, "-o", str(plan)]) == 0
-    assert main(["tune", "--placement", str(plan), "--max-n", "2", "--budget", "20s", "-n", "16",
+    assert main(["tune", "--placement", str(plan), "--max-n", "2", "--budget", "8s", "-n", "16",
                  "--virtual-gpus"]) == 0
     assert "chosen: drafter" in capsys.readouterr().out

@@ -64,7 +64,7 @@ def plan_file(capsys, tmp_path):
 def test_tune_writes_a_plan_that_run_uses(capsys, tmp_path, plan_file):
     before = yaml.safe_load(plan_file.read_text())
     out_json = tmp_path / "tune.json"
-    rc, out, err = cli(capsys, "tune", "--placement", plan_file, "--max-n", "2", "--budget", "20s", "-n", "24",
+    rc, out, err = cli(capsys, "tune", "--placement", plan_file, "--max-n", "2", "--budget", "8s", "-n", "24",
                        "--json", out_json)
     assert rc == 0, err
     after = yaml.safe_load(plan_file.read_text())
@@ -245,14 +245,14 @@ def test_read_prompts(tmp_path):
 
 # -- bad input -------------------------------------------------------------------------------
 
-@pytest.mark.full      # a second 20 s tune; the default tier's tune measures n-grams beside MTP
+@pytest.mark.full      # a second 8 s tune; the default tier's tune measures n-grams beside MTP
 def test_tune_without_a_draft_head_chooses_among_ngram_and_plain(capsys, tmp_path):
     """A model without a NextN head (the shipped trunk) is tuned with the n-gram drafter:
     verify passes only (no head), a plan section of type ngram (or n_max 0) that run uses."""
     trunk = tmp_path / "trunk.gguf"
     split_nextn(SHIPPED, trunk, tmp_path / "mtp.gguf")
     plan = tmp_path / "plan.yaml"
-    rc, out, err = cli(capsys, "tune", trunk, "--devices", "CPU=16GiB", "--max-n", "2", "--budget", "20s",
+    rc, out, err = cli(capsys, "tune", trunk, "--devices", "CPU=16GiB", "--max-n", "2", "--budget", "8s",
                        "-n", "24", "-o", plan)
     assert rc == 0, err
     spec = yaml.safe_load(plan.read_text())["speculative"]
@@ -278,7 +278,7 @@ def test_bad_input_is_one_line_status_2_and_leaves_the_plan(capsys, tmp_path, pl
     original = plan_file.read_bytes()
     never = tmp_path / "never.json"
     cases = [
-        (("--placement", plan_file, "--budget", "5s"), "at least 20s"),
+        (("--placement", plan_file, "--budget", "5s"), "at least 8s"),
         (("--placement", plan_file, "--budget", "soon"), "--budget"),
         (("--placement", plan_file, "--max-n", "0"), "--max-n"),
         (("--placement", plan_file, "--spec-p-min", "1.5"), "--spec-p-min"),
@@ -398,7 +398,7 @@ def test_tune_on_virtual_gpus_compares_hot_experts_and_stores_routing_and_rates(
     assert cli(capsys, "plan", SHIPPED, "--devices", "CUDA0=20MiB,CPU=4GiB", "--cpu-moe", "--fit", "on",
                "--fit-target", "0", "-o", plan)[0] == 0
     out_json, routing = tmp_path / "tune.json", tmp_path / "routing.yaml"
-    rc, out, err = cli(capsys, "tune", "--placement", plan, "--virtual-gpus", "--max-n", "2", "--budget", "20s",
+    rc, out, err = cli(capsys, "tune", "--placement", plan, "--virtual-gpus", "--max-n", "2", "--budget", "8s",
                        "-n", "16", "--json", out_json, "--routing-out", routing)
     assert rc == 0, err
     d = json.loads(out_json.read_text())

@@ -28,7 +28,7 @@ def test_tune_measures_dspark_and_ngram_and_writes_the_choice(pair, tmp_path, ca
     out, js = tmp_path / "plan.yaml", tmp_path / "tune.json"
     # the small budget and -n keep this near 25 s; no --spec-type: dspark (the dflash draft) and ngram
     rc, stdout, err = cli(capsys, "tune", trunk, "--draft", draft, "--devices", "CPU=16GiB", "-c", "512",
-                          "--prompts", prompts, "--max-n", "2", "--budget", "20s", "-n", "16", "-o", out,
+                          "--prompts", prompts, "--max-n", "2", "--budget", "8s", "-n", "16", "-o", out,
                           "--json", js)
     assert rc == 0, err
     spec = yaml.safe_load(out.read_text())["speculative"]
@@ -51,5 +51,5 @@ def test_tune_measures_dspark_and_ngram_and_writes_the_choice(pair, tmp_path, ca
 
 def test_tune_dspark_without_a_dflash_draft_is_one_line(pair, capsys):
     rc, _, err = cli(capsys, "tune", pair[0], "--devices", "CPU=16GiB", "-c", "512", "--spec-type", "dspark",
-                     "--budget", "20s")
+                     "--budget", "8s")
     assert rc == 2 and err.count("\n") == 1 and "needs a DSpark drafter" in err, err
