@@ -119,6 +119,7 @@ class DSparkDrafter:
     """DSpark's side of the generation loop (``offload.speculative.Drafter``)."""
 
     uses_hidden = True
+    passes = frozenset({"prime", "draft", "accept"})     # accept injects taps: the head's pass
 
     def __init__(self, head: DSpark, cache: DSparkCache, sampler: Sampler, options: SpecOptions, ubatch: int,
                  guide: Guide | None = None):

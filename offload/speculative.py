@@ -143,6 +143,10 @@ class Drafter(Protocol):
     entries follow the trunk's (the prompt cache reuses the trunk only as far as they reach)."""
 
     uses_hidden: bool
+    # the methods that run passes of a model (a head, the drafter's own blocks): under
+    # continuous batching these run on the thread that runs every pass (``compute``); the
+    # others are bookkeeping and run on the sequence's own thread, saving a hand-off per call
+    passes: frozenset[str]
 
     def prime(self, hidden: torch.Tensor, ids: Sequence[int], start: int = 0) -> None: ...
         # after the prompt: ``ids`` the whole prompt, ``hidden`` the trunk states of start..P-1
@@ -186,6 +190,7 @@ class MtpDrafter:
     """A NextN (MTP) head's side of the loop: pending pairs, chaining, p_min, head-cache rollback."""
 
     uses_hidden = True
+    passes = frozenset({"prime", "draft"})     # accept and rollback only keep pairs and truncate
 
     def __init__(self, head: DraftHead, cache, sampler: Sampler, options: SpecOptions, ubatch: int,
                  guide: Guide | None = None):
@@ -304,6 +309,7 @@ class NgramDrafter:
     stops the draft at the first token it forbids."""
 
     uses_hidden = False
+    passes = frozenset()
 
     def __init__(self, options: SpecOptions, guide: Guide | None = None):
         self.sizes = range(options.ngram_size, NGRAM_MIN - 1, -1)       # longest first
@@ -462,15 +468,17 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
 
 
 class _Elsewhere:
-    """``obj`` whose method calls run through ``compute(fn, *args, **kwargs)``; plain
+    """``drafter`` whose pass-running methods (``Drafter.passes``; every method where it
+    declares none) run through ``compute(fn, *args, **kwargs)``; its other methods and plain
     attributes read through."""
 
-    def __init__(self, obj, compute):
-        self._obj, self._compute = obj, compute
+    def __init__(self, drafter, compute):
+        self._obj, self._compute = drafter, compute
+        self._passes = getattr(drafter, "passes", None)
 
     def __getattr__(self, name):
         value = getattr(self._obj, name)
-        if not callable(value):
+        if not callable(value) or (self._passes is not None and name not in self._passes):
             return value
         return lambda *args, **kwargs: self._compute(value, *args, **kwargs)
 

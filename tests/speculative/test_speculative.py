@@ -439,3 +439,34 @@ def test_loop_under_penalties_and_min_p_follows_the_penalised_chain():
                       markov_probs(P_LOGITS, 0.9))
     assert chi2(n * plain[keep], n * want[keep]) > 3 * crit      # the test sees the penalties
     assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("kind", ["mtp", "ngram"])
+def test_only_a_drafters_passes_run_through_compute(kind):
+    """Under continuous batching ``compute`` runs a drafter's calls on the thread of every pass:
+    each head pass runs inside it, bookkeeping (accept, rollback; all of the n-gram drafter)
+    does not, and the text is the one without ``compute``."""
+    inside, routed = [False], []
+
+    def compute(fn, *args, **kwargs):
+        routed.append(fn.__name__)
+        inside[0] = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    class CheckedHead(MarkovHead):
+        def __call__(self, *args, **kwargs):
+            assert inside[0], "a head pass ran outside compute"
+            return super().__call__(*args, **kwargs)
+
+    def run(compute):
+        head = CheckedHead() if compute else MarkovHead()
+        state = State(head.new_cache())
+        options = SpecOptions(n_max=2, type=kind, verify="batched")
+        return list(generate_step(MarkovLM(), [0, 1, 0, 1, 0], state=state, sampler=Sampler(temperature=0.0),
+                                  head=head, options=options, ubatch=4, max_tokens=24, compute=compute))
+
+    assert run(compute) == run(None)
+    assert set(routed) == ({"prime", "draft"} if kind == "mtp" else set())
