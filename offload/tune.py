@@ -77,6 +77,49 @@ def decode(session, prompt: Sequence[int], *, n_tokens: int, n_max: int = 0, p_m
                   generate.get("spec_type", "mtp") if n_max else "none")
 
 
+@dataclass(frozen=True)
+class Batched:
+    """Plain greedy decoding of ``sequences`` prompts at once (continuous batching, as
+    ``offload serve -np N`` steps them): the tokens decoded after the prompts, all sequences,
+    and the median sequence's decode time and steps (the sequences step together)."""
+
+    sequences: int
+    tokens: int
+    eval_s: float
+    steps: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.eval_s if self.eval_s else 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.eval_s / self.steps if self.steps else 0.0
+
+    def to_json(self) -> dict:
+        return {"sequences": self.sequences, "tokens": self.tokens, "seconds": round(self.eval_s, 6),
+                "steps": self.steps, "tokens_per_s": round(self.tokens_per_s, 3),
+                "step_ms": round(self.step_s * 1e3, 4)}
+
+
+def decode_batched(session, prompts: Sequence[Sequence[int]], *, sequences: int, n_tokens: int) -> Batched:
+    """``sequences`` of ``prompts`` decoded together, plain and greedy, ``n_tokens`` each
+    (``Session.generate_batch``). The prompts are cut to one length, so they go through the
+    same step and the sequences decode in lockstep from the next (a longer prompt's chunks
+    would otherwise land in the others' decode time); a prompt used again starts one token
+    later, so no two sequences are the same text."""
+    n = len(prompts)
+    reuse = (sequences - 1) // n
+    length = min(len(p) for p in prompts) - reuse
+    if length < 1:
+        raise ValueError(f"prompts too short to decode {sequences} different sequences")
+    batch = [list(prompts[i % n][i // n:i // n + length]) for i in range(sequences)]
+    out = session.generate_batch(batch, max_tokens=n_tokens, stop_at_eos=False, n_max=0)
+    stats = session.batch_stats
+    return Batched(sequences, sum(max(len(t) - 1, 0) for t in out), statistics.median(s.eval_s for s in stats),
+                   int(statistics.median(s.n_steps for s in stats)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Pass timings.
 # ---------------------------------------------------------------------------------------------

@@ -155,6 +155,9 @@ class TuneResult:
     # several sequences at once (-np), forecast from the fitted costs and the chosen drafter's
     # measured acceptance (placement.concurrency)
     concurrency: tuple = ()
+    # plain decoding of several sequences at once (``offload.tune.Batched``), which the
+    # concurrency forecast's per-sequence term comes from
+    batched: tuple = ()
 
     @property
     def table(self) -> SpecTable:
@@ -187,6 +190,7 @@ class TuneResult:
             "table_text": self.table.format(), "break_even_n_max": self.table.break_even_n,
             "best_n_max": self.table.best.n,
             "concurrency_forecast": [r.to_dict() for r in self.concurrency],
+            "batched_measured": [b.to_json() for b in self.batched],
             "op_offload_rates": None if self.prefill is None else self.prefill.to_dict(),
             "routing_counts": None if self.routing_counts is None else self.routing_counts.to_dict(),
             "hot_experts": self.hot.to_dict() if self.hot is not None else {"skipped": self.hot_note},

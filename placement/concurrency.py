@@ -12,7 +12,9 @@ Assumptions, stated: the sequences draft in lockstep with the same acceptance pr
 loop's own per-step time (``step``, ``spec_step``: sampling, the generation loop, handing
 text on) is paid by every sequence, once per step each — each sequence runs its own loop
 (``offload.batching``; measured with ``bench.parallel``, where counting it once per step
-forecast 3.9x the measured aggregate at 8 sequences); KV reads are not costed (as in the
+forecast 3.9x the measured aggregate at 8 sequences); batched, a sequence's share is
+``batch_step_us`` where ``offload tune`` measured it (its loop plus the hand-offs to the
+batcher's thread: one sequence's loop alone left the forecast 2.6x the measured aggregate); KV reads are not costed (as in the
 one-sequence table: decode at short context); the tokens of different sequences route
 independently (``routing``/``hits`` as given)."""
 from __future__ import annotations
@@ -63,12 +65,31 @@ def concurrency_table(fp: DecodeFootprint, hw: HardwareProfile, *, acceptance: A
         verify = [pass_time(fp.target, b, **kw) for b in sizes]
         drafts = [0.0] * len(sizes) if draft_kind == "free" else [pass_time(fp.draft, b, **kw) for b in sizes]
         injects = None if inject is None else [pass_time(inject, b, **kw) for b in sizes]
-        per_seq = dict(params, step=s * params["step"], spec_step=s * params["spec_step"])
+        per_seq = dict(params, step=s * sequence_step_s(hw, s), spec_step=s * params["spec_step"])
         rows = spec_rows(verify, drafts, acceptance, per_seq, draft_kind=draft_kind, inject_s=injects)
         best = max(rows, key=lambda r: (r.speedup, -r.n))
         even = max(r.n for r in rows if r.speedup >= 1.0)
         out.append(ConcurrencyRow(s, s * rows[0].tokens_per_s, best.n, s * best.tokens_per_s, even))
     return tuple(out)
+
+
+def sequence_step_s(hw: HardwareProfile, sequences: int) -> float:
+    """What each of ``sequences`` sequences adds to a step outside the pass: one sequence's
+    loop alone; batched, the measured ``batch_step_us`` where there is one."""
+    if sequences > 1 and hw.batch_step_us is not None:
+        return hw.batch_step_us * 1e-6
+    return hw.step_us * 1e-6
+
+
+def batch_step_us(fp: DecodeFootprint, hw: HardwareProfile, sequences: int, step_s: float, *,
+                  routing: RoutingProfile | None = None) -> float:
+    """``batch_step_us`` from a measured plain step of ``sequences`` batched sequences
+    (``step_s``: wall time per step, each sequence one token): what is left of it after the
+    cost model's pass of that many rows, per sequence (0 when the pass alone explains it)."""
+    params = hw.linear_params()
+    pass_s = pass_time(fp.target, sequences, params=params, n_embd=fp.n_embd, act_bytes=fp.act_bytes,
+                       routing=routing)
+    return max(0.0, (step_s - pass_s) / sequences) * 1e6
 
 
 def format_concurrency(rows: tuple[ConcurrencyRow, ...]) -> str:

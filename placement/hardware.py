@@ -93,6 +93,11 @@ DEFAULT_DRAFT_PASS_US = 0.0
 # no prior (0); `offload tune` measures it as a step's wall time minus its passes.
 DEFAULT_STEP_US = 0.0
 DEFAULT_SPEC_STEP_US = 0.0       # extra per step when drafting (draft bookkeeping)
+# Per sequence per step when several sequences are batched (offload serve -np N): its loop plus
+# the hand-off of each pass to the batcher's thread. No prior (None: step_us, one sequence's
+# loop, which under batching forecast 2.6x the measured aggregate at 8 sequences);
+# `offload tune` measures it on batched plain decoding.
+DEFAULT_BATCH_STEP_US = None
 # Batched (prompt) matmul rates, for the op-offload choice (placement.op_offload). Priors, not
 # measurements: a 32-core AVX-512 server CPU at ~30 GFLOP/s per core on quantized expert
 # matmuls; one GPU at ~50 % of an RTX 4090's 165 dense bf16 tensor TFLOP/s. YAML overrides them.
@@ -139,7 +144,7 @@ def gpu_profile(nvml_name: str) -> GpuProfile:
 _GPU_DEVICE = re.compile(r"CUDA\d+")
 _FIELDS = ("cpu_read_gbps", "cpu_compute_gbps", "link_latency_us", "cpu_layer_us",
            "gpu_layer_us", "forward_us", "draft_pass_us", "step_us", "spec_step_us", "cpu_batched_gflops", "gpu_batched_tflops",
-           "gpus", "source", "measured", "cpu_cache_bytes", "cpu_cache_read_gbps")
+           "gpus", "source", "measured", "cpu_cache_bytes", "cpu_cache_read_gbps", "batch_step_us")
 _RATES = ("cpu_batched_gflops", "gpu_batched_tflops")
 _FIXED_US = ("link_latency_us", "cpu_layer_us", "gpu_layer_us", "forward_us", "draft_pass_us", "step_us",
              "spec_step_us")
@@ -155,7 +160,9 @@ class HardwareProfile:
     which holds for the small batches of a verify step on a memory-bound box.
     ``step_us`` is the time of one decode step outside its forward passes (sampling,
     acceptance, cache rollback, the Python loop), ``spec_step_us`` what a step that drafts
-    adds to it (draft sampling and head-cache bookkeeping).
+    adds to it (draft sampling and head-cache bookkeeping). ``batch_step_us``: what each
+    sequence adds to a step when several are batched (its loop and the hand-offs to the
+    batcher's thread; None: ``step_us``); only the several-sequences forecast reads it.
     """
 
     cpu_read_gbps: float = DEFAULT_CPU_READ_GBPS
@@ -178,9 +185,12 @@ class HardwareProfile:
     # read at the rate measured on such a model (``offload probe``), not at the RAM rate.
     cpu_cache_bytes: int = 0
     cpu_cache_read_gbps: float | None = None
+    batch_step_us: float | None = DEFAULT_BATCH_STEP_US
 
     def __post_init__(self) -> None:
         _check_positive("cpu_read_gbps", self.cpu_read_gbps)
+        if self.batch_step_us is not None:
+            _check_non_negative("batch_step_us", self.batch_step_us)
         if self.cpu_cache_read_gbps is not None:
             _check_positive("cpu_cache_read_gbps", self.cpu_cache_read_gbps)
         _check_non_negative("cpu_cache_bytes", self.cpu_cache_bytes)
@@ -264,6 +274,7 @@ class HardwareProfile:
             measured=tuple(self.measured) + (tuple(params) if measured else ()),
             cpu_cache_bytes=self.cpu_cache_bytes,
             cpu_cache_read_gbps=self.cpu_cache_read_gbps,
+            batch_step_us=self.batch_step_us,
         )
 
     # -- serialisation (plan.yaml `speculative.profile.hardware`, or a user-written YAML) --
@@ -286,6 +297,7 @@ class HardwareProfile:
             **({"measured": list(self.measured)} if self.measured else {}),
             **({"cpu_cache_bytes": self.cpu_cache_bytes, "cpu_cache_read_gbps": self.cpu_cache_read_gbps}
                if self.cpu_cache_read_gbps is not None else {}),
+            **({"batch_step_us": self.batch_step_us} if self.batch_step_us is not None else {}),
         }
 
     @classmethod
@@ -306,6 +318,8 @@ class HardwareProfile:
         if d.get("cpu_cache_read_gbps") is not None:
             kw["cpu_cache_read_gbps"] = _number("hardware profile: cpu_cache_read_gbps", d["cpu_cache_read_gbps"])
             kw["cpu_cache_bytes"] = int(_number("hardware profile: cpu_cache_bytes", d.get("cpu_cache_bytes", 0)))
+        if d.get("batch_step_us") is not None:
+            kw["batch_step_us"] = _number("hardware profile: batch_step_us", d["batch_step_us"])
         if d.get("measured") is not None:
             if not isinstance(d["measured"], list) or not all(isinstance(m, str) for m in d["measured"]):
                 raise ProfileError("hardware profile: measured must be a list of parameter names")

@@ -286,7 +286,7 @@ def tune_drafters(text: str | None, plan) -> list[str]:
 def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock,
          kinds: list[str] | None = None) -> TuneResult:
     from offload import tune as measure
-    from placement.concurrency import concurrency_table
+    from placement.concurrency import batch_step_us, concurrency_table
     from placement.cost import SpecProfile, best_over_p_min, speculation_table
     from placement.cost_fit import fit_profile
     from placement.routing import distinct_experts_uniform
@@ -370,6 +370,13 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
                                         source=f"measured by offload tune ({time.strftime('%Y-%m-%d')})")
     hw = with_prefill_rates(hw, rates)
     say(f"fit: {_fit_summary(fit)}; per step: loop {step_us / 1e3:.2f} ms, +{spec_step_us / 1e3:.2f} ms drafting")
+    batched, batched_note = _batched(session, prompts, n_tok, fp, hw, routing)
+    if batched:
+        hw = dataclasses.replace(hw, batch_step_us=statistics.median(
+            batch_step_us(fp, hw, b.sequences, b.step_s, routing=routing) for b in batched))
+    say(f"several sequences: {batched_note}" if not batched else "several sequences: plain decoding "
+        + ", ".join(f"{b.sequences} at once {b.tokens_per_s:.1f} t/s" for b in batched)
+        + f"; each adds {hw.batch_step_us / 1e3:.2f} ms to a batched step beyond the pass")
     # a block drafter (DSpark) also pays the injection of each step's kept tokens
     inject = block_injection(plan, model, draft) if head_kind == "dspark" else None
     tables = {p: speculation_table(fp, hw, acceptance=accept[p], max_n=n_cap[head_kind], routing=routing,
@@ -475,7 +482,21 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         p_min=p_min, stages=tuple(stages), repeats=rep, runs=tuple(records), measured=tuple(measured),
         chosen_n_max=chosen, choice=rule, section=section, prefill=rates, routing_counts=counts,
         hot=hot, hot_note=hot_note, tables=by_kind, chosen_drafter=chosen_kind, drafter_choices=choices,
-        runner_up=runner_up, head_drafter=head_kind, concurrency=concurrency)
+        runner_up=runner_up, head_drafter=head_kind, concurrency=concurrency, batched=tuple(batched))
+
+
+BATCHED_SEQUENCES = (2, 4)     # measured at once beside one: the several-sequences forecast's own term
+
+
+def _batched(session, prompts, n_tok: int, fp, hw, routing) -> tuple[list, str]:
+    """Plain decoding of ``BATCHED_SEQUENCES`` prompts at once (after a short warm-up that
+    sets up the slots), or ([], why not) where the session cannot batch sequences."""
+    from offload import tune as measure
+    try:
+        measure.decode_batched(session, prompts, sequences=max(BATCHED_SEQUENCES), n_tokens=4)
+        return [measure.decode_batched(session, prompts, sequences=s, n_tokens=n_tok) for s in BATCHED_SEQUENCES], ""
+    except OffloadError as e:
+        return [], f"not measured ({e})"
 
 
 def choose_drafter(choices: dict[str, tuple[int, str]], measured: list[MeasuredRow]) -> tuple[str, dict | None]:
@@ -722,7 +743,13 @@ def format_report(r: TuneResult) -> str:
     lines += ["", r.hot.format() if r.hot is not None else f"hot experts: {r.hot_note}", ""]
     if r.concurrency:
         lines += [format_concurrency(r.concurrency).replace(
-            "(forecast;", "(forecast from the fitted costs and this drafter's measured acceptance;"), ""]
+            "(forecast;", "(forecast from the fitted costs and this drafter's measured acceptance;")]
+        if r.batched:
+            lines.append("measured, plain decoding: " + ", ".join(
+                f"{b.sequences} sequences {b.tokens_per_s:.2f} t/s" for b in r.batched)
+                + f" (each sequence adds {r.hardware.batch_step_us / 1e3:.2f} ms to a batched step beyond "
+                  f"the pass; alone its loop takes {r.loop_step_ms:.2f} ms)")
+        lines.append("")
     p_min = r.p_min if r.chosen_drafter == r.head_drafter else 0.0
     lines.append(f"chosen: drafter {r.chosen_drafter}, n_max {r.chosen_n_max} (p_min {p_min:g}): {r.choice}")
     if r.runner_up is not None:

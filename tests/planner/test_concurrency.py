@@ -80,3 +80,28 @@ def test_offload_plan_prints_and_saves_the_table(capsys):
     assert main(["plan", str(SHIPPED_MODEL), "--devices", "CPU=16GiB", "--no-probe"]) == 0
     out = capsys.readouterr().out
     assert "several sequences at once" in out and "break-even" in out
+
+
+def test_batched_sequences_pay_the_measured_per_sequence_step():
+    """With ``batch_step_us`` (``offload tune``'s batched runs) S >= 2 sequences each add that to
+    a step, one sequence its own loop (``step_us``); ``batch_step_us`` reads it back from a
+    measured step: the step minus the cost model's pass of S rows, per sequence."""
+    from dataclasses import replace
+
+    from placement.concurrency import batch_step_us
+    from placement.hardware import HardwareProfile, ProfileError
+    fp = _hand_footprint()
+    headless = DecodeFootprint(fp.target, None, fp.n_embd)
+    hw = replace(_hand_profile().with_linear_params({"step": 0.004, "spec_step": 0.0}, source="hand"),
+                 batch_step_us=9000.0)
+    rows = concurrency_table(headless, hw, acceptance=AcceptanceProfile(accept=(0.5,)), max_n=1,
+                             draft_kind="free", sequences=(1, 2, 4))
+    assert rows[0].plain_tps == pytest.approx(1 / (verify_s(1) + 0.004), rel=1e-12)
+    for row, s in zip(rows[1:], (2, 4)):
+        assert row.plain_tps == pytest.approx(s / (verify_s(s) + s * 0.009), rel=1e-12)
+        assert batch_step_us(headless, hw, s, verify_s(s) + s * 0.009) == pytest.approx(9000.0, rel=1e-9)
+    assert batch_step_us(headless, hw, 4, 0.5 * verify_s(4)) == 0.0        # the pass alone is slower
+    assert HardwareProfile.from_dict(hw.to_dict()).batch_step_us == 9000.0
+    assert "batch_step_us" not in _hand_profile().to_dict()
+    with pytest.raises(ProfileError, match="batch_step_us"):
+        HardwareProfile.from_dict({**hw.to_dict(), "batch_step_us": -1})

@@ -98,6 +98,11 @@ def test_tune_writes_a_plan_that_run_uses(capsys, tmp_path, plan_file):
     assert "predicted vs measured" in out and "drafter mtp" in out and "drafter ngram" in out
     assert "several sequences at once (forecast from the fitted costs" in out      # -np 1, 2, 4, 8
     assert [r["sequences"] for r in json.loads(out_json.read_text())["concurrency_forecast"]] == [1, 2, 4, 8]
+    # the forecast's per-sequence term under batching, from plain decoding of 2 and 4 at once
+    batched = json.loads(out_json.read_text())["batched_measured"]
+    assert [b["sequences"] for b in batched] == [2, 4]
+    assert all(b["tokens"] == b["sequences"] * 23 and b["tokens_per_s"] > 0 for b in batched)
+    assert prof["hardware"]["batch_step_us"] >= 0 and "measured, plain decoding: 2 sequences" in out
     assert f"chosen: drafter {spec['type']}, n_max {spec['n_max']}" in out and "runner-up" in out
     assert "calibrate" in err and "passes" in err and "acceptance" in err and "runs" in err
     d = json.loads(out_json.read_text())
