@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from gpu.dsv4_cache import CompressedRows, CompressorState, Dsv4Cache
-from gpu.kv_cache import QuantRows
+from gpu.kv_cache import QuantRows, SequenceBatch, spans
 from gpu.norm import RMSNorm
 from gpu.rope import Rope
 from placement.limits import SCORE_VALUES
@@ -156,13 +156,27 @@ class CompressedAttention:
         win = cache.window
         win.append(self.keys(x, positions).transpose(0, 1))           # stored in the ring's type
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: Dsv4Cache) -> torch.Tensor:
-        """x: (T, n_embd) normalised input at ``positions`` (T,) → (T, n_embd); advances ``cache``."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: Dsv4Cache | SequenceBatch) -> torch.Tensor:
+        """x: (T, n_embd) normalised input at ``positions`` (T,) → (T, n_embd); advances ``cache``
+        (several sequences' caches as a ``SequenceBatch``: the projections over every row, the
+        window, compressors, indexer and attention per sequence over its own rows)."""
         t, h, d = x.shape[0], self.n_head, self.head_dim
         qr = self.q_a_norm(self.q_a(x))                                                    # (T, q_lora)
         q = self.q_b(qr).float().view(t, h, d)
         q = rope_tail(self.rope, q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps), positions)
         kv = self.keys(x, positions)
+        if isinstance(cache, SequenceBatch):
+            o = torch.cat([self._attend(x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], positions[lo:hi], c)
+                           for c, (lo, hi) in zip(cache.caches, spans(cache.rows))])
+        else:
+            o = self._attend(x, qr, q, kv, positions, cache)
+        o = rope_tail(self.rope, o, positions, inverse=True)
+        return self.o_b(self.o_a(o.reshape(t, self.o_groups, h * d // self.o_groups)))
+
+    def _attend(self, x, qr, q, kv, positions, cache: Dsv4Cache) -> torch.Tensor:
+        """One sequence's rows: its keys into the window, its compressed entries and the
+        indexer's choice, then attention with the sink → (T, H, d) before the inverse rotation."""
+        t, d = x.shape[0], self.head_dim
         win = cache.window
         ring = win.append(kv.transpose(0, 1))[0]                       # stored in the ring's type
         keys = (ring.float() if isinstance(ring, QuantRows) else ring)[0].float()           # (L, d)
@@ -181,6 +195,4 @@ class CompressedAttention:
                 take = chosen[0].nonzero().squeeze(1)
                 entries, chosen = entries[take], chosen[:, take]
             keys, seen = torch.cat((keys, entries)), torch.cat((seen, chosen), dim=1)
-        o = attend_with_sink(q, keys, seen, self.sinks, d ** -0.5)
-        o = rope_tail(self.rope, o, positions, inverse=True)
-        return self.o_b(self.o_a(o.reshape(t, self.o_groups, h * d // self.o_groups)))
+        return attend_with_sink(q, keys, seen, self.sinks, d ** -0.5)

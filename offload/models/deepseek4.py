@@ -134,10 +134,6 @@ class Deepseek4(CausalLM):
     """``forward`` returns, as its hidden states, what V4's MTP head reads: the (T, n·d)
     streams before the hc head (llama.cpp's ``t_h_nextn``, ``embedding_length_out`` wide)."""
 
-    # its window ring, compressed entries and indexer keys are read by its own attention,
-    # not through ``append``/``attend``: several sequences run one after another
-    batches_sequences = False
-
     def __init__(self, *, hc_head: HyperHead, dspark=None, **parts):
         super().__init__(**parts)
         self.hc_head = hc_head

@@ -133,8 +133,8 @@ def test_several_sequences_stepped_together_match_each_alone(case, plan):
     blocks where they apply) and one with a 20-token prompt chunk among single tokens (the
     reference path) — give each sequence the logits, hidden states and cache lengths its own
     ``forward`` gives. Attention runs per sequence, everything else over all rows: float32
-    rounding of other matmul shapes only (1e-4 of the logit scale). An architecture that
-    batches sequences runs each step as one ``forward``; deepseek4 runs them one by one.
+    rounding of other matmul shapes only (1e-4 of the logit scale). Each step is one ``forward``
+    (deepseek4: its window, compressors and indexer per sequence inside it).
     Float activations: a single token alone takes the decode kind, inside a 22-row step the
     prompt kind, and with int8 ones those differ by their rounding (tests/kernels/test_prefill.py)."""
     _, tiny = case
