@@ -101,10 +101,16 @@ TINY = np.float32(np.finfo(np.float32).tiny)
 
 @njit(error_model="numpy")
 def _silu_glu(g, u, act):
-    """act 0: SiLU-gated, silu(g) * u. exp() only of non-positive numbers (no overflow
-    under fast-math, which assumes no infinities), and results below float32's smallest
-    normal flushed to 0: subnormal activations make every FMA of the down projection take
-    a slow microcode path on x86 (seen: 8x slower with silu of large negative gates)."""
+    """SiLU-gated, silu(g) * u; ``act`` > 0 (a float32 limit): DeepSeek-V4's clamped SwiGLU,
+    g ≤ limit and |u| ≤ limit first (llama.cpp's order); ``act`` 0: no clamp. exp() only of
+    non-positive numbers (no overflow under fast-math, which assumes no infinities), and
+    results below float32's smallest normal flushed to 0: subnormal activations make every
+    FMA of the down projection take a slow microcode path on x86 (seen: 8x slower with silu
+    of large negative gates)."""
+    if act > 0:
+        lim = f32(act)
+        g = min(g, lim)
+        u = min(max(u, -lim), lim)
     if g >= 0:
         sg = g / (f32(1) + np.exp(-g))
     elif g > f32(-80):
@@ -516,7 +522,7 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
     dk, db = w._down
     n_threads = settings.apply_threads()
     int8_x, int8_h = int8_phases(w, int8)
-    if act != "silu" or gate_bias is not None or up_bias is not None:
+    if act == "swiglu_oai" or gate_bias is not None or up_bias is not None:
         H = _biased_glu(w, X, tok, flat, slot_expert, slot_start, n_threads, act, gate_bias, up_bias, int8,
                         limit)
     else:
@@ -525,8 +531,9 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
             xq, dx, bsums, xs4, dx8 = quantized_activations(X)
         else:
             xq, dx, bsums, xs4, dx8 = None, None, bsums_of(X), None, None
+        # the fused phase's act: 0 SiLU, a float32 limit the clamped SwiGLU
         _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
-                       tok, H, n_threads, ACTIVATIONS[act])
+                       tok, H, n_threads, f32(limit) if act == "swiglu_clamp" else 0)
     if int8_h:
         hq, hdx, h_bsums, hxs4, hdx8 = quantized_activations(H)
     else:
