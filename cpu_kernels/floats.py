@@ -51,6 +51,9 @@ def elem_bf16(w, ro, c):
     return f32_from_bits(u32(ld_u16(w, ro + 2 * c)) << u32(16))
 
 
-register(T.F32, sub_blocks_per_block=1, scales=identity_scales, quants=quants_f32, same_d=True, elem=elem_f32)
-register(T.F16, sub_blocks_per_block=1, scales=identity_scales, quants=quants_f16, same_d=True, elem=elem_f16)
-register(T.BF16, sub_blocks_per_block=1, scales=identity_scales, quants=quants_bf16, same_d=True, elem=elem_bf16)
+register(T.F32, sub_blocks_per_block=1, scales=identity_scales, quants=quants_f32, same_d=True, elem=elem_f32,
+         has_min=False)
+register(T.F16, sub_blocks_per_block=1, scales=identity_scales, quants=quants_f16, same_d=True, elem=elem_f16,
+         has_min=False)
+register(T.BF16, sub_blocks_per_block=1, scales=identity_scales, quants=quants_bf16, same_d=True, elem=elem_bf16,
+         has_min=False)

@@ -42,3 +42,12 @@ def bsums_of(x: np.ndarray) -> np.ndarray:
     """float32 [B, cols // 16]: sums of each 16-column group (for the decoders' offsets)."""
     n = x.shape[1] // 16 * 16
     return np.ascontiguousarray(x[:, :n].reshape(x.shape[0], -1, 16).sum(-1, dtype=np.float32))
+
+
+def bsums_for(x: np.ndarray, *kerns) -> np.ndarray:
+    """``bsums_of(x)`` for the float path of weights of these types, or zeros where none of
+    them has offsets (``QuantKernel.has_min`` False: the kernels multiply the sums by m = 0).
+    Saves a numpy reduction per call: about a tenth of a small matmul call's time."""
+    if any(k.has_min for k in kerns):
+        return bsums_of(x)
+    return np.zeros((x.shape[0], x.shape[1] // 16), np.float32)

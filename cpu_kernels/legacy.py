@@ -109,7 +109,8 @@ def quants_q8_0(w, ob, k):
 
 
 register(T.Q4_0, sub_blocks_per_block=1, scales=scales_q4_0, quants=quants_q4_0, same_d=True,
-         block_pair=block_pair_decoder(block_bytes=18, qs=2, scale="f16"), block_pair_offset=8)
+         block_pair=block_pair_decoder(block_bytes=18, qs=2, scale="f16"), block_pair_offset=8,
+         has_min=not _LUT)       # the table removes the -8 where there is one
 register(T.Q4_1, sub_blocks_per_block=1, scales=scales_q4_1, quants=quants_q4_1, same_d=True,
          block_pair=block_pair_decoder(block_bytes=20, qs=4, scale="f16", min_at=2), block_pair_min=True)
 register(T.Q5_0, sub_blocks_per_block=1, scales=scales_q5_0, quants=quants_q5_0, same_d=True,
@@ -118,4 +119,5 @@ register(T.Q5_1, sub_blocks_per_block=1, scales=scales_q5_1, quants=quants_q5_1,
          block_pair=block_pair_decoder(block_bytes=24, qs=8, scale="f16", min_at=2, qh=4), block_pair_min=True)
 # int8 codes of Q8_0 are the signed values + 128 (the instruction multiplies u8 x s8).
 register(T.Q8_0, sub_blocks_per_block=1, scales=scales_q8_0, quants=quants_q8_0, same_d=True,
-         block_pair=block_pair_decoder(block_bytes=34, qs=2, scale="f16", signed8=True), block_pair_offset=128)
+         block_pair=block_pair_decoder(block_bytes=34, qs=2, scale="f16", signed8=True), block_pair_offset=128,
+         has_min=False)

@@ -8,7 +8,7 @@ from placement.limits import DX_PAD, S4_PAD, XQ_PAD, wants_int8
 
 from . import settings
 from .entry import first_call
-from .layout import activations, bsums_of, row_cols, weight_bytes
+from .layout import activations, bsums_for, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
 from .rowdot import TOKEN_TILE, dot4, rows4, rows4_scratch
 from .rowdot8 import dot4_i8, quantize_rows
@@ -138,7 +138,7 @@ def matmul(x, w, qtype, *, name: str = "", int8: bool | str | None = None) -> np
         if use_int8(kern, int8):
             _matmul_i8_kernel(kern.tag, wb, *quantized_activations(X), Y, n_threads)
         else:
-            _matmul_kernel(kern.tag, wb, X, bsums_of(X), Y, n_threads)
+            _matmul_kernel(kern.tag, wb, X, bsums_for(X, kern), Y, n_threads)
     return Y[0] if squeeze else Y
 
 
@@ -185,7 +185,7 @@ class BoundMatmul:
             kernel, tail = _matmul_kernel, ()
         Y = np.empty((b, self.wb.shape[0]), f32)
         if b and self.wb.shape[0]:
-            args = (self.kern.tag, self.wb, X, bsums_of(X), Y, *tail, settings.apply_threads())
+            args = (self.kern.tag, self.wb, X, bsums_for(X, self.kern), Y, *tail, settings.apply_threads())
             if self._entry is None:
                 self._entry, _ = first_call(kernel, args)
             else:

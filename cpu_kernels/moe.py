@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType
 from numba import njit, prange
 
 from . import settings
-from .layout import activations, bsums_of, row_cols, weight_bytes
+from .layout import activations, bsums_for, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
 from .matmul import int8_rows, quantized_activations, use_int8
 from .rowdot import dot4
@@ -428,7 +428,7 @@ def _project(kern, raw, row0: int, n_rows: int, A_in, slot_expert, slot_start, n
     if use_int8(kern, int8):
         q, dq, bsums, s4, d8 = quantized_activations(A_in)
     else:
-        q, dq, bsums, s4, d8 = None, None, bsums_of(A_in), None, None
+        q, dq, bsums, s4, d8 = None, None, bsums_for(A_in, kern), None, None
     out = np.empty((A_in.shape[0], n_rows), f32)
     view = raw if row0 == 0 and raw.shape[1] == n_rows else raw[:, row0:row0 + n_rows]
     _down_phase(kern.tag, view, A_in, bsums, q, dq, s4, d8, slot_expert, slot_start, out, n_threads)
@@ -530,14 +530,14 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
         if int8_x:
             xq, dx, bsums, xs4, dx8 = quantized_activations(X)
         else:
-            xq, dx, bsums, xs4, dx8 = None, None, bsums_of(X), None, None
+            xq, dx, bsums, xs4, dx8 = None, None, bsums_for(X, gk, uk), None, None
         # the fused phase's act: 0 SiLU, a float32 limit the clamped SwiGLU
         _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
                        tok, H, n_threads, f32(limit) if act == "swiglu_clamp" else 0)
     if int8_h:
         hq, hdx, h_bsums, hxs4, hdx8 = quantized_activations(H)
     else:
-        hq, hdx, h_bsums, hxs4, hdx8 = None, None, bsums_of(H), None, None
+        hq, hdx, h_bsums, hxs4, hdx8 = None, None, bsums_for(H, dk), None, None
     out = np.empty((flat.size, w.n_embd), f32)
     _down_phase(dk.tag, db, H, h_bsums, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, n_threads)
     if down_bias is not None:

@@ -78,9 +78,10 @@ def quants_iq4_xs(w, ob, k):
 # int8 path: codes = table value + offset (unsigned bytes), one vpermb per 64 nibbles.
 register(T.MXFP4, sub_blocks_per_block=1, scales=scales_mxfp4, quants=quants_mxfp4, same_d=True,
          block_pair=block_pair_decoder(block_bytes=17, qs=1, scale="e8m0", table=MXFP4_VALUES.astype(int) + 12),
-         block_pair_offset=12)
+         block_pair_offset=12, has_min=False)
 register(T.IQ4_NL, sub_blocks_per_block=1, scales=scales_iq4_nl, quants=quants_iq4_nl, same_d=True,
          block_pair=block_pair_decoder(block_bytes=18, qs=2, scale="f16", table=IQ4_VALUES.astype(int) + 128),
-         block_pair_offset=128)
+         block_pair_offset=128, has_min=False)
 register(T.IQ4_XS, sub_blocks_per_block=8, scales=scales_iq4_xs, quants=quants_iq4_xs, same_d=True,
-         codes=sub_block_pair_decoder(nibbles_at=8, table=IQ4_VALUES.astype(int) + 128), code_offset=128)
+         codes=sub_block_pair_decoder(nibbles_at=8, table=IQ4_VALUES.astype(int) + 128), code_offset=128,
+         has_min=False)

@@ -66,6 +66,9 @@ class QuantKernel:
     block_pair: tuple | None = None  # (decode_block_pair, decode_block): int8 path of 32-weight types
     block_pair_offset: int = 0       # block-pair codes = value + block_pair_offset
     block_pair_min: bool = False     # the block-pair decoder's mins are not all zero
+    # scales' m can be nonzero: the float path then multiplies it by the activations' 16-column
+    # sums (``layout.bsums_for`` skips computing them where every m is 0)
+    has_min: bool = True
 
     @property
     def has_int8(self) -> bool:
@@ -111,9 +114,10 @@ _BY_NAME: dict[str, QuantKernel] = {}
 def register(qtype: GGMLQuantizationType, *, sub_blocks_per_block: int, scales: Callable,
              quants: Callable, same_d: bool, elem: Callable | None = None,
              codes: Callable | None = None, code_offset: int = 0, block_pair: tuple | None = None,
-             block_pair_offset: int = 0, block_pair_min: bool = False) -> None:
+             block_pair_offset: int = 0, block_pair_min: bool = False, has_min: bool = True) -> None:
     """Register the decoders of ``qtype`` (``elem``: scalar loader, float types only;
-    ``codes``: int8-path decoder of 256-weight types; ``block_pair``: of 32-weight types)."""
+    ``codes``: int8-path decoder of 256-weight types; ``block_pair``: of 32-weight types;
+    ``has_min`` False: ``scales`` always returns m = 0)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if elem is not None:               # float types: a 32-element pseudo-block
         type_size = type_size * 32 // block_size
@@ -126,7 +130,7 @@ def register(qtype: GGMLQuantizationType, *, sub_blocks_per_block: int, scales: 
         raise ValueError(f"{qtype.name}: int8 decoders are codes for 256-weight blocks, block_pair for 32")
     k = QuantKernel(qtype, block_size, type_size, sub_blocks_per_block, scales, quants, elem,
                     same_d, codes, code_offset, QTag(qtype.name), block_pair, block_pair_offset,
-                    block_pair_min)
+                    block_pair_min, has_min)
     _KERNELS[qtype] = k
     _BY_NAME[qtype.name] = k
 

@@ -71,6 +71,19 @@ def test_matmul_random_blocks(qt):
     for b in (1, 3, 16, 17):                          # 17 spans two token tiles
         x = rng.standard_normal((b, cols)).astype(np.float32)
         check_close(ck.matmul(x, w, qt), x, W)
+    # a type registered without offsets (has_min False: layout.bsums_for passes zeros) gives the
+    # same bits whatever the 16-column sums hold; Q4_1's offsets do read them
+    from cpu_kernels.layout import bsums_of
+    from cpu_kernels.matmul import _matmul_kernel
+    kern, wb = get_kernel(qt), weight_bytes(w, get_kernel(qt), 2, "w")
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    ys = [np.empty((3, 13), np.float32) for _ in range(2)]
+    for y, bs in zip(ys, (bsums_of(x), np.full((3, cols // 16), 1e3, np.float32))):
+        _matmul_kernel(kern.tag, wb, x, bs, y, 2)
+    if not kern.has_min:
+        assert np.array_equal(ys[0], ys[1])
+    if qt == T.Q4_1:
+        assert not np.allclose(ys[0], ys[1])
 
 
 def test_ksigns_rule_is_ggmls_table():
