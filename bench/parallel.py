@@ -13,7 +13,7 @@ inter-token latency percentiles (client clock, over every request of every round
 draft acceptance, and requests that failed. A server with ``-np 1`` (no batcher) serving one
 client is the baseline row of plain decoding. Then each online mode against the best fixed
 n_max at each level, and the planner's forecast of aggregate tokens/s
-per number of sequences (``offload plan --json``'s ``concurrency_forecast``, from the plan's
+per number of sequences (``offload plan --json --probe``'s ``concurrency_forecast``, from the plan's
 hardware profile) beside the measured numbers.
 """
 from __future__ import annotations
@@ -155,9 +155,9 @@ def main(argv=None) -> int:
             cells = "  ".join(f"{m} {batched[(m, c)]:.1f} ({batched[(m, c)] / batched[(best, c)]:.3f})"
                               for m in online)
             print(f"  {c} clients: best fixed {best} {batched[(best, c)]:.1f};  {cells}")
-    fc = forecast(args.model, ["--devices", args.devices])
+    fc = forecast(args.model, ["--devices", args.devices, "--probe"])     # calibrated on this box
     if fc and 0 in modes:
-        print("\nforecast (offload plan --json, the plan's hardware profile) vs measured, aggregate t/s:")
+        print("\nforecast (offload plan --json --probe: this box's probed costs) vs measured, aggregate t/s:")
         print(f"{'sequences':>9} {'plain fc':>9} {'plain meas':>10} {'best n fc':>9} {'best fc':>9} "
               f"{'best fixed meas':>16}")
         for c in levels:

@@ -16,6 +16,9 @@ and loop as a large model:
   off at);
 - ``step``, ``spec_step``: the real decode loop's time outside its passes
   (``PassTimes.loop_overheads``), plain and drafting;
+- ``batch_step_us``: what each of several sequences decoded at once adds to a step beyond the
+  pass (its loop and the hand-offs to the batcher's thread; ``offload tune``'s batched runs, 2
+  and 4 sequences), for the forecast of ``offload serve -np N``;
 - ``cpu_read``: the compiled Q8_0 mat-vec (``cpu_kernels.matmul``, the kernels' register-
   blocked row walk) over a buffer far larger than any CPU cache: the rate of a model that
   does not fit (``HardwareProfile.for_cpu_weights`` picks one of the two per plan).
@@ -48,6 +51,7 @@ MAX_BATCH = 3                # T_verify(B), T_draft(B) for B = 1..3: enough to s
 CALIB_TOKENS = 24
 FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")     # as offload tune fits them
 MEASURED = ("cpu_read", "cpu_layer", "cpu_compute", "forward", "draft_pass", "step", "spec_step")
+BATCHED = (2, 4)             # sequences decoded at once for batch_step_us
 
 
 def cpu_name() -> str:
@@ -137,7 +141,8 @@ class ProbeResult:
         return (f"cpu_read {hw.cpu_read_gbps:.1f} GB/s ({hw.cpu_cache_read_gbps or 0:.1f} GB/s within "
                 f"{hw.cpu_cache_bytes >> 20} MiB of cache), cpu_layer {hw.cpu_layer_us:.0f} us, "
                 f"forward {hw.forward_us:.0f} us, draft pass +{hw.draft_pass_us:.0f} us, step {hw.step_us:.0f} us, spec_step {hw.spec_step_us:.0f} us"
-                f" (T_verify(B) " + " ".join(f"{t:.3f}" for t in self.verify_ms.values())
+                + (f", per batched sequence {hw.batch_step_us:.0f} us" if hw.batch_step_us is not None else "")
+                + " (T_verify(B) " + " ".join(f"{t:.3f}" for t in self.verify_ms.values())
                 + " ms, T_draft(B) " + " ".join(f"{t:.3f}" for t in self.draft_ms.values())
                 + f" ms, fit within {100 * self.fit_error:.0f}%)")
 
@@ -220,6 +225,7 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
     from offload import tune
     from offload.bench_tasks import TASKS
     from offload.gguf_model import open_model
+    from placement.concurrency import batch_step_us
     from placement.cost_fit import fit_profile
     from placement.devices import parse_devices
     from placement.planner import PlanOptions, make_plan
@@ -239,6 +245,9 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
         passes = tune.time_passes(session, calib, max_batch=MAX_BATCH, seconds=left * 0.75, min_rounds=2,
                                   loop_tokens=2 * MAX_BATCH + 1)
         blocks_s = time_blocks(session, calib.prompt + calib.tokens, seconds=left * 0.25)
+        prompts = [session.tokenize(t) for t in TASKS.values()]
+        tune.decode_batched(session, prompts, sequences=max(BATCHED), n_tokens=4)      # the slots' caches
+        batched = [tune.decode_batched(session, prompts, sequences=s, n_tokens=CALIB_TOKENS) for s in BATCHED]
         timed = time.perf_counter() - t0
     verify_s, draft_s = passes.verify_s(), passes.draft_s()
     fp = plan_footprint(plan, model, None)
@@ -256,7 +265,8 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
     step_s, spec_step_s = passes.loop_overheads()
     cpu, n_threads = cpu_name(), threads or max_threads()
     hw = fit.profile.with_linear_params({"step": step_s, "spec_step": spec_step_s}, source="")
-    hw = replace(hw, cpu_read_gbps=gbps, cpu_cache_read_gbps=fit.profile.cpu_read_gbps,
+    batch_us = statistics.median(batch_step_us(fp, hw, b.sequences, b.step_s) for b in batched)
+    hw = replace(hw, cpu_read_gbps=gbps, cpu_cache_read_gbps=fit.profile.cpu_read_gbps, batch_step_us=batch_us,
                  cpu_cache_bytes=last_level_cache_bytes(), measured=MEASURED,
                  source=f"offload probe: {cpu}, {n_threads} threads, {time.strftime('%Y-%m-%d')}")
     return ProbeResult(cpu, offload_version(), n_threads, hw, timed, time.strftime("%Y-%m-%d %H:%M"),

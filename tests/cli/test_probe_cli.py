@@ -53,6 +53,8 @@ def test_probe_caches_per_cpu_and_version_and_writes_a_profile(probed):
     result = read_cached(path, cpu_name(), offload_version())
     assert result is not None and set(result.hardware.measured) == set(MEASURED)
     assert sorted(result.verify_ms) == [1, 2, 3] and sorted(result.draft_ms) == [1, 2, 3]
+    # several sequences decoded at once: each one's share of a batched step (offload serve -np N)
+    assert result.hardware.batch_step_us is not None and result.hardware.batch_step_us >= 0
     # another CPU or another version does not read this file
     assert read_cached(path, "another CPU", offload_version()) is None
     assert read_cached(path, cpu_name(), "0.0.0-other") is None
