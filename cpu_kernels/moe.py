@@ -29,8 +29,9 @@ from .rowdot8 import dot4_i8, quantize_rows
 
 f32 = np.float32
 TOKEN_TILE = 16
-# 1, 2: computed beside the kernels (see _biased_glu); 2 takes a limit (swiglu_clamp_exp)
-ACTIVATIONS = {"silu": 0, "swiglu_oai": 1, "swiglu_clamp": 2}
+# silu and swiglu_clamp (with its limit, swiglu_clamp_exp) run in the fused gate·up phase;
+# swiglu_oai and any biased experts beside the kernels (_biased_glu)
+ACTIVATIONS = frozenset({"silu", "swiglu_oai", "swiglu_clamp"})
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = f32(1.702), f32(7.0)    # gpt-oss (llama.cpp's constants)
 
 
@@ -100,15 +101,15 @@ TINY = np.float32(np.finfo(np.float32).tiny)
 
 
 @njit(error_model="numpy")
-def _silu_glu(g, u, act):
-    """SiLU-gated, silu(g) * u; ``act`` > 0 (a float32 limit): DeepSeek-V4's clamped SwiGLU,
-    g ≤ limit and |u| ≤ limit first (llama.cpp's order); ``act`` 0: no clamp. exp() only of
+def _silu_glu(g, u, clamp):
+    """SiLU-gated, silu(g) * u; ``clamp`` > 0 (a float32 limit): DeepSeek-V4's clamped SwiGLU,
+    g ≤ limit and |u| ≤ limit first (llama.cpp's order); ``clamp`` 0: none. exp() only of
     non-positive numbers (no overflow under fast-math, which assumes no infinities), and
     results below float32's smallest normal flushed to 0: subnormal activations make every
     FMA of the down projection take a slow microcode path on x86 (seen: 8x slower with silu
     of large negative gates)."""
-    if act > 0:
-        lim = f32(act)
+    if clamp > 0:
+        lim = f32(clamp)
         g = min(g, lim)
         u = min(max(u, -lim), lim)
     if g >= 0:
@@ -224,8 +225,9 @@ def _build(salt):
 
     @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
     def gate_up_rows(gtag, gw, g0, utag, uw, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
-                     assign_tok, H, chunks, act, pads):
-        """H[a] = act(gate_e . x) * (up_e . x); work items = (slot, 4 rows of n_ff).
+                     assign_tok, H, chunks, clamp, pads):
+        """H[a] = silu(gate_e . x) * (up_e . x), clamped first where ``clamp`` > 0 (``_silu_glu``);
+        work items = (slot, 4 rows of n_ff).
         X/bsums (float path: xq, dx, xs4, dx8 None) or xq/dx/bsums/xs4/dx8 (int8 path).
         ``pads``: ``phase_pads`` with a row per piece (at least min(chunks, items))."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
@@ -266,7 +268,7 @@ def _build(salt):
                              cols, X, bsums, toks, nt, acc, cacc, ru, sc)
                     for i in range(nt):
                         for r in range(nr):
-                            H[a0 + i, r0 + r] = _silu_glu(rg[i, r], ru[i, r], act)
+                            H[a0 + i, r0 + r] = _silu_glu(rg[i, r], ru[i, r], clamp)
 
     @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
     def down_rows(dtag, dw, H, h_bsums, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks, pads):
@@ -317,11 +319,11 @@ def _build_drivers(salt):
 
     @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
     def gate_up_phase(gtag, gw, g0, utag, uw, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
-                      assign_tok, H, chunks, act):
+                      assign_tok, H, chunks, clamp):
         """``gate_up_rows`` with its scratch allocated for this call."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         _gate_up_rows(gtag, gw, g0, utag, uw, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
-                      assign_tok, H, chunks, act, phase_pads(max(1, chunks)))
+                      assign_tok, H, chunks, clamp, phase_pads(max(1, chunks)))
 
     @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
     def down_phase(dtag, dw, H, h_bsums, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, chunks):
@@ -531,7 +533,7 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
             xq, dx, bsums, xs4, dx8 = quantized_activations(X)
         else:
             xq, dx, bsums, xs4, dx8 = None, None, bsums_for(X, gk, uk), None, None
-        # the fused phase's act: 0 SiLU, a float32 limit the clamped SwiGLU
+        # the fused phase's clamp: 0 for SiLU, the float32 limit for the clamped SwiGLU
         _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
                        tok, H, n_threads, f32(limit) if act == "swiglu_clamp" else 0)
     if int8_h:

@@ -51,7 +51,6 @@ MAX_BATCH = 3                # T_verify(B), T_draft(B) for B = 1..3: enough to s
 CALIB_TOKENS = 24
 FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")     # as offload tune fits them
 MEASURED = ("cpu_read", "cpu_layer", "cpu_compute", "forward", "draft_pass", "step", "spec_step")
-BATCHED = (2, 4)             # sequences decoded at once for batch_step_us
 
 
 def cpu_name() -> str:
@@ -225,7 +224,6 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
     from offload import tune
     from offload.bench_tasks import TASKS
     from offload.gguf_model import open_model
-    from placement.concurrency import batch_step_us
     from placement.cost_fit import fit_profile
     from placement.devices import parse_devices
     from placement.planner import PlanOptions, make_plan
@@ -245,9 +243,7 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
         passes = tune.time_passes(session, calib, max_batch=MAX_BATCH, seconds=left * 0.75, min_rounds=2,
                                   loop_tokens=2 * MAX_BATCH + 1)
         blocks_s = time_blocks(session, calib.prompt + calib.tokens, seconds=left * 0.25)
-        prompts = [session.tokenize(t) for t in TASKS.values()]
-        tune.decode_batched(session, prompts, sequences=max(BATCHED), n_tokens=4)      # the slots' caches
-        batched = [tune.decode_batched(session, prompts, sequences=s, n_tokens=CALIB_TOKENS) for s in BATCHED]
+        batched = tune.decode_several(session, [session.tokenize(t) for t in TASKS.values()], n_tokens=CALIB_TOKENS)
         timed = time.perf_counter() - t0
     verify_s, draft_s = passes.verify_s(), passes.draft_s()
     fp = plan_footprint(plan, model, None)
@@ -265,8 +261,8 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
     step_s, spec_step_s = passes.loop_overheads()
     cpu, n_threads = cpu_name(), threads or max_threads()
     hw = fit.profile.with_linear_params({"step": step_s, "spec_step": spec_step_s}, source="")
-    batch_us = statistics.median(batch_step_us(fp, hw, b.sequences, b.step_s) for b in batched)
-    hw = replace(hw, cpu_read_gbps=gbps, cpu_cache_read_gbps=fit.profile.cpu_read_gbps, batch_step_us=batch_us,
+    hw = replace(hw, cpu_read_gbps=gbps, cpu_cache_read_gbps=fit.profile.cpu_read_gbps,
+                 batch_step_us=tune.batch_step(batched, fp, hw),
                  cpu_cache_bytes=last_level_cache_bytes(), measured=MEASURED,
                  source=f"offload probe: {cpu}, {n_threads} threads, {time.strftime('%Y-%m-%d')}")
     return ProbeResult(cpu, offload_version(), n_threads, hw, timed, time.strftime("%Y-%m-%d %H:%M"),

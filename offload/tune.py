@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from offload.errors import OffloadError
 from offload.moe import MoE
 from offload.sampling import Sampler
 from offload.speculative import SpecOptions, make_drafter
@@ -112,12 +113,30 @@ def decode_batched(session, prompts: Sequence[Sequence[int]], *, sequences: int,
     reuse = (sequences - 1) // n
     length = min(len(p) for p in prompts) - reuse
     if length < 1:
-        raise ValueError(f"prompts too short to decode {sequences} different sequences")
+        raise OffloadError(f"prompts too short to decode {sequences} different sequences at once")
     batch = [list(prompts[i % n][i // n:i // n + length]) for i in range(sequences)]
     out = session.generate_batch(batch, max_tokens=n_tokens, stop_at_eos=False, n_max=0)
     stats = session.batch_stats
     return Batched(sequences, sum(max(len(t) - 1, 0) for t in out), statistics.median(s.eval_s for s in stats),
                    int(statistics.median(s.n_steps for s in stats)))
+
+
+BATCHED_SEQUENCES = (2, 4)     # decoded at once beside one: the several-sequences forecast's own term
+
+
+def decode_several(session, prompts: Sequence[Sequence[int]], *, n_tokens: int) -> list[Batched]:
+    """``decode_batched`` for each of ``BATCHED_SEQUENCES``, after a short run that sets up the
+    slots' caches."""
+    decode_batched(session, prompts, sequences=max(BATCHED_SEQUENCES), n_tokens=4)
+    return [decode_batched(session, prompts, sequences=s, n_tokens=n_tokens) for s in BATCHED_SEQUENCES]
+
+
+def batch_step(batched: Sequence[Batched], fp, hw, *, routing=None) -> float:
+    """``HardwareProfile.batch_step_us`` from ``decode_several``'s runs: the median over the
+    counts of what each sequence adds to a batched step beyond the cost model's pass
+    (``placement.concurrency.batch_step_us``)."""
+    from placement.concurrency import batch_step_us
+    return statistics.median(batch_step_us(fp, hw, b.sequences, b.step_s, routing=routing) for b in batched)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,10 +13,11 @@ loop's own per-step time (``step``, ``spec_step``: sampling, the generation loop
 text on) is paid by every sequence, once per step each — each sequence runs its own loop
 (``offload.batching``; measured with ``bench.parallel``, where counting it once per step
 forecast 3.9x the measured aggregate at 8 sequences); batched, a sequence's share is
-``batch_step_us`` where ``offload tune`` measured it (its loop plus the hand-offs to the
-batcher's thread: one sequence's loop alone left the forecast 2.6x the measured aggregate); KV reads are not costed (as in the
-one-sequence table: decode at short context); the tokens of different sequences route
-independently (``routing``/``hits`` as given)."""
+``batch_step_us`` where ``offload tune`` or ``offload probe`` measured it (its loop plus the
+hand-offs to the batcher's thread: one sequence's loop alone left the forecast 2.6x the
+measured aggregate); KV reads are not costed (as in the one-sequence table: decode at short
+context); the tokens of different sequences route independently (``routing``/``hits`` as
+given)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

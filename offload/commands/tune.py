@@ -286,7 +286,7 @@ def tune_drafters(text: str | None, plan) -> list[str]:
 def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock,
          kinds: list[str] | None = None) -> TuneResult:
     from offload import tune as measure
-    from placement.concurrency import batch_step_us, concurrency_table
+    from placement.concurrency import concurrency_table
     from placement.cost import SpecProfile, best_over_p_min, speculation_table
     from placement.cost_fit import fit_profile
     from placement.routing import distinct_experts_uniform
@@ -370,13 +370,16 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
                                         source=f"measured by offload tune ({time.strftime('%Y-%m-%d')})")
     hw = with_prefill_rates(hw, rates)
     say(f"fit: {_fit_summary(fit)}; per step: loop {step_us / 1e3:.2f} ms, +{spec_step_us / 1e3:.2f} ms drafting")
-    batched, batched_note = _batched(session, prompts, n_tok, fp, hw, routing)
-    if batched:
-        hw = dataclasses.replace(hw, batch_step_us=statistics.median(
-            batch_step_us(fp, hw, b.sequences, b.step_s, routing=routing) for b in batched))
-    say(f"several sequences: {batched_note}" if not batched else "several sequences: plain decoding "
-        + ", ".join(f"{b.sequences} at once {b.tokens_per_s:.1f} t/s" for b in batched)
-        + f"; each adds {hw.batch_step_us / 1e3:.2f} ms to a batched step beyond the pass")
+    try:
+        batched = measure.decode_several(session, prompts, n_tokens=n_tok)
+        batch_us = measure.batch_step(batched, fp, hw, routing=routing)
+        hw = dataclasses.replace(hw, batch_step_us=batch_us)
+        say("several sequences: plain decoding " + ", ".join(f"{b.sequences} at once {b.tokens_per_s:.1f} t/s"
+                                                           for b in batched)
+            + f"; each adds {batch_us / 1e3:.2f} ms to a batched step beyond the pass")
+    except OffloadError as e:           # a session that cannot batch sequences, prompts too short
+        batched = []
+        say(f"several sequences: not measured ({e})")
     # a block drafter (DSpark) also pays the injection of each step's kept tokens
     inject = block_injection(plan, model, draft) if head_kind == "dspark" else None
     tables = {p: speculation_table(fp, hw, acceptance=accept[p], max_n=n_cap[head_kind], routing=routing,
@@ -484,19 +487,6 @@ def tune(session, plan, model, draft, prompts, names, args, p_mins, clock: Clock
         hot=hot, hot_note=hot_note, tables=by_kind, chosen_drafter=chosen_kind, drafter_choices=choices,
         runner_up=runner_up, head_drafter=head_kind, concurrency=concurrency, batched=tuple(batched))
 
-
-BATCHED_SEQUENCES = (2, 4)     # measured at once beside one: the several-sequences forecast's own term
-
-
-def _batched(session, prompts, n_tok: int, fp, hw, routing) -> tuple[list, str]:
-    """Plain decoding of ``BATCHED_SEQUENCES`` prompts at once (after a short warm-up that
-    sets up the slots), or ([], why not) where the session cannot batch sequences."""
-    from offload import tune as measure
-    try:
-        measure.decode_batched(session, prompts, sequences=max(BATCHED_SEQUENCES), n_tokens=4)
-        return [measure.decode_batched(session, prompts, sequences=s, n_tokens=n_tok) for s in BATCHED_SEQUENCES], ""
-    except OffloadError as e:
-        return [], f"not measured ({e})"
 
 
 def choose_drafter(choices: dict[str, tuple[int, str]], measured: list[MeasuredRow]) -> tuple[str, dict | None]:
