@@ -48,10 +48,12 @@ def _sub_block_dot_vd(a, v0, v1, x0, x1, vd, same_d):
     return vfma(v1 * x1, vsplat(vlane(vd, 1)), vfma(v0 * x0, vsplat(vlane(vd, 0)), a))
 
 
-@njit(fastmath=True, error_model="numpy", _nrt=False)
+@njit(fastmath=True, error_model="numpy", _nrt=False, inline="always")
 def _sub_block_dot4(tag, w, ro0, ro1, ro2, ro3, ob, k, xf, xo, sc, a0, a1, a2, a3, same_d):
     """Sub-block k of block ob for the four rows, one token (activations at xf[xo:xo + 32],
-    d of row r's halves at sc[16 r + 2k], sc[16 r + 2k + 1])."""
+    d of row r's halves at sc[16 r + 2k], sc[16 r + 2k + 1]). Inlined by Numba: each literal k
+    would otherwise be its own compiled function, eight per 256-weight type (measured: a fifth of
+    such a type's float matmul compile time, 15.3 -> 12.4 s for Q4_K, Q6_K and IQ2_XS cold)."""
     x0 = vload(xf, xo)
     x1 = vload(xf, xo + 16)
     v0, v1 = quants(tag, w, ro0 + ob, k)
