@@ -190,6 +190,11 @@ class Batcher:
                 job.done.set()
 
     def _step(self, batch: list[_Job]) -> None:
+        # the sequences in one order from step to step (their states' identities), not the order
+        # their passes arrived in: a compiled block keeps the typed lists of the sequences'
+        # caches while that order holds, and rebuilt them in most steps otherwise (shipped model,
+        # 2 sequences: 1.24-1.41 -> 0.97-1.03 ms a step)
+        batch.sort(key=lambda job: id(job.work[1]))
         try:
             counts = [int(p.work[0].shape[0]) for p in batch]
             rows = sum(counts)

@@ -92,6 +92,45 @@ def test_groups_of_decode_rows_pack_in_order_up_to_the_compiled_limit():
     assert decode_groups([3, 128]) is None                      # a prompt chunk: one pass
 
 
+def test_a_step_takes_its_sequences_in_one_order_whatever_order_their_passes_arrive_in():
+    """The batcher orders a step's passes by sequence (its state), not by arrival: the compiled
+    blocks keep the typed lists of the sequences' caches while that order holds (arrival order
+    changed it in most steps, and each change rebuilt them). The model here only records what
+    each step gets; the batcher is the real one, its passes posted from threads in turn."""
+    import time
+
+    import numpy as np
+
+    from offload.batching import Batcher
+
+    steps = []
+
+    class Recording:
+        def forward_batch(self, seqs):
+            steps.append([state for _, state, _ in seqs])
+            return [(None, None)] * len(seqs)
+
+    batcher = Batcher(Recording())
+    states = [object() for _ in range(3)]
+    for arrival in ([0, 1, 2], [2, 1, 0], [1, 2, 0], [2, 0, 1]):
+        for _ in states:
+            batcher.join()
+        threads = []
+        for i in arrival:
+            def post(state=states[i]):
+                batcher.forward(np.zeros(1), state, "all")
+                batcher.leave()
+            threads.append(threading.Thread(target=post))
+            threads[-1].start()
+            while len(batcher._pending) < len(threads):       # this one posted before the next starts
+                time.sleep(0.001)
+        batcher.run(lambda: True)
+        for t in threads:
+            t.join()
+    assert len(steps) == 4 and all(len(step) == 3 for step in steps)
+    assert all(step == steps[0] for step in steps)
+
+
 def test_split_choice_tries_both_ways_then_keeps_the_faster():
     from offload.batching import SplitChoice
     choice, seconds = SplitChoice(), {False: 0.012, True: 0.006}
