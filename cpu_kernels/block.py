@@ -355,21 +355,31 @@ def _build_entries(salt):
                 y[t, c] += f[t, c]
 
     @njit(**_kw)
-    def blocks_run(x, y, positions, cos, sin, kvt, caches, n_past, bound, moe_args, dense_args, chunks):
-        """A run of consecutive blocks in one call: for each block i, ``attention_half`` then
+    def blocks_run(x, y, positions, cos, sin, kvt, caches, n_past, seqs, bound, moe_args, dense_args, chunks):
+        """A run of consecutive blocks in one call: for each block i, its attention half then
         ``moe_half`` (``moe_args`` the per-block argument tuples, ``dense_args`` None) or
-        ``dense_half`` (the other way round); Numba prunes the absent kind.
+        ``dense_half`` (the other way round); Numba prunes the absent kinds.
 
-        ``bound[i]`` = (eps, attention arguments after eps) of block i, ``caches[i]`` = its raw
-        (kc, vc) cache bytes (sequences indexable at run time: the caller's Numba typed lists); every cache holds ``n_past`` cells (room for T more made by the
-        caller). x and y (T, n_embd) are both overwritten; returns the one holding the result.
-        Why: a decode step then costs one Python → compiled transition per run of blocks instead
-        of two per block (plus the wrapper's Python around each)."""
+        ``bound[i]`` = (eps, attention arguments after eps) of block i. One sequence
+        (``seqs`` None): ``attention_half`` over ``caches[i]``, block i's raw (kc, vc) cache
+        bytes, every cache holding ``n_past`` cells. Several stepped as one batch (``caches``
+        None): ``seqs`` = (kcs, vcs, starts, n_pasts), ``attention_half_seqs`` over block i's
+        ``kcs[i][s]``, ``vcs[i][s]`` (sequence s's rows starts[s]..starts[s+1] at cells
+        n_pasts[s]..: every block's caches hold the same lengths). The caches are the caller's
+        Numba typed lists, with room for the new rows made by the caller. x and y (T, n_embd)
+        are both overwritten; returns the one holding the result. Why: a decode step then
+        costs one Python → compiled transition per run of blocks instead of two per block
+        (plus the wrapper's Python around each: ~70 µs a block with several sequences)."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         for i in range(len(bound)):
             eps, attn = bound[i]
-            kc, vc = caches[i]
-            attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps, *attn, chunks)
+            if caches is not None:
+                kc, vc = caches[i]
+                attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps, *attn, chunks)
+            if seqs is not None:
+                kcs, vcs, starts, n_pasts = seqs
+                attention_half_seqs(x, y, positions, cos, sin, kvt, kcs[i], vcs[i], starts, n_pasts, eps, *attn,
+                                    chunks)
             if moe_args is not None:
                 moe_half(y, eps, *moe_args[i], chunks)
             if dense_args is not None:

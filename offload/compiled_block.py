@@ -413,9 +413,11 @@ class BlockRun:
     """Consecutive ``CompiledBlock``s of one kind (same argument types, RoPE table and cache
     type) stepped by one compiled call, ``cpu_kernels.block.blocks_run``: a decode step then
     crosses from Python into compiled code once per run instead of twice per block, and
-    none of the wrapper's Python runs per block. Batches past ``DECODE_TOKENS``, a rebound
-    block (see ``CompiledBlock._rebound``) or caches of unequal length take the blocks one
-    by one (the same kernels: tests hold both ways to each other and to the reference)."""
+    none of the wrapper's Python runs per block. Several sequences stepped together
+    (``SequenceBatch`` caches) take it the same way. Batches past
+    ``DECODE_TOKENS``, a rebound block (see ``CompiledBlock._rebound``) or caches of unequal
+    length take the blocks one by one (the same kernels: tests hold both ways to each other
+    and to the reference)."""
 
     def __init__(self, blocks: list[CompiledBlock]):
         self.blocks = blocks
@@ -427,7 +429,8 @@ class BlockRun:
         ffn = List([b._ffn_args for b in blocks])
         self._moe, self._dense = (ffn, None) if isinstance(first.ffn_args, MoeArgs) else (None, ffn)
         self._raws, self._seen = None, [None] * len(blocks)
-        self._entry = None
+        self._seq_seen = self._seq_lists = None
+        self._entries = {}                  # several sequences or not -> the compiled entry
 
     def _cache_raws(self, caches) -> List:
         """The caches' raw (kc, vc) buffers as a typed list, built again only when a cache's
@@ -439,28 +442,65 @@ class BlockRun:
             self._raws, self._seen = List(raws), raws
         return self._raws
 
+    def _seq_cache_raws(self, batches) -> tuple[List, List]:
+        """Each block's sequences' raw k and v buffers as typed lists of typed lists (block,
+        then sequence), built again only when a cache's storage or the sequences changed."""
+        raws = [[c.raw() for c in b.caches] for b in batches]
+        seen = self._seq_seen
+        if seen is None or len(raws[0]) != len(seen[0]) or \
+                any(r is not s for rr, ss in zip(raws, seen) for r, s in zip(rr, ss)):
+            self._seq_lists = (List([List([r[0] for r in rr]) for rr in raws]),
+                               List([List([r[1] for r in rr]) for rr in raws]))
+            self._seq_seen = raws
+        return self._seq_lists
+
+    @staticmethod
+    def _lockstep(batches) -> bool:
+        """Whether every block holds the same sequences at the same lengths (the rows of one
+        step): then the run can take them in one call."""
+        first = batches[0]
+        lengths = [c.length for c in first.caches]
+        return all(b.rows == first.rows and [c.length for c in b.caches] == lengths for b in batches[1:])
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, caches) -> torch.Tensor:
-        # several sequences (SequenceBatch caches) go block by block too
-        if isinstance(caches[0], SequenceBatch) or x.shape[0] > DECODE_TOKENS or \
-                any(c.length != caches[0].length for c in caches) or any(b._rebound() for b in self.blocks):
+        several = isinstance(caches[0], SequenceBatch)      # continuous batching: one per block
+        if x.shape[0] > DECODE_TOKENS or any(b._rebound() for b in self.blocks) or \
+                (several and not self._lockstep(caches)) or \
+                (not several and any(c.length != caches[0].length for c in caches)):
             for b, c in zip(self.blocks, caches):
                 x = b(x, positions, c)
             return x
-        n_past = caches[0].length
         first = self.blocks[0]
         xh, pos, cos, sin, chunks = first._step_inputs(x, positions)
         xh = xh.copy()                      # the run uses it as scratch; x stays the caller's
-        for c in caches:
-            c.reserve(x.shape[0])
-        args = (xh, np.empty_like(xh), pos, cos, sin, first._kv_tag, self._cache_raws(caches), n_past,
-                self._bound, self._moe, self._dense, chunks)
+        if several:
+            rows = caches[0].rows
+            n_pasts = np.array([c.length for c in caches[0].caches], np.int64)
+            for batch in caches:
+                for c, n in zip(batch.caches, batch.rows):
+                    c.reserve(n)
+            starts = np.zeros(len(rows) + 1, np.int64)
+            np.cumsum(rows, out=starts[1:])
+            where = (None, 0, self._seq_cache_raws(caches) + (starts, n_pasts))
+        else:
+            n_past = caches[0].length
+            for c in caches:
+                c.reserve(x.shape[0])
+            where = (self._cache_raws(caches), n_past, None)
+        args = (xh, np.empty_like(xh), pos, cos, sin, first._kv_tag, *where, self._bound, self._moe, self._dense,
+                chunks)
         with self.profile.time("cpu_block"):
-            if self._entry is None:
-                self._entry, y = first_call(kb.blocks_run, args)
+            if several not in self._entries:
+                self._entries[several], y = first_call(kb.blocks_run, args)
             else:
-                y = self._entry(*args)
-        for c in caches:
-            c.length = n_past + x.shape[0]
+                y = self._entries[several](*args)
+        if several:
+            for batch in caches:
+                for c, n, past in zip(batch.caches, batch.rows, n_pasts):
+                    c.length = int(past) + n
+        else:
+            for c in caches:
+                c.length = n_past + x.shape[0]
         return torch.from_numpy(y)
 
 

@@ -157,6 +157,35 @@ def test_dense_and_moe_runs_equal_single_blocks_and_reference(tmp_path):
         runs_match_single_blocks_and_reference(s.model)
 
 
+def test_several_sequences_step_each_run_in_one_call_as_the_blocks_one_by_one(tmp_path):
+    """Three sequences stepped together (continuous batching: a ``SequenceBatch`` per block)
+    go through each run, dense and MoE, in one ``blocks_run`` call and give the logits of
+    the same blocks called one by one (the same kernels in the same order: float32 rounding of
+    the inlined code, as for one sequence above), over two steps of 1 and 2 rows per sequence
+    at three cache lengths."""
+    tiny = write_tiny_model(tmp_path / "dense2.gguf", TinySpec(n_layer=4, n_dense=2, seed=3))
+    with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
+        model = s.model
+
+        def steps(m):
+            states = [m.new_state(None) for _ in range(3)]
+            for st, n in zip(states, (3, 5, 4)):
+                m.forward(torch.tensor(PROMPT[:n]), st, logits="none")
+            out = []
+            for rows in ([1, 2, 1], [2, 1, 1]):
+                seqs = [(torch.tensor(PROMPT[10:10 + r]), st, "all") for r, st in zip(rows, states)]
+                out += [z.numpy() for z, _ in m.forward_batch(seqs)]
+            return out
+        with torch.inference_mode():
+            run = steps(model)
+            assert [True in step._entries for step, _, _ in model.block_runs()] == [True, True]
+            with one_block_at_a_time(model):
+                single = steps(model)
+        assert len(run) == 6
+        for a, b in zip(run, single):
+            assert rel_err(a, b) < REL_TOL
+
+
 @pytest.mark.parametrize("prompt_len", [4, len(PROMPT)], ids=["compiled-prefill", "reference-prefill"])
 def test_shipped_batches_of_1_to_8_match_reference(shipped, prompt_len):
     """After a prefill run compiled (4 tokens) or by the reference path (20 > DECODE_TOKENS),

@@ -22,6 +22,8 @@ position as a different expert set would, up to 6e-2 in int8 prefill on the ship
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -71,7 +73,8 @@ def _int8_specialisations() -> int:
     Numba's cache only blocks_run lists the signature."""
     qx = 19                                              # moe_half's qx; in a run's MoE tuples, qx - 2
     halves = [sig[qx] for sig in kb.moe_half.signatures]
-    runs = [sig[9].item_type[qx - 2] for sig in kb.blocks_run.signatures if isinstance(sig[9], nb_types.ListType)]
+    moe = list(inspect.signature(kb.blocks_run.py_func).parameters).index("moe_args")
+    runs = [sig[moe].item_type[qx - 2] for sig in kb.blocks_run.signatures if isinstance(sig[moe], nb_types.ListType)]
     return sum(1 for t in halves + runs if not isinstance(t, nb_types.NoneType))
 
 
