@@ -428,31 +428,20 @@ class BlockRun:
         self._bound = List([(b._eps, b._attn_args) for b in blocks])
         ffn = List([b._ffn_args for b in blocks])
         self._moe, self._dense = (ffn, None) if isinstance(first.ffn_args, MoeArgs) else (None, ffn)
-        self._raws, self._seen = None, [None] * len(blocks)
-        self._seq_seen = self._seq_lists = None
+        self._typed = {}                    # several sequences or not -> (raw buffers, typed lists)
         self._entries = {}                  # several sequences or not -> the compiled entry
 
-    def _cache_raws(self, caches) -> List:
-        """The caches' raw (kc, vc) buffers as a typed list, built again only when a cache's
-        storage changed (it grew, or a new sequence's caches came). Rebuilt whole rather than
-        patched: a typed list's item assignment is compiled on its first use, and that would
-        land (~2.5 MiB of code) in some later decode step instead of the first."""
-        raws = [c.raw() for c in caches]
-        if self._raws is None or any(r is not s for r, s in zip(raws, self._seen)):
-            self._raws, self._seen = List(raws), raws
-        return self._raws
-
-    def _seq_cache_raws(self, batches) -> tuple[List, List]:
-        """Each block's sequences' raw k and v buffers as typed lists of typed lists (block,
-        then sequence), built again only when a cache's storage or the sequences changed."""
-        raws = [[c.raw() for c in b.caches] for b in batches]
-        seen = self._seq_seen
-        if seen is None or len(raws[0]) != len(seen[0]) or \
-                any(r is not s for rr, ss in zip(raws, seen) for r, s in zip(rr, ss)):
-            self._seq_lists = (List([List([r[0] for r in rr]) for rr in raws]),
-                               List([List([r[1] for r in rr]) for rr in raws]))
-            self._seq_seen = raws
-        return self._seq_lists
+    def _typed_caches(self, several: bool, raws: list, build):
+        """``build()``: the caches' raw (kc, vc) buffers ``raws`` (block by block, sequence by
+        sequence) as the typed lists the entry takes, built again only when a buffer changed
+        (a cache grew, or other sequences came). Rebuilt whole rather than patched: a typed
+        list's item assignment is compiled on its first use, and that would land (~2.5 MiB of
+        code) in some later decode step instead of the first."""
+        seen, lists = self._typed.get(several, (None, None))
+        if seen is None or len(raws) != len(seen) or any(r is not s for r, s in zip(raws, seen)):
+            lists = build()
+            self._typed[several] = (raws, lists)
+        return lists
 
     @staticmethod
     def _lockstep(batches) -> bool:
@@ -481,12 +470,19 @@ class BlockRun:
                     c.reserve(n)
             starts = np.zeros(len(rows) + 1, np.int64)
             np.cumsum(rows, out=starts[1:])
-            where = (None, 0, self._seq_cache_raws(caches) + (starts, n_pasts))
+            raws = [c.raw() for batch in caches for c in batch.caches]
+            n_seq = len(rows)
+
+            def per_block(j):               # k (j = 0) or v buffers: a list per block of its sequences'
+                return List([List([r[j] for r in raws[i:i + n_seq]]) for i in range(0, len(raws), n_seq)])
+            kcs, vcs = self._typed_caches(True, raws, lambda: (per_block(0), per_block(1)))
+            where = (None, 0, (kcs, vcs, starts, n_pasts))
         else:
             n_past = caches[0].length
             for c in caches:
                 c.reserve(x.shape[0])
-            where = (self._cache_raws(caches), n_past, None)
+            raws = [c.raw() for c in caches]
+            where = (self._typed_caches(False, raws, lambda: List(raws)), n_past, None)
         args = (xh, np.empty_like(xh), pos, cos, sin, first._kv_tag, *where, self._bound, self._moe, self._dense,
                 chunks)
         with self.profile.time("cpu_block"):
