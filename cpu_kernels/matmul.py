@@ -36,6 +36,7 @@ def _build(salt):
         _salt = salt  # noqa: F841
         rows = w.shape[0]
         rs = w.strides[0]
+        wf = w.reshape(-1)                  # flat bytes (rowdot.dot4)
         n = Y.shape[0]
         cols = bsums.shape[1] * 16
         groups = (rows + 3) // 4
@@ -53,7 +54,7 @@ def _build(salt):
                     nt = min(TOKEN_TILE, n - t0)
                     for i in range(nt):
                         toks[i] = t0 + i
-                    dot4_i8(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
+                    dot4_i8(tag, wf, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
                             min(r0 + 3, last) * rs, cols, xq, dx, bsums, xs4, dx8, toks, nt, acc, cacc, res)
                     for i in range(nt):
                         for r in range(nr):
@@ -66,6 +67,7 @@ def _build(salt):
         _salt = salt  # noqa: F841
         rows = w.shape[0]
         rs = w.strides[0]
+        wf = w.reshape(-1)                  # flat bytes (rowdot.dot4)
         last = rows - 1
         per = rows // groups
         n = Y.shape[0]
@@ -82,7 +84,7 @@ def _build(salt):
                     nt = min(TOKEN_TILE, n - t0)
                     for i in range(nt):
                         toks[i] = (t0 + i) * groups + g
-                    dot4(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
+                    dot4(tag, wf, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
                          min(r0 + 3, last) * rs, cols, X, bsums, toks, nt, acc, cacc, res, sc)
                     for i in range(nt):
                         for r in range(nr):

@@ -235,6 +235,7 @@ def _build(salt):
         cols = X.shape[1]
         ges, grs = gw.strides[0], gw.strides[1]
         ues, urs = uw.strides[0], uw.strides[1]
+        gwf, uwf = gw.reshape(-1), uw.reshape(-1)      # flat bytes (rowdot.dot4)
         groups = (n_ff + 3) // 4
         items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
@@ -257,14 +258,14 @@ def _build(salt):
                     for i in range(nt):
                         toks[i] = assign_tok[a0 + i]
                     if xq is not None:
-                        dot4_i8(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
+                        dot4_i8(gtag, gwf, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
                                 cols, xq, dx, bsums, xs4, dx8, toks, nt, acc, cacc, rg)
-                        dot4_i8(utag, uw, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
+                        dot4_i8(utag, uwf, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
                                 cols, xq, dx, bsums, xs4, dx8, toks, nt, acc, cacc, ru)
                     else:
-                        dot4(gtag, gw, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
+                        dot4(gtag, gwf, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
                              cols, X, bsums, toks, nt, acc, cacc, rg, sc)
-                        dot4(utag, uw, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
+                        dot4(utag, uwf, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
                              cols, X, bsums, toks, nt, acc, cacc, ru, sc)
                     for i in range(nt):
                         for r in range(nr):
@@ -279,6 +280,7 @@ def _build(salt):
         n_ff = H.shape[1]
         n_embd = out.shape[1]
         des, drs = dw.strides[0], dw.strides[1]
+        dwf = dw.reshape(-1)                           # flat bytes (rowdot.dot4)
         groups = (n_embd + 3) // 4
         items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
@@ -296,10 +298,10 @@ def _build(salt):
                     for i in range(nt):
                         toks[i] = a0 + i
                     if hq is not None:
-                        dot4_i8(dtag, dw, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
+                        dot4_i8(dtag, dwf, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
                                 n_ff, hq, hdx, h_bsums, hxs4, hdx8, toks, nt, acc, cacc, res)
                     else:
-                        dot4(dtag, dw, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
+                        dot4(dtag, dwf, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
                              n_ff, H, h_bsums, toks, nt, acc, cacc, res, sc)
                     for i in range(nt):
                         for r in range(nr):

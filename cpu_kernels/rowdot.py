@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba.core.errors import TypingError
 from numba.extending import overload
 
 from .dispatch import elem, layout, quants, scales
@@ -76,8 +77,17 @@ def _one(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xo, xs, sc):
     raise NotImplementedError("only callable from jitted code")
 
 
+def require_flat_bytes(w) -> None:
+    """The row routines' contract, checked while Numba types them: weights arrive as flat
+    bytes (``dot4``'s docstring says why), so a caller passing a matrix or an expert stack
+    fails to compile instead of silently compiling a second copy of every routine."""
+    if getattr(w, "ndim", 1) != 1:
+        raise TypingError(f"row routines take flat weight bytes (w.reshape(-1)), got {w}")
+
+
 @overload(_one, jit_options={"_nrt": False})
 def _ol_one(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xo, xs, sc):
+    require_flat_bytes(w)
     if isinstance(tag, QTagType):
         impl = _one_blocks32 if kernel_by_name(tag.qname).sub_blocks_per_block == 1 else _one_blocks256
         return (lambda tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xo, xs, sc:
@@ -226,7 +236,10 @@ def _many(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, cols, bsums, toks, n_t, 
 def dot4(tag, w, ro0, ro1, ro2, ro3, cols, X, bsums, toks, n_t, acc, cacc, res, sc):
     """res[i, r] = sum_c W[row r, c] * X[toks[i], c] for i < n_t, r < 4.
 
-    w: raw weight bytes (any shape); ro0..ro3: byte offsets of the four rows in it.
+    w: raw weight bytes, flat (uint8 1-D; ro0..ro3 the byte offsets of the four rows in it).
+    Every caller passes ``w.reshape(-1)`` of its matrix or expert stack, so the row routines
+    below compile once per quant type, not once per weight shape (the MoE phases' 3-D stacks
+    and the matmuls' 2-D matrices each compiled their own copy: ~50 s of a cold suite run).
     X: float32 [N, cols]; bsums: float32 [N, >= cols // 16] sums of 16-column groups of X
     (the decoders' offsets m multiply them). Scratch: acc float32 >= n_t * 64,
     cacc float32 >= n_t * 4, sc float32 >= 64; output res float32 [>= n_t, 4].
@@ -269,6 +282,7 @@ def rows4(tag, w, r0, X, bsums, Y, acc, cacc, res, toks, sc):
     Scratch as dot4's, for TOKEN_TILE tokens; toks int64 [TOKEN_TILE]."""
     rows = w.shape[0]
     rs = w.strides[0]
+    wf = w.reshape(-1)          # flat bytes (see dot4); free here: no references taken (_nrt=False)
     last = rows - 1
     nr = min(4, rows - r0)
     n, cols = X.shape
@@ -276,7 +290,7 @@ def rows4(tag, w, r0, X, bsums, Y, acc, cacc, res, toks, sc):
         nt = min(TOKEN_TILE, n - t0)
         for i in range(nt):
             toks[i] = t0 + i
-        dot4(tag, w, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
+        dot4(tag, wf, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
              min(r0 + 3, last) * rs, cols, X, bsums, toks, nt, acc, cacc, res, sc)
         for i in range(nt):
             for r in range(nr):

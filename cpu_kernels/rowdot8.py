@@ -25,7 +25,7 @@ from .dispatch import (
 )
 from .pair8 import pdot
 from .registry import QTagType, kernel_by_name
-from .rowdot import _prefetch_next_group
+from .rowdot import _prefetch_next_group, require_flat_bytes
 from .simd import vfma, vload, vstore, vsum, vzero
 from .simd8 import (
     act_scales_of_sub_blocks_01,
@@ -349,6 +349,7 @@ def dot4_i8(tag, w, ro0, ro1, ro2, ro3, cols, xq, dx, bsums, xs4, dx8, toks, n_t
 
 @overload(dot4_i8, jit_options={"_nrt": False})
 def _dot4_i8(tag, w, ro0, ro1, ro2, ro3, cols, xq, dx, bsums, xs4, dx8, toks, n_t, acc, cacc, res):
+    require_flat_bytes(w)
     if isinstance(tag, QTagType):
         kern = kernel_by_name(tag.qname)
         impl = (_dot4_block_pairs if kern.block_pair is not None

@@ -12,6 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import cpu_kernels as ck
+from cpu_kernels.registry import get_kernel
 from cpu_kernels.synth import random_blocks
 from tests.kernels.test_cpu_kernels import TOL, dequant, moe_reference, seed, silu
 
@@ -83,6 +84,33 @@ def test_moe_owned_parts_add_up_and_batch_equals_single_tokens():
     single = np.concatenate([ck.moe_ffn(x[i:i + 1], ids[i:i + 1], wts[i:i + 1], ew) for i in range(B)])
     np.testing.assert_allclose(y_all, single, rtol=1e-5, atol=1e-5 * np.abs(y_all).max())
     assert not np.any(ck.moe_ffn(x, ids, wts, ew, owned=np.zeros(E, bool)))
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_row_routines_take_flat_weight_bytes(int8):
+    """The MoE phases (3-D expert stacks) and matmul (2-D matrices) hand the row routines
+    their weights' flat bytes, so a quant type's routines are one compiled copy for both (a
+    copy per weight shape cost a cold suite run ~50 s of compiling). The routines hold that
+    contract while Numba types them: a 2-D weight fails to compile, naming it. (Every MoE and
+    matmul test here and in test_cpu_kernels compiles through the same check.)"""
+    from numba import njit
+    from numba.core.errors import TypingError
+
+    from cpu_kernels.rowdot import dot4
+    from cpu_kernels.rowdot8 import dot4_i8
+    tag = get_kernel(T.Q8_0).tag
+    w = np.zeros((4, 34), np.uint8)
+    f = np.zeros((1, 32), np.float32)
+    if int8:
+        call = njit(lambda w: dot4_i8(tag, w, 0, 34, 68, 102, 32, np.zeros((1, 64), np.int8), f, f, f, f,
+                                      np.zeros(1, np.int64), 1, np.zeros(64, np.float32),
+                                      np.zeros(4, np.float32), np.zeros((1, 4), np.float32)))
+    else:
+        call = njit(lambda w: dot4(tag, w, 0, 34, 68, 102, 32, f, f, np.zeros(1, np.int64), 1,
+                                   np.zeros(64, np.float32), np.zeros(4, np.float32),
+                                   np.zeros((1, 4), np.float32), np.zeros(64, np.float32)))
+    with pytest.raises(TypingError, match="flat weight bytes"):
+        call(w)
 
 
 def test_moe_identity_experts_known_answer():
