@@ -367,10 +367,10 @@ def _build_drivers(salt):
             xq, dx, qs16, xs4, dx8 = qx
             quantize_rows(X[:n_tok], xq, dx, qs16, xs4, dx8)
             _gate_up_rows(tg, wg, g0, tu, wu, u0, X, qs16, xq, dx, xs4, dx8, se, ss, assign_tok, H,
-                          chunks, 0, pads)
+                          chunks, f32(0), pads)
         else:
             _gate_up_rows(tg, wg, g0, tu, wu, u0, X, bsums, None, None, None, None, se, ss, assign_tok, H,
-                          chunks, 0, pads)
+                          chunks, f32(0), pads)
         if qh is not None:
             hq, hdx, qhs16, hxs4, hdx8 = qh
             quantize_rows(H[:n_a], hq, hdx, qhs16, hxs4, hdx8)
@@ -535,9 +535,10 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
             xq, dx, bsums, xs4, dx8 = quantized_activations(X)
         else:
             xq, dx, bsums, xs4, dx8 = None, None, bsums_for(X, gk, uk), None, None
-        # the fused phase's clamp: 0 for SiLU, the float32 limit for the clamped SwiGLU
+        # the fused phase's clamp: 0 for SiLU, the limit for the clamped SwiGLU; float32 either
+        # way, as routed_ffn passes it (one compiled gate_up_rows per weight types and mode)
         _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
-                       tok, H, n_threads, f32(limit) if act == "swiglu_clamp" else 0)
+                       tok, H, n_threads, f32(limit if act == "swiglu_clamp" else 0))
     if int8_h:
         hq, hdx, h_bsums, hxs4, hdx8 = quantized_activations(H)
     else:
