@@ -129,12 +129,6 @@ def runtime_process_settings() -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     runtime_process_settings()
-    import torch                  # imported only when a command needs it
-
-    from offload import runtime
-    from offload.compiled_block import path_lines
-    from offload.tokenizer import TextStream
-
     if args.prompt_file:
         try:
             prompt = Path(args.prompt_file).read_text()
@@ -149,8 +143,16 @@ def main(argv=None) -> int:
     across = run_hosts.launch(args)       # one rank of a plan across hosts
     if across is not None:
         return run_hosts.main(args, prompt, *across)
-    torch.set_num_threads(args.torch_threads)
     model = open_cli_model(args)
+    # torch (~1 s to import) only past the refusals above, which stay one quick line; before
+    # planning, which may run the box's probe with these threads
+    import torch
+
+    from offload import runtime
+    from offload.compiled_block import path_lines
+    from offload.tokenizer import TextStream
+
+    torch.set_num_threads(args.torch_threads)
     plan, model, _ = plan_from_args(args, model)
     spec, account = spec_settings(args, plan)
     sampling = sampling_options(args)          # bad values: one line before loading
