@@ -215,11 +215,13 @@ def test_fused_splits_matrices_past_int32_offsets(monkeypatch):
     _check(got.cpu().numpy(), x, w)
 
 
-def test_bad_crossover_env_is_one_line_at_the_cli(tmp_path):
+def test_bad_crossover_env_is_one_line_at_the_cli():
     import subprocess
     import sys
+    from offload.probe import SHIPPED_MODEL
     env = os.environ | {"OFFLOAD_FUSED_MAX_B": "lots"}
-    r = subprocess.run([sys.executable, "-m", "offload", "run", str(tmp_path / "none.gguf")], env=env,
+    # a model that opens: a missing one is refused first, before the runtime (and its settings) load
+    r = subprocess.run([sys.executable, "-m", "offload", "run", str(SHIPPED_MODEL)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == ["offload: error: OFFLOAD_FUSED_MAX_B='lots': expected an integer 0..16"]
