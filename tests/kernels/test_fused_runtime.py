@@ -34,7 +34,11 @@ F32_TOL = 1e-4
 BF16_SLACK = 2.0
 
 
-@pytest.fixture(scope="module", params=[Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
+# Q6_K dense weights are the full tier: one more type through the whole model (its own compiled
+# CPU blocks for the reference, ~20 s of a cold suite); the fused kernel's Q6_K branch is
+# checked alone in test_triton_kernels, like every fused type
+@pytest.fixture(scope="module", params=[Q.Q8_0, pytest.param(Q.Q6_K, marks=pytest.mark.full)],
+                ids=lambda q: q.name)
 def tiny(request, tmp_path_factory):
     # K-quant rows are multiples of 256 elements: n_ff and n_head·head_dim 256
     spec = TinySpec(dense_type=request.param, n_ff=256, n_head=8, seed=5)
