@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
+from numba.typed import List
 from numba.extending import overload
 
 from .kv_attention import attend_cache
@@ -63,6 +64,18 @@ def _n_groups(w):
     if isinstance(w, types.NoneType):
         return lambda w: 0
     return lambda w: (w.shape[0] + 3) // 4
+
+
+@njit(cache=True)
+def typed_list(items):
+    """A Numba typed List of a tuple's items (all of one type), built in compiled code. Why:
+    built from Python (``List(items)``), a typed list compiles its append for the item type in
+    every process — Numba does not cache those (~1 s of a warm process's model load: the run's
+    bound arguments and caches) — where this compiles once per item type and count, cached."""
+    out = List()
+    for x in items:
+        out.append(x)
+    return out
 
 
 def _build(salt):

@@ -37,7 +37,6 @@ import numba
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
-from numba.typed import List
 
 from cpu_kernels import block as kb
 from cpu_kernels import settings
@@ -376,7 +375,7 @@ class CompiledBlock:
         if self._seq_raws is None or len(raws) != len(self._seq_raws[0]) or \
                 any(r is not s for r, s in zip(raws, self._seq_raws[0])):
             # typed lists rebuilt only when the sequences or a cache's storage changed
-            self._seq_raws = (raws, List([r[0] for r in raws]), List([r[1] for r in raws]))
+            self._seq_raws = (raws, kb.typed_list(tuple(r[0] for r in raws)), kb.typed_list(tuple(r[1] for r in raws)))
         starts = np.zeros(len(raws) + 1, np.int64)
         np.cumsum(batch.rows, out=starts[1:])
         n_pasts = np.array([c.length for c in batch.caches], np.int64)
@@ -425,8 +424,8 @@ class BlockRun:
         self.profile = first.profile
         # Numba typed lists, bound once: a call unboxes each as one pointer, where a tuple
         # of the run's ~600 arrays would be unboxed array by array at every call
-        self._bound = List([(b._eps, b._attn_args) for b in blocks])
-        ffn = List([b._ffn_args for b in blocks])
+        self._bound = kb.typed_list(tuple((b._eps, b._attn_args) for b in blocks))
+        ffn = kb.typed_list(tuple(b._ffn_args for b in blocks))
         self._moe, self._dense = (ffn, None) if isinstance(first.ffn_args, MoeArgs) else (None, ffn)
         self._typed = {}                    # several sequences or not -> (raw buffers, typed lists)
         self._entries = {}                  # several sequences or not -> the compiled entry
@@ -474,7 +473,8 @@ class BlockRun:
             n_seq = len(rows)
 
             def per_block(j):               # k (j = 0) or v buffers: a list per block of its sequences'
-                return List([List([r[j] for r in raws[i:i + n_seq]]) for i in range(0, len(raws), n_seq)])
+                return kb.typed_list(tuple(kb.typed_list(tuple(r[j] for r in raws[i:i + n_seq]))
+                                          for i in range(0, len(raws), n_seq)))
             kcs, vcs = self._typed_caches(True, raws, lambda: (per_block(0), per_block(1)))
             where = (None, 0, (kcs, vcs, starts, n_pasts))
         else:
@@ -482,7 +482,7 @@ class BlockRun:
             for c in caches:
                 c.reserve(x.shape[0])
             raws = [c.raw() for c in caches]
-            where = (self._typed_caches(False, raws, lambda: List(raws)), n_past, None)
+            where = (self._typed_caches(False, raws, lambda: kb.typed_list(tuple(raws))), n_past, None)
         args = (xh, np.empty_like(xh), pos, cos, sin, first._kv_tag, *where, self._bound, self._moe, self._dense,
                 chunks)
         with self.profile.time("cpu_block"):

@@ -345,3 +345,33 @@ def test_path_lines_group_runs_of_one_path():
         nextn = None
     assert path_lines(M) == ["blocks 0-2: reference: dense FFN on CUDA0", "blocks 3-46: compiled",
                              "block 47: reference: x"]
+
+
+NEW_PROCESS = """
+import sys
+from numba.core import event
+compiled = []
+class Count(event.Listener):
+    def on_start(self, ev):
+        compiled.append(ev.data["dispatcher"].py_func.__qualname__)
+    def on_end(self, ev):
+        pass
+event.register("numba:compile", Count())
+import offload
+with offload.load(sys.argv[1], devices="CPU=16GiB", quiet=True) as s:
+    list(s.generate(s.tokenize("import os"), max_tokens=4))
+print(sorted(set(compiled)))
+"""
+
+
+def test_a_second_process_loads_and_decodes_without_compiling():
+    """What loading and decoding the shipped model compiles is cached on disk: after a first
+    process, a second compiles nothing. (The typed lists of a block run's arguments were built
+    from Python, whose appends Numba compiles again in every process: ~1 s of each warm load,
+    dozens of model-loading subprocesses in this suite.)"""
+    import subprocess
+    import sys
+    outs = [subprocess.run([sys.executable, "-c", NEW_PROCESS, str(SHIPPED)], cwd=SHIPPED.parents[1],
+                           capture_output=True, text=True, timeout=600) for _ in range(2)]
+    assert all(o.returncode == 0 for o in outs), outs[-1].stderr[-2000:]
+    assert outs[1].stdout.strip() == "[]", outs[1].stdout
