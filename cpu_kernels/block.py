@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
-from numba.typed import List
 from numba.extending import overload
+from numba.typed import List
 
 from .kv_attention import attend_cache
 from .kv_rows import kv_store_row
