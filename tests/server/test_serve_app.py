@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -171,7 +172,12 @@ def test_slots_serve_requests_together_with_each_ones_text():
                 t.start()
             for t in threads:
                 t.join(120)
-            metrics = client.get("/metrics").text
+            # the gauge drops when a slot's worker has handed its last response over, a moment
+            # after the client has it (a scrape in between reads 1: seen once on a loaded box)
+            deadline = time.monotonic() + 10
+            while "offload_requests_processing 0" not in (metrics := client.get("/metrics").text) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.01)
             body = {"prompt": prompts[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
             auto = client.post("/v1/completions", json=body | {"n_max": "auto"}).json()
             bad = client.post("/v1/completions", json=body | {"n_max": "fast"})
