@@ -321,7 +321,7 @@ class CompiledBlock:
         self._attn_args, self._ffn_args = bound.attention.as_args(), bound.ffn.as_args()
         self._ffn_half = type(bound.ffn).KERNEL
         self._attn_entry = self._ffn_entry = self._seqs_entry = None
-        self._seq_raws = None                          # (raws, kc list, vc list) of the last batch
+        self._seq_lists = TypedCaches()                # (kc list, vc list) of the last batch
         self._rope_tables = (None, None, None)        # (cos tensor, cos, sin as numpy)
         ffn = reference.ffn
         self._bound_parts = (ffn, getattr(ffn, "router", None))
@@ -372,14 +372,12 @@ class CompiledBlock:
         reads each touched expert once for the batch."""
         needs = [c.reserve(n) for c, n in zip(batch.caches, batch.rows)]
         raws = [c.raw() for c in batch.caches]
-        if self._seq_raws is None or len(raws) != len(self._seq_raws[0]) or \
-                any(r is not s for r, s in zip(raws, self._seq_raws[0])):
-            # typed lists rebuilt only when the sequences or a cache's storage changed
-            self._seq_raws = (raws, kb.typed_list(tuple(r[0] for r in raws)), kb.typed_list(tuple(r[1] for r in raws)))
+        kcs, vcs = self._seq_lists.get(raws, lambda: (kb.typed_list(tuple(r[0] for r in raws)),
+                                                      kb.typed_list(tuple(r[1] for r in raws))))
         starts = np.zeros(len(raws) + 1, np.int64)
         np.cumsum(batch.rows, out=starts[1:])
         n_pasts = np.array([c.length for c in batch.caches], np.int64)
-        args = (xh, y, pos, cos, sin, self._kv_tag, self._seq_raws[1], self._seq_raws[2], starts, n_pasts,
+        args = (xh, y, pos, cos, sin, self._kv_tag, kcs, vcs, starts, n_pasts,
                 self._eps) + self._attn_args + (chunks,)
         if self._seqs_entry is not None:
             self._seqs_entry(*args)
@@ -405,6 +403,23 @@ class CompiledBlock:
         return self._rope_tables[1], self._rope_tables[2]
 
 
+class TypedCaches:
+    """Caches' raw (kc, vc) buffers as the typed lists a compiled entry takes, built again only
+    when a buffer changed (a cache grew, or other sequences came). Rebuilt whole rather than
+    patched: a typed list's item assignment is compiled on its first use, and that would land
+    (~2.5 MiB of code) in some later decode step instead of the first."""
+
+    def __init__(self):
+        self._seen, self._lists = None, None
+
+    def get(self, raws: list, build):
+        """``build()``'s lists for the buffers ``raws``, built on a change only."""
+        seen = self._seen
+        if seen is None or len(raws) != len(seen) or any(r is not s for r, s in zip(raws, seen)):
+            self._seen, self._lists = raws, build()
+        return self._lists
+
+
 RUN_BLOCKS = 16     # blocks per compiled run call at most (each run length compiles once)
 
 
@@ -427,20 +442,8 @@ class BlockRun:
         self._bound = kb.typed_list(tuple((b._eps, b._attn_args) for b in blocks))
         ffn = kb.typed_list(tuple(b._ffn_args for b in blocks))
         self._moe, self._dense = (ffn, None) if isinstance(first.ffn_args, MoeArgs) else (None, ffn)
-        self._typed = {}                    # several sequences or not -> (raw buffers, typed lists)
+        self._typed = {False: TypedCaches(), True: TypedCaches()}     # one sequence / several
         self._entries = {}                  # several sequences or not -> the compiled entry
-
-    def _typed_caches(self, several: bool, raws: list, build):
-        """``build()``: the caches' raw (kc, vc) buffers ``raws`` (block by block, sequence by
-        sequence) as the typed lists the entry takes, built again only when a buffer changed
-        (a cache grew, or other sequences came). Rebuilt whole rather than patched: a typed
-        list's item assignment is compiled on its first use, and that would land (~2.5 MiB of
-        code) in some later decode step instead of the first."""
-        seen, lists = self._typed.get(several, (None, None))
-        if seen is None or len(raws) != len(seen) or any(r is not s for r, s in zip(raws, seen)):
-            lists = build()
-            self._typed[several] = (raws, lists)
-        return lists
 
     @staticmethod
     def _lockstep(batches) -> bool:
@@ -475,14 +478,14 @@ class BlockRun:
             def per_block(j):               # k (j = 0) or v buffers: a list per block of its sequences'
                 return kb.typed_list(tuple(kb.typed_list(tuple(r[j] for r in raws[i:i + n_seq]))
                                           for i in range(0, len(raws), n_seq)))
-            kcs, vcs = self._typed_caches(True, raws, lambda: (per_block(0), per_block(1)))
+            kcs, vcs = self._typed[True].get(raws, lambda: (per_block(0), per_block(1)))
             where = (None, 0, (kcs, vcs, starts, n_pasts))
         else:
             n_past = caches[0].length
             for c in caches:
                 c.reserve(x.shape[0])
             raws = [c.raw() for c in caches]
-            where = (self._typed_caches(False, raws, lambda: kb.typed_list(tuple(raws))), n_past, None)
+            where = (self._typed[False].get(raws, lambda: kb.typed_list(tuple(raws))), n_past, None)
         args = (xh, np.empty_like(xh), pos, cos, sin, first._kv_tag, *where, self._bound, self._moe, self._dense,
                 chunks)
         with self.profile.time("cpu_block"):
