@@ -4,14 +4,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from placement.limits import DX_PAD, S4_PAD, XQ_PAD, wants_int8
+from placement.limits import DECODE_TOKENS, DX_PAD, S4_PAD, XQ_PAD, wants_int8
 
 from . import settings
 from .entry import first_call
+from .gemm8 import LANES, code_bytes, decode4, pack_lanes, tile4, tile_sizes, unit32
 from .layout import activations, bsums_for, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
 from .rowdot import TOKEN_TILE, dot4, rows4, rows4_scratch
 from .rowdot8 import dot4_i8, quantize_rows
+from .simd import vlane
 from .simd8 import has_vnni
 
 f32 = np.float32
@@ -89,10 +91,47 @@ def _build(salt):
                     for i in range(nt):
                         for r in range(nr):
                             Y[t0 + i, r0 + r] = res[i, r]
-    return matmul_kernel, matmul_i8_kernel, grouped_kernel
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
+    def matmul_gemm8_kernel(tag, w, xq, dx, bsums, Y, chunks):
+        """As matmul_i8_kernel for a prompt batch: the tokens packed into tiles of 16 lanes
+        once (``gemm8.pack_lanes``), then every group of 4 rows against every tile."""
+        _salt = salt  # noqa: F841
+        rows = w.shape[0]
+        rs = w.strides[0]
+        wf = w.reshape(-1)                  # flat bytes (rowdot.dot4)
+        n = Y.shape[0]
+        cols = bsums.shape[1] * 16
+        n_tiles = (n + LANES - 1) // LANES
+        src = np.full(n_tiles * LANES, -1, np.int64)
+        src[:n] = np.arange(n)
+        sx, sd, sb = tile_sizes(cols)
+        xt = np.empty(n_tiles * sx, np.int8)
+        dt = np.empty(n_tiles * sd, f32)
+        bt = np.empty(n_tiles * sb, f32)
+        pack_lanes(xq, dx, bsums, src, xt, dt, bt)
+        groups = (rows + 3) // 4
+        chunks = max(1, min(groups, chunks))
+        one32 = unit32(tag)
+        for ch in prange(chunks):
+            cw = np.empty(code_bytes(cols), np.uint8)
+            sdr = np.empty(cols // 4, f32)
+            skr = np.empty(cols // 4, f32)
+            for g in range(ch * groups // chunks, (ch + 1) * groups // chunks):
+                r0 = 4 * g
+                last = rows - 1
+                nr = min(4, rows - r0)
+                decode4(tag, wf, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
+                        min(r0 + 3, last) * rs, cols, cw, sdr, skr)
+                for j in range(n_tiles):
+                    a = tile4(one32, cols, cw, sdr, skr, xt, j * sx, dt, j * sd, bt, j * sb)
+                    nt = min(LANES, n - LANES * j)
+                    for r in range(nr):
+                        for i in range(nt):
+                            Y[LANES * j + i, r0 + r] = vlane(a[r], i)
+    return matmul_kernel, matmul_i8_kernel, grouped_kernel, matmul_gemm8_kernel
 
 
-_matmul_kernel, _matmul_i8_kernel, _grouped_kernel = _build(source_digest())
+_matmul_kernel, _matmul_i8_kernel, _grouped_kernel, _matmul_gemm8_kernel = _build(source_digest())
 
 
 def int8_rows(rows: int, cols: int):
@@ -138,7 +177,11 @@ def matmul(x, w, qtype, *, name: str = "", int8: bool | str | None = None) -> np
     if X.shape[0] and wb.shape[0]:
         n_threads = settings.apply_threads()
         if use_int8(kern, int8):
-            _matmul_i8_kernel(kern.tag, wb, *quantized_activations(X), Y, n_threads)
+            xq, dx, bsums, xs4, dx8 = quantized_activations(X)
+            if X.shape[0] > DECODE_TOKENS:
+                _matmul_gemm8_kernel(kern.tag, wb, xq, dx, bsums, Y, n_threads)
+            else:
+                _matmul_i8_kernel(kern.tag, wb, xq, dx, bsums, xs4, dx8, Y, n_threads)
         else:
             _matmul_kernel(kern.tag, wb, X, bsums_for(X, kern), Y, n_threads)
     return Y[0] if squeeze else Y

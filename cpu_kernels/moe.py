@@ -20,12 +20,16 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from numba import njit, prange
 
+from placement.limits import DECODE_TOKENS, GEMM_MIN_LANES
+
 from . import settings
+from .gemm8 import LANES, code_bytes, decode4, pack_lanes, tile4, tile_sizes, unit32
 from .layout import activations, bsums_for, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
 from .matmul import int8_rows, quantized_activations, use_int8
 from .rowdot import dot4
 from .rowdot8 import dot4_i8, quantize_rows
+from .simd import vlane
 
 f32 = np.float32
 TOKEN_TILE = 16
@@ -306,10 +310,163 @@ def _build(salt):
                     for i in range(nt):
                         for r in range(nr):
                             out[a0 + i, r0 + r] = res[i, r]
-    return gate_up_rows, down_rows
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
+    def gate_up_gemm_rows(gtag, gw, g0, utag, uw, u0, xq, dx, bsums, xs4, dx8, slot_expert, slot_start,
+                          assign_tok, H, chunks, clamp, min_lanes):
+        """gate_up_rows' int8 path for a prompt batch: each slot's tokens packed into tiles of
+        16 lanes (``gemm8``), a slot's last tile too when it has at least ``min_lanes`` tokens
+        (fewer: dot4_i8, token by token); work items = (slot, 4 rows of n_ff)."""
+        _salt = salt  # noqa: F841
+        n_ff = H.shape[1]
+        cols = bsums.shape[1] * 16
+        ges, grs = gw.strides[0], gw.strides[1]
+        ues, urs = uw.strides[0], uw.strides[1]
+        gwf, uwf = gw.reshape(-1), uw.reshape(-1)
+        tile_start = slot_tiles(slot_start, min_lanes)
+        src = tile_lanes(slot_start, tile_start, assign_tok)
+        sx, sd, sb = tile_sizes(cols)
+        n_tiles = tile_start[-1]
+        xt = np.empty(n_tiles * sx, np.int8)
+        dt = np.empty(n_tiles * sd, f32)
+        bt = np.empty(n_tiles * sb, f32)
+        pack_lanes(xq, dx, bsums, src, xt, dt, bt)
+        one_g, one_u = unit32(gtag), unit32(utag)
+        groups = (n_ff + 3) // 4
+        items = slot_expert.shape[0] * groups
+        pieces = max(1, min(items, chunks))
+        for ch in prange(pieces):
+            cwg = np.empty(code_bytes(cols), np.uint8)
+            cwu = np.empty(code_bytes(cols), np.uint8)
+            sdg, skg = np.empty(cols // 4, f32), np.empty(cols // 4, f32)
+            sdu, sku = np.empty(cols // 4, f32), np.empty(cols // 4, f32)
+            acc = np.empty(TOKEN_TILE * 64, f32)
+            cacc = np.empty(TOKEN_TILE * 4, f32)
+            rg = np.empty((TOKEN_TILE, 4), f32)
+            ru = np.empty((TOKEN_TILE, 4), f32)
+            toks = np.empty(TOKEN_TILE, np.int64)
+            for it in range(ch * items // pieces, (ch + 1) * items // pieces):
+                s = it // groups
+                r0 = 4 * (it % groups)
+                e = slot_expert[s]
+                nr = min(4, n_ff - r0)
+                last = n_ff - 1
+                rr1, rr2, rr3 = min(r0 + 1, last), min(r0 + 2, last), min(r0 + 3, last)
+                gb = e * ges + g0 * grs
+                ub = e * ues + u0 * urs
+                a_end = slot_start[s + 1]
+                a0 = slot_start[s]
+                if tile_start[s + 1] > tile_start[s]:
+                    decode4(gtag, gwf, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs, cols,
+                            cwg, sdg, skg)
+                    decode4(utag, uwf, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs, cols,
+                            cwu, sdu, sku)
+                    for j in range(tile_start[s], tile_start[s + 1]):
+                        ag = tile4(one_g, cols, cwg, sdg, skg, xt, j * sx, dt, j * sd, bt, j * sb)
+                        au = tile4(one_u, cols, cwu, sdu, sku, xt, j * sx, dt, j * sd, bt, j * sb)
+                        nt = min(LANES, a_end - a0)
+                        for r in range(nr):
+                            for i in range(nt):
+                                H[a0 + i, r0 + r] = _silu_glu(vlane(ag[r], i), vlane(au[r], i), clamp)
+                        a0 += nt
+                if a0 < a_end:               # a slot's last few tokens
+                    nt = a_end - a0
+                    for i in range(nt):
+                        toks[i] = assign_tok[a0 + i]
+                    dot4_i8(gtag, gwf, gb + r0 * grs, gb + rr1 * grs, gb + rr2 * grs, gb + rr3 * grs,
+                            cols, xq, dx, bsums, xs4, dx8, toks, nt, acc, cacc, rg)
+                    dot4_i8(utag, uwf, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs,
+                            cols, xq, dx, bsums, xs4, dx8, toks, nt, acc, cacc, ru)
+                    for i in range(nt):
+                        for r in range(nr):
+                            H[a0 + i, r0 + r] = _silu_glu(rg[i, r], ru[i, r], clamp)
+
+    @njit(parallel=True, nogil=True, cache=True, fastmath=True, error_model="numpy")
+    def down_gemm_rows(dtag, dw, hq, hdx, h_bsums, hxs4, hdx8, slot_expert, slot_start, out, chunks, min_lanes):
+        """down_rows' int8 path for a prompt batch, tiled as gate_up_gemm_rows."""
+        _salt = salt  # noqa: F841
+        n_ff = h_bsums.shape[1] * 16
+        n_embd = out.shape[1]
+        des, drs = dw.strides[0], dw.strides[1]
+        dwf = dw.reshape(-1)
+        tile_start = slot_tiles(slot_start, min_lanes)
+        src = tile_lanes(slot_start, tile_start, None)
+        sx, sd, sb = tile_sizes(n_ff)
+        n_tiles = tile_start[-1]
+        xt = np.empty(n_tiles * sx, np.int8)
+        dt = np.empty(n_tiles * sd, f32)
+        bt = np.empty(n_tiles * sb, f32)
+        pack_lanes(hq, hdx, h_bsums, src, xt, dt, bt)
+        one = unit32(dtag)
+        groups = (n_embd + 3) // 4
+        items = slot_expert.shape[0] * groups
+        pieces = max(1, min(items, chunks))
+        for ch in prange(pieces):
+            cw = np.empty(code_bytes(n_ff), np.uint8)
+            sdr, skr = np.empty(n_ff // 4, f32), np.empty(n_ff // 4, f32)
+            acc = np.empty(TOKEN_TILE * 64, f32)
+            cacc = np.empty(TOKEN_TILE * 4, f32)
+            res = np.empty((TOKEN_TILE, 4), f32)
+            toks = np.empty(TOKEN_TILE, np.int64)
+            for it in range(ch * items // pieces, (ch + 1) * items // pieces):
+                s = it // groups
+                r0 = 4 * (it % groups)
+                db = slot_expert[s] * des
+                nr = min(4, n_embd - r0)
+                last = n_embd - 1
+                ro1, ro2, ro3 = min(r0 + 1, last), min(r0 + 2, last), min(r0 + 3, last)
+                a_end = slot_start[s + 1]
+                a0 = slot_start[s]
+                if tile_start[s + 1] > tile_start[s]:
+                    decode4(dtag, dwf, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs, n_ff,
+                            cw, sdr, skr)
+                    for j in range(tile_start[s], tile_start[s + 1]):
+                        a = tile4(one, n_ff, cw, sdr, skr, xt, j * sx, dt, j * sd, bt, j * sb)
+                        nt = min(LANES, a_end - a0)
+                        for r in range(nr):
+                            for i in range(nt):
+                                out[a0 + i, r0 + r] = vlane(a[r], i)
+                        a0 += nt
+                if a0 < a_end:
+                    nt = a_end - a0
+                    for i in range(nt):
+                        toks[i] = a0 + i
+                    dot4_i8(dtag, dwf, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs,
+                            n_ff, hq, hdx, h_bsums, hxs4, hdx8, toks, nt, acc, cacc, res)
+                    for i in range(nt):
+                        for r in range(nr):
+                            out[a0 + i, r0 + r] = res[i, r]
+    return gate_up_rows, down_rows, gate_up_gemm_rows, down_gemm_rows
 
 
-_gate_up_rows, _down_rows = _build(source_digest())
+_gate_up_rows, _down_rows, _gate_up_gemm_rows, _down_gemm_rows = _build(source_digest())
+
+
+@njit(nogil=True, error_model="numpy")
+def slot_tiles(slot_start, min_lanes):
+    """tile_start [n_slots + 1]: the GEMM tiles of slot s are tile_start[s] .. tile_start[s + 1]
+    - 1: its tokens 16 at a time, a last partial tile only with at least ``min_lanes``."""
+    n = slot_start.shape[0] - 1
+    out = np.empty(n + 1, np.int64)
+    out[0] = 0
+    for s in range(n):
+        m = slot_start[s + 1] - slot_start[s]
+        out[s + 1] = out[s] + m // LANES + (1 if m % LANES >= min_lanes else 0)
+    return out
+
+
+@njit(nogil=True, error_model="numpy")
+def tile_lanes(slot_start, tile_start, assign_tok):
+    """The rows ``gemm8.pack_lanes`` packs: lane i of slot s's tile j is assignment
+    slot_start[s] + 16 (j - tile_start[s]) + i, as its token (``assign_tok``) or itself
+    (None); -1 past the slot's end."""
+    src = np.full(tile_start[-1] * LANES, -1, np.int64)
+    for s in range(slot_start.shape[0] - 1):
+        for j in range(tile_start[s], tile_start[s + 1]):
+            for i in range(LANES):
+                a = slot_start[s] + LANES * (j - tile_start[s]) + i
+                if a < slot_start[s + 1]:
+                    src[LANES * j + i] = a if assign_tok is None else assign_tok[a]
+    return src
 
 
 def _build_drivers(salt):
@@ -537,14 +694,23 @@ def moe_ffn(x, expert_ids, expert_weights, w: ExpertWeights, *, owned=None, act:
             xq, dx, bsums, xs4, dx8 = None, None, bsums_for(X, gk, uk), None, None
         # the fused phase's clamp: 0 for SiLU, the limit for the clamped SwiGLU; float32 either
         # way, as routed_ffn passes it (one compiled gate_up_rows per weight types and mode)
-        _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
-                       tok, H, n_threads, f32(limit if act == "swiglu_clamp" else 0))
+        clamp = f32(limit if act == "swiglu_clamp" else 0)
+        if int8_x and B > DECODE_TOKENS:
+            _gate_up_gemm_rows(gk.tag, gb, g0, uk.tag, ub, u0, xq, dx, bsums, xs4, dx8, slot_expert, slot_start,
+                               tok, H, n_threads, clamp, GEMM_MIN_LANES)
+        else:
+            _gate_up_phase(gk.tag, gb, g0, uk.tag, ub, u0, X, bsums, xq, dx, xs4, dx8, slot_expert, slot_start,
+                           tok, H, n_threads, clamp)
     if int8_h:
         hq, hdx, h_bsums, hxs4, hdx8 = quantized_activations(H)
     else:
         hq, hdx, h_bsums, hxs4, hdx8 = None, None, bsums_for(H, dk), None, None
     out = np.empty((flat.size, w.n_embd), f32)
-    _down_phase(dk.tag, db, H, h_bsums, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, n_threads)
+    if int8_h and B > DECODE_TOKENS:
+        _down_gemm_rows(dk.tag, db, hq, hdx, h_bsums, hxs4, hdx8, slot_expert, slot_start, out, n_threads,
+                        GEMM_MIN_LANES)
+    else:
+        _down_phase(dk.tag, db, H, h_bsums, hq, hdx, hxs4, hdx8, slot_expert, slot_start, out, n_threads)
     if down_bias is not None:
         out += down_bias[flat]
     _weighted_sum(out, tok, wsel, Y)

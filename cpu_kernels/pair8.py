@@ -261,6 +261,32 @@ def block_pair_decoder(*, block_bytes: int, qs: int, scale: str, scale_at: int =
     return build(2), build(1)
 
 
+def dpbusd(builder, acc, c, x):
+    """acc (``<16 x i32>``) + lane i: sum_{j<4} c[4i + j] * x[4i + j], c unsigned and x signed
+    bytes (``<64 x i8>``): ``vpdpbusd`` zmm with AVX512-VNNI, two ymm halves with AVX-VNNI,
+    widened multiplies otherwise."""
+    if target_has("avx512vnni", "avx512f"):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I32, [_V16I32] * 3),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(fn, [acc, builder.bitcast(c, _V16I32), builder.bitcast(x, _V16I32)])
+    if target_has("avxvnni") or target_has("avx512vnni", "avx512vl"):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8I32, [_V8I32] * 3),
+                                            "llvm.x86.avx512.vpdpbusd.256")
+
+        def half(v, h, ty):
+            return builder.shuffle_vector(v, v, _const(_I32, range(h * len(ty), (h + 1) * len(ty))))
+        rs = [builder.call(fn, [half(acc, h, range(8)),
+                                builder.bitcast(half(c, h, range(32)), _V8I32),
+                                builder.bitcast(half(x, h, range(32)), _V8I32)]) for h in (0, 1)]
+        return builder.shuffle_vector(rs[0], rs[1], _const(_I32, range(16)))
+    v64 = ir.VectorType(_I32, 64)
+    prod = builder.mul(builder.zext(c, v64), builder.sext(x, v64))
+    r = acc
+    for j in range(4):
+        r = builder.add(r, builder.shuffle_vector(prod, prod, _const(_I32, [4 * i + j for i in range(16)])))
+    return r
+
+
 @intrinsic
 def pdot(typingctx, codes, xq, xo):
     """Lane i: sum_{j<4} codes[4i + j] * xq[xo + 4i + j] (u8 x s8), as float32."""
@@ -270,26 +296,6 @@ def pdot(typingctx, codes, xq, xo):
     def codegen(context, builder, sig, args):
         p = _byte_ptr(context, builder, sig.args[1], args[1], args[2], sig.args[2])
         x = builder.load(builder.bitcast(p, _V64I8.as_pointer()), align=1)
-        c, acc = args[0], ir.Constant(_V16I32, [0] * 16)
-        if target_has("avx512vnni", "avx512f"):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I32, [_V16I32] * 3),
-                                                "llvm.x86.avx512.vpdpbusd.512")
-            r = builder.call(fn, [acc, builder.bitcast(c, _V16I32), builder.bitcast(x, _V16I32)])
-        elif target_has("avxvnni") or target_has("avx512vnni", "avx512vl"):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8I32, [_V8I32] * 3),
-                                                "llvm.x86.avx512.vpdpbusd.256")
-
-            def half(v, h, ty):
-                return builder.shuffle_vector(v, v, _const(_I32, range(h * len(ty), (h + 1) * len(ty))))
-            rs = [builder.call(fn, [half(acc, h, range(8)),
-                                    builder.bitcast(half(c, h, range(32)), _V8I32),
-                                    builder.bitcast(half(x, h, range(32)), _V8I32)]) for h in (0, 1)]
-            r = builder.shuffle_vector(rs[0], rs[1], _const(_I32, range(16)))
-        else:
-            v64 = ir.VectorType(_I32, 64)
-            prod = builder.mul(builder.zext(c, v64), builder.sext(x, v64))
-            r = acc
-            for j in range(4):
-                r = builder.add(r, builder.shuffle_vector(prod, prod, _const(_I32, [4 * i + j for i in range(16)])))
+        r = dpbusd(builder, ir.Constant(_V16I32, [0] * 16), args[0], x)
         return builder.sitofp(r, _VF)
     return fvec(codes, xq, xo), codegen

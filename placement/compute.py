@@ -80,8 +80,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from placement.devices import CPU
 from placement.limits import (CHUNK_VALUES, DECODE_TOKENS, DX_PAD, FLOAT_ACTIVATION_TYPES, INT8_FROM, S4_PAD,
-                              SCORE_VALUES, XQ_PAD, int8_request, kv_tile_cells, staging_buffer_bytes,
-                              wants_int8)
+                              SCORE_VALUES, XQ_PAD, gemm_lanes, gemm_packed_bytes, int8_request, kv_tile_cells,
+                              staging_buffer_bytes, wants_int8)
 from placement.tensors import ModelSpec, Role, TensorInfo
 
 Moment = dict[str, int]     # bytes live on each device at one point of the pass
@@ -126,11 +126,16 @@ def int8_activation_bytes(n: int, cols: int) -> int:
     return n * (cols + XQ_PAD + F32 * (cols // 32 + DX_PAD + cols // 16 + 2 * (cols // 4 + S4_PAD)))
 
 
-def cpu_input_bytes(n: int, cols: int, int8: bool) -> int:
+def cpu_input_bytes(n: int, cols: int, int8: bool, packed: bool = True) -> int:
     """What a CPU kernel (``cpu_kernels.matmul`` / ``moe_ffn``) derives from ``n`` rows of
     its input before multiplying: int8 activations, or the float path's 16-value sums
-    (cpu_kernels.layout.bsums_of)."""
-    return int8_activation_bytes(n, cols) if int8 else n * (cols // 16) * F32
+    (cpu_kernels.layout.bsums_of); with ``packed``, a prompt batch's int8 activations packed
+    into GEMM tiles as well (``cpu_kernels.matmul``; the routed experts count theirs per
+    assignment)."""
+    if not int8:
+        return n * (cols // 16) * F32
+    tiles = gemm_packed_bytes(gemm_lanes(n), cols) if packed and n > DECODE_TOKENS else 0
+    return int8_activation_bytes(n, cols) + tiles
 
 
 def cpu_lookup_bytes(embd: TensorInfo, n: int) -> int:
@@ -558,10 +563,15 @@ class ForwardModel:
             # the main thread made host copies of x/ids/weights first when home is a GPU
             int8_in = self.kinds.int8(T, [t.ggml_type for t in b.experts if "down" not in t.name], routed=True)
             int8_h = self.kinds.int8(T, [t.ggml_type for t in b.experts if "down" in t.name], routed=True)
-            worker = (te + A * n_ff * f + A * E * f + cpu_input_bytes(T, E, int8_in)
-                      + cpu_input_bytes(A, n_ff, int8_h) + A * ROUTING_BYTES)
+            # a prompt batch's GEMM packs X per assignment (A rows in up to n_expert tiles
+            # padded), then H alike: one after the other, so the larger of the two
+            lanes = gemm_lanes(A, s.n_expert)
+            gemm_x = gemm_packed_bytes(lanes, E) if int8_in and T > DECODE_TOKENS else 0
+            gemm_h = gemm_packed_bytes(lanes, n_ff) if int8_h and T > DECODE_TOKENS else 0
+            worker = (te + A * n_ff * f + A * E * f + cpu_input_bytes(T, E, int8_in, packed=False)
+                      + cpu_input_bytes(A, n_ff, int8_h, packed=False) + max(gemm_x, gemm_h) + A * ROUTING_BYTES)
             if b.expert_bias:   # moe_ffn's _biased_glu: X per assignment (+ what it derives), g, u, σ's temporary
-                worker = max(worker, te + A * E * f + cpu_input_bytes(A, E, int8_in) + 3 * A * n_ff * f
+                worker = max(worker, te + A * E * f + cpu_input_bytes(A, E, int8_in, packed=False) + 3 * A * n_ff * f
                              + A * ROUTING_BYTES)
             copies = {CPU: te + T * k * (INT64 + f)} if h != CPU else {}
             moved = {h: te} if h != CPU else {}        # Y moved home (a view on the CPU)

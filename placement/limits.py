@@ -38,6 +38,29 @@ XQ_PAD = 64
 DX_PAD = 16
 S4_PAD = 16
 
+# Prompt batches on the int8 path (more than DECODE_TOKENS tokens) run as a GEMM with 16
+# tokens in the lanes of a register (cpu_kernels.gemm8): the call packs its quantized
+# activations into tiles of GEMM_LANES lanes first. An expert's last partial tile is packed
+# only when it holds at least GEMM_MIN_LANES tokens (fewer go token by token): at 256 experts
+# (8 tokens an expert on average) 8 measured faster than 1, 4 or 16.
+GEMM_LANES = 16
+GEMM_MIN_LANES = 8
+
+
+def gemm_packed_bytes(lanes: int, cols: int) -> int:
+    """Bytes of ``lanes`` packed lanes of ``cols`` values (cpu_kernels.gemm8.pack_lanes: the
+    int8 codes, a float32 scale per 32 and a float32 sum per 16, and the int64 row index of
+    each lane)."""
+    return lanes * (cols + 4 * (cols // 32) + 4 * (cols // 16) + 8)
+
+
+def gemm_lanes(rows: int, groups: int = 1) -> int:
+    """Packed lanes for ``rows`` rows in at most ``groups`` groups, each padded to whole tiles:
+    a matmul's tokens (one group, exact), an upper bound for an MoE layer's assignments by expert."""
+    if groups <= 1:
+        return -(-rows // GEMM_LANES) * GEMM_LANES
+    return rows + (GEMM_LANES - 1) * min(groups, rows)
+
 # GPU-resident matrices dequantize at most this many values per step (gpu.quant), and so do
 # the tiles of attention over a quantized KV cache (gpu.attention.kv_tile).
 CHUNK_VALUES = 16 << 20

@@ -325,19 +325,31 @@ def quantized(x):
     return (q * dx).reshape(x.shape)
 
 
+def kernel_quantized(x):
+    """x as the kernels quantized it (``quantized_activations``: float32 x / dx, where a
+    value on a rounding tie may take the code next to ``quantized``'s)."""
+    from cpu_kernels.matmul import quantized_activations
+    xq, dx = quantized_activations(x)[:2]
+    cols = x.shape[1]
+    return (xq[:, :cols].astype(np.float64).reshape(x.shape[0], -1, 32) * dx[:, :cols // 32, None]).reshape(x.shape)
+
+
 @pytest.mark.parametrize("qt", INT8_TYPES, ids=lambda t: t.name)
 def test_int8_matmul(qt, int8_mode):
     """Equals the weights times the int8-dequantized activations (float rounding only),
     and differs from the exact product by at most sum |w| |x - x_hat| (the rounding of
-    each activation, at most dx / 2)."""
+    each activation, at most dx / 2). B = 1 and 3 take the token routines (rowdot8), B = 40
+    the prompt-batch GEMM (gemm8: two full tiles of 16 tokens and one of 8; 13 rows: a
+    partial group of 4)."""
     rng = seed(10, qt)
     cols = 2 * BLOCK.get(qt, 240)                     # 480: an odd number of 32-blocks
     w = random_blocks(qt, (13, cols), rng)
     W = dequant(w, qt)
-    for b in (1, 3):
+    for b in (1, 3, 40):                              # 40: a prompt batch, the GEMM (gemm8) with a partial tile
         x = rng.standard_normal((b, cols)).astype(np.float32)
         y = ck.matmul(x, w, qt)
-        xh = quantized(x)
+        xh = kernel_quantized(x)
+        assert np.all(np.abs(xh - quantized(x)) <= np.abs(x).max() / 127 * 1.001)   # a tie at most one code apart
         check_close(y, xh, W)
         bound = np.abs(xh - x) @ np.abs(W).T
         assert np.all(np.abs(y - x.astype(np.float64) @ W.T) <= bound * (1 + 1e-4) + 1e-6)
@@ -354,6 +366,25 @@ def _float_path(x, w, qt):
 
 # ---------------------------------------------------------------- data never raises
 
+
+def _bad_tokens_and_rows_stay_there(x, w, qt):
+    """Zero activations or weights give zeros; a NaN/inf activation of token 1 and bad scales
+    in row 4 change only that token's / row's outputs."""
+    clean = ck.matmul(x, w, qt)
+    assert not np.any(ck.matmul(np.zeros_like(x), w, qt))
+    assert not np.any(ck.matmul(x, np.zeros_like(w), qt))
+    others = np.delete(np.arange(x.shape[0]), 1)
+    for bad in (np.nan, np.inf, -np.inf):
+        xb = x.copy()
+        xb[1, 7] = bad
+        y = ck.matmul(xb, w, qt)
+        np.testing.assert_array_equal(y[others], clean[others])
+        wb = w.copy()
+        row = np.full(wb[4].nbytes // 2, bad, np.float16)      # every f16 field of row 4 bad
+        wb[4] = np.frombuffer(row.tobytes(), wb.dtype)
+        y = ck.matmul(x, wb, qt)
+        np.testing.assert_array_equal(np.delete(y, 4, axis=1), np.delete(clean, 4, axis=1))
+
 BAD_DATA_TYPES = [T.F16, T.Q8_0, T.Q4_K]
 
 
@@ -369,22 +400,13 @@ def test_zero_and_non_finite_data_give_values_not_errors(qt, int8):
     rng = seed(21, qt)
     cols, rows = 256, 12
     w = random_blocks(qt, (rows, cols), rng)
-    x = rng.standard_normal((3, cols)).astype(np.float32)
     ck.set_int8_activations(int8)
     try:
-        clean = ck.matmul(x, w, qt)
-        assert not np.any(ck.matmul(np.zeros_like(x), w, qt))
-        assert not np.any(ck.matmul(x, np.zeros_like(w), qt))
-        for bad in (np.nan, np.inf, -np.inf):
-            xb = x.copy()
-            xb[1, 7] = bad
-            y = ck.matmul(xb, w, qt)
-            np.testing.assert_array_equal(y[[0, 2]], clean[[0, 2]])
-            wb = w.copy()
-            row = np.full(wb[4].nbytes // 2, bad, np.float16)      # every f16 field of row 4 bad
-            wb[4] = np.frombuffer(row.tobytes(), wb.dtype)
-            y = ck.matmul(x, wb, qt)
-            np.testing.assert_array_equal(np.delete(y, 4, axis=1), np.delete(clean, 4, axis=1))
+        # 20 tokens: int8 takes the prompt-batch GEMM, whose 16 lanes hold different tokens
+        x = rng.standard_normal((20, cols)).astype(np.float32)
+        _bad_tokens_and_rows_stay_there(x, w, qt)
+        x = x[:3]
+        _bad_tokens_and_rows_stay_there(x, w, qt)
         # the expert FFN: a NaN routing weight, NaN activations, all-zero experts
         E, n_ff = 4, 64
         gu = [random_blocks(qt, (E, n_ff, cols), rng) for _ in range(2)]

@@ -164,7 +164,9 @@ def test_int8_moe(gt, dt, fused, n_ff, int8_mode):
     """Two quantization steps (x, then the expert hidden state): each adds at most
     ~1/254 of max|.| per 32 values; against the exact float64 result the error stays
     under 3% of the same magnitude bound as the float test (observed ~0.3%). B = 1 takes
-    the one-token routines, B = 4 and 16 the token-batch ones (16: one expert shared)."""
+    the one-token routines, B = 4 and 16 the token-batch ones (16: one expert shared), B = 40
+    the prompt-batch GEMM (the shared expert: two full tiles and one of 8 tokens; experts
+    with fewer than GEMM_MIN_LANES tokens go token by token)."""
     rng = seed(11, gt, dt)
     E, n_embd, k = 64, 256, 8
     if fused:
@@ -178,12 +180,54 @@ def test_int8_moe(gt, dt, fused, n_ff, int8_mode):
     d = random_blocks(dt, (E, n_embd, n_ff), rng, 0.02)
     ew = ck.ExpertWeights(g, u, d, None if fused else gt, None if fused else gt, dt,
                           gate_up=gu, gate_up_type=gt if fused else None)
-    for B in (1, 4, 16):
+    for B in (1, 4, 16, 40):
         x = rng.standard_normal((B, n_embd)).astype(np.float32)
         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(B)])
-        if B == 16:
+        if B >= 16:
             ids[:, 0] = ids[0, 0]
         wts = rng.random((B, k)).astype(np.float32)
         y = ck.moe_ffn(x, ids, wts, ew)
         ref, bound = moe_reference(x, ids, wts, G, U, dequant(d, dt), None)
         assert np.all(np.abs(y - ref) <= bound * (0.03 / TOL)), f"B={B}"
+
+
+@pytest.mark.parametrize("gt,dt", [(T.Q4_0, T.Q8_0), (T.Q4_K, T.Q6_K)], ids=lambda v: v.name)
+def test_prompt_batch_gemm_phases_equal_the_token_phases(gt, dt, int8_mode):
+    """The GEMM phases of a prompt batch (``gemm8``: tokens in lanes) and the token-batch
+    phases (``rowdot8``) on the same quantized inputs: the same integer dot products and
+    scales summed in another order, so float32 rounding only (1e-5 of the magnitudes; observed
+    ~1e-7). Expert sizes cover full tiles, a partial tile, and slots under GEMM_MIN_LANES."""
+    from cpu_kernels import moe as M
+    from cpu_kernels.matmul import quantized_activations
+    from placement.limits import GEMM_MIN_LANES
+    rng = seed(12, gt, dt)
+    E, n_embd, n_ff, k, B = 8, 256, 256, 4, 60
+    ew = ck.ExpertWeights(*(random_blocks(t, shape, rng, 0.02) for t, shape in
+                            ((gt, (E, n_ff, n_embd)), (gt, (E, n_ff, n_embd)), (dt, (E, n_embd, n_ff)))),
+                          gt, gt, dt)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(B)])
+    ids[GEMM_MIN_LANES - 1:, :] = np.where(ids[GEMM_MIN_LANES - 1:] == 7, 0, ids[GEMM_MIN_LANES - 1:])
+    flat = ids.reshape(-1).astype(np.int64)
+    order = np.argsort(flat, kind="stable")
+    tok = np.repeat(np.arange(B, dtype=np.int64), k)[order]
+    flat = flat[order]
+    first = np.flatnonzero(np.r_[True, flat[1:] != flat[:-1]])
+    se, ss = flat[first], np.r_[first, flat.size].astype(np.int64)
+    sizes = np.diff(ss)
+    assert sizes.max() > 16 and sizes.min() < GEMM_MIN_LANES and np.any(sizes % 16 >= GEMM_MIN_LANES)
+    (gk, gw, g0, _), (uk, uw, u0, _) = ew._parts
+    dk, dw = ew._down
+    x = rng.standard_normal((B, n_embd)).astype(np.float32)
+    xq, dx, bs, xs4, dx8 = quantized_activations(x)
+    H = np.empty((flat.size, n_ff), np.float32)
+    H_gemm = np.empty_like(H)
+    M._gate_up_phase(gk.tag, gw, g0, uk.tag, uw, u0, x, bs, xq, dx, xs4, dx8, se, ss, tok, H, 2, np.float32(0))
+    M._gate_up_gemm_rows(gk.tag, gw, g0, uk.tag, uw, u0, xq, dx, bs, xs4, dx8, se, ss, tok, H_gemm, 2,
+                         np.float32(0), GEMM_MIN_LANES)
+    assert np.all(np.abs(H_gemm - H) <= 1e-5 * np.abs(H).max())
+    hq = quantized_activations(H)
+    out = np.empty((flat.size, n_embd), np.float32)
+    out_gemm = np.empty_like(out)
+    M._down_phase(dk.tag, dw, H, hq[2], hq[0], hq[1], hq[3], hq[4], se, ss, out, 2)
+    M._down_gemm_rows(dk.tag, dw, *hq, se, ss, out_gemm, 2, GEMM_MIN_LANES)
+    assert np.all(np.abs(out_gemm - out) <= 1e-5 * np.abs(out).max())

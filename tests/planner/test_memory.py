@@ -83,33 +83,38 @@ def test_compute_formula_qwen3(models):
     # scales (+16 each); likewise per row of H (768)
     x8 = 2048 + 64 + 4 * (64 + 16 + 128 + 2 * (512 + 16))          # 7168 B
     h8 = 768 + 64 + 4 * (24 + 16 + 48 + 2 * (192 + 16))            # 2848 B
-    worker = TE + A * n_ff * 4 + A * E * 4 + T * x8 + A * h8 + A * 64
+    # the prompt batch's GEMM packs X per assignment into tiles of 16 (each of the 128 experts'
+    # last tile padded: 4096 + 15 * 128 lanes): codes, scales per 32, sums per 16, a row index
+    # (2048 + 4 * 64 + 4 * 128 + 8 B a lane), then H alike (smaller): the larger counts
+    gemm = (A + 15 * 128) * (2048 + 4 * 64 + 4 * 128 + 8)
+    worker = TE + A * n_ff * 4 + A * E * 4 + T * x8 + A * h8 + A * 64 + gemm
     copies = TE + T * 8 * (8 + 4)                                  # x, ids (int64), weights (f32)
-    assert worker == 65_929_216
+    assert worker == 82_918_400
     # bound at load for the whole run (placement.compute.decode_int8_scratch_bytes): each of
     # the 48 layers' routed experts (Q4_K gate/up, Q6_K down: int8 at decode) holds int8
     # activations of 16 rows of X and 16·k = 128 rows of H
     decode8 = 48 * (16 * x8 + 16 * 8 * h8)
     assert decode8 == 23_003_136
-    assert cpu.compute_bytes == TE + copies + worker + decode8 == 97_370_112  # 92.9 MiB
+    assert cpu.compute_bytes == TE + copies + worker + decode8 == 114_359_296  # 109.1 MiB
 
 
 def test_cpu_projection_counts_int8_activations_of_prompt_batches_only():
     """A CPU projection holds its float32 result and what the kernel derives from the input:
     int8 activations for a prompt batch (more than 16 tokens, placement.limits.DECODE_TOKENS) of
-    a quantized type; the float path's sums of 16 for a decode/verify batch, a float type, or
+    a quantized type, and their copy packed into the GEMM's tiles of 16; the float path's sums of 16 for a decode/verify batch, a float type, or
     with int8 off (``Devices(int8_from=None)``)."""
     q8 = TensorInfo("blk.0.attn_q.weight", (4096, 2048), GGMLQuantizationType.Q8_0, 4096 * 2176, 0, Role.ATTENTION)
     f16 = TensorInfo("blk.0.attn_q.weight", (4096, 2048), GGMLQuantizationType.F16, 4096 * 4096, 0, Role.ATTENTION)
     kinds, flt = Devices("auto", ()), Devices("auto", (), int8_from=None)
     x8 = 2048 + 64 + 4 * (64 + 16 + 128 + 2 * (512 + 16))          # one row's int8 activations
+    lane = 2048 + 4 * 64 + 4 * 128 + 8                             # and one lane of its GEMM tiles
     bsums, y = 2048 // 16 * 4, 4096 * 4                            # one row's sums / result
-    assert projection(q8, CPU, CPU, 17, kinds) == {CPU: 17 * (x8 + y)}
+    assert projection(q8, CPU, CPU, 17, kinds) == {CPU: 17 * (x8 + y) + 32 * lane}   # 17 tokens: two tiles
     assert projection(q8, CPU, CPU, 16, kinds) == {CPU: 16 * (bsums + y)}
     assert projection(f16, CPU, CPU, 512, kinds) == {CPU: 512 * (bsums + y)}
     assert projection(q8, CPU, CPU, 512, flt) == {CPU: 512 * (bsums + y)}
     # called from a GPU home: the host copy of the input too, the result moved home
-    assert projection(q8, CPU, "CUDA0", 512, kinds) == {CPU: 512 * (x8 + 2048 * 4 + y), "CUDA0": 512 * y}
+    assert projection(q8, CPU, "CUDA0", 512, kinds) == {CPU: 512 * (x8 + lane + 2048 * 4 + y), "CUDA0": 512 * y}
 
 
 def test_compute_host_backed_gpu_computes_like_the_cpu(models):
