@@ -45,7 +45,8 @@ from pathlib import Path
 import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 import cpu_kernels as ck
 from cpu_kernels.registry import get_kernel
@@ -82,6 +83,61 @@ def ceiling_gbps(buf: np.ndarray, repeat: int) -> float:
     words = buf[: buf.size // 512 * 512].view(np.uint64).reshape(64, -1)
     _stream_sum(words)
     return buf.size / _median_time(lambda: _stream_sum(words), repeat) / 1e9
+
+
+@intrinsic
+def _dot_chains(typingctx, src, n):
+    """n rounds of 8 independent u8 x s8 dot-product chains (``pair8.dpbusd``: one
+    ``vpdpbusd`` zmm each on AVX512-VNNI) over operands loaded from ``src`` (so nothing folds);
+    returns the lanes' sum so nothing is dead code."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    from cpu_kernels.pair8 import _V16I32, _V64I8, dpbusd
+    from cpu_kernels.simd import _byte_ptr
+    if not (isinstance(src, types.Array) and isinstance(n, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], ir.Constant(ir.IntType(64), 0), types.intp)
+        a = builder.load(builder.bitcast(p, _V64I8.as_pointer()), align=1)
+        b = builder.load(builder.bitcast(builder.gep(p, [ir.Constant(ir.IntType(64), 64)]), _V64I8.as_pointer()),
+                         align=1)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16I32, [i] * 16)) for i in range(8)]
+        with cgutils.for_range(builder, context.cast(builder, args[1], sig.args[1], types.intp)):
+            for acc in accs:
+                builder.store(dpbusd(builder, builder.load(acc), a, b), acc)
+        total = builder.load(accs[0])
+        for acc in accs[1:]:
+            total = builder.add(total, builder.load(acc))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [_V16I32]),
+                                            "llvm.vector.reduce.add.v16i32")
+        return builder.sext(builder.call(fn, [total]), ir.IntType(64))
+    return types.int64(src, n), codegen
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _int8_chains(src, n, threads):
+    out = np.zeros(threads, np.int64)
+    for t in prange(threads):
+        out[t] = _dot_chains(src, n)
+    return out
+
+
+INT8_OPS_PER_ROUND = 8 * 64 * 2          # 8 chains of 64 multiply-adds (2 ops each)
+
+
+def int8_peak_gops(threads: int, repeat: int = 5, n: int = 1 << 22) -> float | None:
+    """The CPU's int8 dot-product rate measured here, GOP/s (2 per u8 x s8 multiply-add):
+    ``threads`` threads each running 8 independent ``vpdpbusd`` chains (so latency is hidden)
+    — what ``threads`` cores can issue, the ceiling a compute-bound int8 kernel is held to.
+    None where the CPU has no VNNI (the int8 paths do not run there)."""
+    if not has_vnni():
+        return None
+    src = np.arange(128, dtype=np.uint8)
+    _int8_chains(src, 16, threads)
+    secs = _median_time(lambda: _int8_chains(src, n, threads), repeat)
+    return threads * n * INT8_OPS_PER_ROUND / secs / 1e9
 
 
 def weight_view(buf: np.ndarray, qtype: T, rng) -> np.ndarray:

@@ -47,6 +47,11 @@ expert bytes: what one decode token must read), GB/s = active bytes x t/s and it
 the ceiling, and the physical limit t/s = ceiling / active bytes. For prefill the bytes are
 the whole model read once per ubatch (a 256-token batch touches every expert), so its GB/s
 is bytes per batch / time per batch and its limit is left out (prefill is compute-bound).
+Below the table each prefill row also gets its compute rate: 2 x the multiply-adds of the
+blocks' matrices per token (projections, top-k of the routed experts, shared experts) x t/s,
+in GOP/s and as a share of the int8 peak measured at the end of the run
+(``bench.cpu_kernels.int8_peak_gops``: -t threads of independent ``vpdpbusd`` chains, what
+the cores can issue; none without VNNI).
 
 Fixed cost per block, in µs per token (both engines):
 
@@ -245,6 +250,7 @@ class Bytes:
     active: int             # one decode token: non-expert tensors, one embedding row, k/E of the experts
     active_per_block: float
     n_layer: int
+    macs: int = 0           # multiply-adds per token of the blocks' matrices (projections, top-k experts)
 
 
 def token_bytes(path: Path) -> Bytes:
@@ -252,7 +258,7 @@ def token_bytes(path: Path) -> Bytes:
     from placement.tensors import Role
     m = open_model(path)
     k_of_e = m.spec.n_expert_used / m.spec.n_expert
-    total = active = per_block = 0.0
+    total = active = per_block = macs = 0.0
     for t in m.tensors:
         if t.role is Role.EMBEDDING:
             share = 1 / t.shape[0]
@@ -264,7 +270,9 @@ def token_bytes(path: Path) -> Bytes:
         active += t.n_bytes * share
         if t.layer is not None:
             per_block += t.n_bytes * share
-    return Bytes(int(total), int(active), per_block / m.spec.n_layer, m.spec.n_layer)
+            if len(t.shape) >= 2:
+                macs += float(np.prod(t.shape, dtype=np.float64)) * share
+    return Bytes(int(total), int(active), per_block / m.spec.n_layer, m.spec.n_layer, int(macs))
 
 
 # -- one engine on one model, in its own process ------------------------------------------
@@ -435,7 +443,8 @@ def _fmt(v, spec=".2f", width=8) -> str:
     return f"{v:{width}{spec}}" if isinstance(v, (int, float)) else f"{'-' if v is None else 'fail':>{width}}"
 
 
-def print_table(rows: list[Row], ceiling: float, fits: dict, stat: str = "median") -> None:
+def print_table(rows: list[Row], ceiling: float, fits: dict, stat: str = "median",
+                int8_peak: float | None = None) -> None:
     print(f"\n{'workload':<16} {'offload t/s':>11} {'llama t/s':>10} {'ratio':>6} {'MB/token':>9} "
           f"{'off GB/s':>8} {'/ceil':>6} {'llama GB/s':>10} {'/ceil':>6} {'limit t/s':>9} "
           f"{'off µs/blk':>10} {'llama µs/blk':>12}")
@@ -456,6 +465,20 @@ def print_table(rows: list[Row], ceiling: float, fits: dict, stat: str = "median
               f"{mb:9.1f} {_fmt(go, '.2f', 8)} {_fmt(go and go / ceiling, '.2f', 6)} {_fmt(gl, '.2f', 10)} "
               f"{_fmt(gl and gl / ceiling, '.2f', 6)} {_fmt(limit, '.1f', 9)} {_fmt(fo, '.0f', 10)} "
               f"{_fmt(fl, '.0f', 12)}")
+    for r in rows:
+        if r.kind == "prefill" and r.bytes.macs:
+            cells = []
+            for engine, attr in (("offload", "offload"), ("llama.cpp", "llama")):
+                t = summary(getattr(r, attr), stat)
+                if t:
+                    gops = 2 * r.bytes.macs * t / 1e9
+                    share = f", {gops / int8_peak:.2f} of the int8 peak" if int8_peak else ""
+                    cells.append(f"{engine} {gops:.0f} GOP/s{share}")
+            if cells:
+                peak = (f"int8 peak {int8_peak:.0f} GOP/s measured here (-t threads x 8 independent vpdpbusd "
+                        "chains)" if int8_peak else "no VNNI: no int8 peak")
+                print(f"{r.workload}: the blocks' matrices {2 * r.bytes.macs / 1e9:.2f} GOP a token; "
+                      + "; ".join(cells) + f" ({peak})")
     for engine, fit in fits.items():
         if fit is not None:
             slope, fixed = fit
@@ -638,9 +661,15 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
           f"{load_line()}")
     sweep_only = sorted((r for r in rows if r.workload.startswith("sweep")), key=lambda r: r.blocks)
     rows = [r for r in rows if not r.workload.startswith("sweep")] + sweep_only
-    print_table(rows, ceiling, fits, a.stat)
+    int8_peak = None
+    if any(r.kind == "prefill" for r in rows):
+        from bench.cpu_kernels import int8_peak_gops
+        import cpu_kernels as ck
+        ck.set_num_threads(a.threads)
+        int8_peak = int8_peak_gops(a.threads)
+    print_table(rows, ceiling, fits, a.stat, int8_peak)
     if a.json:
-        doc = dict(ceiling_gbps=ceiling, ceilings=ceilings,
+        doc = dict(ceiling_gbps=ceiling, ceilings=ceilings, int8_peak_gops=int8_peak,
                    threads=a.threads, torch_threads=a.torch_threads, tokens=a.tokens, prompt=a.prompt,
                    prefill_activations=a.prefill_activations, decode_activations=a.decode_activations,
                    expert_type=a.expert_type,

@@ -299,3 +299,51 @@ def pdot(typingctx, codes, xq, xo):
         r = dpbusd(builder, ir.Constant(_V16I32, [0] * 16), args[0], x)
         return builder.sitofp(r, _VF)
     return fvec(codes, xq, xo), codegen
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+@intrinsic
+def quantize32(typingctx, x, xo, xq, qo, dx, du, bsums, bo, xs4, so, dx8, eo):
+    """Quantize 32 float32 activations x[xo : xo + 32] (element offsets into each array's data)
+    as ``rowdot8.quantize_rows`` does, in vector registers: d = max |x| / 127 into dx[du], codes
+    rint(x / d) into xq[qo:], d times the sums of 16 codes into bsums[bo], bsums[bo + 1], of 4
+    codes into xs4[so : so + 8], d into dx8[eo : eo + 8]. Exact IEEE operations (no fast-math),
+    so the codes are those of the scalar loop."""
+    if not all(_is_array(a) for a in (x, xq, dx, bsums, xs4, dx8)) or not all(_is_int(o) for o in (xo, qo, du, bo, so, eo)):
+        return None
+    v32f, v32i, v8i, v8f = (ir.VectorType(t, n) for t, n in ((_F32, 32), (_I32, 32), (_I32, 8), (_F32, 8)))
+
+    def codegen(context, builder, sig, args):
+        def ptr(i, ty, n=1):
+            """Pointer to element args[i + 1] of array args[i], as ``ty`` (n: bytes per element)."""
+            off = builder.mul(context.cast(builder, args[i + 1], sig.args[i + 1], types.intp), ir.Constant(_I64, n))
+            return builder.bitcast(_byte_ptr(context, builder, sig.args[i], args[i], off, types.intp), ty.as_pointer())
+        v = builder.load(ptr(0, v32f, 4), align=1)
+        amax = _call(builder, "llvm.vector.reduce.fmax.v32f32", _F32, [_call(builder, "llvm.fabs.v32f32", v32f, [v])])
+        d = builder.fdiv(amax, ir.Constant(_F32, 127.0))
+        inv = builder.select(builder.fcmp_ordered(">", d, ir.Constant(_F32, 0.0)),
+                             builder.fdiv(ir.Constant(_F32, 1.0), d), ir.Constant(_F32, 0.0))
+        vinv = builder.shuffle_vector(builder.insert_element(ir.Constant(v32f, None), inv, ir.Constant(_I32, 0)),
+                                      ir.Constant(v32f, None), _const(_I32, [0] * 32))
+        q = builder.fptosi(_call(builder, "llvm.rint.v32f32", v32f, [builder.fmul(v, vinv)]), v32i)
+        builder.store(builder.trunc(q, ir.VectorType(_I8, 32)), ptr(2, ir.VectorType(_I8, 32)), align=1)
+        builder.store(d, ptr(4, _F32, 4), align=1)
+        for h in range(2):
+            half = builder.shuffle_vector(q, q, _const(_I32, range(16 * h, 16 * h + 16)))
+            s = builder.sitofp(_call(builder, "llvm.vector.reduce.add.v16i32", _I32, [half]), _F32)
+            p = builder.gep(ptr(6, _F32, 4), [ir.Constant(_I64, h)])
+            builder.store(builder.fmul(s, d), p, align=1)
+        s4 = None
+        for j in range(4):
+            part = builder.shuffle_vector(q, q, _const(_I32, [4 * g + j for g in range(8)]))
+            s4 = part if s4 is None else builder.add(s4, part)
+        vd = builder.shuffle_vector(builder.insert_element(ir.Constant(v8f, None), d, ir.Constant(_I32, 0)),
+                                    ir.Constant(v8f, None), _const(_I32, [0] * 8))
+        builder.store(builder.fmul(builder.sitofp(s4, v8f), vd), ptr(8, v8f, 4), align=1)
+        builder.store(vd, ptr(10, v8f, 4), align=1)
+        return context.get_dummy_value()
+    return types.none(x, xo, xq, qo, dx, du, bsums, bo, xs4, so, dx8, eo), codegen

@@ -23,7 +23,7 @@ from .dispatch import (
     layout,
     scales,
 )
-from .pair8 import pdot
+from .pair8 import pdot, quantize32
 from .registry import QTagType, kernel_by_name
 from .rowdot import _prefetch_next_group, require_flat_bytes
 from .simd import vfma, vload, vstore, vsum, vzero
@@ -48,30 +48,16 @@ def quantize_rows(x, xq, dx, bsums, xs4, dx8):
     xs4 float32 [B, >= cols // 4 + S4_PAD]: sums of 4 of them, dx8 float32 (same shape):
     the scale of each 4's 32. Padding is zeroed (its sizes: ``placement.limits``)."""
     b_n, cols = x.shape
+    xs, qs, ds, bs, ss, es = (x.strides[0] // 4, xq.strides[0], dx.strides[0] // 4, bsums.strides[0] // 4,
+                              xs4.strides[0] // 4, dx8.strides[0] // 4)
     for b in range(b_n):
         xq[b, cols:] = 0
         dx[b, cols // 32:] = 0
         xs4[b, cols // 4:] = 0
         dx8[b, cols // 4:] = 0
-        for u in range(cols // 32):
-            amax = f32(0)
-            for j in range(32):
-                amax = max(amax, abs(x[b, 32 * u + j]))
-            d = amax / f32(127)
-            inv = f32(1) / d if d > 0 else f32(0)
-            dx[b, u] = d
-            for h in range(2):
-                s = 0
-                for j in range(16):
-                    q = np.int32(np.rint(x[b, 32 * u + 16 * h + j] * inv))
-                    xq[b, 32 * u + 16 * h + j] = q
-                    s += q
-                bsums[b, 2 * u + h] = f32(s) * d
-            for g in range(8):
-                c = 32 * u + 4 * g
-                xs4[b, 8 * u + g] = f32(np.int32(xq[b, c]) + np.int32(xq[b, c + 1]) + np.int32(xq[b, c + 2])
-                                        + np.int32(xq[b, c + 3])) * d
-                dx8[b, 8 * u + g] = d
+        for u in range(cols // 32):      # one 32 in vector registers (pair8.quantize32)
+            quantize32(x, b * xs + 32 * u, xq, b * qs + 32 * u, dx, b * ds + u, bsums, b * bs + 2 * u,
+                       xs4, b * ss + 8 * u, dx8, b * es + 8 * u)
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)

@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from offload.cpu_ops import prompt_threads
 from offload.online_n_max import StepCosts, Window
 from offload.profile import Profile
 from placement.limits import DECODE_TOKENS
@@ -201,10 +202,11 @@ class Batcher:
             groups = decode_groups(counts)
             split = groups is not None and self.splits.split(len(groups))
             t0 = time.perf_counter()
-            if split:
-                results = [r for lo, hi in groups for r in self.model.forward_batch([p.work for p in batch[lo:hi]])]
-            else:
-                results = self.model.forward_batch([p.work for p in batch])
+            with prompt_threads(rows):
+                if split:
+                    results = [r for lo, hi in groups for r in self.model.forward_batch([p.work for p in batch[lo:hi]])]
+                else:
+                    results = self.model.forward_batch([p.work for p in batch])
             seconds = time.perf_counter() - t0
             self.costs.record(rows, seconds)
             if groups is not None:

@@ -52,6 +52,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from offload.cpu_ops import prompt_threads
 from offload.errors import OffloadError
 from offload.nonfinite import finite, nonfinite_error
 from offload.profile import Profile
@@ -414,7 +415,7 @@ def generate_step(model, prompt: Sequence[int], *, state, sampler: Sampler, head
 
     profile.reset()
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), prompt_threads(min(ubatch, n_prompt - n_cached)):
         hidden = []
         for s in range(n_cached, n_prompt, ubatch):
             last = s + ubatch >= n_prompt

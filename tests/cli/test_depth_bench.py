@@ -46,6 +46,10 @@ def test_active_bytes_count_top_k_of_the_experts(tiny_path):
     assert b.active == int(rest + exps * 2 / 4 + embd.n_bytes / embd.shape[0])
     per_block = sum(t.n_bytes * (0.5 if "_exps" in t.name else 1) for t in m.tensors if t.layer == 1)
     assert b.active_per_block == pytest.approx(per_block)
+    # multiply-adds a token: every block's matrices, the experts' top-2 of 4 (norms are 1-D)
+    macs = sum(np.prod(t.shape) * (0.5 if "_exps" in t.name else 1) for t in m.tensors
+               if t.layer is not None and len(t.shape) >= 2)
+    assert b.macs == int(macs) and b.macs > 0
 
 
 def test_offload_loads_and_runs_it(tiny_path):

@@ -334,6 +334,32 @@ def kernel_quantized(x):
     return (xq[:, :cols].astype(np.float64).reshape(x.shape[0], -1, 32) * dx[:, :cols // 32, None]).reshape(x.shape)
 
 
+def test_quantize_rows_is_the_int8_rounding():
+    """rowdot8.quantize_rows (pair8.quantize32: a 32 in vector registers): d = max |x| / 127
+    (within one ulp: the compiler may divide as a multiply by the reciprocal), codes within
+    half a code of x / d (rint), sums of 16 and of 4 codes times d, dx8 = d per 4, padding
+    zero; an all-zero 32 gives d = 0 and zero codes."""
+    from cpu_kernels.matmul import quantized_activations
+    rng = seed(30)
+    x = (rng.standard_normal((5, 320)) * np.array([1e-3, 1, 10, 300, 1])[:, None]).astype(np.float32)
+    x[4, 32:64] = 0
+    xq, dx, bsums, xs4, dx8 = quantized_activations(x)
+    cols = x.shape[1]
+    d = dx[:, :cols // 32]
+    amax = np.abs(x).reshape(5, -1, 32).max(-1)
+    assert np.all(np.abs(d - (amax / np.float32(127)).astype(np.float32)) <= np.spacing(d))
+    assert d[4, 1] == 0 and not xq[4, 32:64].any()
+    q = xq[:, :cols].astype(np.int64)
+    scaled = x / np.repeat(np.where(d > 0, d, 1), 32, axis=1)
+    assert np.all(np.abs(q - scaled) <= 0.5 + 1e-3) and np.abs(q).max() <= 127
+    np.testing.assert_allclose(bsums, q.reshape(5, -1, 16).sum(-1) * np.repeat(d, 2, axis=1), rtol=1e-6)
+    np.testing.assert_allclose(xs4[:, :cols // 4], q.reshape(5, -1, 4).sum(-1) * np.repeat(d, 8, axis=1),
+                               rtol=1e-6)
+    np.testing.assert_array_equal(dx8[:, :cols // 4], np.repeat(d, 8, axis=1))
+    assert not xq[:, cols:].any() and not dx[:, cols // 32:].any()
+    assert not xs4[:, cols // 4:].any() and not dx8[:, cols // 4:].any()
+
+
 @pytest.mark.parametrize("qt", INT8_TYPES, ids=lambda t: t.name)
 def test_int8_matmul(qt, int8_mode):
     """Equals the weights times the int8-dequantized activations (float rounding only),

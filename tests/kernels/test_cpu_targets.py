@@ -10,7 +10,7 @@ _PROBE = """
 import json, sys
 import numpy as np
 import cpu_kernels as ck
-from cpu_kernels.matmul import use_int8
+from cpu_kernels.matmul import quantized_activations, use_int8
 from cpu_kernels.registry import get_kernel
 from cpu_kernels.simd8 import has_vnni
 from cpu_kernels.synth import random_blocks
@@ -23,11 +23,11 @@ for name in sys.argv[1:]:
     cols = 512 if name in ("Q4_K", "IQ4_XS") else 480
     w = random_blocks(qt, (9, cols), rng)
     W = dequantize(w, qt).astype(np.float64)
-    x = rng.standard_normal((3, cols)).astype(np.float32)
-    xb = x.astype(np.float64).reshape(3, -1, 32)
-    dx = np.abs(xb).max(-1, keepdims=True).astype(np.float32).astype(np.float64) / 127
-    xh = (np.rint(xb / dx) * dx).reshape(x.shape)
-    y = np.concatenate([ck.matmul(x[:1], w, qt), ck.matmul(x[1:], w, qt)])
+    x = rng.standard_normal((20, cols)).astype(np.float32)
+    xq, dq = quantized_activations(x)[:2]          # the kernels' own rounding of the activations
+    xh = (xq[:, :cols].astype(np.float64).reshape(20, -1, 32) * dq[:, :cols // 32, None]).reshape(x.shape)
+    # one token, a token batch (rowdot8), a prompt batch of 17 (the GEMM, gemm8)
+    y = np.concatenate([ck.matmul(x[:1], w, qt), ck.matmul(x[1:3], w, qt), ck.matmul(x[3:], w, qt)])
     int8 = use_int8(get_kernel(qt))
     xr = xh if int8 else x.astype(np.float64)       # what the kernel multiplies exactly
     err = np.abs(y - xr @ W.T) / (1e-5 * (np.abs(xr) @ np.abs(W).T) + 1e-30)
@@ -46,7 +46,8 @@ def test_kernels_compiled_for_other_cpus(target, half, tmp_path):
     shifts for nibbles and bit fields and ``vpshufb`` for value tables; "avx2+avxvnni"
     (Alder Lake class) with 256-bit VNNI and byte shuffles; "avx2" (Haswell class) has no
     VNNI, so int8 requests run the float path (and the value tables of MXFP4, IQ4_NL, IQ4_XS
-    are two 8-lane ``vpermps`` and a blend per 8 weights). Same bound as on this CPU: float
+    are two 8-lane ``vpermps`` and a blend per 8 weights). Batches of 1, 2 and 17 tokens: the
+    last is a prompt batch, the int8 GEMM (``gemm8``) where the class has VNNI. Same bound as on this CPU: float
     rounding of the exact product of the weights with the activations the path uses (1e-5
     of the magnitudes)."""
     import json
