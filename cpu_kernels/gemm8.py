@@ -30,8 +30,6 @@ from numba.extending import intrinsic, overload
 from placement.limits import GEMM_LANES
 
 from .dispatch import (
-    block_pair_offset_min,
-    code_offset,
     codes,
     decode_block,
     decode_block_pair,
@@ -95,22 +93,20 @@ tile_dot4_32 = _tile_dot4(8)     # a unit of 32 weights
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
-def _scales4(sd, sk, g, d0, m0, d1, m1, d2, m2, d3, m3, lane, off):
-    """Row r's scale and offset term of 16-weight unit g at sd[4 g + r], sk[4 g + r], from
-    lane ``lane`` of the decoders' d, m."""
+def _scales4(sd, sk, g, d0, m0, d1, m1, d2, m2, d3, m3, lane):
+    """Row r's scale and min of 16-weight unit g at sd[4 g + r], sk[4 g + r], from lane
+    ``lane`` of the decoders' d, m."""
     for r, d, m in ((0, d0, m0), (1, d1, m1), (2, d2, m2), (3, d3, m3)):
-        s = vlane(d, lane)
-        sd[4 * g + r] = s
-        sk[4 * g + r] = vlane(m, lane) - s * off
+        sd[4 * g + r] = vlane(d, lane)
+        sk[4 * g + r] = vlane(m, lane)
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
 def _decode4_block_pairs(tag, w, ro0, ro1, ro2, ro3, cols, cw, sd, sk):
     """Four rows of a 32-weight type decoded once for all tiles: the codes of step p (blocks
-    2p, 2p + 1) of row r at cw[256 p + 64 r:], each 16-weight unit's scale and offset term at
-    sd, sk (``_scales4``)."""
+    2p, 2p + 1) of row r at cw[256 p + 64 r:], each 16-weight unit's scale and min at sd, sk
+    (``_scales4``)."""
     bb, n_sub, same_d = layout(tag)
-    off, has_min = block_pair_offset_min(tag)
     n_blocks = cols // 32
     for p in range((n_blocks + 1) // 2):
         ob = 2 * bb * p
@@ -131,7 +127,7 @@ def _decode4_block_pairs(tag, w, ro0, ro1, ro2, ro3, cols, cw, sd, sk):
         store_codes(cw, q + 2 * CODE_ROW, c2)
         store_codes(cw, q + 3 * CODE_ROW, c3)
         for h in range(4):           # block A's halves, then B's (lanes 0 and 8)
-            _scales4(sd, sk, 4 * p + h, d0, m0, d1, m1, d2, m2, d3, m3, 8 * (h // 2), off)
+            _scales4(sd, sk, 4 * p + h, d0, m0, d1, m1, d2, m2, d3, m3, 8 * (h // 2))
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
@@ -139,7 +135,6 @@ def _decode4_sub_block_pairs(tag, w, ro0, ro1, ro2, ro3, cols, cw, sd, sk):
     """As _decode4_block_pairs for a 256-weight type: step 4 b + j holds sub-blocks 2j, 2j + 1
     of block b; the scales' lane h is the block's 16-weight unit h."""
     bb, n_sub, same_d = layout(tag)
-    off = code_offset(tag)
     for b in range(cols // 256):
         ob = b * bb
         _prefetch_next_group(w, ro0, ro1, ob, bb)
@@ -148,7 +143,7 @@ def _decode4_sub_block_pairs(tag, w, ro0, ro1, ro2, ro3, cols, cw, sd, sk):
         d2, m2 = scales(tag, w, ro2 + ob)
         d3, m3 = scales(tag, w, ro3 + ob)
         for h in range(16):
-            _scales4(sd, sk, 16 * b + h, d0, m0, d1, m1, d2, m2, d3, m3, h, off)
+            _scales4(sd, sk, 16 * b + h, d0, m0, d1, m1, d2, m2, d3, m3, h)
         q = 16 * CODE_ROW * b
         for j in range(4):           # constant once unrolled (the decoders want it so)
             store_codes(cw, q + 4 * CODE_ROW * j, codes(tag, w, ro0 + ob, j))
@@ -159,8 +154,8 @@ def _decode4_sub_block_pairs(tag, w, ro0, ro1, ro2, ro3, cols, cw, sd, sk):
 
 def decode4(tag, w, ro0, ro1, ro2, ro3, cols, cw, sd, sk):
     """Decode four rows (at bytes ro_r of the flat weight bytes w) for ``tile4``: codes into
-    cw (uint8, >= ``code_bytes(cols)``), per 16-weight unit scales and offset terms into sd,
-    sk (float32, >= cols // 4). Resolved per quant type at compile time (jitted code only)."""
+    cw (uint8, >= ``code_bytes(cols)``), per 16-weight unit scales and mins into sd, sk
+    (float32, >= cols // 4). Resolved per quant type at compile time (jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
@@ -177,57 +172,64 @@ def _decode4(tag, w, ro0, ro1, ro2, ro3, cols, cw, sd, sk):
     return None
 
 
-def unit32(tag):
-    """Whether both 16-weight halves of every 32 share their scale (the int sums run over 32;
-    jitted code only)."""
+def unit_terms(tag):
+    """(one32, offset, has_min) of a quant type's codes (jitted code only): one32 when both
+    16-weight halves of every 32 share scale and min (the int sums then run over 32), the
+    offset between codes and values, whether mins can be nonzero."""
     raise NotImplementedError("only callable from jitted code")
 
 
-@overload(unit32)
-def _unit32(tag):
+@overload(unit_terms)
+def _unit_terms(tag):
     if isinstance(tag, QTagType):
         kern = kernel_by_name(tag.qname)
-        one = kern.block_pair is not None or kern.same_d
-        return lambda tag: one
+        if kern.block_pair is not None:
+            terms = (True, f32(kern.block_pair_offset), kern.block_pair_min)
+        else:
+            terms = (kern.same_d, f32(kern.code_offset), kern.has_min)
+        return lambda tag: terms
     return None
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
-def _offsets(bt, bo, g, sk, a0, a1, a2, a3):
-    """acc_r += k_r * B for 16-weight unit g: the offset and min terms."""
-    bv = vload(bt, bo + LANES * g)
-    return (vfma(vsplat(sk[4 * g]), bv, a0), vfma(vsplat(sk[4 * g + 1]), bv, a1),
-            vfma(vsplat(sk[4 * g + 2]), bv, a2), vfma(vsplat(sk[4 * g + 3]), bv, a3))
-
-
-@njit(fastmath=True, error_model="numpy", _nrt=False)
-def _scaled(isums, dv, sd, g, a0, a1, a2, a3):
-    """acc_r += (d_r * dx) * isum_r, d_r of 16-weight unit g."""
+def _unit(isums, dv, nb, bv, sd, sk, g, has_min, a0, a1, a2, a3):
+    """acc_r += d_r * (dx * isum_r - offset * B) [+ m_r * B] for 16-weight unit g (nb = -offset * B,
+    shared by the rows)."""
     i0, i1, i2, i3 = isums
-    return (vfma(i0, sd[4 * g] * dv, a0), vfma(i1, sd[4 * g + 1] * dv, a1),
-            vfma(i2, sd[4 * g + 2] * dv, a2), vfma(i3, sd[4 * g + 3] * dv, a3))
+    a0 = vfma(vsplat(sd[4 * g]), vfma(dv, i0, nb), a0)
+    a1 = vfma(vsplat(sd[4 * g + 1]), vfma(dv, i1, nb), a1)
+    a2 = vfma(vsplat(sd[4 * g + 2]), vfma(dv, i2, nb), a2)
+    a3 = vfma(vsplat(sd[4 * g + 3]), vfma(dv, i3, nb), a3)
+    if has_min:
+        a0 = vfma(vsplat(sk[4 * g]), bv, a0)
+        a1 = vfma(vsplat(sk[4 * g + 1]), bv, a1)
+        a2 = vfma(vsplat(sk[4 * g + 2]), bv, a2)
+        a3 = vfma(vsplat(sk[4 * g + 3]), bv, a3)
+    return a0, a1, a2, a3
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
-def tile4(one32, cols, cw, sd, sk, xt, xo, dt, do, bt, bo):
+def tile4(tag, cols, cw, sd, sk, xt, xo, dt, do, bt, bo):
     """(a0, a1, a2, a3): lane t of a_r = row r (``decode4``'s) . (dx * xq) of lane t of the
-    tile packed at xt[xo:], dt[do:], bt[bo:] (``pack_lanes``). ``one32``: ``unit32``."""
+    tile packed at xt[xo:], dt[do:], bt[bo:] (``pack_lanes``)."""
+    one32, off, has_min = unit_terms(tag)
+    noff = -off
     a0 = vzero()
     a1 = vzero()
     a2 = vzero()
     a3 = vzero()
     if one32:
         for u in range(cols // 32):
-            g = 2 * u
-            a0, a1, a2, a3 = _scaled(tile_dot4_32(cw, 4 * CODE_ROW * (u // 2) + 32 * (u % 2), xt, xo + 512 * u),
-                                     vload(dt, do + LANES * u), sd, g, a0, a1, a2, a3)
-            a0, a1, a2, a3 = _offsets(bt, bo, g, sk, a0, a1, a2, a3)
-            a0, a1, a2, a3 = _offsets(bt, bo, g + 1, sk, a0, a1, a2, a3)
+            bv = vload(bt, bo + 2 * LANES * u) + vload(bt, bo + 2 * LANES * u + LANES)
+            a0, a1, a2, a3 = _unit(tile_dot4_32(cw, 4 * CODE_ROW * (u // 2) + 32 * (u % 2), xt, xo + 512 * u),
+                                   vload(dt, do + LANES * u), bv * noff, bv, sd, sk, 2 * u, has_min,
+                                   a0, a1, a2, a3)
     else:
         for g in range(cols // 16):
-            a0, a1, a2, a3 = _scaled(tile_dot4_16(cw, 4 * CODE_ROW * (g // 4) + 16 * (g % 4), xt, xo + 256 * g),
-                                     vload(dt, do + LANES * (g // 2)), sd, g, a0, a1, a2, a3)
-            a0, a1, a2, a3 = _offsets(bt, bo, g, sk, a0, a1, a2, a3)
+            bv = vload(bt, bo + LANES * g)
+            a0, a1, a2, a3 = _unit(tile_dot4_16(cw, 4 * CODE_ROW * (g // 4) + 16 * (g % 4), xt, xo + 256 * g),
+                                   vload(dt, do + LANES * (g // 2)), bv * noff, bv, sd, sk, g, has_min,
+                                   a0, a1, a2, a3)
     return a0, a1, a2, a3
 
 

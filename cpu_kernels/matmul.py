@@ -8,7 +8,7 @@ from placement.limits import DECODE_TOKENS, DX_PAD, S4_PAD, XQ_PAD, wants_int8
 
 from . import settings
 from .entry import first_call
-from .gemm8 import LANES, code_bytes, decode4, pack_lanes, tile4, tile_sizes, unit32
+from .gemm8 import LANES, code_bytes, decode4, pack_lanes, tile4, tile_sizes
 from .layout import activations, bsums_for, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
 from .rowdot import TOKEN_TILE, dot4, rows4, rows4_scratch
@@ -111,7 +111,6 @@ def _build(salt):
         pack_lanes(xq, dx, bsums, src, xt, dt, bt)
         groups = (rows + 3) // 4
         chunks = max(1, min(groups, chunks))
-        one32 = unit32(tag)
         for ch in prange(chunks):
             cw = np.empty(code_bytes(cols), np.uint8)
             sdr = np.empty(cols // 4, f32)
@@ -123,7 +122,7 @@ def _build(salt):
                 decode4(tag, wf, r0 * rs, min(r0 + 1, last) * rs, min(r0 + 2, last) * rs,
                         min(r0 + 3, last) * rs, cols, cw, sdr, skr)
                 for j in range(n_tiles):
-                    a = tile4(one32, cols, cw, sdr, skr, xt, j * sx, dt, j * sd, bt, j * sb)
+                    a = tile4(tag, cols, cw, sdr, skr, xt, j * sx, dt, j * sd, bt, j * sb)
                     nt = min(LANES, n - LANES * j)
                     for r in range(nr):
                         for i in range(nt):

@@ -23,13 +23,13 @@ from numba import njit, prange
 from placement.limits import DECODE_TOKENS, GEMM_MIN_LANES
 
 from . import settings
-from .gemm8 import LANES, code_bytes, decode4, pack_lanes, tile4, tile_sizes, unit32
+from .gemm8 import LANES, code_bytes, decode4, pack_lanes, tile4, tile_sizes
 from .layout import activations, bsums_for, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
 from .matmul import int8_rows, quantized_activations, use_int8
 from .rowdot import dot4
 from .rowdot8 import dot4_i8, quantize_rows
-from .simd import vlane
+from .simd import vlane, vsilu_glu
 
 f32 = np.float32
 TOKEN_TILE = 16
@@ -330,7 +330,6 @@ def _build(salt):
         dt = np.empty(n_tiles * sd, f32)
         bt = np.empty(n_tiles * sb, f32)
         pack_lanes(xq, dx, bsums, src, xt, dt, bt)
-        one_g, one_u = unit32(gtag), unit32(utag)
         groups = (n_ff + 3) // 4
         items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
@@ -361,12 +360,13 @@ def _build(salt):
                     decode4(utag, uwf, ub + r0 * urs, ub + rr1 * urs, ub + rr2 * urs, ub + rr3 * urs, cols,
                             cwu, sdu, sku)
                     for j in range(tile_start[s], tile_start[s + 1]):
-                        ag = tile4(one_g, cols, cwg, sdg, skg, xt, j * sx, dt, j * sd, bt, j * sb)
-                        au = tile4(one_u, cols, cwu, sdu, sku, xt, j * sx, dt, j * sd, bt, j * sb)
+                        ag = tile4(gtag, cols, cwg, sdg, skg, xt, j * sx, dt, j * sd, bt, j * sb)
+                        au = tile4(utag, cols, cwu, sdu, sku, xt, j * sx, dt, j * sd, bt, j * sb)
                         nt = min(LANES, a_end - a0)
                         for r in range(nr):
+                            h = vsilu_glu(ag[r], au[r], clamp)
                             for i in range(nt):
-                                H[a0 + i, r0 + r] = _silu_glu(vlane(ag[r], i), vlane(au[r], i), clamp)
+                                H[a0 + i, r0 + r] = vlane(h, i)
                         a0 += nt
                 if a0 < a_end:               # a slot's last few tokens
                     nt = a_end - a0
@@ -396,7 +396,6 @@ def _build(salt):
         dt = np.empty(n_tiles * sd, f32)
         bt = np.empty(n_tiles * sb, f32)
         pack_lanes(hq, hdx, h_bsums, src, xt, dt, bt)
-        one = unit32(dtag)
         groups = (n_embd + 3) // 4
         items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
@@ -420,7 +419,7 @@ def _build(salt):
                     decode4(dtag, dwf, db + r0 * drs, db + ro1 * drs, db + ro2 * drs, db + ro3 * drs, n_ff,
                             cw, sdr, skr)
                     for j in range(tile_start[s], tile_start[s + 1]):
-                        a = tile4(one, n_ff, cw, sdr, skr, xt, j * sx, dt, j * sd, bt, j * sb)
+                        a = tile4(dtag, n_ff, cw, sdr, skr, xt, j * sx, dt, j * sd, bt, j * sb)
                         nt = min(LANES, a_end - a0)
                         for r in range(nr):
                             for i in range(nt):

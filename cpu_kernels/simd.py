@@ -595,3 +595,56 @@ _vec_operator(operator.mul, vmul)
 _vec_operator(operator.iadd, vadd)
 _vec_operator(operator.isub, vsub)
 _vec_operator(operator.imul, vmul)
+
+
+# Cephes' expf on [-ln2/2, ln2/2]: exp(r) = 1 + r + r^2 (c0 + c1 r + ... + c5 r^5), ~1 ulp.
+_EXP_POLY = (5.0000001201e-1, 1.6666665459e-1, 4.1665795894e-2, 8.3334519073e-3, 1.3981999507e-3,
+             1.9875691500e-4)
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+@intrinsic
+def vsilu_glu(typingctx, g, u, clamp):
+    """Lane-wise ``moe._silu_glu``: silu(g) * u, with g ≤ clamp and |u| ≤ clamp first where
+    ``clamp`` > 0; 0 where g ≤ -80 (or NaN) and where |result| is below float32's smallest
+    normal (subnormals would slow the down projection). exp of -|g| by range reduction and
+    Cephes' polynomial (about 1 ulp from the libm exp of the scalar version)."""
+    if not (g == fvec and u == fvec and isinstance(clamp, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        g, u = args[0], args[1]
+        lim = context.cast(builder, args[2], sig.args[2], types.float32)
+
+        def splat(x):
+            return _splat(builder, ir.Constant(_F32, x) if isinstance(x, float) else x, _VF)
+
+        def call(name, *vals):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * len(vals)),
+                                                f"llvm.{name}.v{LANES}f32")
+            return builder.call(fn, list(vals))
+        clamped = builder.fcmp_ordered(">", lim, ir.Constant(_F32, 0.0))
+        vlim = splat(lim)
+        # compares, not minnum/maxnum: a NaN stays NaN (and gives 0 below), as in the scalar version
+        on = _splat(builder, clamped, ir.VectorType(ir.IntType(1), LANES))
+        nlim = builder.fneg(vlim)
+        g = builder.select(builder.and_(on, builder.fcmp_ordered(">", g, vlim)), vlim, g)
+        u = builder.select(builder.and_(on, builder.fcmp_ordered(">", u, vlim)), vlim,
+                           builder.select(builder.and_(on, builder.fcmp_ordered("<", u, nlim)), nlim, u))
+        x = call("maxnum", builder.fneg(call("fabs", g)), splat(-87.0))        # exp(x), x in [-87, 0]
+        n = call("rint", builder.fmul(x, splat(1.4426950408889634)))
+        r = call("fma", n, splat(-0.693359375), x)
+        r = call("fma", n, splat(2.12194440e-4), r)
+        p = splat(_EXP_POLY[-1])
+        for c in reversed(_EXP_POLY[:-1]):
+            p = call("fma", p, r, splat(c))
+        p = call("fma", builder.fmul(p, r), r, builder.fadd(r, splat(1.0)))
+        bits = builder.shl(builder.add(builder.fptosi(n, _VI32), _splat(builder, ir.Constant(_I32, 127), _VI32)),
+                           _splat(builder, ir.Constant(_I32, 23), _VI32))
+        e = builder.fmul(p, builder.bitcast(bits, _VF))
+        pos = builder.fcmp_ordered(">=", g, splat(0.0))
+        sg = builder.fdiv(builder.fmul(g, builder.select(pos, splat(1.0), e)), builder.fadd(splat(1.0), e))
+        sg = builder.select(builder.fcmp_ordered(">", g, splat(-80.0)), sg, splat(0.0))
+        h = builder.fmul(sg, u)
+        return builder.select(builder.fcmp_ordered(">=", call("fabs", h), splat(_TINY)), h, splat(0.0))
+    return fvec(g, u, clamp), codegen

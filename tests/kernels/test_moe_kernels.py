@@ -231,3 +231,41 @@ def test_prompt_batch_gemm_phases_equal_the_token_phases(gt, dt, int8_mode):
     M._down_phase(dk.tag, dw, H, hq[2], hq[0], hq[1], hq[3], hq[4], se, ss, out, 2)
     M._down_gemm_rows(dk.tag, dw, *hq, se, ss, out_gemm, 2, GEMM_MIN_LANES)
     assert np.all(np.abs(out_gemm - out) <= 1e-5 * np.abs(out).max())
+
+
+def test_vector_silu_glu_is_the_scalar_one():
+    """simd.vsilu_glu (the prompt-batch GEMM's gate·up epilogue, 16 lanes) against moe._silu_glu
+    (scalar, libm exp), both compiled as the kernels are (fast-math): finite results within
+    1e-6 relative (its exp is Cephes' polynomial, ~1 ulp, then a division); the same zeros —
+    gates at or below -80, NaN gates or ups, results under float32's smallest normal — with
+    and without the clamp (DeepSeek-V4's swiglu_clamp at 7)."""
+    from numba import njit
+
+    from cpu_kernels.moe import _silu_glu
+    from cpu_kernels.simd import vload, vsilu_glu, vstore
+
+    @njit(fastmath=True, error_model="numpy")
+    def lanes(g, u, clamp, out):
+        for i in range(0, g.size, 16):
+            vstore(out, i, vsilu_glu(vload(g, i), vload(u, i), clamp))
+
+    @njit(fastmath=True, error_model="numpy")
+    def scalar(g, u, clamp, out):
+        for i in range(g.size):
+            out[i] = _silu_glu(g[i], u[i], clamp)
+
+    rng = seed(40)
+    n = 1 << 14
+    g = (rng.standard_normal(n) * rng.choice([0.01, 1, 10, 50, 100], n)).astype(np.float32)
+    u = (rng.standard_normal(n) * rng.choice([1e-37, 1e-3, 1, 10], n)).astype(np.float32)
+    g[:6] = [np.nan, -80, -80.001, 0, 87, -1e-3]
+    u[6:8] = [np.nan, 0]
+    for clamp in (np.float32(0), np.float32(7)):
+        got, want = np.empty(n, np.float32), np.empty(n, np.float32)
+        lanes(g, u, clamp, got)
+        scalar(g, u, clamp, want)
+        np.testing.assert_array_equal(got == 0, want == 0)
+        assert not np.isnan(got).any() and not np.isnan(want).any()
+        nz = want != 0
+        assert nz.sum() > n // 2
+        assert np.all(np.abs(got[nz] - want[nz]) <= 1e-6 * np.abs(want[nz]))
