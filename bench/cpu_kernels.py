@@ -1,6 +1,7 @@
 """Speed of the Numba CPU expert kernels against this machine's memory-read ceiling.
 
     python -m bench.cpu_kernels [--mb 1024] [--types Q4_0,Q4_K] [--moe-types Q4_K]
+                                [--prompt 256] [--prompt-types Q4_0,Q4_K,Q8_0]
                                 [--activations f32,int8] [--threads N] [--repeat 7]
                                 [--no-compile] [--json PATH]
 
@@ -16,6 +17,10 @@ before it is timed):
   as Qwen3-30B-A3B) at B = 1..8 with uniform top-k routing: ms per call against the
   number of distinct experts the batch touches, plus the same batches routed to one set
   of 8 experts (distinct = 8 whatever B);
+* prompt batch (VNNI CPUs): ``matmul`` of a 4096 x 2048 matrix and ``moe_ffn`` (32
+  experts, top-8) over ``--prompt`` tokens as one call (the int8 GEMM) and as 16-token calls
+  (the token routines) on the same activations, GOP/s and their share of the int8 peak
+  (``int8_peak_gops``: what the cores can issue, measured in the run);
 * compile: first call in a fresh process with an empty Numba cache, then a second fresh
   process on the now-filled cache (``cache=True``);
 * llama.cpp: where ``llama_cpp`` (llama-cpp-python) is installed, its bundled ggml runs the
@@ -24,7 +29,8 @@ before it is timed):
 
 ``--json PATH`` writes {"ceiling_gbps", "matvec": [{type, batch, gbps, ratio, activations,
 ceiling_next_gbps, ratio_next}],
-"moe": [{type, batch, distinct_experts, ms, routing, activations}], ...} (temp file +
+"moe": [{type, batch, distinct_experts, ms, routing, activations}], "prompt": [{type, what,
+tokens, gemm_gops, token_routines_gops, peak_gops}], ...} (temp file +
 rename; ``activations`` is "f32" or "int8"; matvec rows of llama.cpp's ggml have
 ``"impl": "ggml"``, ours ``"impl": "offload"``).
 """
@@ -312,6 +318,38 @@ print(t1 - t0, t3 - t2, t4 - t3)
 """
 
 
+def bench_prompt(types, n_tok, repeat, rng, threads):
+    """Prompt batches on the int8 path: ``matmul`` of a 4096 x 2048 matrix and ``moe_ffn`` (MOE's
+    shape, 32 experts so each holds ~n_tok/4 tokens) over ``n_tok`` tokens as one call (the
+    GEMM, ``cpu_kernels.gemm8``) and as calls of 16 tokens (the token routines, ``rowdot8``, the
+    same activations), GOP/s (2 per multiply-add) and their share of the int8 peak measured here."""
+    peak = int8_peak_gops(threads)
+    print(f"  int8 peak (-t {threads}: 8 independent vpdpbusd chains a thread): {peak:.0f} GOP/s")
+    x = rng.standard_normal((n_tok, MOE["n_embd"])).astype(np.float32)
+    E, k, n_ff, n_embd = 32, MOE["k"], MOE["n_ff"], MOE["n_embd"]
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(n_tok)])
+    wts = np.full((n_tok, k), 1 / k, np.float32)
+    rows = []
+    print(f"  {'what':28s} {'GEMM GOP/s':>10} {'/peak':>6} {'16 a call':>10} {'/peak':>6} {'ratio':>6}")
+    for qt in types:
+        w = random_blocks(qt, (4096, n_embd), rng)
+        experts = ck.ExpertWeights(*(random_blocks(qt, shape, rng) for shape in
+                                     ((E, n_ff, n_embd), (E, n_ff, n_embd), (E, n_embd, n_ff))), qt, qt, qt)
+        cases = (("matmul 4096x2048", 4096 * n_embd, lambda b: ck.matmul(x[b], w, qt, int8=True)),
+                 (f"moe_ffn E{E} k{k}", 3 * n_ff * n_embd * k,
+                  lambda b: ck.moe_ffn(x[b], ids[b], wts[b], experts, int8=True)))
+        for what, macs, call in cases:
+            whole = 2 * macs * n_tok / _median_time(lambda: call(slice(None)), repeat) / 1e9
+            tiles = 2 * macs * n_tok / _median_time(
+                lambda: [call(slice(i, i + 16)) for i in range(0, n_tok, 16)], repeat) / 1e9
+            row = dict(type=qt.name, what=what, tokens=n_tok, gemm_gops=whole, token_routines_gops=tiles,
+                       peak_gops=peak)
+            rows.append(row)
+            print(f"  {qt.name + ' ' + what:28s} {whole:10.0f} {whole / peak:6.2f} {tiles:10.0f} {tiles / peak:6.2f} "
+                  f"{whole / tiles:6.2f}")
+    return rows
+
+
 def bench_compile():
     """First Q4_K matmul in a fresh process: empty Numba cache, then the cache it filled."""
     out = []
@@ -348,11 +386,15 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--no-compile", action="store_true", help="skip the fresh-process compile timing")
     ap.add_argument("--no-ggml", action="store_true", help="skip llama.cpp's ggml even if installed")
+    ap.add_argument("--prompt", type=int, default=256,
+                    help="tokens of the prompt-batch table (GEMM against 16-token calls; 0: skip)")
+    ap.add_argument("--prompt-types", default="Q4_0,Q4_K,Q8_0")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     try:
         types = [T[n.strip()] for n in args.types.split(",") if n.strip()]
         moe_types = [T[n.strip()] for n in args.moe_types.split(",") if n.strip()]
+        prompt_types = [T[n.strip()] for n in args.prompt_types.split(",") if n.strip()]
     except KeyError as e:
         print(f"bench.cpu_kernels: unknown quant type {e.args[0]}", file=sys.stderr)
         return 2
@@ -382,6 +424,14 @@ def main(argv=None):
         print(f"  {r['type']:7s} {r['activations']:5s} {r['gbps']:6.2f} {r['ratio']:6.2f} {r['ratio_next']:6.2f}")
     del buf
 
+    prompt = []
+    if args.prompt and not has_vnni():
+        print("\nprompt batch: skipped (no VNNI: int8 activations do not run on this CPU)")
+    elif args.prompt:
+        print(f"\nprompt batch of {args.prompt} tokens, int8 activations, {threads} threads "
+              "(each call once untimed first):")
+        prompt = bench_prompt(prompt_types, args.prompt, args.repeat, rng, threads)
+
     moe_threads = args.moe_threads or args.threads
     ck.set_num_threads(moe_threads)
     print(f"\nmoe (fused expert FFN, per call, {moe_threads or numba.config.NUMBA_NUM_THREADS} threads):")
@@ -392,7 +442,7 @@ def main(argv=None):
         compile_rows = bench_compile()
     print(f"\n{load_line()}")
     if args.json:
-        doc = dict(ceiling_gbps=ceiling, matvec=matvec, moe=moe, compile=compile_rows,
+        doc = dict(ceiling_gbps=ceiling, matvec=matvec, moe=moe, prompt=prompt, compile=compile_rows,
                    threads=args.threads or numba.config.NUMBA_NUM_THREADS,
                    moe_threads=moe_threads or numba.config.NUMBA_NUM_THREADS, mb=args.mb, load=load_line())
         tmp = args.json.with_name(args.json.name + ".tmp")

@@ -591,7 +591,11 @@ def _project(kern, raw, row0: int, n_rows: int, A_in, slot_expert, slot_start, n
         q, dq, bsums, s4, d8 = None, None, bsums_for(A_in, kern), None, None
     out = np.empty((A_in.shape[0], n_rows), f32)
     view = raw if row0 == 0 and raw.shape[1] == n_rows else raw[:, row0:row0 + n_rows]
-    _down_phase(kern.tag, view, A_in, bsums, q, dq, s4, d8, slot_expert, slot_start, out, n_threads)
+    if q is not None and A_in.shape[0] > DECODE_TOKENS:        # a prompt batch: the GEMM
+        _down_gemm_rows(kern.tag, view, q, dq, bsums, s4, d8, slot_expert, slot_start, out, n_threads,
+                        GEMM_MIN_LANES)
+    else:
+        _down_phase(kern.tag, view, A_in, bsums, q, dq, s4, d8, slot_expert, slot_start, out, n_threads)
     return out
 
 

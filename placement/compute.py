@@ -570,9 +570,10 @@ class ForwardModel:
             gemm_h = gemm_packed_bytes(lanes, n_ff) if int8_h and T > DECODE_TOKENS else 0
             worker = (te + A * n_ff * f + A * E * f + cpu_input_bytes(T, E, int8_in, packed=False)
                       + cpu_input_bytes(A, n_ff, int8_h, packed=False) + max(gemm_x, gemm_h) + A * ROUTING_BYTES)
-            if b.expert_bias:   # moe_ffn's _biased_glu: X per assignment (+ what it derives), g, u, σ's temporary
-                worker = max(worker, te + A * E * f + cpu_input_bytes(A, E, int8_in, packed=False) + 3 * A * n_ff * f
-                             + A * ROUTING_BYTES)
+            if b.expert_bias:   # moe_ffn's _biased_glu: X per assignment (+ what it derives and packs), g, u,
+                # σ's temporary
+                worker = max(worker, te + A * E * f + cpu_input_bytes(A, E, int8_in, packed=False) + gemm_x
+                             + 3 * A * n_ff * f + A * ROUTING_BYTES)
             copies = {CPU: te + T * k * (INT64 + f)} if h != CPU else {}
             moved = {h: te} if h != CPU else {}        # Y moved home (a view on the CPU)
             return [_plus(copies, {CPU: worker}), _plus({CPU: te}, moved)], True

@@ -148,10 +148,14 @@ def test_cpu_projection_bound_matches_numpy_allocations(qtype):
     activations from INT8_FROM tokens: its numpy peak (tracemalloc) equals
     ``placement.compute.projection``'s CPU bytes up to the call's own objects — the result
     and the sums of 16 for decode batches and float types, the quantized activations
-    (codes, scales, partial sums) for prompt batches of quantized types. (The kernels'
-    per-thread scratch is Numba's, not numpy's, and no plan counts it.)"""
+    (codes, scales, partial sums) and the GEMM's packed copy of them
+    (``placement.limits.gemm_packed_bytes``) for prompt batches of quantized types. (The
+    kernels' per-thread scratch — for the GEMM four decoded rows, ``gemm8.thread_scratch_bytes``
+    — is allowed for beside the call's objects; no plan counts it.)"""
     from cpu_kernels.simd8 import has_vnni
     from offload.cpu_ops import RawLinear
+    from cpu_kernels import settings
+    from cpu_kernels.gemm8 import thread_scratch_bytes
     from placement.limits import DECODE_TOKENS, INT8_FROM
     rng = np.random.default_rng(200 + int(qtype))
     rows, cols = 256, 2048
@@ -165,8 +169,9 @@ def test_cpu_projection_bound_matches_numpy_allocations(qtype):
         lin(x)                                  # compiled before tracing
         measured = traced_peak(lambda: lin(x))
         planned = projection(info, CPU, CPU, n, kinds)[CPU]
+        scratch = settings.apply_threads() * thread_scratch_bytes(cols) if n > DECODE_TOKENS else 0
         print(qtype.name, n, measured, planned)
-        assert measured <= planned + 16 * 1024, (qtype.name, n, measured, planned)   # + the call's objects
+        assert measured <= planned + scratch + 16 * 1024, (qtype.name, n, measured, planned)   # + the call's objects
         if has_vnni() or not kinds.int8(n, (qtype,)):
             assert measured >= planned, (qtype.name, n, measured, planned)
 
