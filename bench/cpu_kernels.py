@@ -57,7 +57,7 @@ from numba.extending import intrinsic
 import cpu_kernels as ck
 from cpu_kernels.registry import get_kernel
 from cpu_kernels.simd8 import has_vnni
-from cpu_kernels.synth import finite_floats, set_scales
+from cpu_kernels.synth import finite_floats, random_blocks, set_scales
 
 FLOATS = (T.F32, T.F16, T.BF16)
 COLS = 4096                     # row length of the mat-vec weight sets
