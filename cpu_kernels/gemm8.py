@@ -7,18 +7,19 @@ the 16 int32 lanes instead: the tile's quantized activations are interleaved per
 (``pack_lanes``: dword k of the tile holds columns 4k..4k+3 of token 0, then of token 1, …),
 each weight dword (4 codes) is broadcast against that (``vpdpbusd`` with a 32-bit broadcast
 operand), and a unit of 16 or 32 weights is summed in int32 before one conversion and one
-scale per row and unit — 16 tokens at once. A weight block is decoded once per tile into a
-small code buffer (the ``pair8`` decoders, as the decode path); nothing is repacked at load.
+scale per row and unit — 16 tokens at once. Four rows are decoded once per call into a small
+code buffer (``decode4``: the ``pair8`` decoders, as the decode path) and applied to every
+tile (``tile4``); nothing is repacked at load.
 
-Per unit of weights with scale d and offset term k = m - d * offset (``registry``: a code u
-stands for d * (u - offset) + m), row r and token t:
+Per unit of weights with scale d and min m (``registry``: a code u stands for
+d * (u - offset) + m), row r and token t:
 
-    acc[r][t] += (d * dx[t]) * isum[r][t] + k * B[t]
+    acc[r][t] += d * (dx[t] * isum[r][t] - offset * B[t])  [+ m * B[t]]
 
 isum the integer dot of the unit's codes with the token's int8 codes, dx the token's scale
 of the 32 the unit lies in, B = dx * (sum of the token's codes over the unit)
-(``rowdot8.quantize_rows``' bsums). The same numbers as ``rowdot8``: only the order of the
-float additions differs.
+(``rowdot8.quantize_rows``' bsums); -offset * B is shared by the four rows. The same numbers
+as ``rowdot8``: only the order of the float operations differs.
 """
 from __future__ import annotations
 
@@ -280,3 +281,23 @@ def pack_lanes(xq, dx, bsums, src, xt, dt, bt):
                     dt[db + LANES * u] = 0
                 for g in range(n16):
                     bt[bb + LANES * g] = 0
+
+
+@njit(nogil=True, fastmath=True, error_model="numpy")
+def pack_tiles(xq, dx, bsums, src):
+    """(xt, dt, bt, sx, sd, sb): ``pack_lanes`` of rows ``src`` into arrays allocated here,
+    and the elements per tile of each (``tile_sizes``): tile j's arrays start at j * sx, j * sd, j * sb."""
+    sx, sd, sb = tile_sizes(bsums.shape[1] * 16)
+    n_tiles = src.shape[0] // LANES
+    xt = np.empty(n_tiles * sx, np.int8)
+    dt = np.empty(n_tiles * sd, f32)
+    bt = np.empty(n_tiles * sb, f32)
+    pack_lanes(xq, dx, bsums, src, xt, dt, bt)
+    return xt, dt, bt, sx, sd, sb
+
+
+@njit(nogil=True)
+def row_buffers(cols):
+    """A parallel piece's buffers for ``decode4``'s four rows of ``cols`` weights: codes, scales,
+    mins (``thread_scratch_bytes``)."""
+    return np.empty(code_bytes(cols), np.uint8), np.empty(cols // 4, f32), np.empty(cols // 4, f32)

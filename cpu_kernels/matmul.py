@@ -8,7 +8,7 @@ from placement.limits import DECODE_TOKENS, DX_PAD, S4_PAD, XQ_PAD, wants_int8
 
 from . import settings
 from .entry import first_call
-from .gemm8 import LANES, code_bytes, decode4, pack_lanes, tile4, tile_sizes
+from .gemm8 import LANES, decode4, pack_tiles, row_buffers, tile4
 from .layout import activations, bsums_for, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
 from .rowdot import TOKEN_TILE, dot4, rows4, rows4_scratch
@@ -104,17 +104,11 @@ def _build(salt):
         n_tiles = (n + LANES - 1) // LANES
         src = np.full(n_tiles * LANES, -1, np.int64)
         src[:n] = np.arange(n)
-        sx, sd, sb = tile_sizes(cols)
-        xt = np.empty(n_tiles * sx, np.int8)
-        dt = np.empty(n_tiles * sd, f32)
-        bt = np.empty(n_tiles * sb, f32)
-        pack_lanes(xq, dx, bsums, src, xt, dt, bt)
+        xt, dt, bt, sx, sd, sb = pack_tiles(xq, dx, bsums, src)
         groups = (rows + 3) // 4
         chunks = max(1, min(groups, chunks))
         for ch in prange(chunks):
-            cw = np.empty(code_bytes(cols), np.uint8)
-            sdr = np.empty(cols // 4, f32)
-            skr = np.empty(cols // 4, f32)
+            cw, sdr, skr = row_buffers(cols)
             for g in range(ch * groups // chunks, (ch + 1) * groups // chunks):
                 r0 = 4 * g
                 last = rows - 1
@@ -177,7 +171,7 @@ def matmul(x, w, qtype, *, name: str = "", int8: bool | str | None = None) -> np
         n_threads = settings.apply_threads()
         if use_int8(kern, int8):
             xq, dx, bsums, xs4, dx8 = quantized_activations(X)
-            if X.shape[0] > DECODE_TOKENS:
+            if X.shape[0] > DECODE_TOKENS:             # a prompt batch: tokens in lanes (gemm8)
                 _matmul_gemm8_kernel(kern.tag, wb, xq, dx, bsums, Y, n_threads)
             else:
                 _matmul_i8_kernel(kern.tag, wb, xq, dx, bsums, xs4, dx8, Y, n_threads)

@@ -23,7 +23,7 @@ from numba import njit, prange
 from placement.limits import DECODE_TOKENS, GEMM_MIN_LANES
 
 from . import settings
-from .gemm8 import LANES, code_bytes, decode4, pack_lanes, tile4, tile_sizes
+from .gemm8 import LANES, decode4, pack_tiles, row_buffers, tile4
 from .layout import activations, bsums_for, row_cols, weight_bytes
 from .registry import get_kernel, source_digest
 from .matmul import int8_rows, quantized_activations, use_int8
@@ -323,21 +323,13 @@ def _build(salt):
         ues, urs = uw.strides[0], uw.strides[1]
         gwf, uwf = gw.reshape(-1), uw.reshape(-1)
         tile_start = slot_tiles(slot_start, min_lanes)
-        src = tile_lanes(slot_start, tile_start, assign_tok)
-        sx, sd, sb = tile_sizes(cols)
-        n_tiles = tile_start[-1]
-        xt = np.empty(n_tiles * sx, np.int8)
-        dt = np.empty(n_tiles * sd, f32)
-        bt = np.empty(n_tiles * sb, f32)
-        pack_lanes(xq, dx, bsums, src, xt, dt, bt)
+        xt, dt, bt, sx, sd, sb = pack_tiles(xq, dx, bsums, tile_lanes(slot_start, tile_start, assign_tok))
         groups = (n_ff + 3) // 4
         items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
         for ch in prange(pieces):
-            cwg = np.empty(code_bytes(cols), np.uint8)
-            cwu = np.empty(code_bytes(cols), np.uint8)
-            sdg, skg = np.empty(cols // 4, f32), np.empty(cols // 4, f32)
-            sdu, sku = np.empty(cols // 4, f32), np.empty(cols // 4, f32)
+            cwg, sdg, skg = row_buffers(cols)
+            cwu, sdu, sku = row_buffers(cols)
             acc = np.empty(TOKEN_TILE * 64, f32)
             cacc = np.empty(TOKEN_TILE * 4, f32)
             rg = np.empty((TOKEN_TILE, 4), f32)
@@ -389,19 +381,12 @@ def _build(salt):
         des, drs = dw.strides[0], dw.strides[1]
         dwf = dw.reshape(-1)
         tile_start = slot_tiles(slot_start, min_lanes)
-        src = tile_lanes(slot_start, tile_start, None)
-        sx, sd, sb = tile_sizes(n_ff)
-        n_tiles = tile_start[-1]
-        xt = np.empty(n_tiles * sx, np.int8)
-        dt = np.empty(n_tiles * sd, f32)
-        bt = np.empty(n_tiles * sb, f32)
-        pack_lanes(hq, hdx, h_bsums, src, xt, dt, bt)
+        xt, dt, bt, sx, sd, sb = pack_tiles(hq, hdx, h_bsums, tile_lanes(slot_start, tile_start, None))
         groups = (n_embd + 3) // 4
         items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
         for ch in prange(pieces):
-            cw = np.empty(code_bytes(n_ff), np.uint8)
-            sdr, skr = np.empty(n_ff // 4, f32), np.empty(n_ff // 4, f32)
+            cw, sdr, skr = row_buffers(n_ff)
             acc = np.empty(TOKEN_TILE * 64, f32)
             cacc = np.empty(TOKEN_TILE * 4, f32)
             res = np.empty((TOKEN_TILE, 4), f32)

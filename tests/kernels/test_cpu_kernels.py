@@ -364,14 +364,31 @@ def test_quantize_rows_is_the_int8_rounding():
 def test_int8_matmul(qt, int8_mode):
     """Equals the weights times the int8-dequantized activations (float rounding only),
     and differs from the exact product by at most sum |w| |x - x_hat| (the rounding of
-    each activation, at most dx / 2). B = 1 and 3 take the token routines (rowdot8), B = 40
-    the prompt-batch GEMM (gemm8: two full tiles of 16 tokens and one of 8; 13 rows: a
-    partial group of 4)."""
+    each activation, at most dx / 2). B = 1 and 3 take the token routines (rowdot8)."""
+    _int8_matmul_batches(qt, (1, 3))
+
+
+# The prompt-batch GEMM (gemm8) decodes with the same per-type decoders as the token routines;
+# what it adds per type is the unit (16 or 32 weights), the code offset and the mins. Each kind
+# by default, the other lattice types in the full tier.
+GEMM_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.MXFP4, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+              T.IQ4_XS, T.IQ2_XXS, T.IQ1_S]
+
+
+@pytest.mark.parametrize("qt", [*GEMM_TYPES, *(pytest.param(t, marks=pytest.mark.full) for t in INT8_TYPES
+                                                if t not in GEMM_TYPES)], ids=lambda t: t.name)
+def test_int8_prompt_batch_matmul(qt, int8_mode):
+    """test_int8_matmul's bounds for a prompt batch of 40 tokens: the GEMM (gemm8: two full
+    tiles of 16 tokens and one of 8; 13 rows: a partial group of 4)."""
+    _int8_matmul_batches(qt, (40,))
+
+
+def _int8_matmul_batches(qt, batches):
     rng = seed(10, qt)
     cols = 2 * BLOCK.get(qt, 240)                     # 480: an odd number of 32-blocks
     w = random_blocks(qt, (13, cols), rng)
     W = dequant(w, qt)
-    for b in (1, 3, 40):                              # 40: a prompt batch, the GEMM (gemm8) with a partial tile
+    for b in batches:
         x = rng.standard_normal((b, cols)).astype(np.float32)
         y = ck.matmul(x, w, qt)
         xh = kernel_quantized(x)
