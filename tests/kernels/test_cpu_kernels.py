@@ -368,11 +368,13 @@ def test_int8_matmul(qt, int8_mode):
     _int8_matmul_batches(qt, (1, 3))
 
 
-# The prompt-batch GEMM (gemm8) decodes with the same per-type decoders as the token routines;
-# what it adds per type is the unit (16 or 32 weights), the code offset and the mins. Each kind
-# by default, the other lattice types in the full tier.
-GEMM_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.MXFP4, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
-              T.IQ4_XS, T.IQ2_XXS, T.IQ1_S]
+# The prompt-batch GEMM (gemm8) decodes with the same per-type decoders as the token routines
+# (test_int8_matmul checks every one); what it adds per type is the unit (16 or 32 weights), the
+# code offset and the mins. One type of each kind by default (block pairs: offset, mins, signed
+# codes, a value table; 256-weight blocks: 16-weight units with mins and with an offset, 32-weight
+# units, a value table, a lattice type; Q5_1's fifth bits are test_int8_moe's down projection),
+# the others in the full tier.
+GEMM_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.MXFP4, T.Q2_K, T.Q4_K, T.Q6_K, T.IQ4_XS, T.IQ2_XXS]
 
 
 @pytest.mark.parametrize("qt", [*GEMM_TYPES, *(pytest.param(t, marks=pytest.mark.full) for t in INT8_TYPES
