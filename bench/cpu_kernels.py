@@ -52,10 +52,14 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from numba import njit, prange, types
+from llvmlite import ir
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 import cpu_kernels as ck
+from cpu_kernels.pair8 import _V16I32, _V64I8, dpbusd
 from cpu_kernels.registry import get_kernel
+from cpu_kernels.simd import _byte_ptr
 from cpu_kernels.simd8 import has_vnni
 from cpu_kernels.synth import finite_floats, random_blocks, set_scales
 
@@ -96,11 +100,6 @@ def _dot_chains(typingctx, src, n):
     """n rounds of 8 independent u8 x s8 dot-product chains (``pair8.dpbusd``: one
     ``vpdpbusd`` zmm each on AVX512-VNNI) over operands loaded from ``src`` (so nothing folds);
     returns the lanes' sum so nothing is dead code."""
-    from llvmlite import ir
-    from numba.core import cgutils
-
-    from cpu_kernels.pair8 import _V16I32, _V64I8, dpbusd
-    from cpu_kernels.simd import _byte_ptr
     if not (isinstance(src, types.Array) and isinstance(n, types.Integer)):
         return None
 

@@ -237,7 +237,7 @@ def tile4(tag, cols, cw, sd, sk, xt, xo, dt, do, bt, bo):
 def thread_scratch_bytes(cols: int) -> int:
     """What each parallel piece of a GEMM call allocates for four decoded rows of ``cols``
     weights: the code buffer and a scale and min per 16 weights (an MoE's gate·up: twice)."""
-    return 4 * CODE_ROW * ((cols + 63) // 64) + 2 * 4 * (cols // 4)
+    return code_bytes(cols) + 2 * 4 * (cols // 4)
 
 
 @njit(nogil=True, _nrt=False)

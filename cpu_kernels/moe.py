@@ -327,14 +327,11 @@ def _build(salt):
         groups = (n_ff + 3) // 4
         items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
+        pads = phase_pads(pieces)           # the token routines' scratch (a slot's last few tokens)
         for ch in prange(pieces):
             cwg, sdg, skg = row_buffers(cols)
             cwu, sdu, sku = row_buffers(cols)
-            acc = np.empty(TOKEN_TILE * 64, f32)
-            cacc = np.empty(TOKEN_TILE * 4, f32)
-            rg = np.empty((TOKEN_TILE, 4), f32)
-            ru = np.empty((TOKEN_TILE, 4), f32)
-            toks = np.empty(TOKEN_TILE, np.int64)
+            acc, cacc, rg, ru, toks = pads[0][ch], pads[1][ch], pads[2][ch], pads[3][ch], pads[5][ch]
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
                 s = it // groups
                 r0 = 4 * (it % groups)
@@ -385,12 +382,10 @@ def _build(salt):
         groups = (n_embd + 3) // 4
         items = slot_expert.shape[0] * groups
         pieces = max(1, min(items, chunks))
+        pads = phase_pads(pieces)
         for ch in prange(pieces):
             cw, sdr, skr = row_buffers(n_ff)
-            acc = np.empty(TOKEN_TILE * 64, f32)
-            cacc = np.empty(TOKEN_TILE * 4, f32)
-            res = np.empty((TOKEN_TILE, 4), f32)
-            toks = np.empty(TOKEN_TILE, np.int64)
+            acc, cacc, res, toks = pads[0][ch], pads[1][ch], pads[2][ch], pads[5][ch]
             for it in range(ch * items // pieces, (ch + 1) * items // pieces):
                 s = it // groups
                 r0 = 4 * (it % groups)

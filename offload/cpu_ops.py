@@ -83,9 +83,12 @@ def prompt_threads(n_tokens: int):
     ``--torch-threads`` gives fewer (1 by default: a decode step's small ops lose more waiting
     for a second thread than they gain). Measured on bench.depth's wide model, 256-token
     prefill, 2 threads, passes alternating: 42-48 t/s with 1 torch thread, 49-50 with 2."""
+    if n_tokens <= DECODE_TOKENS:           # a decode step (serving checks every step): nothing to ask
+        yield
+        return
     n = torch.get_num_threads()
     want = settings.apply_threads()
-    if n_tokens <= DECODE_TOKENS or want <= n:
+    if want <= n:
         yield
         return
     torch.set_num_threads(want)
