@@ -12,12 +12,12 @@ before it is timed):
   next to every type; the run's median is the reference;
 * matvec: batch-1 ``matmul`` over a weight set of ``--mb`` MB (several times the last-level
   cache) per quant type: effective GB/s of quantized bytes read and ratio to the ceiling,
-  with float32 activations and (types with an int8 path, on a VNNI CPU) int8 activations;
+  with float32 activations and (types with an int8 path, on a VNNI or AVX2 CPU) int8 activations;
 * moe: the fused expert FFN of one MoE layer (128 experts, top-8, n_embd 2048, n_ff 768,
   as Qwen3-30B-A3B) at B = 1..8 with uniform top-k routing: ms per call against the
   number of distinct experts the batch touches, plus the same batches routed to one set
   of 8 experts (distinct = 8 whatever B);
-* prompt batch (VNNI CPUs): ``matmul`` of a 4096 x 2048 matrix and ``moe_ffn`` (32
+* prompt batch (VNNI or AVX2 CPUs): ``matmul`` of a 4096 x 2048 matrix and ``moe_ffn`` (32
   experts, top-8) over ``--prompt`` tokens as one call (the int8 GEMM) and as 16-token calls
   (the token routines) on the same activations, GOP/s and their share of the int8 peak
   (``int8_peak_gops``: what the cores can issue, measured in the run);
@@ -60,7 +60,7 @@ import cpu_kernels as ck
 from cpu_kernels.pair8 import _V16I32, _V64I8, dpbusd
 from cpu_kernels.registry import get_kernel
 from cpu_kernels.simd import _byte_ptr
-from cpu_kernels.simd8 import has_vnni
+from cpu_kernels.simd8 import has_int8_dot
 from cpu_kernels.synth import finite_floats, random_blocks, set_scales
 
 FLOATS = (T.F32, T.F16, T.BF16)
@@ -97,21 +97,27 @@ def ceiling_gbps(buf: np.ndarray, repeat: int) -> float:
 
 @intrinsic
 def _dot_chains(typingctx, src, n):
-    """n rounds of 8 independent u8 x s8 dot-product chains (``pair8.dpbusd``: one
-    ``vpdpbusd`` zmm each on AVX512-VNNI) over operands loaded from ``src`` (so nothing folds);
-    returns the lanes' sum so nothing is dead code."""
+    """n rounds of 8 independent u8 x s8 dot-product chains (``pair8.dpbusd`` on codes below
+    128: one ``vpdpbusd`` zmm each with AVX512-VNNI, ``vpmaddubsw`` + ``vpmaddwd`` + ``vpaddd``
+    per ymm half with AVX2) over operands loaded from ``src`` (1088 bytes), chain j of round i
+    with the codes at byte 64 (i mod 8 + j), so nothing is loop-invariant and nothing
+    folds; returns the lanes' sum so nothing is dead code."""
     if not (isinstance(src, types.Array) and isinstance(n, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
-        p = _byte_ptr(context, builder, sig.args[0], args[0], ir.Constant(ir.IntType(64), 0), types.intp)
-        a = builder.load(builder.bitcast(p, _V64I8.as_pointer()), align=1)
-        b = builder.load(builder.bitcast(builder.gep(p, [ir.Constant(ir.IntType(64), 64)]), _V64I8.as_pointer()),
-                         align=1)
+        i64 = ir.IntType(64)
+        p = _byte_ptr(context, builder, sig.args[0], args[0], ir.Constant(i64, 0), types.intp)
+
+        def load(off):
+            return builder.load(builder.bitcast(builder.gep(p, [off]), _V64I8.as_pointer()), align=1)
+        b = load(ir.Constant(i64, 1024))
         accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16I32, [i] * 16)) for i in range(8)]
-        with cgutils.for_range(builder, context.cast(builder, args[1], sig.args[1], types.intp)):
-            for acc in accs:
-                builder.store(dpbusd(builder, builder.load(acc), a, b), acc)
+        with cgutils.for_range(builder, context.cast(builder, args[1], sig.args[1], types.intp)) as loop:
+            base = builder.mul(builder.and_(loop.index, ir.Constant(i64, 7)), ir.Constant(i64, 64))
+            for j, acc in enumerate(accs):
+                off = builder.add(base, ir.Constant(i64, 64 * j))
+                builder.store(dpbusd(builder, builder.load(acc), load(off), b, small=True), acc)
         total = builder.load(accs[0])
         for acc in accs[1:]:
             total = builder.add(total, builder.load(acc))
@@ -134,12 +140,14 @@ INT8_OPS_PER_ROUND = 8 * 64 * 2          # 8 chains of 64 multiply-adds (2 ops e
 
 def int8_peak_gops(threads: int, repeat: int = 5, n: int = 1 << 22) -> float | None:
     """The CPU's int8 dot-product rate measured here, GOP/s (2 per u8 x s8 multiply-add):
-    ``threads`` threads each running 8 independent ``vpdpbusd`` chains (so latency is hidden)
-    — what ``threads`` cores can issue, the ceiling a compute-bound int8 kernel is held to.
-    None where the CPU has no VNNI (the int8 paths do not run there)."""
-    if not has_vnni():
+    ``threads`` threads each running 8 independent dot-product chains (so latency is hidden;
+    ``vpdpbusd`` with VNNI, the ``vpmaddubsw`` sequence with AVX2: the compile target's
+    instructions, ``pair8.dpbusd``) — what ``threads`` cores can issue, the ceiling a
+    compute-bound int8 kernel is held to. None where the int8 paths do not run
+    (``simd8.has_int8_dot``)."""
+    if not has_int8_dot():
         return None
-    src = np.arange(128, dtype=np.uint8)
+    src = (np.arange(1088) % 128).astype(np.uint8)
     _int8_chains(src, 16, threads)
     secs = _median_time(lambda: _int8_chains(src, n, threads), repeat)
     return threads * n * INT8_OPS_PER_ROUND / secs / 1e9
@@ -209,8 +217,8 @@ class _Ggml:
 
 
 def modes_for(qt, modes):
-    """Activation modes that apply to qt: int8 only where the type has codes and the CPU VNNI."""
-    return [m for m in modes if m == "f32" or (get_kernel(qt).has_int8 and has_vnni())]
+    """Activation modes that apply to qt: int8 only where the type has codes and the CPU an integer dot."""
+    return [m for m in modes if m == "f32" or (get_kernel(qt).has_int8 and has_int8_dot())]
 
 
 def bench_matvec(buf, types, modes, repeat, rng, threads, ggml):
@@ -323,7 +331,7 @@ def bench_prompt(types, n_tok, repeat, rng, threads):
     GEMM, ``cpu_kernels.gemm8``) and as calls of 16 tokens (the token routines, ``rowdot8``, the
     same activations), GOP/s (2 per multiply-add) and their share of the int8 peak measured here."""
     peak = int8_peak_gops(threads)
-    print(f"  int8 peak (-t {threads}: 8 independent vpdpbusd chains a thread): {peak:.0f} GOP/s")
+    print(f"  int8 peak (-t {threads}: 8 independent dot-product chains a thread): {peak:.0f} GOP/s")
     x = rng.standard_normal((n_tok, MOE["n_embd"])).astype(np.float32)
     E, k, n_ff, n_embd = 32, MOE["k"], MOE["n_ff"], MOE["n_embd"]
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(n_tok)])
@@ -424,8 +432,8 @@ def main(argv=None):
     del buf
 
     prompt = []
-    if args.prompt and not has_vnni():
-        print("\nprompt batch: skipped (no VNNI: int8 activations do not run on this CPU)")
+    if args.prompt and not has_int8_dot():
+        print("\nprompt batch: skipped (no integer dot product: int8 activations do not run on this CPU)")
     elif args.prompt:
         print(f"\nprompt batch of {args.prompt} tokens, int8 activations, {threads} threads "
               "(each call once untimed first):")

@@ -51,7 +51,7 @@ Below the table each prefill row also gets its compute rate: 2 x the multiply-ad
 blocks' matrices per token (projections, top-k of the routed experts, shared experts) x t/s,
 in GOP/s and as a share of the int8 peak measured at the end of the run
 (``bench.cpu_kernels.int8_peak_gops``: -t threads of independent ``vpdpbusd`` chains, what
-the cores can issue; none without VNNI).
+the cores can issue; with AVX2 ``vpmaddubsw`` + ``vpmaddwd`` + ``vpaddd``).
 
 Fixed cost per block, in µs per token (both engines):
 
@@ -475,8 +475,8 @@ def print_table(rows: list[Row], ceiling: float, fits: dict, stat: str = "median
                     share = f", {gops / int8_peak:.2f} of the int8 peak" if int8_peak else ""
                     cells.append(f"{engine} {gops:.0f} GOP/s{share}")
             if cells:
-                peak = (f"int8 peak {int8_peak:.0f} GOP/s measured here (-t threads x 8 independent vpdpbusd "
-                        "chains)" if int8_peak else "no VNNI: no int8 peak")
+                peak = (f"int8 peak {int8_peak:.0f} GOP/s measured here (-t threads x 8 independent dot-product "
+                        "chains of the target's instructions)" if int8_peak else "no integer dot product: no int8 peak")
                 print(f"{r.workload}: the blocks' matrices {2 * r.bytes.macs / 1e9:.2f} GOP a token; "
                       + "; ".join(cells) + f" ({peak})")
     for engine, fit in fits.items():

@@ -6,7 +6,7 @@
                                             routed-expert FFN, tokens grouped by expert
     ExpertWeights(gate, up, down, ...)      one layer's *_exps tensors, used in place
     set_num_threads(n)                      threads the kernels use
-    set_int8_activations(on)                llama.cpp-style int8 activations (VNNI CPUs)
+    set_int8_activations(on)                llama.cpp-style int8 activations (VNNI / AVX2)
                                             (``int8=`` per call: True/False, "auto" = the types
                                             in ``placement.limits.DECODE_INT8_TYPES``, None = this setting)
     supported_types()                       quant types with a kernel

@@ -37,7 +37,7 @@ from .dispatch import (
     layout,
     scales,
 )
-from .pair8 import _V64I8, _V16I32, dpbusd, i8x64
+from .pair8 import _V64I8, _V16I32, I8x64, dpbusd
 from .registry import QTagType, kernel_by_name
 from .rowdot import _prefetch_next_group, require_flat_bytes
 from .simd import _VF, _byte_ptr, _is_array, _is_int, _splat, fvec, vfma, vlane, vload, vsplat, vzero
@@ -52,7 +52,7 @@ _I32 = ir.IntType(32)
 @intrinsic
 def store_codes(typingctx, cw, off, c):
     """cw[off : off + 64] = the 64 codes c (uint8 array, byte offset)."""
-    if not (_is_array(cw) and _is_int(off) and c == i8x64):
+    if not (_is_array(cw) and _is_int(off) and isinstance(c, I8x64)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -62,10 +62,11 @@ def store_codes(typingctx, cw, off, c):
     return types.none(cw, off, c), codegen
 
 
-def _tile_dot4(n_dw):
+def _tile_dot4(n_dw, small=False):
     """Make ``(cw, co, xt, xo) -> 4 fvec``: lane t of result r is the int32 sum over dwords
     k < n_dw of codes cw[co + 64 r + 4 k : +4] . activations xt[xo + 64 k + 4 t : +4], as
-    float32 (exact: |sum| < 2**24). Each activation vector is loaded once for the four rows."""
+    float32 (exact: |sum| < 2**24). Each activation vector is loaded once for the four rows.
+    ``small``: every code is below 128 (``pair8.dpbusd``)."""
     @intrinsic
     def dot(typingctx, cw, co, xt, xo):
         if not (_is_array(cw) and _is_int(co) and _is_array(xt) and _is_int(xo)):
@@ -82,7 +83,7 @@ def _tile_dot4(n_dw):
                     q = builder.gep(pc, [ir.Constant(ir.IntType(64), CODE_ROW * r + 4 * k)])
                     word = builder.load(builder.bitcast(q, _I32.as_pointer()), align=1)
                     c = builder.bitcast(_splat(builder, word, _V16I32), _V64I8)
-                    accs[r] = dpbusd(builder, accs[r], c, x)
+                    accs[r] = dpbusd(builder, accs[r], c, x, small)
             vals = [builder.sitofp(a, _VF) for a in accs]
             return context.make_tuple(builder, sig.return_type, vals)
         return types.UniTuple(fvec, 4)(cw, co, xt, xo), codegen
@@ -91,6 +92,8 @@ def _tile_dot4(n_dw):
 
 tile_dot4_16 = _tile_dot4(4)     # a unit of 16 weights
 tile_dot4_32 = _tile_dot4(8)     # a unit of 32 weights
+tile_dot4_16_small = _tile_dot4(4, small=True)      # the same for codes below 128
+tile_dot4_32_small = _tile_dot4(8, small=True)
 
 
 @njit(fastmath=True, error_model="numpy", _nrt=False)
@@ -214,6 +217,7 @@ def tile4(tag, cols, cw, sd, sk, xt, xo, dt, do, bt, bo):
     """(a0, a1, a2, a3): lane t of a_r = row r (``decode4``'s) . (dx * xq) of lane t of the
     tile packed at xt[xo:], dt[do:], bt[bo:] (``pack_lanes``)."""
     one32, off, has_min = unit_terms(tag)
+    small = off < 128        # every type with a smaller offset has codes below 128 (pair8.I8x64)
     noff = -off
     a0 = vzero()
     a1 = vzero()
@@ -222,13 +226,17 @@ def tile4(tag, cols, cw, sd, sk, xt, xo, dt, do, bt, bo):
     if one32:
         for u in range(cols // 32):
             bv = vload(bt, bo + 2 * LANES * u) + vload(bt, bo + 2 * LANES * u + LANES)
-            a0, a1, a2, a3 = _unit(tile_dot4_32(cw, 4 * CODE_ROW * (u // 2) + 32 * (u % 2), xt, xo + 512 * u),
+            co = 4 * CODE_ROW * (u // 2) + 32 * (u % 2)
+            isums = tile_dot4_32_small(cw, co, xt, xo + 512 * u) if small else tile_dot4_32(cw, co, xt, xo + 512 * u)
+            a0, a1, a2, a3 = _unit(isums,
                                    vload(dt, do + LANES * u), bv * noff, bv, sd, sk, 2 * u, has_min,
                                    a0, a1, a2, a3)
     else:
         for g in range(cols // 16):
             bv = vload(bt, bo + LANES * g)
-            a0, a1, a2, a3 = _unit(tile_dot4_16(cw, 4 * CODE_ROW * (g // 4) + 16 * (g % 4), xt, xo + 256 * g),
+            co = 4 * CODE_ROW * (g // 4) + 16 * (g % 4)
+            isums = tile_dot4_16_small(cw, co, xt, xo + 256 * g) if small else tile_dot4_16(cw, co, xt, xo + 256 * g)
+            a0, a1, a2, a3 = _unit(isums,
                                    vload(dt, do + LANES * (g // 2)), bv * noff, bv, sd, sk, g, has_min,
                                    a0, a1, a2, a3)
     return a0, a1, a2, a3

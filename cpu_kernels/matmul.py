@@ -14,7 +14,7 @@ from .registry import get_kernel, source_digest
 from .rowdot import TOKEN_TILE, dot4, rows4, rows4_scratch
 from .rowdot8 import dot4_i8, quantize_rows
 from .simd import vlane
-from .simd8 import has_vnni
+from .simd8 import has_int8_dot
 
 f32 = np.float32
 
@@ -149,7 +149,7 @@ def use_int8(kern, int8: bool | str | None = None) -> bool:
     ``placement.limits.wants_int8`` says, where the type has an int8 decoder and the CPU a
     u8 x s8 dot product."""
     want = wants_int8(settings.int8_activations() if int8 is None else int8, kern.qtype)
-    return want and kern.has_int8 and has_vnni()
+    return want and kern.has_int8 and has_int8_dot()
 
 
 def matmul(x, w, qtype, *, name: str = "", int8: bool | str | None = None) -> np.ndarray:

@@ -30,8 +30,10 @@ scales come from the types' ``scales`` decoders (``rowdot8``).
 
 Instructions are chosen when Numba compiles, from ``simd.target_features()`` (the
 features Numba's code generator targets): ``vpdpbusd`` zmm with AVX512-VNNI, two ymm
-halves with AVX-VNNI, widened multiplies otherwise (the drivers only take the int8 path
-with VNNI, ``simd8.has_vnni``); GF(2) affine with GFNI + AVX512BW, word shifts
+halves with AVX-VNNI, ``vpmaddubsw`` + ``vpmaddwd`` with AVX2 (one pair per 32 bytes for the
+codes below 128 of most types, ``I8x64.small``; two for full-byte codes), widened multiplies
+otherwise (the drivers take the int8 path only with one of the first three,
+``simd8.has_int8_dot``); GF(2) affine with GFNI + AVX512BW, word shifts
 otherwise; ``vpermb`` with AVX512-VBMI, ``vpshufb`` with AVX512BW or AVX2.
 """
 from __future__ import annotations
@@ -52,13 +54,17 @@ _V8I32 = ir.VectorType(_I32, 8)
 
 
 class I8x64(types.Type):
-    """64 bytes in one register (LLVM ``<64 x i8>``): a step's weight codes."""
+    """64 bytes in one register (LLVM ``<64 x i8>``): a step's weight codes. ``small``: every
+    code is below 128 (4- to 6-bit fields, MXFP4's values + 12), which AVX2's dot product
+    takes in one ``vpmaddubsw`` without the split a full byte needs (``dpbusd``)."""
 
-    def __init__(self):
-        super().__init__(name="i8x64")
+    def __init__(self, small: bool = False):
+        self.small = small
+        super().__init__(name="i8x64s" if small else "i8x64")
 
 
 i8x64 = I8x64()
+i8x64_small = I8x64(small=True)
 
 
 @register_model(I8x64)
@@ -178,11 +184,13 @@ def sub_block_pair_decoder(*parts, nibbles_at: int | None = None, table=None):
                                  codes_for(builder, p, jj), out)
         return out
 
+    out_type = i8x64 if table is not None and max(table) > 127 else i8x64_small
+
     @intrinsic
     def decode(typingctx, w, ob, j):
         if not (_is_array(w) and _is_int(ob) and _is_int(j)):
             return None
-        return i8x64(w, ob, j), codegen
+        return out_type(w, ob, j), codegen
     return decode
 
 
@@ -255,16 +263,19 @@ def block_pair_decoder(*, block_bytes: int, qs: int, scale: str, scale_at: int =
         def decode(typingctx, w, ob):
             if not (_is_array(w) and _is_int(ob)):
                 return None
-            return types.Tuple((i8x64, fvec, fvec))(w, ob), codegen
+            return types.Tuple((out_type, fvec, fvec))(w, ob), codegen
         return decode
+
+    out_type = i8x64 if signed8 or (table is not None and max(table) > 127) else i8x64_small
 
     return build(2), build(1)
 
 
-def dpbusd(builder, acc, c, x):
+def dpbusd(builder, acc, c, x, small: bool = False):
     """acc (``<16 x i32>``) + lane i: sum_{j<4} c[4i + j] * x[4i + j], c unsigned and x signed
-    bytes (``<64 x i8>``): ``vpdpbusd`` zmm with AVX512-VNNI, two ymm halves with AVX-VNNI,
-    widened multiplies otherwise."""
+    bytes (``<64 x i8>``; activations at most 127 in magnitude): ``vpdpbusd`` zmm with
+    AVX512-VNNI, two ymm halves with AVX-VNNI, ``vpmaddubsw`` + ``vpmaddwd`` with AVX2
+    (``small``: every code is below 128), widened multiplies otherwise."""
     if target_has("avx512vnni", "avx512f"):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I32, [_V16I32] * 3),
                                             "llvm.x86.avx512.vpdpbusd.512")
@@ -279,6 +290,8 @@ def dpbusd(builder, acc, c, x):
                                 builder.bitcast(half(c, h, range(32)), _V8I32),
                                 builder.bitcast(half(x, h, range(32)), _V8I32)]) for h in (0, 1)]
         return builder.shuffle_vector(rs[0], rs[1], _const(_I32, range(16)))
+    if target_has("avx2"):
+        return _dpbusd_avx2(builder, acc, c, x, small)
     v64 = ir.VectorType(_I32, 64)
     prod = builder.mul(builder.zext(c, v64), builder.sext(x, v64))
     r = acc
@@ -287,16 +300,42 @@ def dpbusd(builder, acc, c, x):
     return r
 
 
+def _dpbusd_avx2(builder, acc, c, x, small):
+    """``dpbusd`` exactly with AVX2's ``vpmaddubsw`` (u8 x s8 pairs summed into a saturating
+    int16) and ``vpmaddwd`` (int16 pairs into int32), per 32-byte half. Codes below 128 pair
+    to at most 127 * 127 * 2 < 32767 (activations are at most 127 in magnitude:
+    ``quantize_rows``). A code over 127 could saturate (255 * 127 * 2 > 32767), so without
+    ``small`` the codes are split at bit 7, c & 127 and c & 128 (pairs at most 128 * 127 * 2),
+    and each split goes to int32 on its own: twice the work."""
+    v32i16, v8i32 = ir.VectorType(_I16, 16), _V8I32
+    maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32i16, [_V32I8] * 2),
+                                             "llvm.x86.avx2.pmadd.ub.sw")
+    maddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [v32i16] * 2),
+                                            "llvm.x86.avx2.pmadd.wd")
+    ones = ir.Constant(v32i16, [1] * 16)
+    splits = [c] if small else [builder.and_(c, _const(_I8, [m] * 64)) for m in (0x7F, 0x80)]
+
+    def half(v, h, n):
+        return builder.shuffle_vector(v, v, _const(_I32, range(h * n, (h + 1) * n)))
+    out = []
+    for h in (0, 1):
+        r, xh = half(acc, h, 8), half(x, h, 32)
+        for part in splits:
+            r = builder.add(r, builder.call(maddwd, [builder.call(maddubs, [half(part, h, 32), xh]), ones]))
+        out.append(r)
+    return builder.shuffle_vector(out[0], out[1], _const(_I32, range(16)))
+
+
 @intrinsic
 def pdot(typingctx, codes, xq, xo):
     """Lane i: sum_{j<4} codes[4i + j] * xq[xo + 4i + j] (u8 x s8), as float32."""
-    if not (codes == i8x64 and _is_array(xq) and _is_int(xo)):
+    if not (isinstance(codes, I8x64) and _is_array(xq) and _is_int(xo)):
         return None
 
     def codegen(context, builder, sig, args):
         p = _byte_ptr(context, builder, sig.args[1], args[1], args[2], sig.args[2])
         x = builder.load(builder.bitcast(p, _V64I8.as_pointer()), align=1)
-        r = dpbusd(builder, ir.Constant(_V16I32, [0] * 16), args[0], x)
+        r = dpbusd(builder, ir.Constant(_V16I32, [0] * 16), args[0], x, codes.small)
         return builder.sitofp(r, _VF)
     return fvec(codes, xq, xo), codegen
 

@@ -43,7 +43,8 @@ def apply_threads() -> int:
 def set_int8_activations(on: bool) -> None:
     """Quantize activations to int8 per 32 values (llama.cpp's Q8_0 activations) and use
     integer dot products for quantized weights. Only takes effect where the CPU has a
-    u8 x s8 dot instruction (AVX512-VNNI / AVX-VNNI); elsewhere the float path runs.
+    u8 x s8 dot product (AVX512-VNNI / AVX-VNNI / AVX2: ``simd8.has_int8_dot``);
+    elsewhere the float path runs.
     Error: |y - y_float| <= sum_c |w_c| * dx_c / 2, dx = max |x| over the 32 / 127."""
     global _int8
     _int8 = bool(on)

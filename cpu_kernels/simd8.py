@@ -16,10 +16,12 @@ _I32 = ir.IntType(32)
 
 
 @lru_cache(maxsize=None)
-def has_vnni() -> bool:
-    """Whether the compile target has a u8 x s8 dot-product instruction (AVX512-VNNI or
-    AVX-VNNI): the int8 path is only faster than the float path with one."""
-    return target_has("avx512vnni", "avx512vl") or target_has("avxvnni")
+def has_int8_dot() -> bool:
+    """Whether the compile target has a u8 x s8 dot product the int8 path is built on
+    (``pair8.dpbusd``): AVX512-VNNI's or AVX-VNNI's ``vpdpbusd``, or AVX2's ``vpmaddubsw`` +
+    ``vpmaddwd``. Without one (an x86 before AVX2, another ISA) the widened multiplies would
+    be slower than the float path, so int8 requests run float there."""
+    return target_has("avx512vnni", "avx512vl") or target_has("avxvnni") or target_has("avx2")
 
 
 def _lane_shuffle(idx):

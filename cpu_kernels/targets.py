@@ -9,6 +9,9 @@ on this host, ``+`` for those the class has and ``-`` for the rest; the host mus
 
     eval "$(python -m cpu_kernels.targets haswell)"     # then run anything: tests, benches
 
+Each class also answers to the instruction set it stands for (``ALIASES``: avx2, avx-vnni,
+avx512), the names the benches' ``--cpu-target`` takes.
+
 Classes:
 - ``haswell``: AVX2 + FMA + F16C, no AVX-512, no VNNI (Zen 2/3 servers, most desktops).
 - ``alderlake``: ``haswell`` plus AVX-VNNI (256-bit u8 x s8 dot products).
@@ -31,13 +34,22 @@ CLASSES: dict[str, tuple[str, frozenset[str]]] = {
                                                "avx512vnni", "adx", "rdseed", "clflushopt", "clwb"}),
 }
 
+ALIASES = {"avx2": "haswell", "avx-vnni": "alderlake", "avx512": "cascadelake"}
+
+
+def resolve(name: str) -> str:
+    """The class ``name`` (a class or an alias) stands for; ValueError naming it when unknown."""
+    name = ALIASES.get(name, name)
+    if name not in CLASSES:
+        raise ValueError(f"unknown CPU class {name!r}: expected one of {', '.join([*CLASSES, *ALIASES])}")
+    return name
+
 
 def numba_env(name: str) -> dict[str, str]:
-    """``{"NUMBA_CPU_NAME": ..., "NUMBA_CPU_FEATURES": ...}`` for class ``name``; ValueError
-    naming the class when it is unknown or this host cannot run its code."""
+    """``{"NUMBA_CPU_NAME": ..., "NUMBA_CPU_FEATURES": ...}`` for class ``name`` (or an alias);
+    ValueError naming the class when it is unknown or this host cannot run its code."""
     import llvmlite.binding as ll
-    if name not in CLASSES:
-        raise ValueError(f"unknown CPU class {name!r}: expected one of {', '.join(CLASSES)}")
+    name = resolve(name)
     cpu, feats = CLASSES[name]
     host = ll.get_host_cpu_features()
     missing = sorted(f for f in feats if f in host and not host[f]) + \
@@ -51,7 +63,7 @@ def numba_env(name: str) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print(f"usage: python -m cpu_kernels.targets {{{','.join(CLASSES)}}}", file=sys.stderr)
+        print(f"usage: python -m cpu_kernels.targets {{{','.join([*CLASSES, *ALIASES])}}}", file=sys.stderr)
         return 2
     try:
         env = numba_env(argv[0])

@@ -101,7 +101,7 @@ def prompt_threads(n_tokens: int):
 class RawLinear:
     """``y = x @ W^T (+ b)`` with W the raw GGUF data of a 2-D tensor; batches of at least
     ``int8_batch`` tokens use int8 activations (``placement.limits.int8_request``: prompt
-    prefill, llama.cpp's Q8 activations, VNNI dot products; error bound in
+    prefill, llama.cpp's Q8 activations, integer dot products; error bound in
     ``cpu_kernels.settings``)."""
 
     def __init__(self, data: np.ndarray, qtype: GGMLQuantizationType, *, bias: torch.Tensor | None = None,

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from cpu_kernels import set_num_threads
-from cpu_kernels.simd8 import has_vnni
+from cpu_kernels.simd8 import has_int8_dot
 from gpu.kv_cache import CacheType
 from offload.cpu_ops import DECODE_ACTIVATIONS, install_cpu_attention
 from offload.devices import DeviceMap, resolve
@@ -88,8 +88,8 @@ def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus
     experts to a GPU for prompt batches of at least a threshold (``offload.op_offload``).
     ``int8_prefill`` (default on; the CLI's ``--prefill-activations int8|float``): prompt
     batches (more than ``placement.limits.DECODE_TOKENS`` tokens) quantize activations to int8 per
-    32 values for the CPU kernels, as llama.cpp's Q8 activations, with VNNI dot products
-    (a CPU without VNNI runs the float path). Error bound per dot product in
+    32 values for the CPU kernels, as llama.cpp's Q8 activations, with integer dot products
+    (VNNI or AVX2; a CPU without either runs the float path). Error bound per dot product in
     ``cpu_kernels.settings``; on the shipped model's logits it is held under 2e-2 of the
     largest (tests/kernels/test_prefill.py). ``placement.compute`` counts the quantized activations.
     ``decode_activations`` (the CLI's ``--decode-activations auto|int8|float``): the CPU routed
@@ -122,8 +122,8 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     if devices.virtual and not quiet:
         print(f"offload: note: {', '.join(devices.virtual)} backed by the CPU (--virtual-gpus); "
               "no CUDA is used", file=sys.stderr)
-    if decode_activations == "int8" and not has_vnni() and not quiet:
-        print("offload: note: this CPU has no u8 x s8 dot product (AVX512-VNNI / AVX-VNNI): "
+    if decode_activations == "int8" and not has_int8_dot() and not quiet:
+        print("offload: note: this CPU has no u8 x s8 dot product (AVX512-VNNI / AVX-VNNI / AVX2): "
               "--decode-activations int8 runs float activations", file=sys.stderr)
     cfg = arch.config_from_gguf(model.spec, model.metadata)
     draft = open_model(plan.draft_path) if plan.draft_path else None

@@ -75,12 +75,12 @@ def add_session_arguments(p: argparse.ArgumentParser) -> None:
                         "auto (default) = the cost model's threshold for this box, on = llama.cpp's 32 tokens, off")
     p.add_argument("--prefill-activations", choices=PREFILL_ACTIVATIONS, default="int8",
                    help="activations of the CPU kernels for prompt batches (more than 16 tokens): int8 "
-                        "(default; llama.cpp's Q8 activations, VNNI dot products where the CPU has them) "
+                        "(default; llama.cpp's Q8 activations, integer dot products where the CPU has them (VNNI, AVX2)) "
                         "or float (float32, exact up to summation order)")
     p.add_argument("--decode-activations", choices=DECODE_ACTIVATIONS, default="auto",
                    help="activations of the CPU routed experts for decode/verify batches (up to 16 tokens): "
                         "auto (default) = int8 for the weight types whose int8 path measured faster "
-                        "(Q2_K-Q6_K, Q4_1, MXFP4, IQ4_NL, IQ4_XS, IQ1_S, IQ2_XXS; VNNI CPUs), float for "
+                        "(Q2_K-Q6_K, Q4_1, MXFP4, IQ4_NL, IQ4_XS, IQ1_S, IQ2_XXS; VNNI or AVX2 CPUs), float for "
                         "the others; int8 = every quantized type; float = float32 everywhere")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "

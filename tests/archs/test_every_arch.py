@@ -46,7 +46,7 @@ PLANS = {
     "split-expert-tensors": dict(devices=GPUS, tensor_split="0,1", override_tensor=["down_exps=CPU"]),
 }
 # float activations pinned on both sides: the virtual GPUs compute in float32 whatever the CPU
-# class, so the CPU kernels must too (the int8 ones, where a type and a VNNI CPU take them,
+# class, so the CPU kernels must too (the int8 ones, where a type and the CPU take them,
 # have their own bound in tests/kernels/test_decode_activations.py and tests/kernels/test_prefill.py)
 FLOAT = {"cache_type": "f32", "decode_activations": "float", "int8_prefill": False}
 

@@ -12,7 +12,7 @@ import numpy as np
 import cpu_kernels as ck
 from cpu_kernels.matmul import quantized_activations, use_int8
 from cpu_kernels.registry import get_kernel
-from cpu_kernels.simd8 import has_vnni
+from cpu_kernels.simd8 import has_int8_dot
 from cpu_kernels.synth import random_blocks
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
@@ -31,7 +31,7 @@ for name in sys.argv[1:]:
     int8 = use_int8(get_kernel(qt))
     xr = xh if int8 else x.astype(np.float64)       # what the kernel multiplies exactly
     err = np.abs(y - xr @ W.T) / (1e-5 * (np.abs(xr) @ np.abs(W).T) + 1e-30)
-    print(json.dumps(dict(type=name, vnni=has_vnni(), int8=bool(int8), err=float(err.max()))))
+    print(json.dumps(dict(type=name, vnni=has_int8_dot(), int8=bool(int8), err=float(err.max()))))
 """
 
 
@@ -44,10 +44,11 @@ def test_kernels_compiled_for_other_cpus(target, half, tmp_path):
     NUMBA_CPU_NAME and NUMBA_CPU_FEATURES; this host runs the code, it has every instruction
     used): "avx512+vnni" (Cascade Lake class: no GFNI, no VBMI) runs the int8 path with word
     shifts for nibbles and bit fields and ``vpshufb`` for value tables; "avx2+avxvnni"
-    (Alder Lake class) with 256-bit VNNI and byte shuffles; "avx2" (Haswell class) has no
-    VNNI, so int8 requests run the float path (and the value tables of MXFP4, IQ4_NL, IQ4_XS
-    are two 8-lane ``vpermps`` and a blend per 8 weights). Batches of 1, 2 and 17 tokens: the
-    last is a prompt batch, the int8 GEMM (``gemm8``) where the class has VNNI. Same bound as on this CPU: float
+    (Alder Lake class) with 256-bit VNNI and byte shuffles; "avx2" (Haswell class) with
+    ``vpmaddubsw`` + ``vpmaddwd`` (``pair8.dpbusd``: one pair for codes below 128 — Q4_0,
+    MXFP4 — two for full-byte codes — IQ4_XS, IQ4_NL, whose value tables are also two 8-lane
+    ``vpermps`` and a blend per 8 weights on the float path). Batches of 1, 2 and 17 tokens: the
+    last is a prompt batch, the int8 GEMM (``gemm8``). Same bound as on this CPU: float
     rounding of the exact product of the weights with the activations the path uses (1e-5
     of the magnitudes)."""
     import json
@@ -59,7 +60,7 @@ def test_kernels_compiled_for_other_cpus(target, half, tmp_path):
     from cpu_kernels.targets import numba_env
     cls, types, want_int8 = {"avx512+vnni": ("cascadelake", ["Q4_K", "IQ4_XS", "Q4_0", "MXFP4"], True),
                              "avx2+avxvnni": ("alderlake", ["Q4_0", "MXFP4", "Q5_1", "Q4_K"], True),
-                             "avx2": ("haswell", ["Q4_0", "IQ4_XS", "MXFP4", "IQ4_NL"], False)}[target]
+                             "avx2": ("haswell", ["Q4_0", "IQ4_XS", "MXFP4", "IQ4_NL"], True)}[target]
     types = types[:2] if half == "core" else types[2:]
     try:
         target_env = numba_env(cls)

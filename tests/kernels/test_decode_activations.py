@@ -32,7 +32,7 @@ from numba import types as nb_types
 
 import offload.runtime as rt
 from cpu_kernels import block as kb
-from cpu_kernels.simd8 import has_vnni
+from cpu_kernels.simd8 import has_int8_dot
 from offload.commands.run import build_parser, session_options
 from offload.compiled_block import CompiledBlock, MoeArgs
 from placement import limits
@@ -44,7 +44,7 @@ REL_TOL = 1e-5            # tests/kernels/test_compiled_block.py's: float32 summ
 REL_TOL_INT8 = 1e-2       # see the module docstring
 INT8_VS_FLOAT = 6e-2
 
-needs_vnni = pytest.mark.skipif(not has_vnni(), reason="int8 path needs AVX512-VNNI or AVX-VNNI")
+needs_vnni = pytest.mark.skipif(not has_int8_dot(), reason="int8 path needs AVX512-VNNI, AVX-VNNI or AVX2")
 SPECS = {"Q4_K": TinySpec(expert_type=Q.Q4_K, seed=21),
          "MXFP4": TinySpec(arch="qwen3moe", nextn=False, n_rot=32, expert_type=Q.MXFP4, seed=22),
          # tests/kernels/test_compiled_block.py's transformers-checked Q5_K model, in int8 mode here
@@ -120,7 +120,7 @@ def test_int8_switch_takes_every_quantized_type(tmp_path):
     with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
         assert all(m == (False, False) for m in _moe_modes(s))
     with rt.load(tiny.path, cache_type="f32", quiet=True, decode_activations="int8") as s:
-        assert all(m == (has_vnni(), has_vnni()) for m in _moe_modes(s))
+        assert all(m == (has_int8_dot(), has_int8_dot()) for m in _moe_modes(s))
 
 
 def test_exact_speculative_equals_plain_greedy_in_int8(model):
@@ -141,9 +141,9 @@ def test_forced_int8_on_a_cpu_without_vnni_says_it_runs_float(model, capsys):
     """Without a u8 x s8 dot product the int8 path does not exist: ``int8`` runs float and the
     load says so (one line); with one, nothing is said."""
     with rt.load(model.path, cache_type="f32", decode_activations="int8") as s:
-        assert all(m == (has_vnni(), has_vnni()) for m in _moe_modes(s))
+        assert all(m == (has_int8_dot(), has_int8_dot()) for m in _moe_modes(s))
     err = capsys.readouterr().err
-    assert ("--decode-activations int8 runs float activations" in err) == (not has_vnni())
+    assert ("--decode-activations int8 runs float activations" in err) == (not has_int8_dot())
 
 
 def test_cli_flag_maps_to_the_runtime_setting():

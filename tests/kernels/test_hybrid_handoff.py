@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 import cpu_kernels as ck
 import offload.runtime as rt
 from cpu_kernels.moe import routed_ffn_host, routed_int8_scratch, routed_scratch
-from cpu_kernels.simd8 import has_vnni
+from cpu_kernels.simd8 import has_int8_dot
 from offload.cpu_ops import CpuExperts, RoutedHandoff
 from offload.moe import MoE
 from offload.profile import Profile
@@ -72,7 +72,7 @@ def test_routed_ffn_equals_moe_ffn(gt, dt, fused, int8):
     rng = np.random.default_rng(11)
     ew, k, m = _experts(rng, gt, dt, fused), 4, 16
     args = _bound(ew, m, k, int8)
-    if int8 is True and has_vnni():
+    if int8 is True and has_int8_dot():
         assert args[-3] is not None and args[-2] is not None          # both phases bound int8
     X, _, I, W, _ = args[:5]
     Y = args[-1]
@@ -173,7 +173,7 @@ def test_no_allocation_per_call(layer, decode):
     if decode is not None:
         experts = CpuExperts(ew, Profile(), int8_batch=17, decode=decode)
     h = experts.handoff(torch.device("cpu"), k, None, 16)
-    assert h._modes == ((has_vnni(),) * 2 if decode == "int8" else (False, False))
+    assert h._modes == ((has_int8_dot(),) * 2 if decode == "int8" else (False, False))
     rng = np.random.default_rng(5)
     t = 16
     x = torch.from_numpy(rng.standard_normal((t, ew.n_embd)).astype(np.float32))
@@ -220,11 +220,11 @@ def test_owned_mask_and_fallbacks(layer):
     assert biased.handoff(torch.device("cpu"), k, None, 16) is None
 
     # int8 activations: the process setting sends decode batches to moe_ffn (where the CPU
-    # has VNNI: elsewhere both run float); int8 only for prompts (int8_batch 17) does not
+    # has VNNI or AVX2: elsewhere both run float); int8 only for prompts (int8_batch 17) does not
     prompt_only = CpuExperts(ew, Profile(), int8_batch=17).handoff(torch.device("cpu"), k, None, 16)
     ck.set_int8_activations(True)
     try:
-        assert h.takes(x, ids) is not has_vnni()
+        assert h.takes(x, ids) is not has_int8_dot()
         assert prompt_only.takes(x, ids)
     finally:
         ck.set_int8_activations(False)

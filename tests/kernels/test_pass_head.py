@@ -171,11 +171,11 @@ TINY = {
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.full) if c == "qwen3moe-Q5_K" else c
                                   for c in TINY])
 def test_tiny_models_match_reference(case, tmp_path):
-    """Float activations in both paths, pinned: under the default ``auto`` a VNNI CPU decodes
+    """Float activations in both paths, pinned: under the default ``auto`` a VNNI or AVX2 CPU decodes
     the Q5_K experts with int8 activations, where the compiled block and the reference
     ``moe_ffn`` may round one activation to neighbouring codes (6e-5 of the largest logit
     seen on a Zen 5 and a Sapphire Rapids Xeon), which is not the float rounding this file
-    holds to REL_TOL; on a CPU without VNNI both run float anyway. The int8 modes have their
+    holds to REL_TOL; on a CPU without either both run float anyway. The int8 modes have their
     own bound in tests/kernels/test_decode_activations.py (int8 against float, per type)."""
     tiny = write_tiny_model(tmp_path / f"{case}.gguf", TINY[case])
     with rt.load(tiny.path, cache_type="f32", quiet=True, decode_activations="float", int8_prefill=False) as s:

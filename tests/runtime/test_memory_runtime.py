@@ -152,7 +152,7 @@ def test_cpu_projection_bound_matches_numpy_allocations(qtype):
     (``placement.limits.gemm_packed_bytes``) for prompt batches of quantized types. (The
     kernels' per-thread scratch — for the GEMM four decoded rows, ``gemm8.thread_scratch_bytes``
     — is allowed for beside the call's objects; no plan counts it.)"""
-    from cpu_kernels.simd8 import has_vnni
+    from cpu_kernels.simd8 import has_int8_dot
     from offload.cpu_ops import RawLinear
     from cpu_kernels import settings
     from cpu_kernels.gemm8 import thread_scratch_bytes
@@ -172,7 +172,7 @@ def test_cpu_projection_bound_matches_numpy_allocations(qtype):
         scratch = settings.apply_threads() * thread_scratch_bytes(cols) if n > DECODE_TOKENS else 0
         print(qtype.name, n, measured, planned)
         assert measured <= planned + scratch + 16 * 1024, (qtype.name, n, measured, planned)   # + the call's objects
-        if has_vnni() or not kinds.int8(n, (qtype,)):
+        if has_int8_dot() or not kinds.int8(n, (qtype,)):
             assert measured >= planned, (qtype.name, n, measured, planned)
 
 

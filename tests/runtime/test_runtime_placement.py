@@ -30,7 +30,7 @@ def tiny(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cpu_logits(tiny):
     # float activations pinned: the virtual GPUs compute in float32 whatever the CPU class,
-    # so the CPU kernels must too (int8 ones, where a type and a VNNI CPU take them, have
+    # so the CPU kernels must too (int8 ones, where a type and the CPU take them, have
     # their own bound in tests/kernels/test_decode_activations.py and tests/kernels/test_prefill.py)
     with rt.load(tiny.path, devices="CPU=16GiB", cache_type="f32", quiet=True, decode_activations="float",
                  int8_prefill=False) as s:
