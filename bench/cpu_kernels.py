@@ -3,7 +3,7 @@
     python -m bench.cpu_kernels [--mb 1024] [--types Q4_0,Q4_K] [--moe-types Q4_K]
                                 [--prompt 256] [--prompt-types Q4_0,Q4_K,Q8_0]
                                 [--activations f32,int8] [--threads N] [--repeat 7]
-                                [--no-compile] [--json PATH]
+                                [--no-compile] [--cpu-target avx2] [--json PATH]
 
 Everything is measured in this run, compile time excluded (every kernel is called once
 before it is timed):
@@ -26,6 +26,9 @@ before it is timed):
 * llama.cpp: where ``llama_cpp`` (llama-cpp-python) is installed, its bundled ggml runs the
   same mat-vec on a copy of the same bytes (``ggml_mul_mat`` through
   ``ggml_graph_compute_with_ctx``, same thread count; activations quantized by ggml).
+
+``--cpu-target avx2|avx-vnni|avx512`` runs the bench compiled for that x86 class, and
+ggml from llama.cpp built for it (as ``bench.depth --cpu-target``).
 
 ``--json PATH`` writes {"ceiling_gbps", "matvec": [{type, batch, gbps, ratio, activations,
 ceiling_next_gbps, ratio_next}],
@@ -175,7 +178,7 @@ class _Ggml:
 
     def __init__(self):
         spec = importlib.util.find_spec("llama_cpp")
-        lib = Path(spec.origin).parent / "lib"
+        lib = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(spec.origin).parent / "lib")   # as llama_cpp
         self.base = ctypes.CDLL(str(lib / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
         self.cpu = ctypes.CDLL(str(lib / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
         vp, b, c = ctypes.c_void_p, self.base, self.cpu
@@ -379,6 +382,23 @@ def load_line():
         return "load average unavailable"
 
 
+_TARGET_ENV, _HEADER_ENV = "OFFLOAD_BENCH_CPU_TARGET", "OFFLOAD_BENCH_CPU_TARGET_HEADER"
+
+
+def _rerun_for_target(target: str, argv: list[str], no_ggml: bool) -> int:
+    """This bench again in a process compiled for ``target`` (Numba's target must be set
+    before Numba compiles anything), ggml from llama.cpp built for it; its exit status."""
+    from bench.llama_build import target_envs
+    try:
+        envs = target_envs(target, _Ggml.available() and not no_ggml,
+                           log=lambda m: print(f"[llama_build] {m}", file=sys.stderr, flush=True))
+    except ValueError as e:
+        print(f"bench.cpu_kernels: --cpu-target: {e}", file=sys.stderr)
+        return 2
+    env = dict(os.environ, **envs.offload, **envs.llama, **{_TARGET_ENV: target, _HEADER_ENV: envs.header})
+    return subprocess.run([sys.executable, "-m", "bench.cpu_kernels", *argv], env=env).returncode
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, default=1024, help="mat-vec weight set size in MB (default 1024)")
@@ -396,8 +416,13 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=256,
                     help="tokens of the prompt-batch table (GEMM against 16-token calls; 0: skip)")
     ap.add_argument("--prompt-types", default="Q4_0,Q4_K,Q8_0")
+    ap.add_argument("--cpu-target", default="native",
+                    help="run compiled for another x86 class this CPU can run (avx2, avx-vnni, avx512; as "
+                         "bench.depth), the ggml column from llama.cpp built for it (default native)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.cpu_target != os.environ.get(_TARGET_ENV, "native"):
+        return _rerun_for_target(args.cpu_target, sys.argv[1:] if argv is None else argv, args.no_ggml)
     try:
         types = [T[n.strip()] for n in args.types.split(",") if n.strip()]
         moe_types = [T[n.strip()] for n in args.moe_types.split(",") if n.strip()]
@@ -414,6 +439,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     print(f"cpu_kernels bench: {numba.config.NUMBA_NUM_THREADS if args.threads is None else args.threads} "
           f"threads, {args.mb} MB weight sets; {load_line()}")
+    print(os.environ.get(_HEADER_ENV) or "CPU target: native")
     buf = rng.integers(0, 256, size=args.mb << 20, dtype=np.uint8)
 
     print("matvec (batch 1):")

@@ -1,7 +1,7 @@
 """Depth benchmark: offload's CPU decode and prefill next to llama.cpp's on random-weight
 qwen3moe models, the fixed cost per block, and GB/s against the memory-read ceiling.
 
-    python -m bench.depth [--only wide,narrow,prefill,sweep] [-t 2] [--tokens 32]
+    python -m bench.depth [--only wide,narrow,prefill,sweep] [-t 2] [--tokens 32] [--cpu-target avx2]
                           [--prompt 256] [--repeat 3] [--rounds 1] [--keep DIR] [--json PATH]
                           [--expert-type Q4_0|Q4_K|Q5_K|Q6_K|MXFP4|Q8_0] [--decode-activations auto|int8|float]
 
@@ -60,6 +60,14 @@ Fixed cost per block, in µs per token (both engines):
   time the block's weight bytes take at the read ceiling;
 * on the ``wide`` / ``narrow`` rows: (s - active bytes / ceiling) / blocks, the whole token's
   time beyond its reads spread over the blocks (an upper bound: it includes the head).
+
+``--cpu-target avx2|avx-vnni|avx512`` (``cpu_kernels.targets``' classes haswell, alderlake,
+cascadelake) compiles both engines for a narrower x86 class than this CPU's: offload's
+processes get that Numba target (``NUMBA_CPU_NAME`` and ``NUMBA_CPU_FEATURES``), llama.cpp's
+load its libraries built with ``GGML_NATIVE=OFF`` and the class's flags
+(``bench.llama_build``, built once into the cache); the int8 peak is measured with the
+target's instructions. The header names the target: such a run measures the instruction
+set, not that class's cores or memory system.
 
 The memory-read ceiling is ``bench.cpu_kernels.ceiling_gbps`` with ``-t`` Numba threads over
 a 1 GiB buffer, measured before each engine process and once at the end; their median (or
@@ -354,7 +362,7 @@ def run_one(engine: str, path: Path, jobs: list[dict], args, progress, ceilings:
            "--prefill-activations", args.prefill_activations, "--decode-activations", args.decode_activations]
     progress(f"{engine} on {path.name}: {', '.join(j['kind'] for j in jobs)}")
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_child_env(engine))
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_child_env(engine, args.envs))
     if r.returncode:
         lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
         why = lines[-1] if lines else ""
@@ -365,13 +373,16 @@ def run_one(engine: str, path: Path, jobs: list[dict], args, progress, ceilings:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _child_env(engine: str) -> dict:
+def _child_env(engine: str, envs=None) -> dict:
     """Each engine's process as its users run it: OpenMP's default wait policy for both
     (``offload.commands.run.runtime_process_settings``); under PASSIVE llama.cpp's two-thread
     decode of the narrow model measured 18 t/s against 139 t/s by default on an idle box
     here, offload's 46 vs 104 (their threads sleep and wake at every barrier). A user's
-    ``OMP_WAIT_POLICY`` is passed on to both."""
+    ``OMP_WAIT_POLICY`` is passed on to both. ``envs`` (``bench.llama_build.TargetEnvs``): the
+    ``--cpu-target``'s Numba target for offload, its llama.cpp build for llama.cpp."""
     env = dict(os.environ)
+    if envs is not None:
+        env.update(envs.offload if engine == "offload" else envs.llama)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -511,6 +522,19 @@ def measure_ceiling(threads: int) -> float:
         del buf
 
 
+def _int8_peak(threads: int, envs) -> float | None:
+    """``bench.cpu_kernels.int8_peak_gops`` in a process compiled for the run's CPU target
+    (the target's own dot-product instructions); None where it has no int8 path."""
+    code = ("import cpu_kernels as ck; from bench.cpu_kernels import int8_peak_gops; "
+            f"ck.set_num_threads({threads}); print(int8_peak_gops({threads}))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=_child_env("offload", envs))
+    out = r.stdout.strip().splitlines()
+    if r.returncode or not out or out[-1] == "None":
+        return None
+    return float(out[-1])
+
+
 def _llama_available() -> str | None:
     """None if llama-cpp-python imports, else the reason."""
     r = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True)
@@ -544,6 +568,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stat", choices=tuple(STATS), default="median",
                     help="summary of the rounds x repeat passes and of the ceilings: median (default), or "
                          "best (fastest pass, highest ceiling: on a busy shared box contention only adds time)")
+    ap.add_argument("--cpu-target", default="native",
+                    help="compile both engines for another x86 class this CPU can run: avx2 (haswell), avx-vnni "
+                         "(alderlake), avx512 (cascadelake), or native (default); llama.cpp is built for it once "
+                         "(bench.llama_build, about 2 minutes) and cached")
     ap.add_argument("--keep", type=Path, default=None, help="write / reuse the model files in DIR")
     ap.add_argument("--no-llama", action="store_true", help="offload only, even if llama-cpp-python is installed")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
@@ -568,6 +596,13 @@ def main(argv=None) -> int:
     llama_why = "--no-llama" if a.no_llama else _llama_available()
     if llama_why:
         progress(f"llama.cpp column left empty (llama-cpp-python: {llama_why})")
+    from bench.llama_build import target_envs
+    try:
+        a.envs = target_envs(a.cpu_target, llama_why is None, log=lambda m: progress(f"llama.cpp build: {m}"))
+    except ValueError as e:
+        print(f"bench.depth: --cpu-target: {e}", file=sys.stderr)
+        return 2
+    progress(a.envs.header)
     tmp = None
     try:
         if a.keep is not None:
@@ -654,6 +689,7 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
           f"(offload torch {a.torch_threads}); decode {a.tokens} tokens after {DECODE_PROMPT} (offload's "
           f"routed-expert activations {a.decode_activations}), prefill {a.prompt} (offload's activations "
           f"{a.prefill_activations}); {a.stat} of {a.rounds} x {a.repeat} passes")
+    print(a.envs.header)
     if v4 is not None:
         print(f"v4 rows: {v4.describe()}")
     print(f"memory-read ceiling (-t {a.threads}): {ceiling:.2f} GB/s, {a.stat} of {len(ceilings)} "
@@ -661,15 +697,11 @@ def _run(a, only, folder: Path, with_llama: bool, progress) -> int:
           f"{load_line()}")
     sweep_only = sorted((r for r in rows if r.workload.startswith("sweep")), key=lambda r: r.blocks)
     rows = [r for r in rows if not r.workload.startswith("sweep")] + sweep_only
-    int8_peak = None
-    if any(r.kind == "prefill" for r in rows):
-        from bench.cpu_kernels import int8_peak_gops
-        import cpu_kernels as ck
-        ck.set_num_threads(a.threads)
-        int8_peak = int8_peak_gops(a.threads)
+    int8_peak = _int8_peak(a.threads, a.envs) if any(r.kind == "prefill" for r in rows) else None
     print_table(rows, ceiling, fits, a.stat, int8_peak)
     if a.json:
-        doc = dict(ceiling_gbps=ceiling, ceilings=ceilings, int8_peak_gops=int8_peak,
+        doc = dict(cpu_target=a.envs.name, target_header=a.envs.header,
+                   ceiling_gbps=ceiling, ceilings=ceilings, int8_peak_gops=int8_peak,
                    threads=a.threads, torch_threads=a.torch_threads, tokens=a.tokens, prompt=a.prompt,
                    prefill_activations=a.prefill_activations, decode_activations=a.decode_activations,
                    expert_type=a.expert_type,

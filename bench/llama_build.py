@@ -24,6 +24,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from cpu_kernels.targets import CLASSES, resolve
@@ -116,6 +117,51 @@ def build(cls: str, out: Path, sdist: Path | None = None, jobs: int | None = Non
         staged.rename(out)
         log(f"built in {time.perf_counter() - t0:.0f} s: {out}")
     return out
+
+
+NATIVE = "native"
+
+
+def host_line() -> str:
+    """This box's CPU and widest integer-dot instruction set, e.g. "AMD EPYC (AVX-512 VNNI)"."""
+    import llvmlite.binding as ll
+
+    from offload.probe import cpu_name
+    f = ll.get_host_cpu_features()
+    isa = next((name for name, keys in (("AVX-512 VNNI", ("avx512vnni",)), ("AVX-VNNI", ("avxvnni",)),
+                                        ("AVX-512", ("avx512f",)), ("AVX2", ("avx2",))) if all(f.get(k) for k in keys)),
+               "no AVX2")
+    return f"{cpu_name()} ({isa})"
+
+
+@dataclass
+class TargetEnvs:
+    """What each engine's process gets for a ``--cpu-target``: offload's Numba target
+    (``cpu_kernels.targets.numba_env``) and llama.cpp's libraries built for the same class
+    (``LLAMA_CPP_LIB_PATH``); empty for the native target. ``header``: the line the benches
+    print above their tables."""
+    name: str
+    offload: dict[str, str]
+    llama: dict[str, str]
+    header: str
+
+
+def target_envs(target: str, with_llama: bool, log=print) -> TargetEnvs:
+    """The environments for ``target`` ("native", a class of ``cpu_kernels.targets`` or an
+    alias), building llama.cpp for the class when ``with_llama`` and no build exists yet.
+    ValueError (one line) for an unknown class or one this host cannot run."""
+    if target == NATIVE:
+        return TargetEnvs(NATIVE, {}, {}, f"CPU target: native ({host_line()})")
+    from cpu_kernels.targets import numba_env
+    cls = resolve(target)
+    offload_env = numba_env(cls)
+    llama_env = {}
+    if with_llama:
+        llama_env = {"LLAMA_CPP_LIB_PATH": str(build(cls, lib_dir(cls), log=log))}
+    feats = ", ".join(sorted(f for f in CLASSES[cls][1] if f.startswith(("avx", "fma", "f16c"))))
+    header = (f"CPU target: {cls} ({feats}), both engines compiled for it on this {host_line()}: this "
+              f"measures the instruction set, not that class's cores or memory system")
+    return TargetEnvs(cls, offload_env, llama_env, header)
 
 
 def main(argv: list[str] | None = None) -> int:

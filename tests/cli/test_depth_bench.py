@@ -109,3 +109,26 @@ def test_llama_cpp_reads_it_the_same(tiny_path):
     with rt.load(str(tiny_path), quiet=True, devices="CPU=1GiB", ctx=64) as s:
         ours = s.logits(ids)[-1]
     assert np.abs(ours - ref).max() / np.abs(ref).max() < 3e-2
+
+
+def test_unknown_cpu_target_is_one_line(capsys):
+    assert main(["--only", "narrow", "--no-llama", "--cpu-target", "pentium"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("bench.depth: --cpu-target: ") and "pentium" in err[-1] and "avx2" in err[-1]
+
+
+def test_llama_build_flags_are_the_class():
+    """bench.llama_build configures ggml for exactly the class's instruction sets: no native
+    tuning, no AMX, AVX-512 only where the class has it (the aliases name the same builds)."""
+    from bench.llama_build import cmake_args
+    for alias, cls in (("avx2", "haswell"), ("avx-vnni", "alderlake"), ("avx512", "cascadelake")):
+        assert cmake_args(alias) == cmake_args(cls)
+    flags = {cls: dict(a[2:].split("=", 1) for a in cmake_args(cls) if a.startswith("-DGGML_"))
+             for cls in ("haswell", "alderlake", "cascadelake")}
+    for cls, f in flags.items():
+        assert f["GGML_NATIVE"] == "OFF" and f["GGML_AVX2"] == "ON" and f["GGML_FMA"] == "ON", cls
+        assert all(f[k] == "OFF" for k in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")), cls
+    assert flags["haswell"]["GGML_AVX512"] == "OFF" and flags["haswell"]["GGML_AVX_VNNI"] == "OFF"
+    assert flags["alderlake"]["GGML_AVX_VNNI"] == "ON" and flags["alderlake"]["GGML_AVX512"] == "OFF"
+    assert flags["cascadelake"]["GGML_AVX512"] == "ON" and flags["cascadelake"]["GGML_AVX512_VNNI"] == "ON"
+    assert flags["cascadelake"]["GGML_AVX512_VBMI"] == "OFF"
