@@ -8,7 +8,7 @@
     set_num_threads(n)                      threads the kernels use
     set_int8_activations(on)                llama.cpp-style int8 activations (VNNI / AVX2)
                                             (``int8=`` per call: True/False, "auto" = the types
-                                            in ``placement.limits.DECODE_INT8_TYPES``, None = this setting)
+                                            chosen for this CPU at load, None = this setting)
     supported_types()                       quant types with a kernel
     UnsupportedQuantType                    raised for the others, naming type and tensor
 

@@ -145,10 +145,11 @@ def quantized_activations(X: np.ndarray):
 
 def use_int8(kern, int8: bool | str | None = None) -> bool:
     """int8 activations for this type: ``int8`` (True/False; ``placement.limits.AUTO``: the
-    type is in ``placement.limits.DECODE_INT8_TYPES``; None: the process setting), as
-    ``placement.limits.wants_int8`` says, where the type has an int8 decoder and the CPU a
-    u8 x s8 dot product."""
-    want = wants_int8(settings.int8_activations() if int8 is None else int8, kern.qtype)
+    type is in the set chosen for this CPU, ``settings.decode_int8_types``; None: the process
+    setting), as ``placement.limits.wants_int8`` says, where the type has an int8 decoder and
+    the CPU a u8 x s8 dot product."""
+    want = wants_int8(settings.int8_activations() if int8 is None else int8, kern.qtype,
+                      settings.decode_int8_types())
     return want and kern.has_int8 and has_int8_dot()
 
 

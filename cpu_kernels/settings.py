@@ -12,6 +12,7 @@ import numba
 _threads: int | None = None
 _applied = threading.local()      # what this thread last gave numba.set_num_threads
 _int8 = False
+_decode_int8_types = None       # "auto"'s weight types; None: placement.limits.DECODE_INT8_TYPES
 
 
 def set_num_threads(n: int | None) -> None:
@@ -52,3 +53,15 @@ def set_int8_activations(on: bool) -> None:
 
 def int8_activations() -> bool:
     return _int8
+
+
+def set_decode_int8_types(types) -> None:
+    """The weight types "auto" requests (``placement.limits.AUTO``: the routed experts'
+    decode batches) take int8 activations for: the set chosen for this CPU at load
+    (``offload.decode_int8``); None restores ``placement.limits.DECODE_INT8_TYPES``."""
+    global _decode_int8_types
+    _decode_int8_types = None if types is None else frozenset(types)
+
+
+def decode_int8_types():
+    return _decode_int8_types

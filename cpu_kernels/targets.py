@@ -45,18 +45,19 @@ def resolve(name: str) -> str:
     return name
 
 
-def numba_env(name: str) -> dict[str, str]:
+def numba_env(name: str, runnable: bool = True) -> dict[str, str]:
     """``{"NUMBA_CPU_NAME": ..., "NUMBA_CPU_FEATURES": ...}`` for class ``name`` (or an alias);
-    ValueError naming the class when it is unknown or this host cannot run its code."""
+    ValueError naming the class when it is unknown or (``runnable``) this host cannot run
+    its code. ``runnable=False``: for compiling only (``dispatcher.compile``, never a call)."""
     import llvmlite.binding as ll
     name = resolve(name)
     cpu, feats = CLASSES[name]
     host = ll.get_host_cpu_features()
     missing = sorted(f for f in feats if f in host and not host[f]) + \
         sorted(f for f in ("avx2", "fma", "f16c") if f in feats and f not in host)
-    if missing:
+    if missing and runnable:
         raise ValueError(f"this CPU cannot run code compiled for {name}: it lacks {', '.join(missing)}")
-    features = ",".join(("+" if k in feats else "-") + k for k in sorted(host))
+    features = ",".join(("+" if k in feats else "-") + k for k in sorted(set(host) | (feats if not runnable else set())))
     return {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features}
 
 

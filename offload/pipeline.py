@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from cpu_kernels import set_num_threads
 from offload.cpu_ops import install_cpu_attention
+from offload.decode_int8 import choose_decode_int8
 from offload.devices import resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, check_shapes
@@ -125,6 +126,7 @@ def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: in
     part = shard(model, host.blocks, first=first, last=last)
     sub = dataclasses.replace(model, tensors=part.tensors)      # the weight store sees this host's tensors
     install_cpu_attention()
+    choose_decode_int8(part.tensors, plan.tensors, quiet=True)     # as one process's load does
     arch = architecture(model.spec.arch)
     devices = resolve(set(plan.tensors.values()))
     profile = Profile()

@@ -13,6 +13,7 @@ from cpu_kernels import set_num_threads
 from cpu_kernels.simd8 import has_int8_dot
 from gpu.kv_cache import CacheType
 from offload.cpu_ops import DECODE_ACTIVATIONS, install_cpu_attention
+from offload.decode_int8 import choose_decode_int8
 from offload.devices import DeviceMap, resolve
 from offload.errors import OffloadError
 from offload.gguf_model import ModelFile, check_shapes, open_model
@@ -94,8 +95,10 @@ def load(model_path, *, placement=None, devices: str | None = None, virtual_gpus
     largest (tests/kernels/test_prefill.py). ``placement.compute`` counts the quantized activations.
     ``decode_activations`` (the CLI's ``--decode-activations auto|int8|float``): the CPU routed
     experts' activations for decode/verify batches (at most ``placement.limits.DECODE_TOKENS``
-    tokens): "auto" = int8 for the weight types whose int8 path measured faster
-    (``placement.limits.DECODE_INT8_TYPES``), float for the others; "int8"; "float".
+    tokens): "auto" = int8 for the weight types whose int8 path measured faster on this CPU
+    (``offload.decode_int8``: measured at the first load, then cached; the built-in
+    ``placement.limits.DECODE_INT8_TYPES`` under ``OFFLOAD_DECODE_INT8=prior``), float for the
+    others; "int8"; "float".
     """
     model = open_model(model_path)
     return load_plan(model, plan_for(model, placement, devices, **plan_options), virtual_gpus=virtual_gpus,
@@ -133,6 +136,8 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     # with a --draft file its NextN block replaces the model's own (which stays unloaded)
     tensors = [t for t in model.tensors if not (draft is not None and t.nextn)]
     tensors += list(draft.tensors) if draft is not None else []
+    if decode_activations == "auto":
+        choose_decode_int8(tensors, {**plan.tensors, **plan.draft_tensors}, quiet)
     profile = Profile()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
     bar = Progress(len(tensors), sum(t.n_bytes for t in tensors)) if progress else None

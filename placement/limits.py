@@ -18,9 +18,10 @@ DECODE_TOKENS = 16
 # activations to int8 by default (``--prefill-activations``).
 INT8_FROM = DECODE_TOKENS + 1
 
-# Weight types whose batch-1 int8 path (activations quantized per 32, VNNI dot products) is
-# measurably faster than their float path: "auto" decode activations use int8 for these only.
-# The measured ratios and the rule: docs/cpu-kernels.md, "Decode and verify batches".
+# Weight types whose batch-1 int8 path (activations quantized per 32, VNNI dot products) measured
+# faster than their float path on a Xeon: "auto" decode activations use int8 for these where no
+# set was measured on the CPU at hand (offload.decode_int8 measures one at load, and the planner
+# counts with this one). The measured ratios and the rule: docs/cpu-kernels.md, "Decode and verify batches".
 DECODE_INT8_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_1, Q.MXFP4, Q.IQ4_NL,
                                Q.IQ4_XS, Q.IQ1_S, Q.IQ2_XXS})
 # Weight types with no int8 decoder in cpu_kernels: their activations stay float.
@@ -106,8 +107,12 @@ def int8_request(batch: int, int8_from: int | None, decode: str | None = None) -
     return None if int8_from is None else batch >= int8_from
 
 
-def wants_int8(request: bool | str, qtype: Q) -> bool:
+def wants_int8(request: bool | str, qtype: Q, auto_types: frozenset | None = None) -> bool:
     """Whether weights of ``qtype`` are to take int8 activations under ``request`` (True, False
-    or AUTO). Whether they then do is the kernels' to say: an int8 decoder for the type (none
-    for FLOAT_ACTIVATION_TYPES) and a VNNI CPU (cpu_kernels.matmul.use_int8)."""
-    return qtype in DECODE_INT8_TYPES if request == AUTO else bool(request)
+    or AUTO: the types in ``auto_types``, the set chosen for the CPU at hand — offload.decode_int8
+    — or DECODE_INT8_TYPES where none was chosen). Whether they then do is the kernels' to say:
+    an int8 decoder for the type (none for FLOAT_ACTIVATION_TYPES) and an integer dot product
+    on the CPU (cpu_kernels.matmul.use_int8)."""
+    if request == AUTO:
+        return qtype in (DECODE_INT8_TYPES if auto_types is None else auto_types)
+    return bool(request)

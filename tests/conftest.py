@@ -4,13 +4,18 @@ Also, for the runtime tests: OpenMP threads that sleep when idle (set before tor
 Numba load OpenMP: the suite shares a loaded box, where spinning threads steal the cores;
 see ``offload.commands.run.runtime_process_settings``), and torch on one intra-op
 thread — the models are tiny, so extra threads only add barrier waits, which explode on a
-loaded 2-core box (measured: 6 ms vs 300+ ms per decode step).
+loaded 2-core box (measured: 6 ms vs 300+ ms per decode step). And "auto" decode
+activations on the built-in type list (``OFFLOAD_DECODE_INT8=prior``): a load would
+otherwise measure each expert type's int8 and float paths on this CPU (offload.decode_int8),
+and the tests' paths would depend on that measurement (tests/runtime/test_decode_int8.py
+runs the measured choice).
 """
 from __future__ import annotations
 
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OFFLOAD_DECODE_INT8", "prior")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -79,9 +79,9 @@ def add_session_arguments(p: argparse.ArgumentParser) -> None:
                         "or float (float32, exact up to summation order)")
     p.add_argument("--decode-activations", choices=DECODE_ACTIVATIONS, default="auto",
                    help="activations of the CPU routed experts for decode/verify batches (up to 16 tokens): "
-                        "auto (default) = int8 for the weight types whose int8 path measured faster "
-                        "(Q2_K-Q6_K, Q4_1, MXFP4, IQ4_NL, IQ4_XS, IQ1_S, IQ2_XXS; VNNI or AVX2 CPUs), float for "
-                        "the others; int8 = every quantized type; float = float32 everywhere")
+                        "auto (default) = int8 for the weight types whose int8 path measured faster on this CPU "
+                        "(measured at the first load, about 0.1 s a type, then cached; VNNI or AVX2 CPUs), float "
+                        "for the others; int8 = every quantized type; float = float32 everywhere")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads (default 1: torch's per-token CPU work is "
                         "small, and spare cores belong to the expert kernels)")

@@ -95,3 +95,74 @@ def test_cpu_class_targets():
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown CPU class 'pentium'" in r.stderr
     r = subprocess.run([sys.executable, "-m", "cpu_kernels.targets", "haswell"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("export NUMBA_CPU_NAME='haswell'\n")
+
+
+_COMPILE_ONLY = """
+import json, sys
+import numpy as np
+from numba import njit, typeof, types
+from gguf import GGMLQuantizationType as T
+from cpu_kernels.dispatch import decode_block_pair
+from cpu_kernels.gemm8 import tile_dot4_16
+from cpu_kernels.pair8 import pdot
+from cpu_kernels.registry import get_kernel
+from cpu_kernels.simd import vlane
+from cpu_kernels.simd8 import has_int8_dot
+
+@njit
+def step(tag, w, xq):                      # a decode step: decoded codes . activations
+    c, d, m = decode_block_pair(tag, w, 0)
+    r = pdot(c, xq, 0)
+    return vlane(r, 0) + vlane(r, 15)       # a lane of each 256-bit half, so neither is dead code
+
+@njit
+def tile(cw, xt):                          # the prompt GEMM's four-row tile product
+    a0, a1, a2, a3 = tile_dot4_16(cw, 0, xt, 0)
+    return vlane(a0, 0) + vlane(a3, 15)
+
+out = {"int8": has_int8_dot()}
+u8, i8 = types.Array(types.uint8, 1, "C"), types.Array(types.int8, 1, "C")
+for name in sys.argv[1:]:
+    sig = (typeof(get_kernel(T[name]).tag), u8, i8)
+    step.compile(sig)                       # compiled, never called: this host may lack the instructions
+    out[name] = step.inspect_asm(sig)
+tile.compile((u8, i8))
+out["tile"] = tile.inspect_asm((u8, i8))
+print(json.dumps(out))
+"""
+
+
+def test_avx_vnni_code_compiles_where_it_cannot_run(tmp_path):
+    """The Alder Lake class (AVX2 + AVX-VNNI) compiled on any x86 host, run or not: a decode
+    step of Q4_0 (codes below 128) and Q8_0 (full bytes) and the GEMM's tile product emit
+    256-bit ``vpdpbusd`` (AVX-VNNI: a VEX encoding, ymm registers) and no 512-bit register;
+    the AVX2 class emits ``vpmaddubsw``/``vpmaddwd`` instead, two pairs per 32 bytes only for
+    Q8_0. Compiled with ``dispatcher.compile`` and read back as assembly, never called."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cpu_kernels.targets import numba_env
+    asm = {}
+    for cls in ("alderlake", "haswell"):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / cls), **numba_env(cls, runnable=False))
+        r = subprocess.run([sys.executable, "-c", _COMPILE_ONLY, "Q4_0", "Q8_0"], env=env, capture_output=True,
+                           text=True, cwd=Path(__file__).resolve().parents[2], timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        asm[cls] = json.loads(r.stdout.splitlines()[-1])
+    for cls in asm:
+        assert asm[cls]["int8"] is True
+        for text in (asm[cls]["Q4_0"], asm[cls]["Q8_0"], asm[cls]["tile"]):
+            assert "zmm" not in text
+    vnni = asm["alderlake"]
+    for key in ("Q4_0", "Q8_0", "tile"):
+        dots = [ln for ln in vnni[key].splitlines() if "vpdpbusd" in ln]
+        assert dots and all("{vex}" in ln and "%ymm" in ln for ln in dots), (key, dots)
+        assert "vpmaddubsw" not in vnni[key], key
+    avx2 = asm["haswell"]
+    count = {k: len(re.findall(r"vpmaddubsw", avx2[k])) for k in ("Q4_0", "Q8_0")}
+    assert all("vpdpbusd" not in avx2[k] for k in avx2 if k != "int8")
+    assert count["Q4_0"] == 2 and count["Q8_0"] == 4, count     # per 64 codes: two halves, split or not

@@ -1,0 +1,149 @@
+"""Which weight types decode with int8 activations on this CPU: measured once, cached.
+
+Whether a type's int8 path (activations quantized per 32, integer dot products) beats its
+float path at batch 1 depends on the CPU, not just the type: the built-in list
+(``placement.limits.DECODE_INT8_TYPES``) was measured on a Xeon; on a Zen 4-class EPYC Q4_0
+and Q4_1 decode faster with float activations, on a Zen 5 Q4_0 faster with int8, and with
+AVX2's dot product (``pair8.dpbusd``) Q4_0 is 1.3-2x faster with int8. So "auto" decode
+activations take the set this module measures at the first load of a model on a CPU:
+
+- per weight type of the model's CPU routed experts with an int8 decoder, a batch-1
+  ``cpu_kernels.matmul`` over ``weight_bytes()`` of random blocks (twice the last-level cache,
+  so the weights stream from memory as a big model's do), float and int8 passes
+  alternating, ``REPEAT`` of each, medians;
+- int8 where it reads more than ``MARGIN`` faster than float (the rule the built-in list
+  was made with: in noise, the float path, which is exact);
+- cached per CPU model, compile target, kernel thread count and offload version
+  (``offload.probe.cache_dir``, a YAML of GB/s per type), so a later load only reads it; a
+  type not in the file is measured and added; a corrupt file is measured again.
+
+About 0.1 s per type once the kernels are compiled (Numba's cache keeps them). Chosen once,
+at load, never per call: ``cpu_kernels.settings.set_decode_int8_types``, which
+``cpu_kernels.matmul.use_int8`` reads for "auto". ``OFFLOAD_DECODE_INT8=prior`` keeps the
+built-in list (the test suite pins it, so its paths do not depend on a measurement; the
+planner counts the int8 decode scratch with the built-in list too).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import statistics
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import yaml
+from gguf import GGMLQuantizationType as Q
+
+from placement.devices import CPU
+from placement.tensors import Role
+
+PRIOR_ENV = "OFFLOAD_DECODE_INT8"
+MARGIN = 1.05
+REPEAT = 5
+COLS = 2048
+MIN_BYTES, MAX_BYTES = 64 << 20, 256 << 20
+
+
+def weight_bytes() -> int:
+    """Bytes of the measured weight: twice the last-level cache, within [64, 256] MiB."""
+    from offload.probe import last_level_cache_bytes
+    return min(MAX_BYTES, max(MIN_BYTES, 2 * last_level_cache_bytes()))
+
+
+def cache_file(threads: int) -> Path:
+    """This CPU's file: model name, the compile target's features (an emulated class is
+    another file), the kernels' thread count and offload's version."""
+    from cpu_kernels.simd import target_features
+    from offload.probe import cache_dir, cpu_name, offload_version
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", cpu_name()).strip("-")[:80] or "cpu"
+    target = hashlib.sha1(target_features().encode()).hexdigest()[:10]
+    return cache_dir() / f"decode-int8-{slug}-{target}-t{threads}-{offload_version()}.yaml"
+
+
+def _read(path: Path) -> dict[str, dict]:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items()
+            if isinstance(v, dict) and all(isinstance(v.get(f), (int, float)) for f in ("float_gbps", "int8_gbps"))}
+
+
+def _write(path: Path, doc: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(yaml.safe_dump(doc, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass                        # an unwritable cache folder: measured again next time
+
+
+def measure(qtype: Q, n_bytes: int | None = None, repeat: int = REPEAT) -> tuple[float, float]:
+    """(float GB/s, int8 GB/s) of a batch-1 ``cpu_kernels.matmul`` over ``n_bytes`` of random
+    ``qtype`` blocks, passes alternating, medians of ``repeat``."""
+    from gguf import GGML_QUANT_SIZES
+
+    from cpu_kernels import matmul
+    from cpu_kernels.synth import random_blocks
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows = max(4, (n_bytes or weight_bytes()) // (COLS // block * size))
+    rng = np.random.default_rng(0)
+    w = random_blocks(qtype, (rows, COLS), rng)
+    x = rng.standard_normal((1, COLS)).astype(np.float32)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for mode in (False, True):
+        matmul(x, w, qtype, int8=mode)                 # compiled (or loaded) outside the timing
+    for _ in range(repeat):
+        for mode in (False, True):
+            t0 = time.perf_counter()
+            matmul(x, w, qtype, int8=mode)
+            times[mode].append(time.perf_counter() - t0)
+    return tuple(w.nbytes / statistics.median(times[m]) / 1e9 for m in (False, True))
+
+
+def choose(types: Iterable[Q], threads: int, log=None, n_bytes: int | None = None) -> frozenset[Q]:
+    """The types among ``types`` (those with an int8 decoder) that decode faster with int8
+    activations on this CPU, from the cache or measured now over ``n_bytes`` (default
+    ``weight_bytes()``; ``log``: one line when it measures)."""
+    from cpu_kernels.registry import get_kernel
+    wanted = sorted({t for t in types if get_kernel(t).has_int8}, key=lambda t: t.name)
+    path = cache_file(threads)
+    doc = _read(path)
+    missing = [t for t in wanted if t.name not in doc]
+    if missing:
+        t0 = time.perf_counter()
+        for t in missing:
+            f, i = measure(t, n_bytes)
+            doc[t.name] = {"float_gbps": round(f, 3), "int8_gbps": round(i, 3)}
+        _write(path, doc)
+        if log is not None:
+            log(f"decode activations measured on this CPU in {time.perf_counter() - t0:.1f} s: " +
+                "; ".join(f"{t.name} {doc[t.name]['float_gbps']:.1f} GB/s float, {doc[t.name]['int8_gbps']:.1f} int8"
+                          for t in missing) + f" (cached: {path})")
+    return frozenset(t for t in wanted if doc[t.name]["int8_gbps"] > MARGIN * doc[t.name]["float_gbps"])
+
+
+def choose_decode_int8(tensors, placed: dict[str, str], quiet: bool) -> None:
+    """Fix, for this process, which weight types of the CPU-resident routed experts decode
+    with int8 activations under "auto" (``offload.decode_int8``: measured on this CPU once,
+    then cached; under ``OFFLOAD_DECODE_INT8=prior`` the built-in list stays). Other types
+    keep what an earlier load chose: a type's choice (at one thread count) is the same for
+    every model in a process, so sessions loaded side by side agree."""
+    from cpu_kernels import settings
+    from cpu_kernels.simd8 import has_int8_dot
+    if not has_int8_dot() or os.environ.get(PRIOR_ENV) == "prior":
+        return                      # float anyway; or the built-in list (settings' None)
+    routed = {t.ggml_type for t in tensors if t.role == Role.ROUTED_EXPERTS and placed.get(t.name) == CPU}
+    if not routed:
+        return
+    log = None if quiet else (lambda m: print(f"offload: {m}", file=sys.stderr))
+    chosen = choose(routed, settings.apply_threads(), log)
+    before = settings.decode_int8_types()
+    settings.set_decode_int8_types(chosen if before is None else (before - routed) | chosen)

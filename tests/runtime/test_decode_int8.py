@@ -1,0 +1,83 @@
+""""auto" decode activations follow the int8 / float choice measured on this CPU
+(``offload.decode_int8``): measured once per type, cached, read back, chosen at load.
+
+The suite pins the built-in list (tests/conftest.py: ``OFFLOAD_DECODE_INT8=prior``); these
+tests lift the pin and point the cache at a temp folder. The choice rule is held with cache
+files of stated GB/s (what a measurement on another CPU would have written), the
+measurement itself on a small real weight.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from gguf import GGMLQuantizationType as Q
+
+import offload.runtime as rt
+from cpu_kernels import settings
+from cpu_kernels.simd8 import has_int8_dot
+from offload import decode_int8 as di
+from tests.kernels.test_decode_activations import SPECS, _moe_modes, _steps
+from tests.tiny_models import write_tiny_model
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch):
+    """The measured choice on (the pin lifted), its cache in a temp folder, the process's
+    chosen set reset afterwards."""
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(di.PRIOR_ENV, raising=False)
+    yield di.cache_file(settings.apply_threads())
+    settings.set_decode_int8_types(None)
+
+
+def _write(path, rates: dict[str, tuple[float, float]]):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({t: {"float_gbps": f, "int8_gbps": i} for t, (f, i) in rates.items()}))
+
+
+def _no_measuring(*a, **k):
+    raise AssertionError("measured although the cache has the type")
+
+
+def test_the_cache_decides_by_the_margin(measured, monkeypatch):
+    """int8 where it read more than 5 % faster than float; in the margin, float (exact)."""
+    _write(measured, {"Q4_0": (20.0, 25.0), "Q8_0": (20.0, 20.5), "Q4_K": (15.0, 14.0)})
+    monkeypatch.setattr(di, "measure", _no_measuring)
+    assert di.choose([Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.F32], 2) == frozenset({Q.Q4_0})
+
+
+def test_a_missing_type_is_measured_and_cached(measured):
+    """The measurement runs the real kernels (a small weight here) and adds the type to the
+    file beside what was there; a corrupt file is measured again."""
+    _write(measured, {"Q4_0": (20.0, 25.0)})
+    lines = []
+    chosen = di.choose([Q.Q4_0, Q.Q4_K], 2, log=lines.append, n_bytes=1 << 20)
+    doc = yaml.safe_load(measured.read_text())
+    assert set(doc) == {"Q4_0", "Q4_K"} and doc["Q4_0"] == {"float_gbps": 20.0, "int8_gbps": 25.0}
+    assert doc["Q4_K"]["float_gbps"] > 0 and doc["Q4_K"]["int8_gbps"] > 0
+    assert Q.Q4_0 in chosen and (Q.Q4_K in chosen) == (doc["Q4_K"]["int8_gbps"] > di.MARGIN * doc["Q4_K"]["float_gbps"])
+    assert len(lines) == 1 and "Q4_K" in lines[0] and "Q4_0" not in lines[0] and str(measured) in lines[0]
+    measured.write_text("{not yaml")
+    di.choose([Q.Q4_K], 2, n_bytes=1 << 20)
+    assert set(yaml.safe_load(measured.read_text())) == {"Q4_K"}
+
+
+@pytest.mark.skipif(not has_int8_dot(), reason="no integer dot product: decode is float whatever the choice")
+def test_auto_follows_the_choice_for_this_cpu(measured, tmp_path):
+    """A Q4_K model (Q4_K is in the built-in list): where the cache says its int8 path is
+    slower here, "auto" binds the float path and its logits are "float"'s bit for bit; where
+    it says faster, "auto" binds int8."""
+    tiny = write_tiny_model(tmp_path / "q4k.gguf", SPECS["Q4_K"])
+    with rt.load(tiny.path, cache_type="f32", quiet=True, decode_activations="float") as f:
+        flt = torch.inference_mode()(_steps)(f.model)
+    _write(measured, {"Q4_K": (20.0, 15.0)})
+    with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
+        assert _moe_modes(s) and all(m == (False, False) for m in _moe_modes(s))
+        auto = torch.inference_mode()(_steps)(s.model)
+    for a, b in zip(flt, auto):
+        np.testing.assert_array_equal(a, b)
+    _write(measured, {"Q4_K": (15.0, 20.0)})
+    with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
+        assert all(m == (True, True) for m in _moe_modes(s))
