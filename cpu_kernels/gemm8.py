@@ -177,9 +177,10 @@ def _decode4(tag, w, ro0, ro1, ro2, ro3, cols, cw, sd, sk):
 
 
 def unit_terms(tag):
-    """(one32, offset, has_min) of a quant type's codes (jitted code only): one32 when both
-    16-weight halves of every 32 share scale and min (the int sums then run over 32), the
-    offset between codes and values, whether mins can be nonzero."""
+    """(one32, offset, has_min, small) of a quant type's codes (jitted code only): one32 when
+    both 16-weight halves of every 32 share scale and min (the int sums then run over 32),
+    the offset between codes and values, whether mins can be nonzero, whether the codes stay
+    below 128 (``registry.QuantKernel.codes_small``)."""
     raise NotImplementedError("only callable from jitted code")
 
 
@@ -188,9 +189,9 @@ def _unit_terms(tag):
     if isinstance(tag, QTagType):
         kern = kernel_by_name(tag.qname)
         if kern.block_pair is not None:
-            terms = (True, f32(kern.block_pair_offset), kern.block_pair_min)
+            terms = (True, f32(kern.block_pair_offset), kern.block_pair_min, kern.codes_small)
         else:
-            terms = (kern.same_d, f32(kern.code_offset), kern.has_min)
+            terms = (kern.same_d, f32(kern.code_offset), kern.has_min, kern.codes_small)
         return lambda tag: terms
     return None
 
@@ -216,8 +217,7 @@ def _unit(isums, dv, nb, bv, sd, sk, g, has_min, a0, a1, a2, a3):
 def tile4(tag, cols, cw, sd, sk, xt, xo, dt, do, bt, bo):
     """(a0, a1, a2, a3): lane t of a_r = row r (``decode4``'s) . (dx * xq) of lane t of the
     tile packed at xt[xo:], dt[do:], bt[bo:] (``pack_lanes``)."""
-    one32, off, has_min = unit_terms(tag)
-    small = off < 128        # every type with a smaller offset has codes below 128 (pair8.I8x64)
+    one32, off, has_min, small = unit_terms(tag)
     noff = -off
     a0 = vzero()
     a1 = vzero()

@@ -191,6 +191,7 @@ def sub_block_pair_decoder(*parts, nibbles_at: int | None = None, table=None):
         if not (_is_array(w) and _is_int(ob) and _is_int(j)):
             return None
         return out_type(w, ob, j), codegen
+    decode.codes_small = out_type.small          # read by registry.QuantKernel.codes_small
     return decode
 
 
@@ -264,6 +265,7 @@ def block_pair_decoder(*, block_bytes: int, qs: int, scale: str, scale_at: int =
             if not (_is_array(w) and _is_int(ob)):
                 return None
             return types.Tuple((out_type, fvec, fvec))(w, ob), codegen
+        decode.codes_small = out_type.small      # read by registry.QuantKernel.codes_small
         return decode
 
     out_type = i8x64 if signed8 or (table is not None and max(table) > 127) else i8x64_small

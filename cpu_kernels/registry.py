@@ -71,6 +71,13 @@ class QuantKernel:
     has_min: bool = True
 
     @property
+    def codes_small(self) -> bool:
+        """Whether the int8 decoder's codes all stay below 128 (``pair8.I8x64.small``: AVX2
+        multiplies them in one ``vpmaddubsw`` pair; the prompt GEMM reads them back from bytes)."""
+        dec = self.codes if self.codes is not None else self.block_pair[0] if self.block_pair else None
+        return bool(getattr(dec, "codes_small", False))
+
+    @property
     def has_int8(self) -> bool:
         """Whether the type has an int8-activation decoder (codes or block_pair)."""
         return self.codes is not None or self.block_pair is not None

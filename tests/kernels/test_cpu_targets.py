@@ -166,3 +166,20 @@ def test_avx_vnni_code_compiles_where_it_cannot_run(tmp_path):
     count = {k: len(re.findall(r"vpmaddubsw", avx2[k])) for k in ("Q4_0", "Q8_0")}
     assert all("vpdpbusd" not in avx2[k] for k in avx2 if k != "int8")
     assert count["Q4_0"] == 2 and count["Q8_0"] == 4, count     # per 64 codes: two halves, split or not
+
+
+def test_codes_below_128_are_declared_where_the_values_allow():
+    """A type's int8 decoder says whether its codes stay below 128 (``pair8.I8x64.small``: AVX2
+    then multiplies them in one ``vpmaddubsw`` pair, which a larger code could saturate). Codes
+    are value + offset, so a decoder may say so only where 2 x offset < 128 (offsets are the
+    middle of the value range) — and the 4- to 6-bit types must say so, or AVX2 does twice the work."""
+    from cpu_kernels.registry import get_kernel, supported_types
+    declared = {}
+    for t in supported_types():
+        k = get_kernel(t)
+        if k.has_int8:
+            off = k.block_pair_offset if k.block_pair is not None else k.code_offset
+            declared[t.name] = (k.codes_small, off)
+            assert k.codes_small == (off < 64), (t.name, k.codes_small, off)
+    assert {n for n, (small, _) in declared.items() if not small} >= {"Q8_0", "IQ4_NL", "IQ4_XS"}
+    assert {n for n, (small, _) in declared.items() if small} >= {"Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
