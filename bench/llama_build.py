@@ -10,7 +10,7 @@ sdist of the installed version, fetched with ``pip download`` when ``--sdist`` i
 ggml is configured with ``GGML_NATIVE=OFF`` and the class's feature flags
 (``GGML_FLAGS``), no AMX (its buffers crash on wide models), OpenMP as the default build;
 only the ``llama`` target is built (about 9 minutes on two cores). The libraries land in
-``--out`` (default ``$OFFLOAD_CACHE_DIR`` or ``~/.cache/offload``, then
+``--out`` (default ``offload.host_cache.cache_dir()``, then
 ``llama-<version>-<class>/``), written to a temporary folder first and renamed, so a folder
 that exists is a whole build (``lib_dir``).
 """
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpu_kernels.targets import CLASSES, resolve
+from offload.host_cache import cache_dir, cpu_name
 
 _OFF = ("GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16", "GGML_AVX_VNNI",
         "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
@@ -39,10 +40,6 @@ GGML_FLAGS: dict[str, tuple[str, ...]] = {
     "cascadelake": _AVX2 + ("GGML_AVX512", "GGML_AVX512_VNNI"),
 }
 assert set(GGML_FLAGS) == set(CLASSES)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("OFFLOAD_CACHE_DIR") or Path.home() / ".cache" / "offload")
 
 
 def installed_version() -> str:
@@ -58,7 +55,7 @@ def installed_version() -> str:
 
 def lib_dir(cls: str, root: Path | None = None) -> Path:
     """Where the build for class ``cls`` (a name or alias) lives; it exists only when whole."""
-    return (root or cache_root()) / f"llama-{installed_version()}-{resolve(cls)}"
+    return (root or cache_dir()) / f"llama-{installed_version()}-{resolve(cls)}"
 
 
 def cmake_args(cls: str) -> list[str]:
@@ -126,7 +123,6 @@ def host_line() -> str:
     """This box's CPU and widest integer-dot instruction set, e.g. "AMD EPYC (AVX-512 VNNI)"."""
     import llvmlite.binding as ll
 
-    from offload.probe import cpu_name
     f = ll.get_host_cpu_features()
     isa = next((name for name, keys in (("AVX-512 VNNI", ("avx512vnni",)), ("AVX-VNNI", ("avxvnni",)),
                                         ("AVX-512", ("avx512f",)), ("AVX2", ("avx2",))) if all(f.get(k) for k in keys)),

@@ -14,7 +14,7 @@ activations take the set this module measures at the first load of a model on a 
 - int8 where it reads more than ``MARGIN`` faster than float (the rule the built-in list
   was made with: in noise, the float path, which is exact);
 - cached per CPU model, compile target, kernel thread count and offload version
-  (``offload.probe.cache_dir``, a YAML of GB/s per type), so a later load only reads it; a
+  (``offload.host_cache.cache_dir``, a YAML of GB/s per type), so a later load only reads it; a
   type not in the file is measured and added; a corrupt file is measured again.
 
 About 0.1 s per type once the kernels are compiled (Numba's cache keeps them). Chosen once,
@@ -50,7 +50,7 @@ MIN_BYTES, MAX_BYTES = 64 << 20, 256 << 20
 
 def weight_bytes() -> int:
     """Bytes of the measured weight: twice the last-level cache, within [64, 256] MiB."""
-    from offload.probe import last_level_cache_bytes
+    from offload.host_cache import last_level_cache_bytes
     return min(MAX_BYTES, max(MIN_BYTES, 2 * last_level_cache_bytes()))
 
 
@@ -58,7 +58,7 @@ def cache_file(threads: int) -> Path:
     """This CPU's file: model name, the compile target's features (an emulated class is
     another file), the kernels' thread count and offload's version."""
     from cpu_kernels.simd import target_features
-    from offload.probe import cache_dir, cpu_name, offload_version
+    from offload.host_cache import cache_dir, cpu_name, offload_version
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", cpu_name()).strip("-")[:80] or "cpu"
     target = hashlib.sha1(target_features().encode()).hexdigest()[:10]
     return cache_dir() / f"decode-int8-{slug}-{target}-t{threads}-{offload_version()}.yaml"

@@ -30,7 +30,6 @@ Compile and load time are not part of the ~2 s (Numba caches its kernels).
 from __future__ import annotations
 
 import os
-import platform
 import re
 import statistics
 import time
@@ -41,57 +40,16 @@ import numpy as np
 import yaml
 
 from offload.errors import OffloadError
+from offload.host_cache import CACHE_ENV, cache_dir, cpu_name, last_level_cache_bytes, offload_version  # noqa: F401
 from placement.hardware import HardwareProfile, ProfileError
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
-CACHE_ENV = "OFFLOAD_CACHE_DIR"
 PROBE_SECONDS = 2.0
 READ_MIB = 256               # larger than the last-level cache of any CPU this is for
 MAX_BATCH = 3                # T_verify(B), T_draft(B) for B = 1..3: enough to separate the terms
 CALIB_TOKENS = 24
 FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")     # as offload tune fits them
 MEASURED = ("cpu_read", "cpu_layer", "cpu_compute", "forward", "draft_pass", "step", "spec_step")
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def last_level_cache_bytes() -> int:
-    """Size of CPU 0's largest cache level (Linux sysfs); 0 when unknown."""
-    best = (0, 0)
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            level = int((index / "level").read_text())
-            size = (index / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        m = re.fullmatch(r"(\d+)([KMG]?)", size)
-        if m:
-            best = max(best, (level, int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]))
-    return best[1]
-
-
-def offload_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("offload")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "offload"
 
 
 def cache_path(cpu: str, version: str, threads: int | None = None) -> Path:
