@@ -112,8 +112,9 @@ def choose(types: Iterable[Q], threads: int, log=None, n_bytes: int | None = Non
     """The types among ``types`` (those with an int8 decoder) that decode faster with int8
     activations on this CPU, from the cache or measured now over ``n_bytes`` (default
     ``weight_bytes()``; ``log``: one line when it measures)."""
-    from cpu_kernels.registry import get_kernel
-    wanted = sorted({t for t in types if get_kernel(t).has_int8}, key=lambda t: t.name)
+    from cpu_kernels.registry import get_kernel, supported_types
+    known = set(supported_types())          # a type without a kernel is refused where it is loaded
+    wanted = sorted({t for t in types if t in known and get_kernel(t).has_int8}, key=lambda t: t.name)
     path = cache_file(threads)
     doc = _read(path)
     missing = [t for t in wanted if t.name not in doc]

@@ -45,7 +45,7 @@ def test_the_cache_decides_by_the_margin(measured, monkeypatch):
     """int8 where it read more than 5 % faster than float; in the margin, float (exact)."""
     _write(measured, {"Q4_0": (20.0, 25.0), "Q8_0": (20.0, 20.5), "Q4_K": (15.0, 14.0)})
     monkeypatch.setattr(di, "measure", _no_measuring)
-    assert di.choose([Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.F32], 2) == frozenset({Q.Q4_0})
+    assert di.choose([Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.F32, Q.TQ1_0], 2) == frozenset({Q.Q4_0})    # F32: no int8 path; TQ1_0: no kernel
 
 
 def test_a_missing_type_is_measured_and_cached(measured):
