@@ -273,6 +273,12 @@ def block_pair_decoder(*, block_bytes: int, qs: int, scale: str, scale_at: int =
     return build(2), build(1)
 
 
+def _half(builder, v, h):
+    """Lanes of half ``h`` (0: low, 1: high) of vector ``v``: one 256-bit register's worth."""
+    n = v.type.count // 2
+    return builder.shuffle_vector(v, v, _const(_I32, range(h * n, (h + 1) * n)))
+
+
 def dpbusd(builder, acc, c, x, small: bool = False):
     """acc (``<16 x i32>``) + lane i: sum_{j<4} c[4i + j] * x[4i + j], c unsigned and x signed
     bytes (``<64 x i8>``; activations at most 127 in magnitude): ``vpdpbusd`` zmm with
@@ -286,11 +292,9 @@ def dpbusd(builder, acc, c, x, small: bool = False):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8I32, [_V8I32] * 3),
                                             "llvm.x86.avx512.vpdpbusd.256")
 
-        def half(v, h, ty):
-            return builder.shuffle_vector(v, v, _const(_I32, range(h * len(ty), (h + 1) * len(ty))))
-        rs = [builder.call(fn, [half(acc, h, range(8)),
-                                builder.bitcast(half(c, h, range(32)), _V8I32),
-                                builder.bitcast(half(x, h, range(32)), _V8I32)]) for h in (0, 1)]
+        rs = [builder.call(fn, [_half(builder, acc, h),
+                                builder.bitcast(_half(builder, c, h), _V8I32),
+                                builder.bitcast(_half(builder, x, h), _V8I32)]) for h in (0, 1)]
         return builder.shuffle_vector(rs[0], rs[1], _const(_I32, range(16)))
     if target_has("avx2"):
         return _dpbusd_avx2(builder, acc, c, x, small)
@@ -316,14 +320,11 @@ def _dpbusd_avx2(builder, acc, c, x, small):
                                             "llvm.x86.avx2.pmadd.wd")
     ones = ir.Constant(v32i16, [1] * 16)
     splits = [c] if small else [builder.and_(c, _const(_I8, [m] * 64)) for m in (0x7F, 0x80)]
-
-    def half(v, h, n):
-        return builder.shuffle_vector(v, v, _const(_I32, range(h * n, (h + 1) * n)))
     out = []
     for h in (0, 1):
-        r, xh = half(acc, h, 8), half(x, h, 32)
+        r, xh = _half(builder, acc, h), _half(builder, x, h)
         for part in splits:
-            r = builder.add(r, builder.call(maddwd, [builder.call(maddubs, [half(part, h, 32), xh]), ones]))
+            r = builder.add(r, builder.call(maddwd, [builder.call(maddubs, [_half(builder, part, h), xh]), ones]))
         out.append(r)
     return builder.shuffle_vector(out[0], out[1], _const(_I32, range(16)))
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import sys
 import statistics
 import time
@@ -58,10 +57,9 @@ def cache_file(threads: int) -> Path:
     """This CPU's file: model name, the compile target's features (an emulated class is
     another file), the kernels' thread count and offload's version."""
     from cpu_kernels.simd import target_features
-    from offload.host_cache import cache_dir, cpu_name, offload_version
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", cpu_name()).strip("-")[:80] or "cpu"
+    from offload.host_cache import cache_dir, cpu_slug, offload_version
     target = hashlib.sha1(target_features().encode()).hexdigest()[:10]
-    return cache_dir() / f"decode-int8-{slug}-{target}-t{threads}-{offload_version()}.yaml"
+    return cache_dir() / f"decode-int8-{cpu_slug()}-{target}-t{threads}-{offload_version()}.yaml"
 
 
 def _read(path: Path) -> dict[str, dict]:
@@ -76,12 +74,11 @@ def _read(path: Path) -> dict[str, dict]:
 
 
 def _write(path: Path, doc: dict) -> None:
+    from offload.errors import OffloadError, write_atomic
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(yaml.safe_dump(doc, sort_keys=True))
-        tmp.replace(path)
-    except OSError:
+        write_atomic(path, yaml.safe_dump(doc, sort_keys=True))
+    except (OSError, OffloadError):
         pass                        # an unwritable cache folder: measured again next time
 
 

@@ -52,3 +52,8 @@ def cache_dir() -> Path:
         return Path(os.environ[CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "offload"
+
+
+def cpu_slug(cpu: str | None = None) -> str:
+    """``cpu`` (default this host's model name) as a file-name part."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", cpu_name() if cpu is None else cpu).strip("-")[:80] or "cpu"

@@ -30,7 +30,6 @@ Compile and load time are not part of the ~2 s (Numba caches its kernels).
 from __future__ import annotations
 
 import os
-import re
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -40,7 +39,7 @@ import numpy as np
 import yaml
 
 from offload.errors import OffloadError
-from offload.host_cache import CACHE_ENV, cache_dir, cpu_name, last_level_cache_bytes, offload_version  # noqa: F401
+from offload.host_cache import CACHE_ENV, cache_dir, cpu_name, cpu_slug, last_level_cache_bytes, offload_version  # noqa: F401
 from placement.hardware import HardwareProfile, ProfileError
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
@@ -55,8 +54,7 @@ MEASURED = ("cpu_read", "cpu_layer", "cpu_compute", "forward", "draft_pass", "st
 def cache_path(cpu: str, version: str, threads: int | None = None) -> Path:
     """The cache file of a CPU model and offload version (and a thread count other than the
     kernels' default, which ``offload plan`` and ``offload run`` use)."""
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", cpu).strip("-")[:80] or "cpu"
-    return cache_dir() / f"probe-{slug}-{version}{'' if threads is None else f'-t{threads}'}.yaml"
+    return cache_dir() / f"probe-{cpu_slug(cpu)}-{version}{'' if threads is None else f'-t{threads}'}.yaml"
 
 
 @dataclass(frozen=True)
