@@ -108,3 +108,50 @@ def test_greedy_with_a_repeat_penalty_moves_off_a_seen_token():
     g = with_penalties(None, Penalties(repeat=2.0), [5])
     assert Sampler()(g.mask(LOGITS)) == 0
     assert with_penalties(None, Penalties(), [5]) is None          # nothing set: no guide
+
+
+def full_vocab_probs(z, temperature, top_k, top_p, min_p):
+    """The chain as defined, over the whole vocabulary (the sampler works on top-k's survivors
+    only; this is what it must equal)."""
+    z = np.asarray(z, dtype=np.float64)
+    keep = np.ones(z.shape, dtype=bool)
+    if 0 < top_k < z.size:
+        keep &= z >= np.sort(z)[-top_k]
+    if top_p < 1.0:
+        p = softmax(np.where(keep, z, -np.inf))
+        order = np.argsort(-p, kind="stable")
+        cut = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
+        top = np.zeros_like(keep)
+        top[order[:cut]] = True
+        keep &= top
+    if min_p > 0.0:
+        keep &= z >= z[keep].max() + np.log(min_p)
+    return softmax(np.where(keep, z / temperature, -np.inf))
+
+
+@pytest.mark.parametrize("vocab", [37, 4096, 129_280])
+def test_the_chain_on_top_k_survivors_equals_the_whole_vocabulary_chain(vocab):
+    """The sampler looks for top-k's survivors by block maxima, not a sort of the vocabulary:
+    the same support and probabilities (to float64 rounding of sums over fewer terms) with ties
+    at the k-th value, masked (-inf) tokens, fewer finite tokens than k, and every filter off."""
+    rng = np.random.default_rng(7)
+    z = (rng.standard_normal(vocab) * 3).astype(np.float32)
+    z[rng.choice(vocab, vocab // 5, replace=False)] = -np.inf       # a guide's mask
+    z[rng.choice(vocab, 3, replace=False)] = np.sort(z)[-20]        # ties at the 20th value
+    few = np.full(vocab, -np.inf, dtype=np.float32)
+    few[[1, vocab - 2, vocab // 2]] = [0.5, 1.5, 0.5]
+    for row in (z, few):
+        for temperature, top_k, top_p, min_p in [(0.8, 40, 0.95, 0.05), (1.0, 20, 1.0, 0.0), (0.5, 0, 0.9, 0.0),
+                                                 (1.3, 1, 1.0, 0.0), (0.8, 40, 1.0, 0.2), (1.0, 0, 1.0, 0.0)]:
+            got = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).probs(row)
+            want = full_vocab_probs(row, temperature, top_k, top_p, min_p)
+            assert set(np.flatnonzero(got)) == set(np.flatnonzero(want))
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+
+
+def test_a_draw_is_numpys_choice_from_the_same_seed():
+    """``draw`` walks only the tokens with a probability, yet takes the very token
+    ``Generator.choice(V, p=p)`` takes from the same stream (one uniform each)."""
+    p = Sampler(temperature=1.0, top_k=50).probs(np.random.default_rng(3).standard_normal(129_280))
+    s, ref = Sampler(temperature=1.0, seed=11), np.random.default_rng(11)
+    assert [s.draw(p) for _ in range(300)] == [int(ref.choice(p.size, p=p)) for _ in range(300)]
