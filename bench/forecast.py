@@ -10,7 +10,8 @@ For the model (default: the shipped one), each in a fresh process as a user runs
   forecast's interval, and the probe's timed seconds;
 * measured: ``offload run MODEL -n N --ignore-eos`` (plain decoding, the default prompt): the
   eval tokens per second it prints;
-* tuned: ``offload tune MODEL --budget B --json`` once: the n_max it chooses.
+* tuned: ``offload tune MODEL --budget B --json`` once: the n_max it chooses for the model's
+  draft head (the drafter the plan's table is for), and its overall choice.
 
 Calibrated and measured alternate in ``--rounds`` rounds (order reversed every other round),
 so a load change on a shared box hits both; medians are printed with the load average before
@@ -115,13 +116,22 @@ def main(argv=None) -> int:
         best = statistics.median_low(c["best_n_max"] for c in calibrated)
         line = f"best n_max: prior {prior['best_n_max']}, calibrated {best}"
         if tuned is not None:
-            line += (f", offload tune chose {tuned['chosen_n_max']} (measured best "
-                     f"{max(tuned['measured'], key=lambda m: m['speedup_mean'])['n_max']}; {tuned['choice']})")
+            # the plan's table is the model's draft head's: compare tune's choice for that drafter
+            # (tune also weighs n-gram drafting, whose acceptance no plan can know)
+            head_kind = tuned["head_drafter"]
+            mine = (tuned.get("drafters") or {}).get(head_kind, {"n_max": tuned["chosen_n_max"],
+                                                                 "choice": tuned["choice"]})
+            theirs = [m for m in tuned["measured"] if m.get("drafter", head_kind) in (head_kind, "none")]
+            line += (f", offload tune chose {mine['n_max']} for {head_kind} (measured best "
+                     f"{max(theirs, key=lambda m: m['speedup_mean'])['n_max']}; {mine['choice']}); "
+                     f"its overall choice: {tuned['chosen_drafter']} n_max {tuned['chosen_n_max']}")
         print(line)
     if a.json:
         Path(a.json).write_text(json.dumps({"prior": prior, "calibrated": calibrated, "measured": measured,
                                             "probe_s": probe_s, "load": [load0[0], load1[0]],
-                                            "tuned_n_max": None if tuned is None else tuned["chosen_n_max"]},
+                                            "tuned_n_max": None if tuned is None else mine["n_max"],
+                                            "tuned_overall": None if tuned is None else
+                                            [tuned["chosen_drafter"], tuned["chosen_n_max"]]},
                                            indent=1) + "\n")
     return 0
 

@@ -26,7 +26,7 @@ import torch
 
 from offload.errors import OffloadError
 from offload.moe import MoE
-from offload.sampling import Sampler
+from offload.sampling import Sampler, SamplingDefaults
 from offload.speculative import SpecOptions, make_drafter
 from offload.stats import conditional
 from placement.acceptance import AcceptanceProfile
@@ -54,6 +54,7 @@ class Decode:
     drafted_per_position: list[int]
     reached_per_position: list[int]
     drafter: str = "none"          # what drafted: mtp, ngram, dspark; none for plain decoding
+    sample_s: float = 0.0          # choosing the tokens (sampling, judging drafts): inside verify_s
 
     @property
     def produced(self) -> int:
@@ -65,9 +66,14 @@ class Decode:
         return self.eval_s / self.steps if self.steps else 0.0
 
 
+# what `offload run` samples with (its defaults), seeded: the decode loop's timed runs
+RUN_SAMPLING = {**SamplingDefaults().of(None), "seed": 0}
+
+
 def decode(session, prompt: Sequence[int], *, n_tokens: int, n_max: int = 0, p_min: float = 0.0,
            **generate) -> Decode:
-    """Greedy generation of exactly ``n_tokens`` (end-of-sequence ignored), as ``offload run``
+    """Generation of exactly ``n_tokens`` (end-of-sequence ignored; greedy unless ``generate``
+    sets sampling), as ``offload run``
     does it (batched verify); ``generate``: further ``Session.generate`` keywords (``head``,
     ``verify``, ``ubatch``, ``spec_type``: the drafter, mtp by default)."""
     out = list(session.generate(list(prompt), max_tokens=n_tokens, stop_at_eos=False,
@@ -75,7 +81,7 @@ def decode(session, prompt: Sequence[int], *, n_tokens: int, n_max: int = 0, p_m
     s = session.stats
     return Decode(list(prompt), out, n_max, s.eval_s, s.n_steps, s.drafted, s.accepted, s.draft_s, s.verify_s,
                   list(s.accepted_per_position), list(s.drafted_per_position), list(s.reached_per_position),
-                  generate.get("spec_type", "mtp") if n_max else "none")
+                  generate.get("spec_type", "mtp") if n_max else "none", s.eval_profile.get("sampling", 0.0))
 
 
 @dataclass(frozen=True)
@@ -174,12 +180,14 @@ class PassTimes:
     def loop_overheads(self) -> tuple[float, float]:
         """(seconds per plain step outside its passes, extra seconds per drafting step): the
         loop's own time ``RunStats`` books neither to drafting nor to verifying (rollback,
-        bookkeeping, the generator), per step, median over the short runs.
+        bookkeeping, the generator) and the choice of its tokens (sampling, judging drafts: timed
+        inside the verify step, but no pass time ``T_verify(B)`` holds it), per step, median over
+        the short runs.
 
         Measured directly rather than as "step time − the timed passes": on a shared box that
         difference of two noisy numbers came out anywhere between 0 and 6 ms per step."""
         def rest(r: Decode) -> float:
-            return (r.eval_s - r.draft_s - r.verify_s) / r.steps
+            return (r.eval_s - r.draft_s - r.verify_s + r.sample_s) / r.steps
         step = statistics.median(rest(r) for r in self.plain if r.steps)
         extra = [rest(r) - step for r in self.spec if r.steps]
         return max(step, 0.0), max(statistics.median(extra), 0.0) if extra else 0.0
@@ -277,9 +285,11 @@ def time_passes(session, calib: Decode, *, max_batch: int, seconds: float, min_r
                     cache.truncate(start - 1)
             if loop_tokens:
                 kind = "mtp" if head is not None else "dspark" if dspark is not None else "ngram"
-                out.plain.append(decode(session, seq[:start], n_tokens=loop_tokens))
+                # the loop samples as `offload run` does (llama.cpp's chain): choosing a token is
+                # part of a step's own time, 14 % of the shipped model's plain step
+                out.plain.append(decode(session, seq[:start], n_tokens=loop_tokens, **RUN_SAMPLING))
                 out.spec.append(decode(session, seq[:start], n_tokens=loop_tokens, n_max=max_batch - 1,
-                                       spec_type=kind))
+                                       spec_type=kind, **RUN_SAMPLING))
             out.rounds += 1
     return out
 

@@ -31,7 +31,7 @@ class RunRecord:
         return {"repeat": self.repeat, "prompt": self.prompt, "drafter": r.drafter, "n_max": r.n_max,
                 "tokens": r.produced,
                 "eval_s": r.eval_s, "steps": r.steps, "drafted": r.drafted, "accepted": r.accepted,
-                "draft_s": r.draft_s, "verify_s": r.verify_s}
+                "draft_s": r.draft_s, "verify_s": r.verify_s, "sample_s": r.sample_s}
 
 
 @dataclass(frozen=True)

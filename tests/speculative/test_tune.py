@@ -209,8 +209,8 @@ def test_fit_recovers_synthetic_parameters_on_the_shipped_footprint(session):
     assert fit.max_rel_error < 1e-9
 
 
-def _run(eval_s, steps, draft_s, verify_s):
-    return measure.Decode([1], [1] * 10, 2, eval_s, steps, 0, 0, draft_s, verify_s, [], [], [])
+def _run(eval_s, steps, draft_s, verify_s, sample_s=0.0):
+    return measure.Decode([1], [1] * 10, 2, eval_s, steps, 0, 0, draft_s, verify_s, [], [], [], "none", sample_s)
 
 
 def test_loop_overheads_hand_computed():
@@ -222,6 +222,24 @@ def test_loop_overheads_hand_computed():
     pt.spec = [_run(0.084, 4, 0.030, 0.050), _run(0.0824, 4, 0.030, 0.050)]
     step, extra = pt.loop_overheads()
     assert step == pytest.approx(0.0004, rel=1e-9) and extra == pytest.approx(0.0004, rel=1e-9)
+    # choosing the tokens is timed inside the verify step, yet no pass time holds it: it is the
+    # loop's too (0.1 ms/step of sampling in every plain run, 0.2 in every drafting one)
+    pt.plain = [_run(0.105, 10, 0.0, 0.100, 0.001), _run(0.103, 10, 0.0, 0.100, 0.001),
+                _run(0.104, 10, 0.0, 0.100, 0.001)]
+    pt.spec = [_run(0.084, 4, 0.030, 0.050, 0.0008), _run(0.0824, 4, 0.030, 0.050, 0.0008)]
+    step, extra = pt.loop_overheads()
+    assert step == pytest.approx(0.0005, rel=1e-9) and extra == pytest.approx(0.0005, rel=1e-9)
+
+
+def test_a_decode_books_the_time_its_tokens_were_chosen_in(session):
+    """``decode`` carries the eval profile's sampling time: a few µs a token greedy, more with
+    llama.cpp's chain (its top-k over the vocabulary), and inside the verify time either way."""
+    prompt = session.tokenize("The quick brown fox")
+    greedy = measure.decode(session, prompt, n_tokens=12)
+    sampled = measure.decode(session, prompt, n_tokens=12, **measure.RUN_SAMPLING)
+    for r in (greedy, sampled):
+        assert 0 < r.sample_s < r.verify_s
+    assert len(sampled.tokens) == 12
 
 
 def test_choice_rule():
