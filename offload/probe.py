@@ -49,6 +49,14 @@ MAX_BATCH = 3                # T_verify(B), T_draft(B) for B = 1..3: enough to s
 CALIB_TOKENS = 24
 FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")     # as offload tune fits them
 MEASURED = ("cpu_read", "cpu_layer", "cpu_compute", "forward", "draft_pass", "step", "spec_step")
+# raised when what the probe measures changes, so a cached result from before is measured again
+# (the package version does not move between development commits); 2: the step includes sampling
+METHOD = 2
+
+
+def probe_version() -> str:
+    """What a cached result must have been measured by: this offload and this probe method."""
+    return f"{offload_version()}+m{METHOD}"
 
 
 def cache_path(cpu: str, version: str, threads: int | None = None) -> Path:
@@ -221,7 +229,7 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
                  batch_step_us=tune.batch_step(batched, fp, hw),
                  cpu_cache_bytes=last_level_cache_bytes(), measured=MEASURED,
                  source=f"offload probe: {cpu}, {n_threads} threads, {time.strftime('%Y-%m-%d')}")
-    return ProbeResult(cpu, offload_version(), n_threads, hw, timed, time.strftime("%Y-%m-%d %H:%M"),
+    return ProbeResult(cpu, probe_version(), n_threads, hw, timed, time.strftime("%Y-%m-%d %H:%M"),
                        {b: t * 1e3 for b, t in verify_s.items()}, {b: t * 1e3 for b, t in draft_s.items()},
                        fit.max_rel_error)
 
@@ -229,7 +237,7 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
 def calibrate(*, refresh: bool = False, **probe) -> tuple[ProbeResult, str]:
     """This box's probe result, from the cache or measured now (and cached), and a line that
     says which."""
-    cpu, version = cpu_name(), offload_version()
+    cpu, version = cpu_name(), probe_version()
     path = cache_path(cpu, version, probe.get("threads"))
     cached = None if refresh else read_cached(path, cpu, version)
     if cached is not None:

@@ -13,7 +13,8 @@ import yaml
 
 from offload.cli import main as cli_main
 from offload.commands.run import DEFAULT_MODEL
-from offload.probe import CACHE_ENV, MEASURED, ProbeResult, cache_path, cpu_name, offload_version, read_cached
+from offload.probe import (CACHE_ENV, MEASURED, ProbeResult, cache_path, cpu_name, offload_version, probe_version,
+                           read_cached)
 from placement.hardware import HardwareProfile
 
 MODEL = str(DEFAULT_MODEL)
@@ -40,7 +41,7 @@ def probed(tmp_path_factory):
 def cache(probed, monkeypatch):
     folder, _ = probed
     monkeypatch.setenv(CACHE_ENV, str(folder))
-    path = cache_path(cpu_name(), offload_version())
+    path = cache_path(cpu_name(), probe_version())
     saved = path.read_text()
     yield path
     path.write_text(saved)
@@ -48,18 +49,20 @@ def cache(probed, monkeypatch):
 
 def test_probe_caches_per_cpu_and_version_and_writes_a_profile(probed):
     folder, profile = probed
-    path = cache_path(cpu_name(), offload_version())
+    path = cache_path(cpu_name(), probe_version())
     assert path.parent == folder and path.is_file()
-    result = read_cached(path, cpu_name(), offload_version())
+    result = read_cached(path, cpu_name(), probe_version())
     assert result is not None and set(result.hardware.measured) == set(MEASURED)
     assert sorted(result.verify_ms) == [1, 2, 3] and sorted(result.draft_ms) == [1, 2, 3]
     # several sequences decoded at once: each one's share of a batched step (offload serve -np N)
     assert result.hardware.batch_step_us is not None and result.hardware.batch_step_us >= 0
     # another CPU or another version does not read this file
-    assert read_cached(path, "another CPU", offload_version()) is None
+    assert read_cached(path, "another CPU", probe_version()) is None
     assert read_cached(path, cpu_name(), "0.0.0-other") is None
-    assert cache_path("another CPU", offload_version()) != path != cache_path(cpu_name(), "0.0.0-other")
-    assert cache_path(cpu_name(), offload_version(), threads=1) != path      # `offload probe -t 1`
+    # nor does this version's offload with the probe measuring something else (an older method)
+    assert read_cached(path, cpu_name(), offload_version()) is None
+    assert cache_path("another CPU", probe_version()) != path != cache_path(cpu_name(), "0.0.0-other")
+    assert cache_path(cpu_name(), probe_version(), threads=1) != path      # `offload probe -t 1`
     # the written profile is the measured hardware, as --hw-profile reads it
     assert HardwareProfile.from_yaml(profile) == result.hardware
 
@@ -85,7 +88,7 @@ def test_corrupt_cache_is_measured_again(cache, capsys):
     cache.write_text("hardware: [not, a, profile\n")
     code, out, err = _cli(capsys, "plan", MODEL, "--spec-max-n", "2")
     assert code == 0 and "probe ran" in err and "measured on this box: " in out
-    assert isinstance(read_cached(cache, cpu_name(), offload_version()), ProbeResult)
+    assert isinstance(read_cached(cache, cpu_name(), probe_version()), ProbeResult)
 
 
 def test_no_probe_prints_the_plan_as_before_and_priors_say_uncalibrated(cache, capsys):
