@@ -105,8 +105,9 @@ def forward_features(fp: ForwardFootprint, batch: int, *, n_embd: int, act_bytes
             touched, pairs = expert_slice_use(s, lay, batch, routing, hits)
             read(s.device, touched * s.bytes_per_expert)
             if s.device == CPU:
-                # every (token, expert) pair streams the expert through the dot products
-                f["cpu_compute"] += pairs * s.bytes_per_expert
+                # each (token, expert) pair beyond an expert's first streams it through the dot
+                # products again; the first pair's are in the read rate (a batch-1 mat-vec's)
+                f["cpu_compute"] += (pairs - touched) * s.bytes_per_expert
         for dev in sorted(used - {lay.home}):    # out to another device and back
             copy(lay.home, dev)
             copy(dev, lay.home)
@@ -165,7 +166,7 @@ def overlap_credit(fp: ForwardFootprint, batch: int, params: Mapping[str, float]
         for s in lay.experts:
             touched, pairs = expert_slice_use(s, lay, batch, routing, hits)
             if s.device == CPU:
-                cpu += touched * s.bytes_per_expert * params["cpu_read"] + pairs * s.bytes_per_expert * params["cpu_compute"]
+                cpu += s.bytes_per_expert * (touched * params["cpu_read"] + (pairs - touched) * params["cpu_compute"])
             else:
                 gpu += touched * s.bytes_per_expert * params[f"gpu_read:{s.device}"]
         total += min(cpu, gpu)

@@ -156,8 +156,10 @@ class HardwareProfile:
     """Bandwidths and fixed costs of one box.
 
     ``cpu_compute_gbps`` is weight bytes the CPU expert kernels process per second *per
-    token row* (dequantize + dot); None means compute is free next to the memory read,
-    which holds for the small batches of a verify step on a memory-bound box.
+    token row beyond an expert's first* (dequantize + dot again); the first row's work is in
+    ``cpu_read_gbps``, the rate of a batch-1 mat-vec (the probe's and tune's reads are). None
+    means compute is free next to the memory read, which holds for the small batches of a
+    verify step on a memory-bound box.
     ``step_us`` is the time of one decode step outside its forward passes (sampling,
     acceptance, cache rollback, the Python loop), ``spec_step_us`` what a step that drafts
     adds to it (draft sampling and head-cache bookkeeping). ``batch_step_us``: what each

@@ -159,8 +159,12 @@ def test_link_latency_and_cpu_compute_terms():
     fp = _hand_footprint()
     hw = _hand_profile(link_latency_us=100.0, cpu_compute_gbps=20.0)
     base = forward_time(fp.target, 2, _hand_profile(), n_embd=fp.n_embd)
-    # 5 copies x 100 us; CPU compute: B x k x 0.1 GB per layer at 20 GB/s = 2 x 2 x 0.005 x 2 layers.
-    extra = 5 * 100e-6 + 2 * (2 * 2 * 1e8 / 20e9)
+    # 5 copies x 100 us; CPU compute: the (token, expert) pairs beyond each touched expert's
+    # first (its first is in the read rate): B x k - U(B) = 2 x 2 - 3 = 1 expert of 0.1 GB per
+    # layer at 20 GB/s, 2 layers. At B = 1 every touched expert has one pair: no compute term.
+    extra = 5 * 100e-6 + 2 * (1 * 1e8 / 20e9)
+    assert forward_time(fp.target, 1, hw, n_embd=fp.n_embd) == pytest.approx(
+        forward_time(fp.target, 1, _hand_profile(), n_embd=fp.n_embd) + 5 * 100e-6, rel=1e-12)
     assert forward_time(fp.target, 2, hw, n_embd=fp.n_embd) == pytest.approx(base + extra, rel=1e-12)
 
 
@@ -657,11 +661,13 @@ def test_step_overheads_enter_every_step_hand_computed():
 
 
 def test_fit_keeps_a_bandwidth_the_data_show_no_cost_for():
-    # Times with no CPU-read cost at all: cpu_read would fit to 1/0 GB/s; it keeps the base
-    # value and the other parameters are fitted without it.
+    # Times with no CPU-read cost at all, only the per-pass and the compute term's (the pairs
+    # beyond each touched expert's first: B·k − U(B) = 0, 1, 2.5, 4.25 experts for E = 4, k = 2):
+    # cpu_read would fit to 1/0 GB/s; it keeps the base value and the others are fitted
+    # without it.
     fp = _hand_footprint()
     base = _hand_profile()
-    verify = {b: 0.05 + 0.001 * b for b in range(1, 5)}
+    verify = {b: 0.05 + 0.001 * (2 * b - u) for b, u in ((1, 2.0), (2, 3.0), (3, 3.5), (4, 3.75))}
     r = fit_profile(fp, base, verify_s=verify, free=("cpu_read", "cpu_compute", "forward"))
     assert "cpu_read" not in r.fitted and r.profile.cpu_read_gbps == base.cpu_read_gbps
 
