@@ -105,10 +105,10 @@ def measure(qtype: Q, n_bytes: int | None = None, repeat: int = REPEAT) -> tuple
     return tuple(w.nbytes / statistics.median(times[m]) / 1e9 for m in (False, True))
 
 
-def choose(types: Iterable[Q], threads: int, log=None, n_bytes: int | None = None) -> frozenset[Q]:
-    """The types among ``types`` (those with an int8 decoder) that decode faster with int8
-    activations on this CPU, from the cache or measured now over ``n_bytes`` (default
-    ``weight_bytes()``; ``log``: one line when it measures)."""
+def _measured(types: Iterable[Q], threads: int, log=None, n_bytes: int | None = None) -> dict[Q, dict]:
+    """{type: its float and int8 GB/s} for the types among ``types`` with an int8 decoder,
+    from the cache or measured now over ``n_bytes`` (default ``weight_bytes()``; ``log``: one
+    line when it measures)."""
     from cpu_kernels.registry import get_kernel, supported_types
     known = set(supported_types())          # a type without a kernel is refused where it is loaded
     wanted = sorted({t for t in types if t in known and get_kernel(t).has_int8}, key=lambda t: t.name)
@@ -125,7 +125,33 @@ def choose(types: Iterable[Q], threads: int, log=None, n_bytes: int | None = Non
             log(f"decode activations measured on this CPU in {time.perf_counter() - t0:.1f} s: " +
                 "; ".join(f"{t.name} {doc[t.name]['float_gbps']:.1f} GB/s float, {doc[t.name]['int8_gbps']:.1f} int8"
                           for t in missing) + f" (cached: {path})")
-    return frozenset(t for t in wanted if doc[t.name]["int8_gbps"] > MARGIN * doc[t.name]["float_gbps"])
+    return {t: doc[t.name] for t in wanted}
+
+
+def _int8_wins(rates: dict) -> bool:
+    return rates["int8_gbps"] > MARGIN * rates["float_gbps"]
+
+
+def choose(types: Iterable[Q], threads: int, log=None, n_bytes: int | None = None) -> frozenset[Q]:
+    """The types among ``types`` (those with an int8 decoder) that decode faster with int8
+    activations on this CPU, from the cache or measured now over ``n_bytes`` (default
+    ``weight_bytes()``; ``log``: one line when it measures)."""
+    return frozenset(t for t, r in _measured(types, threads, log, n_bytes).items() if _int8_wins(r))
+
+
+def path_rates(types: Iterable[Q], threads: int, log=None) -> dict[Q, float]:
+    """GB/s of each type's batch-1 ``matmul`` from memory on the path a decode token takes
+    on this CPU: int8 where ``choose`` (or, under ``OFFLOAD_DECODE_INT8=prior`` or without an
+    int8 dot product, the built-in list) picks it, else float. Types without an int8 decoder
+    are left out (their float path is not measured here)."""
+    from cpu_kernels.simd8 import has_int8_dot
+    from placement.limits import DECODE_INT8_TYPES
+    measured = _measured(types, threads, log)
+    if not has_int8_dot():
+        return {t: r["float_gbps"] for t, r in measured.items()}
+    prior = os.environ.get(PRIOR_ENV) == "prior"
+    return {t: r["int8_gbps"] if (t in DECODE_INT8_TYPES if prior else _int8_wins(r)) else r["float_gbps"]
+            for t, r in measured.items()}
 
 
 def choose_decode_int8(tensors, placed: dict[str, str], quiet: bool) -> None:

@@ -131,6 +131,32 @@ def write_cache(path: Path, result: ProbeResult) -> str | None:
     return None
 
 
+def weights_read_gbps(tensors, placed: dict[str, str], n_expert_used: int, other_gbps: float, *,
+                      threads: int | None = None, log=None) -> float | None:
+    """The rate a decode token reads a plan's CPU-resident target weights at on this CPU: each
+    weight type's batch-1 ``matmul`` rate on the path this CPU decodes it with
+    (``offload.decode_int8.path_rates``: Q4_0 reads at 14 or 19 GB/s by that choice where Q8_0
+    reads at 24), weighted by the bytes one token reads of it (a routed expert tensor k/E of
+    its bytes, other matrices all of theirs; the embedding rows and the NextN block none);
+    ``other_gbps`` for types without an int8 decoder. None when the plan reads no weight
+    on the CPU."""
+    from cpu_kernels.settings import max_threads
+    from offload.decode_int8 import path_rates
+    from placement.devices import CPU
+    from placement.tensors import Role
+    per_token: dict = {}
+    for t in tensors:
+        if placed.get(t.name) != CPU or t.nextn or t.role == Role.EMBEDDING or len(t.shape) < 2:
+            continue
+        share = n_expert_used / t.n_experts if t.role == Role.ROUTED_EXPERTS and t.n_experts else 1.0
+        per_token[t.ggml_type] = per_token.get(t.ggml_type, 0.0) + t.n_bytes * share
+    if not per_token:
+        return None
+    rates = path_rates(per_token, threads or max_threads(), log)
+    seconds = sum(n / (rates.get(q, other_gbps) * 1e9) for q, n in per_token.items())
+    return sum(per_token.values()) / seconds / 1e9
+
+
 def read_gbps(mib: int = READ_MIB, repeat: int = 5) -> float:
     """Bytes per second the compiled Q8_0 mat-vec streams from memory (median of ``repeat``)."""
     from gguf import GGMLQuantizationType

@@ -235,7 +235,7 @@ def for_this_box(args: argparse.Namespace, plan: Plan) -> bool:
     return not args.placement and (args.devices or "auto").strip().lower() == "auto" and not measured
 
 
-def forecast_profile(args: argparse.Namespace, plan: Plan) -> tuple[SpecProfile | None, str]:
+def forecast_profile(args: argparse.Namespace, plan: Plan, model) -> tuple[SpecProfile | None, str]:
     """The profile the forecast uses in place of the plan's (None: the plan's own), and the
     probe's line when it ran or was read from its cache: ``--hw-profile``, else the probe on
     this box (``for_this_box``)."""
@@ -244,18 +244,26 @@ def forecast_profile(args: argparse.Namespace, plan: Plan) -> tuple[SpecProfile 
         hw = complete_hardware(HardwareProfile.from_yaml(hw_profile_path(args.hw_profile)), plan)
         return (SpecProfile(hw) if base is None else dataclasses.replace(base, hardware=hw)), ""
     if for_this_box(args, plan):
-        return probed_profile(plan, refresh=args.refresh_probe)
+        return probed_profile(plan, model, refresh=args.refresh_probe)
     return None, ""
 
 
-def probed_profile(plan: Plan, *, refresh: bool) -> tuple[SpecProfile, str]:
-    """The plan's profile with this box's CPU terms from the probe (``offload.probe``); the
-    GPU terms stay the plan's (defaults by GPU name)."""
+def probed_profile(plan: Plan, model, *, refresh: bool) -> tuple[SpecProfile, str]:
+    """The plan's profile with this box's CPU terms from the probe (``offload.probe``), the
+    RAM read rate that of this plan's CPU weight types on the path this CPU decodes them with
+    (``probe.weights_read_gbps``; the probe's own is Q8_0's); the GPU terms stay the plan's
+    (defaults by GPU name)."""
     from offload import probe
 
     result, how = probe.calibrate(refresh=refresh)
-    profile = dataclasses.replace(plan_profile(plan), hardware=complete_hardware(result.hardware, plan))
-    return profile, f"{how}: {result.describe()}"
+    hw, note = result.hardware, ""
+    rate = probe.weights_read_gbps(model.tensors, plan.tensors, model.spec.n_expert_used, hw.cpu_read_gbps,
+                                   log=lambda m: print(f"offload: {m}", file=sys.stderr))
+    if rate is not None and abs(rate - hw.cpu_read_gbps) > 1e-3:
+        hw, note = dataclasses.replace(hw, cpu_read_gbps=rate), \
+            f"; this plan's CPU weights read at {rate:.1f} GB/s (their types' decode path on this CPU)"
+    profile = dataclasses.replace(plan_profile(plan), hardware=complete_hardware(hw, plan))
+    return profile, f"{how}: {result.describe()}{note}"
 
 
 def main(argv: list[str]) -> int:
@@ -279,7 +287,7 @@ def main(argv: list[str]) -> int:
     if args.spec_type == "none":
         plan = dataclasses.replace(plan, speculative=None)
     elif plan.drafting != "none" and args.spec_type != "ngram":
-        profile, probe_note = forecast_profile(args, plan)
+        profile, probe_note = forecast_profile(args, plan, model)
         max_n = _head_max_n(args.spec_max_n, model, draft)
         table, section = predict(plan, model, draft, profile=profile, max_n=max_n, hits=hits)
         plan = dataclasses.replace(plan, speculative=section)
@@ -291,7 +299,7 @@ def main(argv: list[str]) -> int:
                                          draft_kind=drafter_kind(plan, draft))
     if plan.drafting == "none" and not args.no_probe:
         # no draft head: no n_max table, but the plain decode forecast and its range
-        profile, probe_note = forecast_profile(args, plan)
+        profile, probe_note = forecast_profile(args, plan, model)
         plain_hw = forecast_hardware(plan, (profile or plan_profile(plan)).hardware)
         try:
             fp = plan_footprint(plan, model, draft)

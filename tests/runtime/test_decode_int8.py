@@ -81,3 +81,37 @@ def test_auto_follows_the_choice_for_this_cpu(measured, tmp_path):
     _write(measured, {"Q4_K": (15.0, 20.0)})
     with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
         assert all(m == (True, True) for m in _moe_modes(s))
+
+
+def test_path_rates_are_the_chosen_paths_gbps(measured, monkeypatch):
+    """The rate a decode token reads a type at is its chosen path's: int8 where that won by the
+    margin, float otherwise (and float everywhere without an integer dot product)."""
+    _write(measured, {"Q4_0": (14.0, 19.0), "Q8_0": (20.0, 20.5)})
+    monkeypatch.setattr(di, "measure", _no_measuring)
+    want = {Q.Q4_0: 19.0 if has_int8_dot() else 14.0, Q.Q8_0: 20.0}
+    assert di.path_rates([Q.Q4_0, Q.Q8_0, Q.F32], 2) == want
+
+
+def test_a_plans_cpu_weights_read_at_their_types_rates(measured, monkeypatch, tmp_path):
+    """``probe.weights_read_gbps``: one token's bytes per type (a routed expert tensor k/E of
+    its bytes, the other matrices all, the embedding and the NextN block none) over each type's
+    rate, against a hand count on a tiny Q4_K-expert, F32-dense model; a plan with no weight on
+    the CPU has none."""
+    from offload.gguf_model import open_model
+    from offload.probe import weights_read_gbps
+    from placement.devices import CPU
+    from placement.tensors import Role
+    monkeypatch.setattr(di, "measure", _no_measuring)
+    _write(measured, {"Q4_K": (10.0, 16.0)})
+    q4k = 16.0 if has_int8_dot() else 10.0
+    model = open_model(str(write_tiny_model(tmp_path / "q4k.gguf", SPECS["Q4_K"]).path))
+    k = model.spec.n_expert_used
+    experts = sum(t.n_bytes * k / t.n_experts for t in model.tensors
+                  if t.role == Role.ROUTED_EXPERTS and not t.nextn)
+    other = sum(t.n_bytes for t in model.tensors if t.role not in (Role.ROUTED_EXPERTS, Role.EMBEDDING)
+                and not t.nextn and len(t.shape) >= 2)
+    assert {t.ggml_type for t in model.tensors if t.role == Role.ROUTED_EXPERTS} == {Q.Q4_K} and experts and other
+    placed = {t.name: CPU for t in model.tensors}
+    got = weights_read_gbps(model.tensors, placed, k, 30.0)        # F32 has no int8 decoder: 30
+    assert got == pytest.approx((experts + other) / (experts / q4k + other / 30.0), rel=1e-12)
+    assert weights_read_gbps(model.tensors, {}, k, 30.0) is None
