@@ -50,8 +50,9 @@ CALIB_TOKENS = 24
 FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")     # as offload tune fits them
 MEASURED = ("cpu_read", "cpu_layer", "cpu_compute", "forward", "draft_pass", "step", "spec_step")
 # raised when what the probe measures changes, so a cached result from before is measured again
-# (the package version does not move between development commits); 2: the step includes sampling
-METHOD = 2
+# (the package version does not move between development commits); 2: the step includes sampling;
+# 3: the compute term counts the pairs beyond each expert's first
+METHOD = 3
 
 
 def probe_version() -> str:
