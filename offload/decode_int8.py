@@ -128,6 +128,63 @@ def _measured(types: Iterable[Q], threads: int, log=None, n_bytes: int | None = 
     return {t: doc[t.name] for t in wanted}
 
 
+def measure_experts(qtype: Q, n_embd: int, n_ff: int, k: int, n_bytes: int | None = None,
+                    repeat: int = REPEAT) -> tuple[float, float]:
+    """(float GB/s, int8 GB/s) of one token through ``cpu_kernels.moe_ffn``: k random
+    experts of shape gate/up (n_ff, n_embd), down (n_embd, n_ff) among ``n_bytes`` of them,
+    the touched experts' bytes per second. Small experts stream slower than one big matrix
+    (their rows split over the threads, a kernel call each): a 768 x 2048 Q4_0 expert reads at
+    17 GB/s where a 64 MiB Q4_0 matrix reads at 22."""
+    from gguf import GGML_QUANT_SIZES
+
+    from cpu_kernels.moe import ExpertWeights, moe_ffn
+    from cpu_kernels.synth import random_blocks
+    block, size = GGML_QUANT_SIZES[qtype]
+    per_expert = 3 * n_embd * n_ff // block * size
+    n_expert = max(2 * k, (n_bytes or weight_bytes()) // per_expert)
+    rng = np.random.default_rng(0)
+    w = ExpertWeights(random_blocks(qtype, (n_expert, n_ff, n_embd), rng),
+                      random_blocks(qtype, (n_expert, n_ff, n_embd), rng),
+                      random_blocks(qtype, (n_expert, n_embd, n_ff), rng), qtype, qtype, qtype)
+    x = rng.standard_normal((1, n_embd)).astype(np.float32)
+    calls = [rng.choice(n_expert, k, replace=False)[None, :] for _ in range(max(1, n_expert // k))]
+    wts = np.full((1, k), 1.0 / k, np.float32)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for mode in (False, True):
+        moe_ffn(x, calls[0], wts, w, int8=mode)          # compiled (or loaded) outside the timing
+    for _ in range(repeat):
+        for mode in (False, True):
+            t0 = time.perf_counter()
+            for ids in calls:
+                moe_ffn(x, ids, wts, w, int8=mode)
+            times[mode].append(time.perf_counter() - t0)
+    return tuple(len(calls) * k * per_expert / statistics.median(times[m]) / 1e9 for m in (False, True))
+
+
+def expert_rates(shapes: Iterable[tuple[Q, int, int, int]], threads: int, log=None) -> dict[tuple, float]:
+    """GB/s of one decode token's routed experts per (type, n_embd, n_ff, k) on the path this
+    CPU decodes the type with (``path_rates``' choice), from the same cache file as the
+    types' rates (``measure_experts`` for a shape not in it)."""
+    shapes = sorted(set(shapes), key=str)
+    types = _measured({s[0] for s in shapes}, threads, log)
+    path = cache_file(threads)
+    doc = _read(path)
+    key = lambda s: f"experts {s[0].name} {s[1]}x{s[2]} k{s[3]}"      # noqa: E731
+    missing = [s for s in shapes if key(s) not in doc and s[0] in types]
+    if missing:
+        t0 = time.perf_counter()
+        for s in missing:
+            f, i = measure_experts(*s)
+            doc[key(s)] = {"float_gbps": round(f, 3), "int8_gbps": round(i, 3)}
+        _write(path, doc)
+        if log is not None:
+            log(f"expert reads measured on this CPU in {time.perf_counter() - t0:.1f} s: " +
+                "; ".join(f"{key(s)} {doc[key(s)]['float_gbps']:.1f} GB/s float, "
+                          f"{doc[key(s)]['int8_gbps']:.1f} int8" for s in missing))
+    return {s: doc[key(s)]["int8_gbps" if _takes_int8(s[0], types[s[0]]) else "float_gbps"]
+            for s in shapes if s[0] in types and key(s) in doc}
+
+
 def _int8_wins(rates: dict) -> bool:
     return rates["int8_gbps"] > MARGIN * rates["float_gbps"]
 
@@ -144,14 +201,17 @@ def path_rates(types: Iterable[Q], threads: int, log=None) -> dict[Q, float]:
     on this CPU: int8 where ``choose`` (or, under ``OFFLOAD_DECODE_INT8=prior`` or without an
     int8 dot product, the built-in list) picks it, else float. Types without an int8 decoder
     are left out (their float path is not measured here)."""
+    return {t: r["int8_gbps" if _takes_int8(t, r) else "float_gbps"]
+            for t, r in _measured(types, threads, log).items()}
+
+
+def _takes_int8(qtype: Q, rates: dict) -> bool:
+    """Whether "auto" decodes ``qtype`` (measured ``rates``) with int8 activations here."""
     from cpu_kernels.simd8 import has_int8_dot
     from placement.limits import DECODE_INT8_TYPES
-    measured = _measured(types, threads, log)
     if not has_int8_dot():
-        return {t: r["float_gbps"] for t, r in measured.items()}
-    prior = os.environ.get(PRIOR_ENV) == "prior"
-    return {t: r["int8_gbps"] if (t in DECODE_INT8_TYPES if prior else _int8_wins(r)) else r["float_gbps"]
-            for t, r in measured.items()}
+        return False
+    return qtype in DECODE_INT8_TYPES if os.environ.get(PRIOR_ENV) == "prior" else _int8_wins(rates)
 
 
 def choose_decode_int8(tensors, placed: dict[str, str], quiet: bool) -> None:

@@ -93,25 +93,35 @@ def test_path_rates_are_the_chosen_paths_gbps(measured, monkeypatch):
 
 
 def test_a_plans_cpu_weights_read_at_their_types_rates(measured, monkeypatch, tmp_path):
-    """``probe.weights_read_gbps``: one token's bytes per type (a routed expert tensor k/E of
-    its bytes, the other matrices all, the embedding and the NextN block none) over each type's
-    rate, against a hand count on a tiny Q4_K-expert, F32-dense model; a plan with no weight on
-    the CPU has none."""
+    """``probe.weights_read_gbps``: one token's bytes of each part over its rate, against a hand
+    count on a tiny Q4_K-expert, F32-dense model: the routed experts (k/E of their tensors) at
+    the rate of their shape, the other matrices (all their bytes) at their type's (F32 has no
+    int8 decoder: the fallback), the embedding and the NextN block not at all; each on the
+    path the type decodes with here. A plan with no weight on the CPU has none."""
     from offload.gguf_model import open_model
     from offload.probe import weights_read_gbps
     from placement.devices import CPU
     from placement.tensors import Role
     monkeypatch.setattr(di, "measure", _no_measuring)
-    _write(measured, {"Q4_K": (10.0, 16.0)})
-    q4k = 16.0 if has_int8_dot() else 10.0
+    monkeypatch.setattr(di, "measure_experts", _no_measuring)
     model = open_model(str(write_tiny_model(tmp_path / "q4k.gguf", SPECS["Q4_K"]).path))
     k = model.spec.n_expert_used
-    experts = sum(t.n_bytes * k / t.n_experts for t in model.tensors
-                  if t.role == Role.ROUTED_EXPERTS and not t.nextn)
+    routed = [t for t in model.tensors if t.role == Role.ROUTED_EXPERTS and not t.nextn]
+    down = next(t for t in routed if "down" in t.name)
+    _write(measured, {"Q4_K": (10.0, 16.0), f"experts Q4_K {down.shape[1]}x{down.shape[2]} k{k}": (7.0, 12.0)})
+    shaped = 12.0 if has_int8_dot() else 7.0
+    experts = sum(t.n_bytes * k / t.n_experts for t in routed)
     other = sum(t.n_bytes for t in model.tensors if t.role not in (Role.ROUTED_EXPERTS, Role.EMBEDDING)
                 and not t.nextn and len(t.shape) >= 2)
-    assert {t.ggml_type for t in model.tensors if t.role == Role.ROUTED_EXPERTS} == {Q.Q4_K} and experts and other
+    assert {t.ggml_type for t in routed} == {Q.Q4_K} and experts and other
     placed = {t.name: CPU for t in model.tensors}
-    got = weights_read_gbps(model.tensors, placed, k, 30.0)        # F32 has no int8 decoder: 30
-    assert got == pytest.approx((experts + other) / (experts / q4k + other / 30.0), rel=1e-12)
+    got = weights_read_gbps(model.tensors, placed, k, 30.0)
+    assert got == pytest.approx((experts + other) / (experts / shaped + other / 30.0), rel=1e-12)
     assert weights_read_gbps(model.tensors, {}, k, 30.0) is None
+
+
+def test_expert_reads_are_measured_through_the_moe_kernel():
+    """``measure_experts`` runs one token through k real experts of the shape (a 1 MiB set
+    here): both paths give a finite, positive rate."""
+    f, i = di.measure_experts(Q.Q4_K, 256, 256, 2, n_bytes=1 << 20, repeat=2)
+    assert 0 < f < float("inf") and 0 < i < float("inf")
