@@ -121,12 +121,14 @@ def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, si
     sink = sinks.float()[:, None, None]                                                    # (H, 1, 1)
     step = _chunk(h, t, keys.shape[0])
     for c0 in range(0, t, step):
-        s = (q[c0:c0 + step].transpose(0, 1) @ keys.T) * scale                             # (H, c, L)
+        # one (H, c, L) score tensor, worked in place: out of place, three were alive at once
+        # (the scores, exp's input and its result), which the planner's count does not hold
+        s = (q[c0:c0 + step].transpose(0, 1) @ keys.T).mul_(scale)                         # (H, c, L)
         s.masked_fill_(~seen[None, c0:c0 + step], float("-inf"))
         m = torch.maximum(s.amax(-1, keepdim=True), sink)
-        p = torch.exp(s - m)
-        p = p / (p.sum(-1, keepdim=True) + torch.exp(sink - m))
-        out[c0:c0 + step] = (p @ keys).transpose(0, 1)
+        s.sub_(m).exp_()
+        s.div_(s.sum(-1, keepdim=True) + torch.exp(sink - m))
+        out[c0:c0 + step] = (s @ keys).transpose(0, 1)
     return out
 
 

@@ -35,6 +35,7 @@ from placement.compute import Devices, cpu_lookup_bytes, projection
 from placement.devices import CPU
 from placement.tensors import Role, TensorInfo
 from tests.subprocess_env import bare_env
+from tests.tiny_models import ARCHS as WRITTEN_ARCHS
 from tests.tiny_models import TinySpec, random_tensor, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -262,7 +263,16 @@ ARCHS = {
                                n_rot=32, v_head_dim=64, mla=False, gating="softmax"),
     # sinks (explicit attention), a 64-token window on the even blocks, biased swiglu_oai experts
     "gpt-oss": TinySpec(**WIDE, arch="gpt-oss", n_head_kv=2, head_dim=64, window=64, yarn_factor=4.0),
+    "qwen3moe": TinySpec(**WIDE, arch="qwen3moe", nextn=False, n_head_kv=2, head_dim=64, n_rot=32),
+    # four residual streams; window-only, CSA (with its indexer) and HCA blocks; hash routing
+    "deepseek4": TinySpec(**WIDE, arch="deepseek4", head_dim=64, n_layer=4, compress_ratios=(0, 4, 128, 4),
+                          n_hash=1, window=16, rms_eps=1e-6, yarn_factor=4.0, yarn_orig_ctx=64, swiglu_limit=2.0),
 }
+
+
+def test_every_architecture_has_a_case():
+    """Compute bytes = the plan for every architecture the tiny-model writer knows."""
+    assert {s.arch for s in ARCHS.values()} == set(WRITTEN_ARCHS)
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
