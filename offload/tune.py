@@ -73,9 +73,9 @@ RUN_SAMPLING = {**SamplingDefaults().of(None), "seed": 0}
 def decode(session, prompt: Sequence[int], *, n_tokens: int, n_max: int = 0, p_min: float = 0.0,
            **generate) -> Decode:
     """Generation of exactly ``n_tokens`` (end-of-sequence ignored; greedy unless ``generate``
-    sets sampling), as ``offload run``
-    does it (batched verify); ``generate``: further ``Session.generate`` keywords (``head``,
-    ``verify``, ``ubatch``, ``spec_type``: the drafter, mtp by default)."""
+    sets sampling), as ``offload run`` does it (batched verify); ``generate``: further
+    ``Session.generate`` keywords (``head``, ``verify``, ``ubatch``, ``spec_type``: the drafter,
+    mtp by default; ``RUN_SAMPLING``: offload run's sampling)."""
     out = list(session.generate(list(prompt), max_tokens=n_tokens, stop_at_eos=False,
                                 n_max=n_max, p_min=p_min, **{"verify": "batched", **generate}))
     s = session.stats
