@@ -21,14 +21,12 @@ calls after one untimed call (Numba compiles outside the timing).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from bench.cpu_kernels import ceiling_gbps
+from bench.cpu_kernels import _median_time, ceiling_gbps
 from cpu_kernels.kv_attention import attend_cache
 from cpu_kernels.registry import get_kernel
 from gpu.attention import attend_tiles
@@ -38,13 +36,8 @@ N_HEAD, N_KV, D = 32, 4, 128
 
 
 def _median(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    fn()                                    # untimed: Numba compiles (or loads) here
+    return _median_time(fn, repeat)
 
 
 def main(argv=None) -> int:

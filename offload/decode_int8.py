@@ -206,12 +206,13 @@ def path_rates(types: Iterable[Q], threads: int, log=None) -> dict[Q, float]:
 
 
 def _takes_int8(qtype: Q, rates: dict) -> bool:
-    """Whether "auto" decodes ``qtype`` (measured ``rates``) with int8 activations here."""
+    """Whether "auto" decodes ``qtype`` (measured ``rates``) with int8 activations here: the
+    kernels' rule (``placement.limits.wants_int8`` on the set ``choose_decode_int8`` would fix,
+    the built-in one under ``OFFLOAD_DECODE_INT8=prior``) where the CPU has an int8 dot product."""
     from cpu_kernels.simd8 import has_int8_dot
-    from placement.limits import DECODE_INT8_TYPES
-    if not has_int8_dot():
-        return False
-    return qtype in DECODE_INT8_TYPES if os.environ.get(PRIOR_ENV) == "prior" else _int8_wins(rates)
+    from placement.limits import AUTO, wants_int8
+    chosen = None if os.environ.get(PRIOR_ENV) == "prior" else frozenset({qtype} if _int8_wins(rates) else ())
+    return has_int8_dot() and wants_int8(AUTO, qtype, chosen)
 
 
 def choose_decode_int8(tensors, placed: dict[str, str], quiet: bool) -> None:

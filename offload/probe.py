@@ -159,13 +159,13 @@ def weights_read_gbps(tensors, placed: dict[str, str], n_expert_used: int, other
     per_shape: dict = {}            # (type, n_embd, n_ff, k) -> bytes a token reads of those experts
     for group in layers.values():
         down = next((t for t in group if "down" in t.name), None)
-        read = sum(t.n_bytes * n_expert_used / t.n_experts for t in group)
+        read = {t.name: t.n_bytes * n_expert_used / t.n_experts for t in group}
         if down is not None and len({t.ggml_type for t in group}) == 1 and len(group) in (2, 3):
             shape = (down.ggml_type, down.shape[1], down.shape[2], n_expert_used)
-            per_shape[shape] = per_shape.get(shape, 0.0) + read
+            per_shape[shape] = per_shape.get(shape, 0.0) + sum(read.values())
         else:                       # mixed types (e.g. Q4_K_M's Q6_K down): each at its type's rate
             for t in group:
-                per_type[t.ggml_type] = per_type.get(t.ggml_type, 0.0) + t.n_bytes * n_expert_used / t.n_experts
+                per_type[t.ggml_type] = per_type.get(t.ggml_type, 0.0) + read[t.name]
     if not per_type and not per_shape:
         return None
     rates = path_rates(set(per_type) | {s[0] for s in per_shape}, threads, log)
