@@ -47,6 +47,11 @@ f32 = np.float32
 SIGMOID, SOFTMAX = 0, 1        # router kinds (gpu.router.SigmoidRouter / SoftmaxRouter)
 
 _kw = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
+# The entries that only chain the phases (their own arithmetic: a residual add) compile without
+# fastmath: with it, a block's numbers depended on whether its phases were compiled in this
+# process or loaded from Numba's cache (logits 3.5e-6 apart, a cold process against a warm one,
+# on a Sapphire Rapids Xeon; 'reassoc' alone did it). The phases keep fastmath.
+_glue_kw = {**_kw, "fastmath": False}
 
 
 # The KV cache is raw bytes (H_kv, cells, row bytes) of its type (the plan's --cache-type:
@@ -282,7 +287,7 @@ def _build_entries(salt):
             for c in range(x.shape[1]):
                 y[t, c] += x[t, c]
 
-    @njit(**_kw)
+    @njit(**_glue_kw)
     def attention_half(x, y, positions, cos, sin, kvt, kc, vc, n_past, eps,
                        attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
                        n_head, n_rot, chunks):
@@ -300,7 +305,7 @@ def _build_entries(salt):
         _cache_and_attend(q, k, v, 0, x.shape[0], kvt, kc, vc, n_past, n_head, att)
         _out(att, to, wo, x, y, chunks)
 
-    @njit(**_kw)
+    @njit(**_glue_kw)
     def attention_half_seqs(x, y, positions, cos, sin, kvt, kcs, vcs, starts, n_pasts, eps,
                             attn_norm, tq, wq, bq, tk, wk, bk, tv, wv, bv, to, wo, q_norm, k_norm,
                             n_head, n_rot, chunks):
@@ -316,7 +321,7 @@ def _build_entries(salt):
             _cache_and_attend(q, k, v, starts[s], starts[s + 1], kvt, kcs[s], vcs[s], n_pasts[s], n_head, att)
         _out(att, to, wo, x, y, chunks)
 
-    @njit(**_kw)
+    @njit(**_glue_kw)
     def dense_half(y, eps, ffn_norm, tg, wg, tu, wu, td, wd, chunks):
         """y += down(silu(gate(h)) · up(h)), h = ffn_norm(y): a dense FFN block's second half."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
@@ -328,7 +333,7 @@ def _build_entries(salt):
             for c in range(n_embd):
                 y[t, c] += f[t, c]
 
-    @njit(**_kw)
+    @njit(**_glue_kw)
     def moe_half(y, eps, ffn_norm, tr, wr, probs_b, route_kind, k_used, w_norm, w_scale,
                  tg, wg, g0, tu, wu, u0, td, wd, n_ff, qx, qh, tsg, wsg, tsu, wsu, tsd, wsd, chunks):
         """y += routed experts + shared expert of h = ffn_norm(y): an MoE block's second half.
@@ -367,7 +372,7 @@ def _build_entries(salt):
             for c in range(n_embd):
                 y[t, c] += f[t, c]
 
-    @njit(**_kw)
+    @njit(**_glue_kw)
     def blocks_run(x, y, positions, cos, sin, kvt, caches, n_past, seqs, bound, moe_args, dense_args, chunks):
         """A run of consecutive blocks in one call: for each block i, its attention half then
         ``moe_half`` (``moe_args`` the per-block argument tuples, ``dense_args`` None) or
