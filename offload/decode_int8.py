@@ -7,17 +7,21 @@ and Q4_1 decode faster with float activations, on a Zen 5 Q4_0 faster with int8,
 AVX2's dot product (``pair8.dpbusd``) Q4_0 is 1.3-2x faster with int8. So "auto" decode
 activations take the set this module measures at the first load of a model on a CPU:
 
-- per weight type of the model's CPU routed experts with an int8 decoder, a batch-1
-  ``cpu_kernels.matmul`` over ``weight_bytes()`` of random blocks (twice the last-level cache,
-  so the weights stream from memory as a big model's do), float and int8 passes
-  alternating, ``REPEAT`` of each, medians;
-- int8 where it reads more than ``MARGIN`` faster than float (the rule the built-in list
-  was made with: in noise, the float path, which is exact);
+- one decode token's reads of the plan's CPU weights, by part (``token_reads``): a layer's
+  routed experts at the rate of one token through k random experts of their shape
+  (``measure_experts``, through ``cpu_kernels.moe_ffn``), other matrices at their type's
+  batch-1 ``cpu_kernels.matmul`` rate (``measure``); each over ``weight_bytes()`` of random
+  blocks (twice the last-level cache, so the weights stream from memory as a big model's
+  do), float and int8 passes alternating, ``REPEAT`` of each, medians;
+- per type, int8 where it reads those bytes more than ``MARGIN`` faster than float (the rule
+  the built-in list was made with: in noise, the float path, which is exact). The shapes
+  matter: small experts are not one big matrix (``choose``);
 - cached per CPU model, compile target, kernel thread count and offload version
-  (``offload.host_cache.cache_dir``, a YAML of GB/s per type), so a later load only reads it; a
-  type not in the file is measured and added; a corrupt file is measured again.
+  (``offload.host_cache.cache_dir``, a YAML of GB/s per type and per expert shape), so a
+  later load only reads it; a part not in the file is measured and added; a corrupt file is
+  measured again.
 
-About 0.1 s per type once the kernels are compiled (Numba's cache keeps them). Chosen once,
+About 0.1 s per type and 1-2 s per expert shape once the kernels are compiled (Numba's cache keeps them). Chosen once,
 at load, never per call: ``cpu_kernels.settings.set_decode_int8_types``, which
 ``cpu_kernels.matmul.use_int8`` reads for "auto". ``OFFLOAD_DECODE_INT8=prior`` keeps the
 built-in list (the test suite pins it, so its paths do not depend on a measurement; the
@@ -161,74 +165,101 @@ def measure_experts(qtype: Q, n_embd: int, n_ff: int, k: int, n_bytes: int | Non
     return tuple(len(calls) * k * per_expert / statistics.median(times[m]) / 1e9 for m in (False, True))
 
 
-def expert_rates(shapes: Iterable[tuple[Q, int, int, int]], threads: int, log=None) -> dict[tuple, float]:
-    """GB/s of one decode token's routed experts per (type, n_embd, n_ff, k) on the path this
-    CPU decodes the type with (``path_rates``' choice), from the same cache file as the
-    types' rates (``measure_experts`` for a shape not in it)."""
-    shapes = sorted(set(shapes), key=str)
-    types = _measured({s[0] for s in shapes}, threads, log)
+def token_reads(tensors, placed: dict[str, str], n_expert_used: int) -> dict[tuple, float]:
+    """{part: bytes one decode token reads of it} for a plan's CPU-resident weights: a layer's
+    routed experts of one type as the part (type, n_embd, n_ff, k), read at the rate of one
+    token through k experts of that shape (``measure_experts``); other matrices, and expert
+    groups of mixed types (Q4_K_M's Q6_K down), as (type,), read at the type's big-matrix
+    rate (``measure``). k/E of a routed expert tensor, all of another matrix; none of the
+    embedding rows (one a token) or of the NextN block (the drafter's, not a target token's)."""
+    reads: dict[tuple, float] = {}
+    layers: dict = {}               # layer -> its routed expert tensors on the CPU
+    for t in tensors:
+        if placed.get(t.name) != CPU or t.nextn or t.role == Role.EMBEDDING or len(t.shape) < 2:
+            continue
+        if t.role == Role.ROUTED_EXPERTS and t.n_experts:
+            layers.setdefault(t.layer, []).append(t)
+        else:
+            reads[(t.ggml_type,)] = reads.get((t.ggml_type,), 0.0) + t.n_bytes
+    for group in layers.values():
+        down = next((t for t in group if "down" in t.name), None)
+        read = {t.name: t.n_bytes * n_expert_used / t.n_experts for t in group}
+        if down is not None and len({t.ggml_type for t in group}) == 1 and len(group) in (2, 3):
+            part = (down.ggml_type, down.shape[1], down.shape[2], n_expert_used)
+            reads[part] = reads.get(part, 0.0) + sum(read.values())
+        else:
+            for t in group:
+                reads[(t.ggml_type,)] = reads.get((t.ggml_type,), 0.0) + read[t.name]
+    return reads
+
+
+def _part_rates(reads: dict[tuple, float], threads: int, log=None, n_bytes: int | None = None) -> dict[tuple, dict]:
+    """{part: its float and int8 GB/s} for the parts (``token_reads``' keys) whose type has an
+    int8 decoder, from the cache file or measured now (``measure`` per type, ``measure_experts``
+    per expert shape, over ``n_bytes``; ``log``: one line when it measures)."""
+    types = _measured({p[0] for p in reads}, threads, log, n_bytes)
     path = cache_file(threads)
     doc = _read(path)
-    key = lambda s: f"experts {s[0].name} {s[1]}x{s[2]} k{s[3]}"      # noqa: E731
-    missing = [s for s in shapes if key(s) not in doc and s[0] in types]
+    key = lambda p: f"experts {p[0].name} {p[1]}x{p[2]} k{p[3]}"      # noqa: E731
+    missing = sorted({p for p in reads if len(p) == 4 and p[0] in types and key(p) not in doc}, key=str)
     if missing:
         t0 = time.perf_counter()
-        for s in missing:
-            f, i = measure_experts(*s)
-            doc[key(s)] = {"float_gbps": round(f, 3), "int8_gbps": round(i, 3)}
+        for p in missing:
+            f, i = measure_experts(*p, n_bytes=n_bytes)
+            doc[key(p)] = {"float_gbps": round(f, 3), "int8_gbps": round(i, 3)}
         _write(path, doc)
         if log is not None:
             log(f"expert reads measured on this CPU in {time.perf_counter() - t0:.1f} s: " +
-                "; ".join(f"{key(s)} {doc[key(s)]['float_gbps']:.1f} GB/s float, "
-                          f"{doc[key(s)]['int8_gbps']:.1f} int8" for s in missing))
-    return {s: doc[key(s)]["int8_gbps" if _takes_int8(s[0], types[s[0]]) else "float_gbps"]
-            for s in shapes if s[0] in types and key(s) in doc}
+                "; ".join(f"{key(p)} {doc[key(p)]['float_gbps']:.1f} GB/s float, "
+                          f"{doc[key(p)]['int8_gbps']:.1f} int8" for p in missing))
+    return {p: doc[key(p)] if len(p) == 4 else types[p[0]]
+            for p in reads if p[0] in types and (len(p) == 1 or key(p) in doc)}
 
 
-def _int8_wins(rates: dict) -> bool:
-    return rates["int8_gbps"] > MARGIN * rates["float_gbps"]
+def choose(reads: dict[tuple, float], threads: int, log=None, n_bytes: int | None = None) -> frozenset[Q]:
+    """The weight types (with an int8 decoder) that decode one token's reads of them
+    (``token_reads``: each part at its measured rate, experts at their shape's) more than
+    ``MARGIN`` faster with int8 activations than with float. In the margin, float (exact).
+    Judged on the model's own shapes: small experts are not one big matrix (on a Zen 4 EPYC a
+    Q4_0 256 MiB matrix read 19.1 GB/s int8 against 17.5 float, its 512 x 256 experts 8.9
+    against 9.2; taking int8 there cost a narrow model 18 % of its decode)."""
+    rates = _part_rates(reads, threads, log, n_bytes)
+    seconds: dict[Q, list[float]] = {}
+    for p, r in rates.items():
+        s = seconds.setdefault(p[0], [0.0, 0.0])
+        s[0] += reads[p] / r["float_gbps"]
+        s[1] += reads[p] / r["int8_gbps"]
+    return frozenset(q for q, (f, i) in seconds.items() if f > MARGIN * i)
 
 
-def choose(types: Iterable[Q], threads: int, log=None, n_bytes: int | None = None) -> frozenset[Q]:
-    """The types among ``types`` (those with an int8 decoder) that decode faster with int8
-    activations on this CPU, from the cache or measured now over ``n_bytes`` (default
-    ``weight_bytes()``; ``log``: one line when it measures)."""
-    return frozenset(t for t, r in _measured(types, threads, log, n_bytes).items() if _int8_wins(r))
-
-
-def path_rates(types: Iterable[Q], threads: int, log=None) -> dict[Q, float]:
-    """GB/s of each type's batch-1 ``matmul`` from memory on the path a decode token takes
-    on this CPU: int8 where ``choose`` (or, under ``OFFLOAD_DECODE_INT8=prior`` or without an
-    int8 dot product, the built-in list) picks it, else float. Types without an int8 decoder
-    are left out (their float path is not measured here)."""
-    return {t: r["int8_gbps" if _takes_int8(t, r) else "float_gbps"]
-            for t, r in _measured(types, threads, log).items()}
-
-
-def _takes_int8(qtype: Q, rates: dict) -> bool:
-    """Whether "auto" decodes ``qtype`` (measured ``rates``) with int8 activations here: the
-    kernels' rule (``placement.limits.wants_int8`` on the set ``choose_decode_int8`` would fix,
-    the built-in one under ``OFFLOAD_DECODE_INT8=prior``) where the CPU has an int8 dot product."""
+def read_rates(reads: dict[tuple, float], threads: int, log=None) -> dict[tuple, float]:
+    """GB/s of each part (``token_reads``' keys) on the path a decode token takes on this CPU:
+    int8 for the types ``choose`` picks (under ``OFFLOAD_DECODE_INT8=prior`` the built-in list;
+    without an int8 dot product none), else float. Parts whose type has no int8 decoder are
+    left out (their float path is not measured here)."""
     from cpu_kernels.simd8 import has_int8_dot
     from placement.limits import AUTO, wants_int8
-    chosen = None if os.environ.get(PRIOR_ENV) == "prior" else frozenset({qtype} if _int8_wins(rates) else ())
-    return has_int8_dot() and wants_int8(AUTO, qtype, chosen)
+    rates = _part_rates(reads, threads, log)
+    chosen = None if os.environ.get(PRIOR_ENV) == "prior" else choose(reads, threads)
+    return {p: r["int8_gbps" if has_int8_dot() and wants_int8(AUTO, p[0], chosen) else "float_gbps"]
+            for p, r in rates.items()}
 
 
-def choose_decode_int8(tensors, placed: dict[str, str], quiet: bool) -> None:
-    """Fix, for this process, which weight types of the CPU-resident routed experts decode
-    with int8 activations under "auto" (``offload.decode_int8``: measured on this CPU once,
-    then cached; under ``OFFLOAD_DECODE_INT8=prior`` the built-in list stays). Other types
-    keep what an earlier load chose: a type's choice (at one thread count) is the same for
-    every model in a process, so sessions loaded side by side agree."""
+def choose_decode_int8(tensors, placed: dict[str, str], n_expert_used: int, quiet: bool) -> None:
+    """Fix, for this process, which weight types of the plan's CPU-resident weights decode with
+    int8 activations under "auto" (``choose`` on one token's reads of them: measured on this
+    CPU once, then cached; under ``OFFLOAD_DECODE_INT8=prior`` the built-in list stays). Types
+    this plan does not read on the CPU keep what an earlier load chose; a type it reads takes
+    this model's choice (the setting is per type, for the process)."""
     from cpu_kernels import settings
     from cpu_kernels.simd8 import has_int8_dot
     if not has_int8_dot() or os.environ.get(PRIOR_ENV) == "prior":
         return                      # float anyway; or the built-in list (settings' None)
-    routed = {t.ggml_type for t in tensors if t.role == Role.ROUTED_EXPERTS and placed.get(t.name) == CPU}
-    if not routed:
+    reads = token_reads(tensors, placed, n_expert_used)
+    if not reads:
         return
     log = None if quiet else (lambda m: print(f"offload: {m}", file=sys.stderr))
-    chosen = choose(routed, settings.apply_threads(), log)
+    chosen = choose(reads, settings.apply_threads(), log)
+    read = {p[0] for p in reads}
     before = settings.decode_int8_types()
-    settings.set_decode_int8_types(chosen if before is None else (before - routed) | chosen)
+    settings.set_decode_int8_types(chosen if before is None else (before - read) | chosen)

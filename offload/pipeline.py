@@ -126,7 +126,7 @@ def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: in
     part = shard(model, host.blocks, first=first, last=last)
     sub = dataclasses.replace(model, tensors=part.tensors)      # the weight store sees this host's tensors
     install_cpu_attention()
-    choose_decode_int8(part.tensors, plan.tensors, quiet=True)     # as one process's load does
+    choose_decode_int8(part.tensors, plan.tensors, model.spec.n_expert_used, quiet=True)     # as one process's load does
     arch = architecture(model.spec.arch)
     devices = resolve(set(plan.tensors.values()))
     profile = Profile()

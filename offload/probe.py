@@ -134,45 +134,21 @@ def write_cache(path: Path, result: ProbeResult) -> str | None:
 
 def weights_read_gbps(tensors, placed: dict[str, str], n_expert_used: int, other_gbps: float, *,
                       threads: int | None = None, log=None) -> float | None:
-    """The rate a decode token reads a plan's CPU-resident target weights at on this CPU,
-    each part on the path this CPU decodes its type with (``offload.decode_int8``'s int8 or
-    float choice): a layer's routed experts at the rate of one token through k experts of
-    their shape and type (``expert_rates``: a 768 x 2048 Q4_0 expert streams at 17 GB/s, not at
-    the 22 of one big Q4_0 matrix), other matrices at their type's batch-1 rate
-    (``path_rates``), ``other_gbps`` for types without an int8 decoder; weighted by the bytes one
-    token reads of each (k/E of a routed expert tensor, all of another matrix, none of the
-    embedding rows or the NextN block). None when the plan reads no weight on the CPU."""
+    """The rate a decode token reads a plan's CPU-resident target weights at on this CPU:
+    one token's reads of each part (``decode_int8.token_reads``: a layer's routed experts at
+    the rate of one token through k experts of their shape and type, a 768 x 2048 Q4_0 expert
+    streaming at 17 GB/s, not at the 22 of one big Q4_0 matrix; other matrices at their type's
+    batch-1 rate) on the path this CPU decodes the type with (``decode_int8.read_rates``),
+    ``other_gbps`` for types without an int8 decoder. None when the plan reads no weight on
+    the CPU."""
     from cpu_kernels.settings import max_threads
-    from offload.decode_int8 import expert_rates, path_rates
-    from placement.devices import CPU
-    from placement.tensors import Role
-    threads = threads or max_threads()
-    per_type: dict = {}             # type -> bytes a token reads of it, outside measured experts
-    layers: dict = {}               # layer -> its routed expert tensors on the CPU
-    for t in tensors:
-        if placed.get(t.name) != CPU or t.nextn or t.role == Role.EMBEDDING or len(t.shape) < 2:
-            continue
-        if t.role == Role.ROUTED_EXPERTS and t.n_experts:
-            layers.setdefault(t.layer, []).append(t)
-        else:
-            per_type[t.ggml_type] = per_type.get(t.ggml_type, 0.0) + t.n_bytes
-    per_shape: dict = {}            # (type, n_embd, n_ff, k) -> bytes a token reads of those experts
-    for group in layers.values():
-        down = next((t for t in group if "down" in t.name), None)
-        read = {t.name: t.n_bytes * n_expert_used / t.n_experts for t in group}
-        if down is not None and len({t.ggml_type for t in group}) == 1 and len(group) in (2, 3):
-            shape = (down.ggml_type, down.shape[1], down.shape[2], n_expert_used)
-            per_shape[shape] = per_shape.get(shape, 0.0) + sum(read.values())
-        else:                       # mixed types (e.g. Q4_K_M's Q6_K down): each at its type's rate
-            for t in group:
-                per_type[t.ggml_type] = per_type.get(t.ggml_type, 0.0) + read[t.name]
-    if not per_type and not per_shape:
+    from offload.decode_int8 import read_rates, token_reads
+    reads = token_reads(tensors, placed, n_expert_used)
+    if not reads:
         return None
-    rates = path_rates(set(per_type) | {s[0] for s in per_shape}, threads, log)
-    shaped = expert_rates(per_shape, threads, log) if per_shape else {}
-    seconds = sum(n / (rates.get(q, other_gbps) * 1e9) for q, n in per_type.items())
-    seconds += sum(n / (shaped.get(s, rates.get(s[0], other_gbps)) * 1e9) for s, n in per_shape.items())
-    return (sum(per_type.values()) + sum(per_shape.values())) / seconds / 1e9
+    rates = read_rates(reads, threads or max_threads(), log)
+    seconds = sum(n / (rates.get(p, other_gbps) * 1e9) for p, n in reads.items())
+    return sum(reads.values()) / seconds / 1e9
 
 
 def read_gbps(mib: int = READ_MIB, repeat: int = 5) -> float:

@@ -137,7 +137,7 @@ def load_plan(model: ModelFile, plan: Plan, *, virtual_gpus: bool = False, gpu_d
     tensors = [t for t in model.tensors if not (draft is not None and t.nextn)]
     tensors += list(draft.tensors) if draft is not None else []
     if decode_activations == "auto":
-        choose_decode_int8(tensors, {**plan.tensors, **plan.draft_tensors}, quiet)
+        choose_decode_int8(tensors, {**plan.tensors, **plan.draft_tensors}, model.spec.n_expert_used, quiet)
     profile = Profile()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
     bar = Progress(len(tensors), sum(t.n_bytes for t in tensors)) if progress else None

@@ -1,5 +1,6 @@
 """"auto" decode activations follow the int8 / float choice measured on this CPU
-(``offload.decode_int8``): measured once per type, cached, read back, chosen at load.
+(``offload.decode_int8``): measured once per type and expert shape, cached, read back, chosen
+at load from one token's reads of the plan's CPU weights.
 
 The suite pins the built-in list (tests/conftest.py: ``OFFLOAD_DECODE_INT8=prior``); these
 tests lift the pin and point the cache at a temp folder. The choice rule is held with cache
@@ -41,11 +42,31 @@ def _no_measuring(*a, **k):
     raise AssertionError("measured although the cache has the type")
 
 
+def _matrices(*types) -> dict[tuple, float]:
+    """One token's reads of one matrix of each type (``token_reads``' non-expert parts)."""
+    return {(t,): 1.0 for t in types}
+
+
 def test_the_cache_decides_by_the_margin(measured, monkeypatch):
     """int8 where it read more than 5 % faster than float; in the margin, float (exact)."""
     _write(measured, {"Q4_0": (20.0, 25.0), "Q8_0": (20.0, 20.5), "Q4_K": (15.0, 14.0)})
     monkeypatch.setattr(di, "measure", _no_measuring)
-    assert di.choose([Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.F32, Q.TQ1_0], 2) == frozenset({Q.Q4_0})    # F32: no int8 path; TQ1_0: no kernel
+    assert di.choose(_matrices(Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.F32, Q.TQ1_0), 2) == frozenset({Q.Q4_0})    # F32: no int8 path; TQ1_0: no kernel
+
+
+def test_the_models_expert_shapes_decide_by_the_bytes_read(measured, monkeypatch):
+    """A type is judged on one token's reads of it, each part at its own measured rate: the
+    Zen 4 case (a big Q4_0 matrix 9 % faster with int8, the model's 512 x 256 experts 3 %
+    slower) takes float where the experts are most of the bytes, int8 where the big matrices
+    are. By hand: 1 byte of matrix + 3 of experts read in 1/17.5 + 3/9.2 = 0.383 s float,
+    1/19.1 + 3/8.9 = 0.389 s int8."""
+    experts = (Q.Q4_0, 512, 256, 8)
+    _write(measured, {"Q4_0": (17.5, 19.1), "experts Q4_0 512x256 k8": (9.2, 8.9)})
+    monkeypatch.setattr(di, "measure", _no_measuring)
+    monkeypatch.setattr(di, "measure_experts", _no_measuring)
+    assert di.choose({(Q.Q4_0,): 1.0, experts: 3.0}, 2) == frozenset()
+    assert di.choose({(Q.Q4_0,): 30.0, experts: 1.0}, 2) == frozenset({Q.Q4_0})
+    assert di.choose(_matrices(Q.Q4_0), 2) == frozenset({Q.Q4_0})
 
 
 def test_a_missing_type_is_measured_and_cached(measured):
@@ -53,15 +74,26 @@ def test_a_missing_type_is_measured_and_cached(measured):
     file beside what was there; a corrupt file is measured again."""
     _write(measured, {"Q4_0": (20.0, 25.0)})
     lines = []
-    chosen = di.choose([Q.Q4_0, Q.Q4_K], 2, log=lines.append, n_bytes=1 << 20)
+    chosen = di.choose(_matrices(Q.Q4_0, Q.Q4_K), 2, log=lines.append, n_bytes=1 << 20)
     doc = yaml.safe_load(measured.read_text())
     assert set(doc) == {"Q4_0", "Q4_K"} and doc["Q4_0"] == {"float_gbps": 20.0, "int8_gbps": 25.0}
     assert doc["Q4_K"]["float_gbps"] > 0 and doc["Q4_K"]["int8_gbps"] > 0
     assert Q.Q4_0 in chosen and (Q.Q4_K in chosen) == (doc["Q4_K"]["int8_gbps"] > di.MARGIN * doc["Q4_K"]["float_gbps"])
     assert len(lines) == 1 and "Q4_K" in lines[0] and "Q4_0" not in lines[0] and str(measured) in lines[0]
     measured.write_text("{not yaml")
-    di.choose([Q.Q4_K], 2, n_bytes=1 << 20)
+    di.choose(_matrices(Q.Q4_K), 2, n_bytes=1 << 20)
     assert set(yaml.safe_load(measured.read_text())) == {"Q4_K"}
+
+
+def test_a_missing_expert_shape_is_measured_and_cached(measured):
+    """An expert shape not in the file runs through the real MoE kernel and is added beside
+    the type's matrix rate, with one line naming it."""
+    lines = []
+    di.choose({(Q.Q4_K, 256, 256, 2): 1.0}, 2, log=lines.append, n_bytes=1 << 20)
+    doc = yaml.safe_load(measured.read_text())
+    assert set(doc) == {"Q4_K", "experts Q4_K 256x256 k2"}
+    assert all(doc[k]["float_gbps"] > 0 and doc[k]["int8_gbps"] > 0 for k in doc)
+    assert len(lines) == 2 and "experts Q4_K 256x256 k2" in lines[1]
 
 
 @pytest.mark.skipif(not has_int8_dot(), reason="no integer dot product: decode is float whatever the choice")
@@ -72,24 +104,41 @@ def test_auto_follows_the_choice_for_this_cpu(measured, tmp_path):
     tiny = write_tiny_model(tmp_path / "q4k.gguf", SPECS["Q4_K"])
     with rt.load(tiny.path, cache_type="f32", quiet=True, decode_activations="float") as f:
         flt = torch.inference_mode()(_steps)(f.model)
-    _write(measured, {"Q4_K": (20.0, 15.0)})
+    shape = _expert_key(tiny.path)
+    _write(measured, {"Q4_K": (20.0, 15.0), shape: (20.0, 15.0)})
     with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
         assert _moe_modes(s) and all(m == (False, False) for m in _moe_modes(s))
         auto = torch.inference_mode()(_steps)(s.model)
     for a, b in zip(flt, auto):
         np.testing.assert_array_equal(a, b)
-    _write(measured, {"Q4_K": (15.0, 20.0)})
+    _write(measured, {"Q4_K": (15.0, 20.0), shape: (15.0, 20.0)})
     with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
         assert all(m == (True, True) for m in _moe_modes(s))
+    # the experts' shape outweighs the big matrix's rate: float although Q4_K's matrix says int8
+    _write(measured, {"Q4_K": (15.0, 20.0), shape: (20.0, 15.0)})
+    with rt.load(tiny.path, cache_type="f32", quiet=True) as s:
+        assert all(m == (False, False) for m in _moe_modes(s))
 
 
-def test_path_rates_are_the_chosen_paths_gbps(measured, monkeypatch):
-    """The rate a decode token reads a type at is its chosen path's: int8 where that won by the
-    margin, float otherwise (and float everywhere without an integer dot product)."""
-    _write(measured, {"Q4_0": (14.0, 19.0), "Q8_0": (20.0, 20.5)})
+def _expert_key(path) -> str:
+    """The cache file's key for a model's routed expert shape."""
+    from offload.gguf_model import open_model
+    from placement.tensors import Role
+    m = open_model(str(path))
+    down = next(t for t in m.tensors if t.role == Role.ROUTED_EXPERTS and "down" in t.name)
+    return f"experts {down.ggml_type.name} {down.shape[1]}x{down.shape[2]} k{m.spec.n_expert_used}"
+
+
+def test_read_rates_are_the_chosen_paths_gbps(measured, monkeypatch):
+    """The rate a decode token reads a part at is its type's chosen path's: int8 where that
+    won by the margin (over all the type's parts), float otherwise (and float everywhere
+    without an integer dot product)."""
+    _write(measured, {"Q4_0": (14.0, 19.0), "Q8_0": (20.0, 20.5), "experts Q4_0 64x32 k2": (10.0, 11.0)})
     monkeypatch.setattr(di, "measure", _no_measuring)
-    want = {Q.Q4_0: 19.0 if has_int8_dot() else 14.0, Q.Q8_0: 20.0}
-    assert di.path_rates([Q.Q4_0, Q.Q8_0, Q.F32], 2) == want
+    monkeypatch.setattr(di, "measure_experts", _no_measuring)
+    experts = (Q.Q4_0, 64, 32, 2)
+    want = {(Q.Q4_0,): 19.0, experts: 11.0} if has_int8_dot() else {(Q.Q4_0,): 14.0, experts: 10.0}
+    assert di.read_rates({**_matrices(Q.Q4_0, Q.Q8_0, Q.F32), experts: 1.0}, 2) == {**want, (Q.Q8_0,): 20.0}
 
 
 def test_a_plans_cpu_weights_read_at_their_types_rates(measured, monkeypatch, tmp_path):
