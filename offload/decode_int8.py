@@ -223,7 +223,12 @@ def choose(reads: dict[tuple, float], threads: int, log=None, n_bytes: int | Non
     Judged on the model's own shapes: small experts are not one big matrix (on a Zen 4 EPYC a
     Q4_0 256 MiB matrix read 19.1 GB/s int8 against 17.5 float, its 512 x 256 experts 8.9
     against 9.2; taking int8 there cost a narrow model 18 % of its decode)."""
-    rates = _part_rates(reads, threads, log, n_bytes)
+    return _int8_wins(reads, _part_rates(reads, threads, log, n_bytes))
+
+
+def _int8_wins(reads: dict[tuple, float], rates: dict[tuple, dict]) -> frozenset[Q]:
+    """``choose``'s rule on measured ``rates``: per type, the seconds its parts' reads take on
+    each path."""
     seconds: dict[Q, list[float]] = {}
     for p, r in rates.items():
         s = seconds.setdefault(p[0], [0.0, 0.0])
@@ -240,7 +245,7 @@ def read_rates(reads: dict[tuple, float], threads: int, log=None) -> dict[tuple,
     from cpu_kernels.simd8 import has_int8_dot
     from placement.limits import AUTO, wants_int8
     rates = _part_rates(reads, threads, log)
-    chosen = None if os.environ.get(PRIOR_ENV) == "prior" else choose(reads, threads)
+    chosen = None if os.environ.get(PRIOR_ENV) == "prior" else _int8_wins(reads, rates)
     return {p: r["int8_gbps" if has_int8_dot() and wants_int8(AUTO, p[0], chosen) else "float_gbps"]
             for p, r in rates.items()}
 
