@@ -83,13 +83,18 @@ def _stream_sum(words):
     return out.sum()
 
 
-def _median_time(fn, repeat):
+def _times(fn, n: int) -> list[float]:
+    """Seconds of each of ``n`` calls of ``fn``."""
     times = []
-    for _ in range(repeat):
+    for _ in range(n):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return times
+
+
+def _median_time(fn, repeat):
+    return statistics.median(_times(fn, repeat))
 
 
 def ceiling_gbps(buf: np.ndarray, repeat: int) -> float:

@@ -19,20 +19,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import time
 
 import numpy as np
 
+from bench.cpu_kernels import _times
 from offload.sampling import LLAMA_MIN_P, LLAMA_TEMPERATURE, LLAMA_TOP_K, LLAMA_TOP_P, Sampler
-
-
-def _timed(fn, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def llama_chain(z: np.ndarray):
@@ -77,10 +68,10 @@ def main(argv=None) -> int:
         theirs = llama_chain(z)
         times = {"offload": [], "llama": [], "argmax": []}
         for _ in range(max(1, a.reps // 100)):
-            times["offload"] += _timed(ours, 100)
+            times["offload"] += _times(ours, 100)
             if theirs is not None:
-                times["llama"] += _timed(theirs, 100)
-            times["argmax"] += _timed(lambda: np.argmax(z), 100)
+                times["llama"] += _times(theirs, 100)
+            times["argmax"] += _times(lambda: np.argmax(z), 100)
         if theirs is not None:
             theirs.free()
         med = {k: statistics.median(t) * 1e6 if t else float("nan") for k, t in times.items()}

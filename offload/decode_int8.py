@@ -34,7 +34,6 @@ import os
 import sys
 import statistics
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -98,38 +97,22 @@ def measure(qtype: Q, n_bytes: int | None = None, repeat: int = REPEAT) -> tuple
     rng = np.random.default_rng(0)
     w = random_blocks(qtype, (rows, COLS), rng)
     x = rng.standard_normal((1, COLS)).astype(np.float32)
+    f, i = _medians(lambda int8: matmul(x, w, qtype, int8=int8), repeat)
+    return w.nbytes / f / 1e9, w.nbytes / i / 1e9
+
+
+def _medians(run, repeat: int) -> tuple[float, float]:
+    """(float, int8) median seconds of ``run(int8)`` over ``repeat`` passes of each, alternating,
+    after one untimed pass of each (Numba compiles or loads there)."""
     times: dict[bool, list[float]] = {False: [], True: []}
     for mode in (False, True):
-        matmul(x, w, qtype, int8=mode)                 # compiled (or loaded) outside the timing
+        run(mode)
     for _ in range(repeat):
         for mode in (False, True):
             t0 = time.perf_counter()
-            matmul(x, w, qtype, int8=mode)
+            run(mode)
             times[mode].append(time.perf_counter() - t0)
-    return tuple(w.nbytes / statistics.median(times[m]) / 1e9 for m in (False, True))
-
-
-def _measured(types: Iterable[Q], threads: int, log=None, n_bytes: int | None = None) -> dict[Q, dict]:
-    """{type: its float and int8 GB/s} for the types among ``types`` with an int8 decoder,
-    from the cache or measured now over ``n_bytes`` (default ``weight_bytes()``; ``log``: one
-    line when it measures)."""
-    from cpu_kernels.registry import get_kernel, supported_types
-    known = set(supported_types())          # a type without a kernel is refused where it is loaded
-    wanted = sorted({t for t in types if t in known and get_kernel(t).has_int8}, key=lambda t: t.name)
-    path = cache_file(threads)
-    doc = _read(path)
-    missing = [t for t in wanted if t.name not in doc]
-    if missing:
-        t0 = time.perf_counter()
-        for t in missing:
-            f, i = measure(t, n_bytes)
-            doc[t.name] = {"float_gbps": round(f, 3), "int8_gbps": round(i, 3)}
-        _write(path, doc)
-        if log is not None:
-            log(f"decode activations measured on this CPU in {time.perf_counter() - t0:.1f} s: " +
-                "; ".join(f"{t.name} {doc[t.name]['float_gbps']:.1f} GB/s float, {doc[t.name]['int8_gbps']:.1f} int8"
-                          for t in missing) + f" (cached: {path})")
-    return {t: doc[t.name] for t in wanted}
+    return statistics.median(times[False]), statistics.median(times[True])
 
 
 def measure_experts(qtype: Q, n_embd: int, n_ff: int, k: int, n_bytes: int | None = None,
@@ -153,16 +136,13 @@ def measure_experts(qtype: Q, n_embd: int, n_ff: int, k: int, n_bytes: int | Non
     x = rng.standard_normal((1, n_embd)).astype(np.float32)
     calls = [rng.choice(n_expert, k, replace=False)[None, :] for _ in range(max(1, n_expert // k))]
     wts = np.full((1, k), 1.0 / k, np.float32)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for mode in (False, True):
-        moe_ffn(x, calls[0], wts, w, int8=mode)          # compiled (or loaded) outside the timing
-    for _ in range(repeat):
-        for mode in (False, True):
-            t0 = time.perf_counter()
-            for ids in calls:
-                moe_ffn(x, ids, wts, w, int8=mode)
-            times[mode].append(time.perf_counter() - t0)
-    return tuple(len(calls) * k * per_expert / statistics.median(times[m]) / 1e9 for m in (False, True))
+
+    def run(int8: bool) -> None:
+        for ids in calls:
+            moe_ffn(x, ids, wts, w, int8=int8)
+    read = len(calls) * k * per_expert
+    f, i = _medians(run, repeat)
+    return read / f / 1e9, read / i / 1e9
 
 
 def token_reads(tensors, placed: dict[str, str], n_expert_used: int) -> dict[tuple, float]:
@@ -193,27 +173,36 @@ def token_reads(tensors, placed: dict[str, str], n_expert_used: int) -> dict[tup
     return reads
 
 
+def _key(part: tuple) -> str:
+    """A part's entry in the cache file: its type's name, or its expert shape's."""
+    return part[0].name if len(part) == 1 else f"experts {part[0].name} {part[1]}x{part[2]} k{part[3]}"
+
+
 def _part_rates(reads: dict[tuple, float], threads: int, log=None, n_bytes: int | None = None) -> dict[tuple, dict]:
     """{part: its float and int8 GB/s} for the parts (``token_reads``' keys) whose type has an
-    int8 decoder, from the cache file or measured now (``measure`` per type, ``measure_experts``
-    per expert shape, over ``n_bytes``; ``log``: one line when it measures)."""
-    types = _measured({p[0] for p in reads}, threads, log, n_bytes)
+    int8 decoder, from the cache file or measured now over ``n_bytes`` (default
+    ``weight_bytes()``): ``measure`` per type (every part's type), ``measure_experts`` per
+    expert shape; ``log``: one line per kind it measures."""
+    from cpu_kernels.registry import get_kernel, supported_types
+    known = set(supported_types())          # a type without a kernel is refused where it is loaded
+    ok = {p[0] for p in reads if p[0] in known and get_kernel(p[0]).has_int8}
+    wanted = sorted({(q,) for q in ok} | {p for p in reads if len(p) == 4 and p[0] in ok}, key=_key)
     path = cache_file(threads)
     doc = _read(path)
-    key = lambda p: f"experts {p[0].name} {p[1]}x{p[2]} k{p[3]}"      # noqa: E731
-    missing = sorted({p for p in reads if len(p) == 4 and p[0] in types and key(p) not in doc}, key=str)
-    if missing:
+    for size, what in ((1, "decode activations"), (4, "expert reads")):
+        missing = [p for p in wanted if len(p) == size and _key(p) not in doc]
+        if not missing:
+            continue
         t0 = time.perf_counter()
         for p in missing:
-            f, i = measure_experts(*p, n_bytes=n_bytes)
-            doc[key(p)] = {"float_gbps": round(f, 3), "int8_gbps": round(i, 3)}
+            f, i = measure(p[0], n_bytes) if size == 1 else measure_experts(*p, n_bytes=n_bytes)
+            doc[_key(p)] = {"float_gbps": round(f, 3), "int8_gbps": round(i, 3)}
         _write(path, doc)
         if log is not None:
-            log(f"expert reads measured on this CPU in {time.perf_counter() - t0:.1f} s: " +
-                "; ".join(f"{key(p)} {doc[key(p)]['float_gbps']:.1f} GB/s float, "
-                          f"{doc[key(p)]['int8_gbps']:.1f} int8" for p in missing))
-    return {p: doc[key(p)] if len(p) == 4 else types[p[0]]
-            for p in reads if p[0] in types and (len(p) == 1 or key(p) in doc)}
+            log(f"{what} measured on this CPU in {time.perf_counter() - t0:.1f} s: " +
+                "; ".join(f"{_key(p)} {doc[_key(p)]['float_gbps']:.1f} GB/s float, "
+                          f"{doc[_key(p)]['int8_gbps']:.1f} int8" for p in missing) + f" (cached: {path})")
+    return {p: doc[_key(p)] for p in reads if p[0] in ok}
 
 
 def choose(reads: dict[tuple, float], threads: int, log=None, n_bytes: int | None = None) -> frozenset[Q]:
