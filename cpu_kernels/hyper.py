@@ -80,3 +80,19 @@ def _norm_cols(c, eps):
         s += eps
         for i in range(n):
             c[i, j] /= s
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def hc_combine(f, x, post, comb, out):
+    """The streams after a sublayer (``gpu.hyper.HyperConnection.combine``): f (T, d) its
+    output, x (T, n, d) its input streams → out (T, n, d), stream j = post_j · f + Σ_i comb[i, j] · x_i
+    (summed over i in order, as the reference's matmul over n = 4 terms)."""
+    t_n, n, d = x.shape
+    for t in range(t_n):
+        for j in range(n):
+            pj = post[t, j]
+            for k in range(d):
+                acc = f32(0.0)
+                for i in range(n):
+                    acc += comb[t, i, j] * x[t, i, k]
+                out[t, j, k] = pj * f[t, k] + acc
