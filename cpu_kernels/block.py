@@ -150,6 +150,37 @@ def _heads(y, bias, norm, eps, n_heads, d, n_rot, positions, cos, sin):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")     # no fastmath: NaN checks must stay
+def top_k_ids(choice, k, ids, t):
+    """ids[t, :k] = the k largest of ``choice`` (E,), largest first; ties go to the lower id,
+    NaN is skipped (when only NaN is left: the first ids not taken yet, whose weights are then
+    NaN). ``choice`` is overwritten: a taken id's entry becomes NaN, so it is skipped too (a
+    -inf mark let an all-NaN row take the same id k times)."""
+    e_n = choice.shape[0]
+    for j in range(k):
+        best = -1
+        for e in range(e_n):
+            if choice[e] == choice[e] and (best < 0 or choice[e] > choice[best]):   # skips NaN
+                best = e
+        if best < 0:
+            best = _first_untaken(ids, t, j)
+        ids[t, j] = best
+        choice[best] = f32(np.nan)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _first_untaken(ids, t, j):
+    """The lowest id not among ids[t, :j] (only where NaN leaves no choice: O(j) per id)."""
+    e = 0
+    while True:
+        taken = False
+        for i in range(j):
+            taken = taken or ids[t, i] == e
+        if not taken:
+            return e
+        e += 1
+
+
+@njit(nogil=True, cache=True, error_model="numpy")     # no fastmath: NaN checks must stay
 def _route(logits, bias, kind, k, norm, scale, ids, wts):
     """Per token: top-k experts and their weights, as gpu.router: sigmoid scores (+ bias for
     the choice only) or softmax probabilities; optionally normalised; scaled. Ties go to
@@ -176,20 +207,11 @@ def _route(logits, bias, kind, k, norm, scale, ids, wts):
             for e in range(e_n):
                 sc[e] = sc[e] / tot
                 ch[e] = sc[e]
+        top_k_ids(ch, k, ids, t)
         tot = f32(0)
         for j in range(k):
-            best = -1
-            for e in range(e_n):
-                if ch[e] == ch[e] and (best < 0 or ch[e] > ch[best]):   # skips NaN
-                    best = e
-            if best < 0:            # all NaN: take the first unused id, weight NaN
-                best = 0
-                while ch[best] == f32(-np.inf):
-                    best += 1
-            ids[t, j] = best
-            wts[t, j] = sc[best]
-            tot += sc[best]
-            ch[best] = f32(-np.inf)
+            wts[t, j] = sc[ids[t, j]]
+            tot += wts[t, j]
         for j in range(k):
             if norm:
                 wts[t, j] = wts[t, j] / tot
@@ -225,15 +247,16 @@ def _build_entries(salt):
         G = np.empty((t_n, n_ff), f32)
         U = np.empty((t_n, n_ff), f32)
         matmuls_sharing_x(tg, gw, G, tu, uw, U, None, None, None, X, bsums, chunks)
-        _swiglu_down(G, U, td, dw, Y, chunks)
+        _swiglu_down(G, U, td, dw, Y, chunks, f32(0))
 
     @njit(**_kw)
-    def _swiglu_down(G, U, td, dw, Y, chunks):
-        """Y = down(silu(G) · U), G overwritten."""
+    def _swiglu_down(G, U, td, dw, Y, chunks, clamp):
+        """Y = down(silu(G) · U), G overwritten; ``clamp`` (float32 from every caller: one
+        specialisation) a limit > 0 for DeepSeek-V4's clamped SwiGLU (``moe._silu_glu``), 0 none."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         for t in range(G.shape[0]):
             for c in range(G.shape[1]):
-                G[t, c] = _silu_glu(G[t, c], U[t, c], 0)
+                G[t, c] = _silu_glu(G[t, c], U[t, c], clamp)
         gs = np.empty((G.shape[0], G.shape[1] // 16), f32)
         bsums_of_rows(G, G.shape[0], gs)
         matmuls_sharing_x(td, dw, Y, None, None, None, None, None, None, G, gs, chunks)
@@ -360,11 +383,11 @@ def _build_entries(salt):
         wts = np.empty((t_n, k_used), f32)
         _route(logits, probs_b, route_kind, k_used, w_norm, w_scale, ids, wts)
         f = np.empty((t_n, n_embd), f32)           # routed experts (moe.routed_ffn: the hybrid hand-off's step too)
-        routed_ffn(t_n, xn, xs, ids, wts, None, tg, wg, g0, tu, wu, u0, td, wd,
+        routed_ffn(t_n, xn, xs, ids, wts, None, tg, wg, g0, tu, wu, u0, td, wd, f32(0),
                    routed_scratch(t_n * k_used, n_expert, n_ff, n_embd, chunks), qx, qh, f, chunks)
         if wsg is not None:
             sh = np.empty((t_n, n_embd), f32)
-            _swiglu_down(G, U, tsd, wsd, sh, chunks)
+            _swiglu_down(G, U, tsd, wsd, sh, chunks, f32(0))
             for t in range(t_n):
                 for c in range(n_embd):
                     f[t, c] += sh[t, c]

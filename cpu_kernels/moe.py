@@ -6,11 +6,11 @@ sorted by expert, so each touched expert's gate/up/down rows are streamed once a
 applied to all of that expert's tokens (``rowdot``) — time grows with the number of
 distinct experts touched, not with B * k.
 
-``routed_ffn``: the same step for decode/verify batches (SiLU, no biases; float or int8
-activations per phase) as one compiled call that writes only into the caller's arrays (a
-counting sort instead of argsort; scratch from ``routed_scratch`` and ``routed_int8_scratch``,
-allocated once): the CPU side of the hybrid hand-off (``offload.cpu_ops.RoutedHandoff``) and
-of a compiled block's routed step.
+``routed_ffn``: the same step for decode/verify batches (SiLU or DeepSeek-V4's clamped
+SwiGLU, no biases; float or int8 activations per phase) as one compiled call that writes only
+into the caller's arrays (a counting sort instead of argsort; scratch from ``routed_scratch``
+and ``routed_int8_scratch``, allocated once): the CPU side of the hybrid hand-off
+(``offload.cpu_ops.RoutedHandoff``) and of a compiled block's routed step.
 """
 from __future__ import annotations
 
@@ -471,11 +471,12 @@ def _build_drivers(salt):
                    phase_pads(max(1, chunks)))
 
     @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def routed_ffn(n_tok, X, bsums, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh, Y,
+    def routed_ffn(n_tok, X, bsums, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, clamp, scratch, qx, qh, Y,
                    chunks):
         """Y[t] = sum_j wts[t, j] * down_e(silu(gate_e . X[t]) * (up_e . X[t])), e = ids[t, j],
         for rows t < n_tok, over the experts in ``owned`` (None: all): the routed part of an MoE
-        layer (SiLU, no biases) as one compiled step, everything written into the caller's
+        layer (``clamp``, a float32: 0 for SiLU, a limit > 0 for DeepSeek-V4's clamped SwiGLU,
+        ``_silu_glu``; no biases) as one compiled step, everything written into the caller's
         arrays — grouping by expert, the gate·up phase, the down phase, the weighted sum in
         ``moe_ffn``'s order (assignments sorted by expert).
 
@@ -503,10 +504,10 @@ def _build_drivers(salt):
             xq, dx, qs16, xs4, dx8 = qx
             quantize_rows(X[:n_tok], xq, dx, qs16, xs4, dx8)
             _gate_up_rows(tg, wg, g0, tu, wu, u0, X, qs16, xq, dx, xs4, dx8, se, ss, assign_tok, H,
-                          chunks, f32(0), pads)
+                          chunks, clamp, pads)
         else:
             _gate_up_rows(tg, wg, g0, tu, wu, u0, X, bsums, None, None, None, None, se, ss, assign_tok, H,
-                          chunks, f32(0), pads)
+                          chunks, clamp, pads)
         if qh is not None:
             hq, hdx, qhs16, hxs4, hdx8 = qh
             quantize_rows(H[:n_a], hq, hdx, qhs16, hxs4, hdx8)
@@ -523,15 +524,15 @@ def _build_drivers(salt):
         return n_slots
 
     @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
-    def routed_ffn_host(n_tok, X, bsums, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh, Y,
-                        chunks):
+    def routed_ffn_host(n_tok, X, bsums, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, clamp, scratch, qx, qh,
+                        Y, chunks):
         """``routed_ffn`` with ``bsums`` computed here: the CPU side of a hybrid MoE layer (block
         on a GPU, experts in RAM) as one compiled call over host buffers bound at load."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         if qx is None:
             bsums_of_rows(X, n_tok, bsums)
-        return routed_ffn(n_tok, X, bsums, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, scratch, qx, qh,
-                          Y, chunks)
+        return routed_ffn(n_tok, X, bsums, ids, wts, owned, tg, wg, g0, tu, wu, u0, td, wd, clamp, scratch, qx,
+                          qh, Y, chunks)
 
     return gate_up_phase, down_phase, routed_ffn, routed_ffn_host
 

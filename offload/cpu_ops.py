@@ -277,7 +277,7 @@ class RoutedHandoff:
         self._event = torch.cuda.Event() if cuda else None
         self.owned = own = None if owned is None else np.ascontiguousarray(owned, dtype=np.bool_)
         self._args = (x.numpy(), np.empty((m, ew.n_embd // 16), np.float32), ids.numpy(), wts.numpy(), own,
-                      gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db,
+                      gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, np.float32(0),      # clamp 0: SiLU
                       routed_scratch(m * k, ew.n_expert, ew.n_ff, ew.n_embd, settings.max_threads()), qx, qh,
                       out.numpy())
         # compile (or load from Numba's cache) now, on an empty batch; calls use the entry point
