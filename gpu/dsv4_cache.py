@@ -35,15 +35,21 @@ class CompressedRows:
         self.rows = cache_storage(1, max_rows if max_rows is not None else 16, width, dtype, device)[0]
         self.count = 0
 
-    def append(self, new: torch.Tensor) -> None:
-        """new: (m, width) float entries, stored in the cache type."""
-        need = self.count + new.shape[0]
+    def reserve(self, m: int) -> int:
+        """Room for m more entries (grown, or past the plan's ``max_rows`` refused); returns
+        count + m (a compiled block writes them in place, then advances ``count``)."""
+        need = self.count + m
         if need > self.rows.shape[0]:
             if self.max_rows is not None:
                 raise ValueError(f"{need} compressed entries exceed the {self.max_rows} the plan sized")
             grown = self.rows.new_empty(max(need, 2 * self.rows.shape[0]), self.rows.shape[1])
             grown[:self.count] = self.rows[:self.count]
             self.rows = grown
+        return need
+
+    def append(self, new: torch.Tensor) -> None:
+        """new: (m, width) float entries, stored in the cache type."""
+        need = self.reserve(new.shape[0])
         self.rows[self.count:need] = encode_rows(new, self.dtype)
         self.count = need
 
@@ -80,16 +86,24 @@ class CompressorState:
         ``DECODE_TOKENS`` positions needs."""
         rows = torch.cat([self.buf[:self.length - self.start], new.float()])
         first = self.start
+        keep = self.keep_after(new.shape[0])
         self.length += new.shape[0]
-        # never before what is held: after a rollback of up to DECODE_TOKENS the state starts
-        # later than first_needed asks, and rows[keep - first:] must not index from the end
-        keep = max(self.first_needed(max(0, self.length - DECODE_TOKENS)), first)
-        kept = rows[keep - first:]
-        if kept.shape[0] > self.buf.shape[0]:
-            raise ValueError(f"compressor state of {kept.shape[0]} rows exceeds the {self.buf.shape[0]} planned")
-        self.buf[:kept.shape[0]] = kept
+        self.buf[:rows.shape[0] - (keep - first)] = rows[keep - first:]
         self.start = keep
         return rows, first
+
+    def keep_after(self, t: int) -> int:
+        """The first position still held once t more were seen (what a later entry or a
+        rollback of up to ``DECODE_TOKENS`` positions needs); refuses a state that would
+        outgrow the planned rows. Nothing changes here (a compiled block moves the rows,
+        then sets ``start`` and ``length``)."""
+        # never before what is held: after a rollback of up to DECODE_TOKENS the state starts
+        # later than first_needed asks, and rows[keep - first:] must not index from the end
+        length = self.length + t
+        keep = max(self.first_needed(max(0, length - DECODE_TOKENS)), self.start)
+        if length - keep > self.buf.shape[0]:
+            raise ValueError(f"compressor state of {length - keep} rows exceeds the {self.buf.shape[0]} planned")
+        return keep
 
     def check_truncate(self, n: int) -> None:
         if not 0 <= n <= self.length:

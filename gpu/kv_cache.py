@@ -173,9 +173,11 @@ class WindowKVCache(KVCache):
                          max_cells=max_cells, head_dim_v=head_dim_v)
         self.window, self.start = window, 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor | None = None):
+    def make_room(self, t: int) -> int:
+        """Room for t more rows: when they would overflow ``max_cells``, the rows older than
+        the last ``window - 1`` are dropped first. Returns the cell the first new row goes to
+        (a compiled block writes them there, then advances ``length``)."""
         stored = self.length - self.start
-        t = k.shape[1]
         if self.max_cells is not None and stored + t > self.max_cells and stored > self.window - 1:
             keep = self.window - 1
             drop = stored - keep
@@ -183,6 +185,15 @@ class WindowKVCache(KVCache):
                 if buf is not None:          # K-only (head_dim_v=0): no V rows
                     buf[:, :keep] = buf[:, drop:stored].clone()
             self.start += drop
+        self.length -= self.start
+        try:
+            self.reserve(t)
+        finally:
+            self.length += self.start
+        return self.length - self.start
+
+    def append(self, k: torch.Tensor, v: torch.Tensor | None = None):
+        self.make_room(k.shape[1])
         # the parent appends at ``length``: shift the view so it indexes the stored rows
         self.length -= self.start
         try:

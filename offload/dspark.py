@@ -25,8 +25,8 @@ trunk positions 0 … Q−1 exactly — prime injects the prompt's, accept those
 accepted drafts; a draft block's own keys are always rolled back (to Q). So after any step the
 cache equals a fresh injection of the kept tokens' taps.
 
-Torch path only: the compiled CPU blocks do not cover the stages (deepseek4 has no compiled
-half either).
+Torch path only: the compiled CPU block of deepseek4 (``offload.compiled_v4``) attends
+causally over a growing cache; a stage attends to all of itself, so it keeps the reference block.
 """
 from __future__ import annotations
 
@@ -200,7 +200,9 @@ def dspark_drafter(w, cfg: Deepseek4Config, ctx: BuildContext, *, embed, output,
     stages = []
     for i in range(dcfg.n_layer):
         b = block(w, dcfg, i, ctx)
+        b = getattr(b, "reference", b)          # the torch block (see the module's docstring)
         b.attn.causal = False
+        b.path = "reference: non-causal DSpark stage"
         stages.append(b)
     dev = w.device("fc.weight")
     norm = lambda n: RMSNorm(w.vector(f"{n}.weight").to(w.device(f"{n}.weight")), cfg.rms_eps)  # noqa: E731

@@ -34,7 +34,8 @@ from gpu.kv_cache import WindowKVCache
 from gpu.norm import RMSNorm
 from gpu.rope import RopeSpec, YaRN, rope_for
 from gpu.router import HashRouter, SqrtSoftplusRouter
-from offload.compiled_block import REFERENCE, compile_block
+from offload.compiled_block import REFERENCE
+from offload.compiled_v4 import compile_v4_block
 from offload.cpu_ops import CpuHyperConnection
 from offload.errors import OffloadError
 from offload.gguf_model import NewerKeys, dsv4_config_problem
@@ -43,7 +44,9 @@ from offload.models.shared.config import ModelConfig, config_fields, meta_value,
 from offload.moe import MoE
 from placement.tensors import ModelSpec
 
-COMPILED = REFERENCE.because("mHC streams, compressed attention and clamped experts have no compiled half")
+# CPU-resident blocks run decode steps compiled (offload.compiled_v4); the others keep the
+# reference path (no compiled hand-off of their CPU experts)
+COMPILED = REFERENCE
 ACTIVATION = "swiglu_clamp"
 CSA, HCA = 4, 128          # compress ratios: CSA overlaps its windows and has the indexer
 # drafters of an architecture of their own, as --draft files: arch → builder(draft weights, cfg,
@@ -279,10 +282,10 @@ def block(w, cfg: Deepseek4Config, i: int, ctx: BuildContext) -> Deepseek4Block:
     home_name = w.home(i)
     home = w.devices[home_name]
     norm = lambda n: RMSNorm(w.vector(f"{p}.{n}.weight").to(home), cfg.rms_eps)  # noqa: E731
-    return compile_block(Deepseek4Block(
+    return compile_v4_block(Deepseek4Block(
         attn_hc=_hyper(w, cfg, p, "attn", home), attn_norm=norm("attn_norm"), attn=attention(w, cfg, i, ctx, home),
         ffn_hc=_hyper(w, cfg, p, "ffn", home), ffn_norm=norm("ffn_norm"), ffn=moe(w, cfg, i, ctx, home),
-        device_name=home_name, device=home, profile=ctx.profile, cache=_cache(cfg, i, ctx)), COMPILED)
+        device_name=home_name, device=home, profile=ctx.profile, cache=_cache(cfg, i, ctx)), COMPILED, cfg.clamps(i))
 
 
 def hc_head(w, cfg: Deepseek4Config, prefix: str) -> HyperHead:
