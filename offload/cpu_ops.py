@@ -234,8 +234,8 @@ class CpuExperts:
                 max_tokens: int) -> "RoutedHandoff | None":
         """The bound hand-off for batches of up to ``max_tokens`` tokens coming from ``device``
         with ``k`` experts each, or None where only ``moe_ffn`` covers these experts
-        (biases, an activation other than SiLU)."""
-        if self.act != "silu" or self.biases:
+        (biases, gpt-oss's GLU: ``routed_ffn`` computes SiLU and DeepSeek-V4's clamped SwiGLU)."""
+        if self.act not in ("silu", "swiglu_clamp") or self.biases:
             return None
         return RoutedHandoff(self, device, k, owned, max_tokens)
 
@@ -277,7 +277,8 @@ class RoutedHandoff:
         self._event = torch.cuda.Event() if cuda else None
         self.owned = own = None if owned is None else np.ascontiguousarray(owned, dtype=np.bool_)
         self._args = (x.numpy(), np.empty((m, ew.n_embd // 16), np.float32), ids.numpy(), wts.numpy(), own,
-                      gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, np.float32(0),      # clamp 0: SiLU
+                      gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db,
+                      np.float32(experts.limit if experts.act == "swiglu_clamp" else 0),    # 0: SiLU
                       routed_scratch(m * k, ew.n_expert, ew.n_ff, ew.n_embd, settings.max_threads()), qx, qh,
                       out.numpy())
         # compile (or load from Numba's cache) now, on an empty batch; calls use the entry point

@@ -34,7 +34,7 @@ from gpu.kv_cache import WindowKVCache
 from gpu.norm import RMSNorm
 from gpu.rope import RopeSpec, YaRN, rope_for
 from gpu.router import HashRouter, SqrtSoftplusRouter
-from offload.compiled_block import REFERENCE
+from offload.compiled_block import HANDOFF_ONLY
 from offload.compiled_v4 import compile_v4_block
 from offload.cpu_ops import CpuHyperConnection
 from offload.errors import OffloadError
@@ -45,8 +45,8 @@ from offload.moe import MoE
 from placement.tensors import ModelSpec
 
 # CPU-resident blocks run decode steps compiled (offload.compiled_v4); the others keep the
-# reference path (no compiled hand-off of their CPU experts)
-COMPILED = REFERENCE
+# reference path, their RAM-resident experts handed to the compiled routed_ffn (the hand-off)
+COMPILED = HANDOFF_ONLY
 ACTIVATION = "swiglu_clamp"
 CSA, HCA = 4, 128          # compress ratios: CSA overlaps its windows and has the indexer
 # drafters of an architecture of their own, as --draft files: arch → builder(draft weights, cfg,

@@ -199,3 +199,22 @@ def test_a_token_outside_the_hash_table_is_a_one_line_error(tmp_path):
         with pytest.raises(OffloadError, match=r"^blk\.0: a token id outside ffn_gate_tid2eid"):
             s.model.blocks[0](torch.zeros(1, 4, SPEC.n_embd), state.positions(1), state.caches[0],
                               tokens=torch.tensor([10 ** 6]))
+
+
+def test_hybrid_blocks_hand_their_clamped_experts_to_the_compiled_step(tmp_path):
+    """Blocks on a (virtual) GPU, routed experts in RAM: decode steps hand the experts to the
+    compiled ``routed_ffn`` with the block's clamp (``RoutedHandoff``); logits as the all-CPU
+    plan's within REL_TOL (the clamp at 2 bites: tests/archs/test_deepseek4.py's SPEC)."""
+    from offload.cpu_ops import RoutedHandoff
+    from offload.moe import MoE
+    tiny = write_tiny_model(tmp_path / "t.gguf", SPEC)
+    steps = [(20, 0), (1, 0), (3, 0), (8, 2), (5, 0)]
+    with load(tiny.path) as s, torch.inference_mode():
+        all_cpu, _ = stepped(s.model, steps)
+    with rt.load(tiny.path, devices="CUDA0=8GiB,CPU=16GiB", cpu_moe=True, virtual_gpus=True, cache_type="f32",
+                 quiet=True, decode_activations="float", int8_prefill=False) as s, torch.inference_mode():
+        assert all(b.device_name == "CUDA0" and b.path == "reference: block on CUDA0" for b in s.model.blocks)
+        hybrid, _ = stepped(s.model, steps)
+        moes = [b.ffn for b in s.model.blocks if isinstance(b.ffn, MoE)]
+        assert moes and all(isinstance(m._handoff, RoutedHandoff) for m in moes)
+    assert rel_err(hybrid, all_cpu) < REL_TOL
