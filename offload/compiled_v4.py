@@ -205,9 +205,8 @@ class CompiledV4Block:
             return self.reference(x, positions, cache, tokens=tokens)
         t = x.shape[0]
         xh = np.ascontiguousarray(to_host(x))
-        pos = np.ascontiguousarray(positions.numpy(), dtype=np.int64)
-        tok = np.zeros(t, np.int64) if tokens is None else np.ascontiguousarray(tokens.numpy(), dtype=np.int64)
-        cos, sin = self._rope_tables(int(pos.max()) + 1)
+        pos, tok, n_pos = _step_ids(positions, tokens)
+        cos, sin = self._rope_tables(n_pos)
         chunks = settings.apply_threads()
         win = cache.window
         win.make_room(t)
@@ -221,7 +220,7 @@ class CompiledV4Block:
             index = (icomp_w + index_state, *rest)
         mid = np.empty_like(xh)
         attn = (xh, mid, pos, self._eps, self._hc, self._attn_norm, self._proj, self._shape, cos, sin,
-                (self._cache_tag, self._raw("window", win.k[0]), win.start, win.length), comp, index, chunks)
+                (self._cache_tag, self._raw("window", win.k)[0], win.start, win.length), comp, index, chunks)
         out = np.empty_like(xh)
         ffn = (mid, out, tok) + self._ffn + (chunks,)
         with self.profile.time("cpu_block"):
@@ -244,11 +243,18 @@ class CompiledV4Block:
         return torch.from_numpy(out)
 
     def _raw(self, part: str, rows: torch.Tensor) -> np.ndarray:
-        """rows (n, width) of a cache part in the cache type as a uint8 numpy view (n, row
-        bytes), made again only when the part's storage was replaced (it grew)."""
+        """A cache part's storage in the cache type as a uint8 numpy view (…, row bytes), made
+        again only when the part's storage was replaced (it grew, or another cache came)."""
         seen = self._views.get(part)
         if seen is None or seen[0] is not rows:
             seen = self._views[part] = (rows, rows.view(torch.uint8).numpy())
+        return seen[1]
+
+    def _host(self, part: str, buf: torch.Tensor) -> np.ndarray:
+        """A compressor state's float32 rows as numpy (a view), as ``_raw`` keeps them."""
+        seen = self._views.get(part + " state")
+        if seen is None or seen[0] is not buf:
+            seen = self._views[part + " state"] = (buf, buf.numpy())
         return seen[1]
 
     def _state_args(self, part: str, state: CompressorState, rows: CompressedRows, t: int) -> tuple:
@@ -257,14 +263,32 @@ class CompiledV4Block:
         kernel writes them; ``_advance`` commits)."""
         keep = state.keep_after(t)
         rows.reserve((state.length + t) // state.ratio - state.length // state.ratio)
-        return (state.buf.numpy(), state.length - state.start, keep - state.start, self._raw(part, rows.rows),
-                rows.count)
+        return (self._host(part, state.buf), state.length - state.start, keep - state.start,
+                self._raw(part, rows.rows), rows.count)
 
     def _rope_tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
         cos, sin = self.rope.tables(n_pos)
         if cos is not self._tables[0]:
             self._tables = (cos, cos.numpy(), sin.numpy())
         return self._tables[1], self._tables[2]
+
+
+_last_step: list = [None]       # (positions, tokens, their host arrays): see _step_ids
+
+
+def _step_ids(positions: torch.Tensor, tokens: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, int]:
+    """(positions, token ids) as int64 host arrays and the rope table rows they need, converted
+    once per model step: every block of a step is given the same two tensors (the memo holds
+    them, so their identities are not reused while it does)."""
+    last = _last_step[0]
+    if last is not None and last[0] is positions and last[1] is tokens:
+        return last[2]
+    pos = np.ascontiguousarray(positions.numpy(), dtype=np.int64)
+    tok = (np.zeros(len(pos), np.int64) if tokens is None
+           else np.ascontiguousarray(tokens.cpu().numpy(), dtype=np.int64))
+    out = (pos, tok, int(pos.max()) + 1 if len(pos) else 1)
+    _last_step[0] = (positions, tokens, out)
+    return out
 
 
 def compile_v4_block(block, parts: CompiledParts, clamps: tuple[float, float]):
