@@ -28,7 +28,7 @@ from cpu_kernels.v4_attention import v4_attention_half
 from cpu_kernels.v4_ffn import v4_ffn_half
 from gpu.compressed_attention import CompressedAttention, Compressor
 from gpu.dsv4_cache import CompressorState, CompressedRows, Dsv4Cache
-from gpu.kv_cache import type_name
+from gpu.kv_cache import SequenceBatch, spans, type_name
 from gpu.router import HashRouter, SqrtSoftplusRouter
 from offload.compiled_block import CompiledParts, compile_block, compiled_enabled, ENV
 from offload.cpu_ops import CpuExperts, CpuHyperConnection, RawGroupedLinear, RawLinear, to_host
@@ -168,7 +168,7 @@ class CompiledV4Block:
         self.reference = reference
         self._cache_tag = cache_tag                # the QTag of the cache type (kv_rows)
         self.name = reference.ffn.experts.weights.name      # the experts' tensor prefix, for errors
-        self._views: dict[str, tuple] = {}
+        self._views: dict[int, tuple] = {}       # id(cache storage) -> (it, its numpy view)
         self.device_name, self.device, self.profile = reference.device_name, reference.device, reference.profile
         self.rope = reference.attn.rope
         (self._eps, self._hc, self._attn_norm, self._proj, self._shape, comp_w, index_w) = attention
@@ -194,20 +194,44 @@ class CompiledV4Block:
         return self.reference.new_cache()
 
     def _compiles(self, x: torch.Tensor, cache) -> bool:
-        """Whether this step runs compiled: a decode or verify batch of one sequence (its cache
-        of the bound block's kind: float32, checked at binding), the parts as bound (``offload tune`` may wrap a router to record it)."""
+        """Whether this step runs compiled: a decode or verify batch (of one sequence, or of
+        several whose caches a ``SequenceBatch`` holds; the caches of the bound block's kind,
+        checked at binding), the parts as bound (``offload tune`` may wrap a router to record it)."""
         ffn = self.reference.ffn
-        return (x.shape[0] <= DECODE_TOKENS and isinstance(cache, Dsv4Cache) and x.device.type == "cpu"
+        return (x.shape[0] <= DECODE_TOKENS and x.device.type == "cpu"
+                and (type(cache) is Dsv4Cache or type(cache) is SequenceBatch)
                 and ffn is self._bound_parts[0] and getattr(ffn, "router", None) is self._bound_parts[1])
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache, *, tokens=None) -> torch.Tensor:
+        """Several sequences (continuous batching): the attention half per sequence over its
+        own rows and cache, the FFN half once over every row (each touched expert read once)."""
         if not self._compiles(x, cache) or (tokens is None and self._hashed):
             return self.reference(x, positions, cache, tokens=tokens)
-        t = x.shape[0]
         xh = np.ascontiguousarray(to_host(x))
         pos, tok, n_pos = _step_ids(positions, tokens)
-        cos, sin = self._rope_tables(n_pos)
+        tables = self._rope_tables(n_pos)
         chunks = settings.apply_threads()
+        mid = np.empty_like(xh)
+        with self.profile.time("cpu_block"):
+            if type(cache) is SequenceBatch:
+                for c, (lo, hi) in zip(cache.caches, spans(cache.rows)):
+                    self._attend(xh[lo:hi], mid[lo:hi], pos[lo:hi], tables, c, chunks)
+            else:
+                self._attend(xh, mid, pos, tables, cache, chunks)
+            out = np.empty_like(xh)
+            ffn = (mid, out, tok) + self._ffn + (chunks,)
+            if self._entries[1] is None:
+                self._entries[1], touched = first_call(v4_ffn_half, ffn)
+            else:
+                touched = self._entries[1](*ffn)
+        if touched < 0:         # the kernel read nothing out of bounds and wrote nothing
+            raise OffloadError(f"{self.name}: a token id outside ffn_gate_tid2eid, or an expert id outside "
+                               f"0..{self._ffn[8].shape[0] - 1} in it")
+        return torch.from_numpy(out)
+
+    def _attend(self, xh, mid, pos, tables, cache: Dsv4Cache, chunks: int) -> None:
+        """The attention half of one sequence's rows xh into mid, advancing its cache."""
+        t = xh.shape[0]
         win = cache.window
         win.make_room(t)
         comp = index = None
@@ -218,43 +242,35 @@ class CompiledV4Block:
             icomp_w, *rest = self._index_w
             index_state = self._state_args("index", cache.index_state, cache.index, t)
             index = (icomp_w + index_state, *rest)
-        mid = np.empty_like(xh)
-        attn = (xh, mid, pos, self._eps, self._hc, self._attn_norm, self._proj, self._shape, cos, sin,
+        attn = (xh, mid, pos, self._eps, self._hc, self._attn_norm, self._proj, self._shape, *tables,
                 (self._cache_tag, self._raw("window", win.k)[0], win.start, win.length), comp, index, chunks)
-        out = np.empty_like(xh)
-        ffn = (mid, out, tok) + self._ffn + (chunks,)
-        with self.profile.time("cpu_block"):
-            if self._entries[0] is None:
-                self._entries[0], counts = first_call(v4_attention_half, attn)
-            else:
-                counts = self._entries[0](*attn)
-            if self._entries[1] is None:
-                self._entries[1], touched = first_call(v4_ffn_half, ffn)
-            else:
-                touched = self._entries[1](*ffn)
-        if touched < 0:         # the kernel read nothing out of bounds and wrote nothing
-            raise OffloadError(f"{self.name}: a token id outside ffn_gate_tid2eid, or an expert id outside "
-                               f"0..{self._ffn[8].shape[0] - 1} in it")
+        if self._entries[0] is None:
+            self._entries[0], counts = first_call(v4_attention_half, attn)
+        else:
+            counts = self._entries[0](*attn)
         win.length += t
         if comp is not None:
             _advance(cache.state, cache.compressed, comp_state, t, counts[0])
         if index is not None:
             _advance(cache.index_state, cache.index, index_state, t, counts[1])
-        return torch.from_numpy(out)
 
     def _raw(self, part: str, rows: torch.Tensor) -> np.ndarray:
         """A cache part's storage in the cache type as a uint8 numpy view (…, row bytes), made
         again only when the part's storage was replaced (it grew, or another cache came)."""
-        seen = self._views.get(part)
-        if seen is None or seen[0] is not rows:
-            seen = self._views[part] = (rows, rows.view(torch.uint8).numpy())
-        return seen[1]
+        return self._view(rows, lambda: rows.view(torch.uint8).numpy())
 
     def _host(self, part: str, buf: torch.Tensor) -> np.ndarray:
         """A compressor state's float32 rows as numpy (a view), as ``_raw`` keeps them."""
-        seen = self._views.get(part + " state")
-        if seen is None or seen[0] is not buf:
-            seen = self._views[part + " state"] = (buf, buf.numpy())
+        return self._view(buf, buf.numpy)
+
+    def _view(self, storage: torch.Tensor, make) -> np.ndarray:
+        """``make()`` for this storage tensor, kept while the tensor is (the entry holds it, so
+        its id is not reused meanwhile); several sequences' caches each keep their own."""
+        seen = self._views.get(id(storage))
+        if seen is None or seen[0] is not storage:
+            if len(self._views) > 64 * 5:      # caches come and go with requests: drop the old ones
+                self._views.clear()
+            seen = self._views[id(storage)] = (storage, make())
         return seen[1]
 
     def _state_args(self, part: str, state: CompressorState, rows: CompressedRows, t: int) -> tuple:
