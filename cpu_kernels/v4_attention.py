@@ -67,96 +67,9 @@ def _head_rms(q, n_head, d, eps):
 
 
 @njit(**_kw)
-def compress_windows(rows, first, done, now, ratio, overlap, d, ape, norm_w, eps, cos, sin, n_rot, kt, out, at0):
-    """Entries of windows done..now−1 from the state ``rows`` (positions first.., each row kv
-    (coff·d) then gate (coff·d)), stored in the cache type ``kt`` as rows at0, at0 + 1, … of
-    ``out`` (raw bytes, one row per entry): per channel a softmax over the window's slots of
-    gate + ape weighs the kv values (CSA, ``overlap``: window w−1's first half then window w's
-    second half, 2·ratio slots, none before window 0); then RMS norm × ``norm_w`` and the rope
-    tail at position w·ratio (``gpu.compressed_attention.Compressor``)."""
-    width = ape.shape[1]
-    n_slot = 2 * ratio if overlap else ratio
-    kv = np.empty((n_slot, d), f32)
-    z = np.empty((n_slot, d), f32)
-    e = np.empty((1, d), f32)
-    en = np.empty((1, d), f32)
-    for w in range(done, now):
-        for s in range(ratio):
-            at = w * ratio + s - first
-            if overlap:
-                prev = max(at - ratio, 0)
-                for c in range(d):
-                    kv[s, c] = rows[prev, c]
-                    z[s, c] = rows[prev, width + c] + ape[s, c]
-                    kv[ratio + s, c] = rows[at, d + c]
-                    z[ratio + s, c] = rows[at, width + d + c] + ape[s, d + c]
-            else:
-                for c in range(d):
-                    kv[s, c] = rows[at, c]
-                    z[s, c] = rows[at, width + c] + ape[s, c]
-        # window 0 of CSA has no previous window: its first ratio slots weigh exactly 0 (the
-        # reference's −inf gates), so they are left out rather than given an infinity
-        lo = ratio if overlap and w == 0 else 0
-        for c in range(d):
-            m = z[lo, c]
-            for s in range(lo + 1, n_slot):
-                m = max(m, z[s, c])
-            tot = f32(0)
-            acc = f32(0)
-            for s in range(lo, n_slot):
-                p = np.exp(z[s, c] - m)
-                tot += p
-                acc += p * kv[s, c]
-            e[0, c] = acc / tot
-        rms_norm(e, norm_w, eps, en)
-        rope_tail(en[0], w * ratio, cos, sin, n_rot, False)
-        kv_store_row(kt, out, (at0 + w - done) * out.strides[0], en[0], 0, d)
-
-
-@njit(**_kw)
-def _update_state(kvp, gp, buf, held, keep, ratio, overlap, d, ape, norm_w, eps, cos, sin, n_rot, length0,
-                  kt, entries, count):
-    """A compressor's step (``Compressor.__call__`` with ``CompressorState.extend``): the held
-    state rows (positions length0 − held ..) plus the T new [kv | gate] rows; the windows they
-    complete → entries (raw rows of type ``kt``) count ..; then the rows from ``keep``
-    (relative to the first held) back into ``buf``. Returns the new entry count."""
-    t_n, cw = kvp.shape
-    rows = np.empty((held + t_n, 2 * cw), f32)
-    rows[:held] = buf[:held]
-    rows[held:, :cw] = kvp
-    rows[held:, cw:] = gp
-    first = length0 - held
-    done, now = length0 // ratio, (length0 + t_n) // ratio
-    if now > done:
-        compress_windows(rows, first, done, now, ratio, overlap, d, ape, norm_w, eps, cos, sin, n_rot, kt,
-                         entries, count)
-    kept = rows.shape[0] - keep
-    buf[:kept] = rows[keep:]
-    return count + now - done
-
-
-@njit(**_kw)
 def visible(positions, t, ratio):
     """Entries query t may see: those whose window ended at or before its position."""
     return (positions[t] + 1) // ratio
-
-
-@njit(parallel=True, **_kw)
-def index_scores(q, wts, kt, keys, n_keys, d, positions, ratio, n_head, out):
-    """out[t, s] = Σ_h wts[t, h] · relu(q[t, h] · keys[s]) for the entries s < n_keys query t
-    sees (s < (positions[t] + 1) // ratio); the others are not written. ``keys`` raw rows of
-    the cache type ``kt``, q (T, n_head·d)."""
-    t_n = q.shape[0]
-    for s in prange(n_keys):
-        for t in range(t_n):
-            if s >= visible(positions, t, ratio):
-                continue
-            acc = f32(0)
-            for h in range(n_head):
-                dot = kv_dot(kt, keys, s * keys.strides[0], q[t], h * d, d)
-                if dot > 0:
-                    acc += wts[t, h] * dot
-            out[t, s] = acc
 
 
 @njit(nogil=True, cache=True, error_model="numpy")     # no fastmath: the NaN ordering stays
@@ -176,59 +89,149 @@ def top_entries(score, n_keys, positions, ratio, top_k, chosen):
                 chosen[t, order[j]] = True
 
 
-@njit(parallel=True, **_kw)
-def attend_sink(q, kt, win, win_start, n_cells, q0, window, entries, chosen, sinks, out):
-    """out[t, h] = softmax-with-sink(q[t, h] · keysᵀ / √d) @ keys, keys = K = V (raw rows of
-    the cache type ``kt``): window cells c < n_cells (cache index win_start + c) that query t
-    (cache index q0 + t) sees (not after it, fewer than ``window`` back) and the entries with
-    ``chosen[t, s]`` (None: none). q, out (T, H, d); ``sinks`` (H,) one logit per head with no
-    value (``gpu.compressed_attention.attend_with_sink``)."""
-    t_n, n_head, d = q.shape
-    n_ent = 0 if chosen is None else chosen.shape[1]
-    scale = f32(1) / np.sqrt(f32(d))
-    ws = win.strides[0]
-    for it in prange(t_n * n_head):
-        t, h = it // n_head, it % n_head
-        qi = q0 + t
-        lo = max(0, qi - window + 1 - win_start)
-        hi = min(n_cells, qi + 1 - win_start)
-        n_win = max(0, hi - lo)
-        sc = np.empty(n_win + n_ent, f32)
-        qh = q[t, h]
-        m = sinks[h]
-        for j in range(n_win):
-            sc[j] = kv_dot(kt, win, (lo + j) * ws, qh, 0, d) * scale
-            m = max(m, sc[j])
-        if chosen is not None:                  # None: a window-only block (pruned at compile time)
-            es = entries.strides[0]
-            for s in range(n_ent):
-                if chosen[t, s]:
-                    sc[n_win + s] = kv_dot(kt, entries, s * es, qh, 0, d) * scale
-                    m = max(m, sc[n_win + s])
-        tot = np.exp(sinks[h] - m)
-        for j in range(n_win):
-            sc[j] = np.exp(sc[j] - m)
-            tot += sc[j]
-        if chosen is not None:
-            for s in range(n_ent):
-                if chosen[t, s]:
-                    sc[n_win + s] = np.exp(sc[n_win + s] - m)
-                    tot += sc[n_win + s]
-        inv = f32(1) / tot
-        oh = out[t, h]
-        oh[:] = 0
-        for j in range(n_win):
-            kv_axpy(kt, sc[j] * inv, win, (lo + j) * ws, oh, 0, d)
-        if chosen is not None:
-            es = entries.strides[0]
-            for s in range(n_ent):
-                if chosen[t, s]:
-                    kv_axpy(kt, sc[n_win + s] * inv, entries, s * es, oh, 0, d)
-
-
 def _build_entries(salt):
-    # these inline other files' kernels: the source digest keeps Numba's cache honest (block.py)
-    global v4_attention_half
+    # Everything here links other files' kernels (block's norms and matmuls, kv_rows' row
+    # reads and writes, hyper's mixing) into its own compiled code: it carries the package's
+    # source digest so that Numba's cache never serves it with an older callee inlined, and
+    # the functions call each other as module globals (block.py says why).
+    global compress_windows, _update_state, index_scores, attend_sink, v4_attention_half
+
+    @njit(**_kw)
+    def compress_windows(rows, first, done, now, ratio, overlap, d, ape, norm_w, eps, cos, sin, n_rot, kt, out, at0):
+        """Entries of windows done..now−1 from the state ``rows`` (positions first.., each row kv
+        (coff·d) then gate (coff·d)), stored in the cache type ``kt`` as rows at0, at0 + 1, … of
+        ``out`` (raw bytes, one row per entry): per channel a softmax over the window's slots of
+        gate + ape weighs the kv values (CSA, ``overlap``: window w−1's first half then window w's
+        second half, 2·ratio slots, none before window 0); then RMS norm × ``norm_w`` and the rope
+        tail at position w·ratio (``gpu.compressed_attention.Compressor``)."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        width = ape.shape[1]
+        n_slot = 2 * ratio if overlap else ratio
+        kv = np.empty((n_slot, d), f32)
+        z = np.empty((n_slot, d), f32)
+        e = np.empty((1, d), f32)
+        en = np.empty((1, d), f32)
+        for w in range(done, now):
+            for s in range(ratio):
+                at = w * ratio + s - first
+                if overlap:
+                    prev = max(at - ratio, 0)
+                    for c in range(d):
+                        kv[s, c] = rows[prev, c]
+                        z[s, c] = rows[prev, width + c] + ape[s, c]
+                        kv[ratio + s, c] = rows[at, d + c]
+                        z[ratio + s, c] = rows[at, width + d + c] + ape[s, d + c]
+                else:
+                    for c in range(d):
+                        kv[s, c] = rows[at, c]
+                        z[s, c] = rows[at, width + c] + ape[s, c]
+            # window 0 of CSA has no previous window: its first ratio slots weigh exactly 0 (the
+            # reference's −inf gates), so they are left out rather than given an infinity
+            lo = ratio if overlap and w == 0 else 0
+            for c in range(d):
+                m = z[lo, c]
+                for s in range(lo + 1, n_slot):
+                    m = max(m, z[s, c])
+                tot = f32(0)
+                acc = f32(0)
+                for s in range(lo, n_slot):
+                    p = np.exp(z[s, c] - m)
+                    tot += p
+                    acc += p * kv[s, c]
+                e[0, c] = acc / tot
+            rms_norm(e, norm_w, eps, en)
+            rope_tail(en[0], w * ratio, cos, sin, n_rot, False)
+            kv_store_row(kt, out, (at0 + w - done) * out.strides[0], en[0], 0, d)
+
+    @njit(**_kw)
+    def _update_state(kvp, gp, buf, held, keep, ratio, overlap, d, ape, norm_w, eps, cos, sin, n_rot, length0,
+                      kt, entries, count):
+        """A compressor's step (``Compressor.__call__`` with ``CompressorState.extend``): the held
+        state rows (positions length0 − held ..) plus the T new [kv | gate] rows; the windows they
+        complete → entries (raw rows of type ``kt``) count ..; then the rows from ``keep``
+        (relative to the first held) back into ``buf``. Returns the new entry count."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        t_n, cw = kvp.shape
+        rows = np.empty((held + t_n, 2 * cw), f32)
+        rows[:held] = buf[:held]
+        rows[held:, :cw] = kvp
+        rows[held:, cw:] = gp
+        first = length0 - held
+        done, now = length0 // ratio, (length0 + t_n) // ratio
+        if now > done:
+            compress_windows(rows, first, done, now, ratio, overlap, d, ape, norm_w, eps, cos, sin, n_rot, kt,
+                             entries, count)
+        kept = rows.shape[0] - keep
+        buf[:kept] = rows[keep:]
+        return count + now - done
+
+    @njit(parallel=True, **_kw)
+    def index_scores(q, wts, kt, keys, n_keys, d, positions, ratio, n_head, out):
+        """out[t, s] = Σ_h wts[t, h] · relu(q[t, h] · keys[s]) for the entries s < n_keys query t
+        sees (s < (positions[t] + 1) // ratio); the others are not written. ``keys`` raw rows of
+        the cache type ``kt``, q (T, n_head·d)."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        t_n = q.shape[0]
+        for s in prange(n_keys):
+            for t in range(t_n):
+                if s >= visible(positions, t, ratio):
+                    continue
+                acc = f32(0)
+                for h in range(n_head):
+                    dot = kv_dot(kt, keys, s * keys.strides[0], q[t], h * d, d)
+                    if dot > 0:
+                        acc += wts[t, h] * dot
+                out[t, s] = acc
+
+    @njit(parallel=True, **_kw)
+    def attend_sink(q, kt, win, win_start, n_cells, q0, window, entries, chosen, sinks, out):
+        """out[t, h] = softmax-with-sink(q[t, h] · keysᵀ / √d) @ keys, keys = K = V (raw rows of
+        the cache type ``kt``): window cells c < n_cells (cache index win_start + c) that query t
+        (cache index q0 + t) sees (not after it, fewer than ``window`` back) and the entries with
+        ``chosen[t, s]`` (None: none). q, out (T, H, d); ``sinks`` (H,) one logit per head with no
+        value (``gpu.compressed_attention.attend_with_sink``)."""
+        _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
+        t_n, n_head, d = q.shape
+        n_ent = 0 if chosen is None else chosen.shape[1]
+        scale = f32(1) / np.sqrt(f32(d))
+        ws = win.strides[0]
+        for it in prange(t_n * n_head):
+            t, h = it // n_head, it % n_head
+            qi = q0 + t
+            lo = max(0, qi - window + 1 - win_start)
+            hi = min(n_cells, qi + 1 - win_start)
+            n_win = max(0, hi - lo)
+            sc = np.empty(n_win + n_ent, f32)
+            qh = q[t, h]
+            m = sinks[h]
+            for j in range(n_win):
+                sc[j] = kv_dot(kt, win, (lo + j) * ws, qh, 0, d) * scale
+                m = max(m, sc[j])
+            if chosen is not None:                  # None: a window-only block (pruned at compile time)
+                es = entries.strides[0]
+                for s in range(n_ent):
+                    if chosen[t, s]:
+                        sc[n_win + s] = kv_dot(kt, entries, s * es, qh, 0, d) * scale
+                        m = max(m, sc[n_win + s])
+            tot = np.exp(sinks[h] - m)
+            for j in range(n_win):
+                sc[j] = np.exp(sc[j] - m)
+                tot += sc[j]
+            if chosen is not None:
+                for s in range(n_ent):
+                    if chosen[t, s]:
+                        sc[n_win + s] = np.exp(sc[n_win + s] - m)
+                        tot += sc[n_win + s]
+            inv = f32(1) / tot
+            oh = out[t, h]
+            oh[:] = 0
+            for j in range(n_win):
+                kv_axpy(kt, sc[j] * inv, win, (lo + j) * ws, oh, 0, d)
+            if chosen is not None:
+                es = entries.strides[0]
+                for s in range(n_ent):
+                    if chosen[t, s]:
+                        kv_axpy(kt, sc[n_win + s] * inv, entries, s * es, oh, 0, d)
 
     @njit(**_glue_kw)
     def v4_attention_half(x, out, positions, eps, hc, attn_norm, proj, shape, cos, sin, win, comp, index, chunks):
@@ -247,8 +250,9 @@ def _build_entries(salt):
         ``comp`` None (window-only) or the compressor: (tkv, wkv, tg, wg, ape, norm, ratio,
         overlap, buf, held, keep, entries, count): weights, ``ape``, norm weight, the float32
         state rows ``buf`` (``held`` valid; rows from ``keep`` stay after this call), the
-        entries' raw rows (count valid; room for the new). ``index`` None (not CSA) or (compressor tuple as
-        ``comp``'s, tqb, wqb, tpr, wpr, n_head, head_dim, top_k) of the lightning indexer.
+        entries' raw rows (count valid; room for the new). ``index`` None (not CSA) or
+        (compressor tuple as ``comp``'s, tqb, wqb, tpr, wpr, n_head, head_dim, top_k) of the
+        lightning indexer.
         Returns (the attention compressor's, the indexer's) new entry counts (0 where none)."""
         _salt = salt  # noqa: F841  (cache key: see registry.source_digest)
         t_n, n_str, n_embd = x.shape
@@ -344,7 +348,7 @@ def _build_entries(salt):
         hc_combine(o, x, post, comb, out)
         return n_comp, n_idx
 
-    return v4_attention_half
+    return compress_windows, _update_state, index_scores, attend_sink, v4_attention_half
 
 
-v4_attention_half = _build_entries(source_digest())
+compress_windows, _update_state, index_scores, attend_sink, v4_attention_half = _build_entries(source_digest())

@@ -48,7 +48,7 @@ from gpu.attention import Attention
 from gpu.ffn import SwiGLU
 from gpu.kv_cache import KVCache, SequenceBatch
 from gpu.router import SigmoidRouter, SoftmaxRouter
-from offload.cpu_ops import CpuExperts, RawLinear, to_host
+from offload.cpu_ops import CpuExperts, RawGroupedLinear, RawLinear, to_host
 from offload.moe import MoE
 from placement.limits import DECODE_TOKENS
 
@@ -190,15 +190,16 @@ class Bound:
 ROUTE_KINDS = {SigmoidRouter: kb.SIGMOID, SoftmaxRouter: kb.SOFTMAX}
 
 
-def _raw(lin):
-    """(QTag, uint8 row view) of a RawLinear, None if it is anything else."""
-    if not isinstance(lin, RawLinear):
+def raw_rows(lin):
+    """(QTag, uint8 row view) of a RawLinear or RawGroupedLinear (its bias, if any, is the
+    caller's to bind), None if it is anything else."""
+    if not isinstance(lin, (RawLinear, RawGroupedLinear)):
         return None
     kern = get_kernel(lin.qtype, lin.name)
     return kern.tag, weight_bytes(lin.data, kern, 2, lin.name)
 
 
-def _vec(t) -> np.ndarray | None:
+def host_vector(t) -> np.ndarray | None:
     return None if t is None else np.ascontiguousarray(t.detach().float().cpu().numpy())
 
 
@@ -221,7 +222,7 @@ def _bind(block, parts: CompiledParts) -> Bound | str:
                          ("interleaved rotary", attn.rope.interleaved)):
         if present:
             return why
-    projs = [_raw(p) for p in (attn.q, attn.k, attn.v, attn.o)]
+    projs = [raw_rows(p) for p in (attn.q, attn.k, attn.v, attn.o)]
     if None in projs:
         return "attention projections off the CPU"
     (tq, wq), (tk, wk), (tv, wv), (to, wo) = projs
@@ -236,9 +237,9 @@ def _bind(block, parts: CompiledParts) -> Bound | str:
     if cache.k.device.type != "cpu" or any(n not in KV_TYPES for n in cache.type_names):
         return f"KV cache {'/'.join(cache.type_names)} on {cache.k.device}"
     attention = AttentionArgs(
-        _vec(block.attn_norm.weight), tq, wq, _vec(attn.q.bias), tk, wk, _vec(attn.k.bias), tv, wv,
-        _vec(attn.v.bias), to, wo, None if attn.q_norm is None else _vec(attn.q_norm.weight),
-        None if attn.k_norm is None else _vec(attn.k_norm.weight), attn.n_head, attn.rope.n_rot)
+        host_vector(block.attn_norm.weight), tq, wq, host_vector(attn.q.bias), tk, wk, host_vector(attn.k.bias), tv, wv,
+        host_vector(attn.v.bias), to, wo, None if attn.q_norm is None else host_vector(attn.q_norm.weight),
+        None if attn.k_norm is None else host_vector(attn.k_norm.weight), attn.n_head, attn.rope.n_rot)
     if isinstance(ffn, SwiGLU):
         ffn_args = _bind_dense(block, ffn) if "dense" in parts.ffn else "dense FFN not declared"
     else:
@@ -249,13 +250,13 @@ def _bind(block, parts: CompiledParts) -> Bound | str:
 
 
 def _bind_dense(block, ffn: SwiGLU) -> DenseArgs | str:
-    dense = [_raw(p) for p in (ffn.gate, ffn.up, ffn.down)]
+    dense = [raw_rows(p) for p in (ffn.gate, ffn.up, ffn.down)]
     if None in dense:
         return "dense FFN off the CPU"
     if dense[0][1].shape[0] % 16:
         return f"dense n_ff {dense[0][1].shape[0]} not a multiple of 16"
     (tg, wg), (tu, wu), (td, wd) = dense
-    return DenseArgs(_vec(block.ffn_norm.weight), tg, wg, tu, wu, td, wd)
+    return DenseArgs(host_vector(block.ffn_norm.weight), tg, wg, tu, wu, td, wd)
 
 
 def _bind_moe(block, ffn) -> MoeArgs | str:
@@ -277,14 +278,14 @@ def _bind_moe(block, ffn) -> MoeArgs | str:
         return f"router {type(router).__name__} not compiled"
     if kind == kb.SIGMOID and router.n_group > 1:
         return "group-limited routing"
-    rp = _raw(router.proj)
+    rp = raw_rows(router.proj)
     if rp is None:
         return "router off the CPU"
     if router.proj.bias is not None:
         return "router bias"
     shared = ()
     if ffn.shared is not None:
-        sh = [_raw(p) for p in (ffn.shared.gate, ffn.shared.up, ffn.shared.down)]
+        sh = [raw_rows(p) for p in (ffn.shared.gate, ffn.shared.up, ffn.shared.down)]
         if None in sh:
             return "shared expert off the CPU"
         if sh[0][1].shape[0] % 16:
@@ -298,8 +299,8 @@ def _bind_moe(block, ffn) -> MoeArgs | str:
     # the routed experts' activations as the reference's moe_ffn takes them at T <= DECODE_TOKENS
     # (int8 per phase for the decode mode's types), their scratch bound here once
     qx, qh = ffn.experts.decode_scratch(router.k, DECODE_TOKENS)
-    return MoeArgs(_vec(block.ffn_norm.weight), rp[0], rp[1],
-                   _vec(router.bias) if kind == kb.SIGMOID else None, kind, router.k, bool(router.norm),
+    return MoeArgs(host_vector(block.ffn_norm.weight), rp[0], rp[1],
+                   host_vector(router.bias) if kind == kb.SIGMOID else None, kind, router.k, bool(router.norm),
                    float(router.scale), gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, ew.n_ff, qx, qh, *shared)
 
 

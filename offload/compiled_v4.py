@@ -1,13 +1,14 @@
 """The compiled CPU block of DeepSeek-V4 (``deepseek4``): a block whose every tensor is in RAM
-runs decode and verify steps (T <= ``DECODE_TOKENS``, one sequence) as two compiled calls,
+runs decode and verify steps (T <= ``DECODE_TOKENS`` rows) as two compiled calls,
 ``cpu_kernels.v4_attention.v4_attention_half`` (mHC, attention of any of the three kinds with
 its compressors and indexer, mHC back) and ``cpu_kernels.v4_ffn.v4_ffn_half`` (mHC, the
 √softplus or hash router, clamped routed and shared experts, mHC back).
 
 As ``offload.compiled_block`` does for GQA blocks: the reference block (the torch path,
 ``offload.models.deepseek4.Deepseek4Block``) is built as usual and its raw GGUF views, norms and
-settings are bound once at load; prompt batches, several sequences at once, a quantized
-cache and anything else the kernels do not cover take the reference block. Both paths share
+settings are bound once at load; prompt batches and anything else the kernels do not cover
+take the reference block. Several sequences stepped as one batch (a ``SequenceBatch``) run the
+attention half per sequence and one FFN half over every row. Both paths share
 the block's ``Dsv4Cache``: this side computes the same bookkeeping integers the cache parts
 compute (``WindowKVCache.make_room``, ``CompressorState.keep_after``,
 ``CompressedRows.reserve``) and lets the kernel write the rows, so a prefill by one path is
@@ -22,7 +23,6 @@ from gguf import GGMLQuantizationType as Q
 from cpu_kernels import settings
 from cpu_kernels.entry import first_call
 from cpu_kernels.kv_rows import KV_TYPES
-from cpu_kernels.layout import weight_bytes
 from cpu_kernels.registry import get_kernel
 from cpu_kernels.v4_attention import v4_attention_half
 from cpu_kernels.v4_ffn import v4_ffn_half
@@ -30,8 +30,8 @@ from gpu.compressed_attention import CompressedAttention, Compressor
 from gpu.dsv4_cache import CompressorState, CompressedRows, Dsv4Cache
 from gpu.kv_cache import SequenceBatch, spans, type_name
 from gpu.router import HashRouter, SqrtSoftplusRouter
-from offload.compiled_block import CompiledParts, compile_block, compiled_enabled, ENV
-from offload.cpu_ops import CpuExperts, CpuHyperConnection, RawGroupedLinear, RawLinear, to_host
+from offload.compiled_block import ENV, CompiledParts, compile_block, compiled_enabled, host_vector, raw_rows
+from offload.cpu_ops import CpuExperts, CpuHyperConnection, to_host
 from offload.errors import OffloadError
 from offload.moe import MoE
 from placement.limits import DECODE_TOKENS
@@ -39,16 +39,10 @@ from placement.limits import DECODE_TOKENS
 f32 = np.float32
 
 
-def _vec(t) -> np.ndarray:
-    return np.ascontiguousarray(t.detach().float().cpu().numpy())
-
-
 def _raw(lin) -> tuple | None:
-    """(QTag, uint8 row view) of a RawLinear or RawGroupedLinear, None otherwise."""
-    if not isinstance(lin, (RawLinear, RawGroupedLinear)) or getattr(lin, "bias", None) is not None:
-        return None
-    kern = get_kernel(lin.qtype, lin.name)
-    return kern.tag, weight_bytes(lin.data, kern, 2, lin.name)
+    """``raw_rows`` of a projection without a bias (V4's have none: one that had would not be
+    bound here), None otherwise."""
+    return None if getattr(lin, "bias", None) is not None else raw_rows(lin)
 
 
 def _hc(hc, eps: float) -> tuple | str:
@@ -66,7 +60,7 @@ def _compressor(c: Compressor) -> tuple | str:
         return "compressor off the CPU"
     if c.dim % 16:
         return f"compressor width {c.dim} not a multiple of 16"
-    return kv + gate + (_vec(c.ape), _vec(c.norm.weight))
+    return kv + gate + (host_vector(c.ape), host_vector(c.norm.weight))
 
 
 def bind_attention(block) -> tuple | str:
@@ -88,8 +82,8 @@ def bind_attention(block) -> tuple | str:
     if wqa.shape[0] % 16 or d % 16 or (h * d // attn.o_groups) % 16 or woa.shape[0] % 16 \
             or (woa.shape[0] // attn.o_groups) % 4:
         return "attention widths not multiples of 16"
-    proj = (tqa, wqa, _vec(attn.q_a_norm.weight), tqb, wqb, tkv, wkv, _vec(attn.kv_norm.weight), toa, woa,
-            tob, wob, _vec(attn.sinks))
+    proj = (tqa, wqa, host_vector(attn.q_a_norm.weight), tqb, wqb, tkv, wkv, host_vector(attn.kv_norm.weight), toa, woa,
+            tob, wob, host_vector(attn.sinks))
     shape = (h, d, attn.rope.n_rot, attn.o_groups, attn.window)
     comp = index = None
     if attn.compressor is not None:
@@ -107,7 +101,7 @@ def bind_attention(block) -> tuple | str:
             return "indexer ratio differs"
         index = (icomp + (ix.compressor.ratio, ix.compressor.overlap), *iproj[0], *iproj[1], ix.n_head,
                  ix.head_dim, ix.top_k)
-    return eps, hc, _vec(block.attn_norm.weight), proj, shape, comp, index
+    return eps, hc, host_vector(block.attn_norm.weight), proj, shape, comp, index
 
 
 def bind_ffn(block, clamps: tuple[float, float]) -> tuple | str:
@@ -129,7 +123,7 @@ def bind_ffn(block, clamps: tuple[float, float]) -> tuple | str:
     if rp is None:
         return "router off the CPU"
     if isinstance(router, SqrtSoftplusRouter):
-        probs_b, table, k = _vec(router.bias), None, router.k
+        probs_b, table, k = host_vector(router.bias), None, router.k
     elif isinstance(router, HashRouter):
         probs_b, table = None, np.ascontiguousarray(router.table.cpu().numpy())
         k = table.shape[1]
@@ -145,7 +139,7 @@ def bind_ffn(block, clamps: tuple[float, float]) -> tuple | str:
     (gk, gb, g0, _), (uk, ub, u0, _) = ew._parts
     dk, db = ew._down
     qx, qh = experts.decode_scratch(k, DECODE_TOKENS)
-    return (eps, *hc, _vec(block.ffn_norm.weight), rp[0], rp[1], probs_b, table, k, float(router.scale),
+    return (eps, *hc, host_vector(block.ffn_norm.weight), rp[0], rp[1], probs_b, table, k, float(router.scale),
             gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, ew.n_ff, f32(clamps[0]), qx, qh,
             *sh[0], *sh[1], *sh[2], f32(clamps[1]))
 
@@ -174,7 +168,8 @@ class CompiledV4Block:
         (self._eps, self._hc, self._attn_norm, self._proj, self._shape, comp_w, index_w) = attention
         self._comp_w, self._index_w = comp_w, index_w
         self._ffn = ffn
-        self._hashed = ffn[10] is not None        # hash routing: the token ids pick the experts
+        self._hashed = isinstance(reference.ffn.router, HashRouter)     # the token ids pick the experts
+        self._n_expert = reference.ffn.experts.weights.n_expert
         self._entries = [None, None]
         self._tables = (None, None, None)
         ffn_part = reference.ffn
@@ -226,7 +221,7 @@ class CompiledV4Block:
                 touched = self._entries[1](*ffn)
         if touched < 0:         # the kernel read nothing out of bounds and wrote nothing
             raise OffloadError(f"{self.name}: a token id outside ffn_gate_tid2eid, or an expert id outside "
-                               f"0..{self._ffn[8].shape[0] - 1} in it")
+                               f"0..{self._n_expert - 1} in it")
         return torch.from_numpy(out)
 
     def _attend(self, xh, mid, pos, tables, cache: Dsv4Cache, chunks: int) -> None:
@@ -236,14 +231,14 @@ class CompiledV4Block:
         win.make_room(t)
         comp = index = None
         if self._comp_w is not None:
-            comp_state = self._state_args("compressed", cache.state, cache.compressed, t)
+            comp_state = self._state_args(cache.state, cache.compressed, t)
             comp = self._comp_w + comp_state
         if self._index_w is not None:
             icomp_w, *rest = self._index_w
-            index_state = self._state_args("index", cache.index_state, cache.index, t)
+            index_state = self._state_args(cache.index_state, cache.index, t)
             index = (icomp_w + index_state, *rest)
         attn = (xh, mid, pos, self._eps, self._hc, self._attn_norm, self._proj, self._shape, *tables,
-                (self._cache_tag, self._raw("window", win.k)[0], win.start, win.length), comp, index, chunks)
+                (self._cache_tag, self._rows(win.k)[0], win.start, win.length), comp, index, chunks)
         if self._entries[0] is None:
             self._entries[0], counts = first_call(v4_attention_half, attn)
         else:
@@ -254,18 +249,14 @@ class CompiledV4Block:
         if index is not None:
             _advance(cache.index_state, cache.index, index_state, t, counts[1])
 
-    def _raw(self, part: str, rows: torch.Tensor) -> np.ndarray:
-        """A cache part's storage in the cache type as a uint8 numpy view (…, row bytes), made
-        again only when the part's storage was replaced (it grew, or another cache came)."""
-        return self._view(rows, lambda: rows.view(torch.uint8).numpy())
-
-    def _host(self, part: str, buf: torch.Tensor) -> np.ndarray:
-        """A compressor state's float32 rows as numpy (a view), as ``_raw`` keeps them."""
-        return self._view(buf, buf.numpy)
+    def _rows(self, storage: torch.Tensor) -> np.ndarray:
+        """A cache part's storage in the cache type as a uint8 numpy view (…, row bytes)."""
+        return self._view(storage, lambda: storage.view(torch.uint8).numpy())
 
     def _view(self, storage: torch.Tensor, make) -> np.ndarray:
-        """``make()`` for this storage tensor, kept while the tensor is (the entry holds it, so
-        its id is not reused meanwhile); several sequences' caches each keep their own."""
+        """``make()`` (a numpy view) for this cache storage tensor, made again only when the
+        storage was replaced (it grew, or another cache came); the entry holds the tensor, so its
+        id is not reused meanwhile, and several sequences' caches each keep their own."""
         seen = self._views.get(id(storage))
         if seen is None or seen[0] is not storage:
             if len(self._views) > 64 * 5:      # caches come and go with requests: drop the old ones
@@ -273,14 +264,14 @@ class CompiledV4Block:
             seen = self._views[id(storage)] = (storage, make())
         return seen[1]
 
-    def _state_args(self, part: str, state: CompressorState, rows: CompressedRows, t: int) -> tuple:
+    def _state_args(self, state: CompressorState, rows: CompressedRows, t: int) -> tuple:
         """(buf, held, keep, entries, count) of a compressor for a step of t positions (``keep``
         relative to the first held row), with room made for the entries it completes (the
         kernel writes them; ``_advance`` commits)."""
         keep = state.keep_after(t)
         rows.reserve((state.length + t) // state.ratio - state.length // state.ratio)
-        return (self._host(part, state.buf), state.length - state.start, keep - state.start,
-                self._raw(part, rows.rows), rows.count)
+        return (self._view(state.buf, state.buf.numpy), state.length - state.start, keep - state.start,
+                self._rows(rows.rows), rows.count)
 
     def _rope_tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
         cos, sin = self.rope.tables(n_pos)
