@@ -3,6 +3,11 @@
 
     python -m bench.pipeline [MODEL.gguf] [--rounds 3] [-n 64] [--iters 300] [--spec-n-max 3]
 
+MODEL: the shipped model by default (its 4 blocks split 1 / 2+2 / 1+1+2 by hand-picked hosts),
+or any other file, planned over 1, 2 and 3 equal hosts (``host_specs``): e.g. the depth
+bench's 48-block narrow model (``python -m bench.depth --keep DIR`` writes it). MTP runs only
+where the model has a head.
+
 * hops: two processes over gloo on 127.0.0.1 bounce a (T, n_embd) float32 tensor (T = 1, 4,
   16: a decode pass and verify batches) and the pipeline's command (``offload.pipeline``'s
   int64 broadcast); the median round trip over ``--iters``, its half as one hop, bytes per
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import socket
@@ -47,6 +53,20 @@ WIDE = 7168                     # DeepSeek-V3's n_embd: where the bytes of a hop
 BATCHES = (1, 4, 16)
 # host specs whose proportional split gives the shipped model's 4 blocks 1, 2 and 3 ranges
 HOSTS = {1: "a:CPU=1GiB", 2: "a:CPU=1GiB;b:CPU=1GiB", 3: "a:CPU=1GiB;b:CPU=1GiB;c:CPU=2GiB"}
+ROOM = 1.5          # another model's hosts: each holds its share of the file this many times over
+
+
+def host_specs(model: str, file_bytes: int) -> dict[int, str]:
+    """World size → the ``--hosts`` spec to plan ``model`` with: the shipped model's above, else
+    1, 2 or 3 equal hosts, each with room for its share of the file (``ROOM``; at least 1 GiB),
+    which the planner's proportional split gives equal ranges of blocks."""
+    if Path(model).resolve() == Path(SHIPPED_MODEL).resolve():
+        return HOSTS
+    out = {}
+    for w in (1, 2, 3):
+        gib = max(1, math.ceil(file_bytes * ROOM / w / 2 ** 30))
+        out[w] = ";".join(f"{h}:CPU={gib}GiB" for h in "abc"[:w])
+    return out
 
 
 def free_port() -> int:
@@ -175,12 +195,12 @@ def decode(plan: Path | None, model: str, world: int, n: int, kind: str, n_max: 
     return json.loads(stats.read_text())
 
 
-def forecast(model: str, world: int, hop_us: float, gbps: float | None, profile: Path, out: Path,
+def forecast(model: str, hosts: str, hop_us: float, gbps: float | None, profile: Path, out: Path,
              n_max: int) -> tuple[float, float | None]:
-    """Plan ``world`` hosts with the measured hop → the plain decode t/s the plan predicts, and
-    its MTP t/s at ``n_max`` (None beyond the table)."""
+    """Plan ``hosts`` with the measured hop → the plain decode t/s the plan predicts, and its
+    MTP t/s at ``n_max`` (None beyond the table or without an MTP head)."""
     flags = ["--hop-latency-us", f"{hop_us:.2f}"] + (["--hop-gbps", f"{gbps:.3f}"] if gbps else [])
-    doc = json.loads(_offload("plan", model, "--hosts", HOSTS[world], "--hw-profile", str(profile), *flags,
+    doc = json.loads(_offload("plan", model, "--hosts", hosts, "--hw-profile", str(profile), *flags,
                               "--spec-max-n", str(max(n_max, 1)), "-o", str(out), "--json", env=_env()).stdout)
     rows = {r["n_max"]: r["tokens_per_s"] for r in (doc["speculative"] or {}).get("rows", [])}
     return float(doc["forecast"]["predicted_plain_tps"]), rows.get(n_max)
@@ -195,10 +215,13 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-n-max", type=int, default=3,
                     help="drafts per step (n-gram and MTP; default 3); 0: plain decoding only")
     a = ap.parse_args(argv)
-    if a.model != str(SHIPPED_MODEL):
-        raise SystemExit("the host specs here split the shipped model's blocks; give no model")
+    if not Path(a.model).is_file():
+        raise SystemExit(f"{a.model}: no such file")
     from offload.gguf_model import open_model
-    n_embd = open_model(a.model).spec.n_embd
+    spec = open_model(a.model).spec
+    n_embd = spec.n_embd
+    hosts = host_specs(a.model, Path(a.model).stat().st_size)
+    drafters = ("ngram", "mtp") if spec.n_nextn else ("ngram",)     # MTP only where the model has a head
     load0 = os.getloadavg()
 
     hops = measure_hops(n_embd, a.spec_n_max, a.iters)
@@ -214,7 +237,7 @@ def main(argv=None) -> int:
     print(f"  link rate from T=1..16 at n_embd {WIDE}: " + (f"{gbps:.2f} GB/s" if gbps else "not measurable"))
 
     configs = [(None, 1)] + [("plan", w) for w in (1, 2, 3)]
-    kinds = [("none", 0)] + ([("ngram", a.spec_n_max), ("mtp", a.spec_n_max)] if a.spec_n_max else [])
+    kinds = [("none", 0)] + ([(d, a.spec_n_max) for d in drafters] if a.spec_n_max else [])
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         profile = tmp / "box.yaml"
@@ -222,7 +245,7 @@ def main(argv=None) -> int:
         plans, predicted = {}, {}
         for w in (1, 2, 3):
             plans[w] = tmp / f"hosts{w}.yaml"
-            predicted[w] = forecast(a.model, w, hop_us, gbps, profile, plans[w], a.spec_n_max)
+            predicted[w] = forecast(a.model, hosts[w], hop_us, gbps, profile, plans[w], a.spec_n_max)
         results: dict[tuple, list[dict]] = {}
         jobs = [(c, k) for c in configs for k in kinds]
         for r in range(a.rounds):
@@ -236,7 +259,7 @@ def main(argv=None) -> int:
         return statistics.median(s["eval_tokens_per_second"] for s in results[(plan, w, kind)])
 
     def name(plan, w) -> str:
-        return "offload run, one process" if plan is None else f"{w} rank{'s' if w > 1 else ''} ({HOSTS[w]})"
+        return "offload run, one process" if plan is None else f"{w} rank{'s' if w > 1 else ''} ({hosts[w]})"
 
     print(f"\nplain decode, {Path(a.model).name}, -n {a.n} greedy, median of {a.rounds} rounds; forecast: offload "
           f"plan --hosts with hop {hop_us:.1f} us" + (f", {gbps:.2f} GB/s" if gbps else "") + " and this box's probe")
@@ -252,18 +275,19 @@ def main(argv=None) -> int:
     if a.spec_n_max:
         print(f"\nspeculation, n_max {a.spec_n_max}, batched verify (acceptance and target passes of the last "
               f"round; x plain: over the same configuration's plain t/s)")
-        print(f"  {'configuration':<44} {'ngram t/s':>9} {'acc':>5} {'x plain':>8} {'mtp t/s':>8} {'acc':>5} "
-              f"{'x plain':>8} {'mtp fc':>8} {'meas/fc':>8}")
+        mtp_cols = f" {'mtp t/s':>8} {'acc':>5} {'x plain':>8} {'mtp fc':>8} {'meas/fc':>8}" if "mtp" in drafters else ""
+        print(f"  {'configuration':<44} {'ngram t/s':>9} {'acc':>5} {'x plain':>8}{mtp_cols}")
         for plan, w in configs:
             plain = tps(plan, w, "none")
             line = f"  {name(plan, w):<44}"
-            for kind in ("ngram", "mtp"):
+            for kind in drafters:
                 last = results[(plan, w, kind)][-1]
                 v = tps(plan, w, kind)
                 line += f" {v:>{9 if kind == 'ngram' else 8}.1f} {last['accepted'] / max(last['drafted'], 1):>5.0%}"
                 line += f" {v / plain:>8.2f}"
-            fc = predicted[w][1] if plan else None
-            line += f" {fc:>8.1f} {tps(plan, w, 'mtp') / fc:>8.2f}" if fc else f" {'':>8} {'':>8}"
+            fc = predicted[w][1] if plan and "mtp" in drafters else None
+            if "mtp" in drafters:
+                line += f" {fc:>8.1f} {tps(plan, w, 'mtp') / fc:>8.2f}" if fc else f" {'':>8} {'':>8}"
             print(line)
     print(f"\n{os.cpu_count()} cores, load average {load0[0]:.2f} -> {load1[0]:.2f}, OMP_WAIT_POLICY=PASSIVE, "
           "--torch-threads 1 -t 1 per process")

@@ -116,3 +116,18 @@ def test_one_host_has_no_hops(fixture_paths):
     f = json.loads(r.stdout)["forecast"]
     assert f["hops_per_pass"] == 0
     assert f["predicted_plain_tps"] == f["hops_free"]["predicted_plain_tps"]
+
+
+def test_the_pipeline_bench_splits_a_deep_model_evenly(tmp_path):
+    """``bench.pipeline``'s hosts for a model other than the shipped one: 1, 2 and 3 equal hosts
+    whose plans give 12 blocks as one, two and three equal ranges (the deep-model rows)."""
+    from bench.pipeline import host_specs
+    from tests.tiny_models import TinySpec, write_tiny_model
+    tiny = write_tiny_model(tmp_path / "deep.gguf", TinySpec(arch="qwen3moe", n_layer=12, n_dense=0, nextn=False))
+    specs = host_specs(str(tiny.path), Path(tiny.path).stat().st_size)
+    ranges = {}
+    for w, hosts in specs.items():
+        r = offload("plan", str(tiny.path), "--hosts", hosts, "--json")
+        assert r.returncode == 0, r.stderr
+        ranges[w] = [tuple(h["blocks"]) for h in json.loads(r.stdout)["hosts"]]
+    assert ranges == {1: [(0, 11)], 2: [(0, 5), (6, 11)], 3: [(0, 3), (4, 7), (8, 11)]}
