@@ -50,11 +50,11 @@ def model_file(request, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("ds4c") / f"{request.param}.gguf", spec)
 
 
-def stepped(model, steps, first: int = 0):
-    """Logits of every step's batch (fed from IDS[first:]); rolled back after a step as
+def stepped(model, steps):
+    """Logits of every step's batch (fed from IDS in order); rolled back after a step as
     ``steps`` says (then the rolled-back tokens are fed again). Returns (logits, state)."""
     state = model.new_state(None)
-    outs, i = [], first
+    outs, i = [], 0
     for n, back in steps:
         out, _ = model.forward(torch.tensor(IDS[i:i + n]), state)
         outs.append(out.numpy())
@@ -119,19 +119,8 @@ def test_reference_prefill_is_continued_by_compiled_steps_and_back(model_file):
     """One state, the paths alternating: a reference prefill, compiled steps, a reference batch
     of 17 (past DECODE_TOKENS), compiled again; against the reference alone."""
     steps = [(20, 0), (4, 1), (17, 0), (8, 0), (30, 0), (3, 0)]
-
-    def alternating(model):
-        state = model.new_state(None)
-        outs, i = [], 0
-        for n, back in steps:
-            outs.append(model.forward(torch.tensor(IDS[i:i + n]), state)[0].numpy())
-            i += n - back
-            if back:
-                state.truncate(state.n_past - back)
-        return np.concatenate(outs)
-
     with load(model_file.path) as s:
-        fast, ref = both(s.model, alternating)
+        (fast, _), (ref, _) = both(s.model, lambda m: stepped(m, steps))
     assert rel_err(fast, ref) < REL_TOL
 
 
