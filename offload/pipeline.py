@@ -12,8 +12,9 @@ rank truncates its caches to it first, which is the rollback of rejected drafts 
 tokens (the pending token and the drafts of a verify batch; the first rank embeds them) and
 the tokens it has yielded since its last command (so every rank yields the same tokens).
 Each rank runs its blocks at the same positions (every rank keeps the caches of its own
-blocks) and sends the hidden state, (T, n_embd) float32, to the next; the last rank computes
-the logits. A last command (stop, or abort when the last rank failed) ends every rank. A rank
+blocks) and sends the hidden state to the next — (T, n_embd) float32, deepseek4's (T, n,
+n_embd) streams (``CausalLM.stage_shape``) — with the pass's tokens known to every rank (the
+blocks that route by token id read them); the last rank computes the logits. A last command (stop, or abort when the last rank failed) ends every rank. A rank
 that dies or stops answering for ``timeout_s`` ends the others with a one-line error naming
 the rank waited on and the step.
 
@@ -21,9 +22,10 @@ Built: plain decoding and speculative decoding with the n-gram drafter (it needs
 tokens) or the model's own MTP head (loaded on the last rank, which holds the trunk's last
 hidden state; ``placement.multihost`` gives that host a copy of ``token_embd`` when the head
 embeds with it), greedy or sampled on the last rank, batched or exact verification, for
-architectures whose forward is embedding → blocks → output (``PIPELINE_ARCHS``). Not built,
-refused in one line: a ``--draft`` head and DSpark across hosts, deepseek4 (its
-hyper-connection streams), GPU devices backed by the CPU (``--virtual-gpus``).
+architectures whose forward is a stage's in → blocks → out (``PIPELINE_ARCHS``; an
+architecture file may build its own stage, ``build_stage``: deepseek4 with its hc head and MTP
+head on the last rank). Not built, refused in one line: a ``--draft`` head and DSpark across
+hosts, GPU devices backed by the CPU (``--virtual-gpus``).
 """
 from __future__ import annotations
 
@@ -57,8 +59,8 @@ from placement.limits import INT8_FROM
 from placement.memory import kv_cells
 from placement.multihost import MultiHostPlan, shard
 
-# architectures whose forward is embed -> blocks -> output_norm/output (their files say so)
-PIPELINE_ARCHS = ("deepseek2", "glm4moe", "qwen3moe", "gpt-oss")
+# architectures whose forward is CausalLM's stage_in -> stage_blocks -> stage_out (their files say so)
+PIPELINE_ARCHS = ("deepseek2", "deepseek4", "glm4moe", "qwen3moe", "gpt-oss")
 TOKEN = torch.int64
 
 
@@ -84,7 +86,6 @@ class Stage:
     lm: CausalLM
     first: bool
     last: bool
-    n_embd: int
     caches: list
     profile: Profile = field(default_factory=Profile)    # this rank's timers (its blocks, the hops' waits)
 
@@ -101,11 +102,11 @@ class Stage:
         head_cache = self.lm.nextn.new_cache() if self.lm.nextn is not None else None
         for t in (1, 2):
             pos = torch.arange(caches[0].length, caches[0].length + t)
-            x = self.lm.embed(torch.zeros(t, dtype=TOKEN)) if self.first else torch.zeros(t, self.n_embd)
-            for run, lo, hi in self.lm.block_runs():
-                x = run(x, pos, caches[lo:hi])
+            ids = torch.zeros(t, dtype=TOKEN)
+            x = self.lm.stage_in(ids) if self.first else torch.zeros(self.lm.stage_shape(t))
+            x = self.lm.stage_blocks(x, pos, caches, ids)
             if self.last:
-                _, h = self.lm.final(x, "last" if t == 1 else "all")
+                _, h = self.lm.stage_out(x, "last" if t == 1 else "all")
                 if self.lm.nextn is not None:
                     self.lm.nextn(torch.zeros(t, dtype=TOKEN), h, pos + 1, head_cache)
 
@@ -138,6 +139,9 @@ def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: in
                        kv_cells=lambda layer: kv_cells(model.spec, layer, plan.settings))
     cfg = arch.config_from_gguf(model.spec, model.metadata)
     with torch.inference_mode():
+        if hasattr(arch, "build_stage"):       # an architecture with more than these ends (deepseek4)
+            lm = arch.build_stage(weights, cfg, ctx, host.blocks, first=first, last=last)
+            return Stage(lm, first, last, [b.new_cache() for b in lm.blocks], profile)
         embed = weights.embedding("token_embd.weight") if first else None
         blocks = [arch.block(weights, cfg, i, ctx) for i in host.blocks]
         output_norm, output = parts.output_ends(weights, cfg) if last else (None, None)
@@ -149,7 +153,7 @@ def load_stage(model: ModelFile, mplan: MultiHostPlan, rank: int, *, threads: in
             nextn = parts.draft_head(weights, None, cfg, lambda store, i: arch.block(store, cfg, i, ctx),
                                      embed=head_embed, output=output)
     lm = CausalLM(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=nextn)
-    return Stage(lm, first, last, model.spec.n_embd, [b.new_cache() for b in blocks], profile)
+    return Stage(lm, first, last, [b.new_cache() for b in blocks], profile)
 
 
 class PipelineError(OffloadError):
@@ -233,22 +237,22 @@ class Pipeline:
 
     @torch.inference_mode()
     def _pass(self, ids: Sequence[int], t: int, logits: str) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        """One pass of T tokens at the caches' next positions (only the first rank reads
-        ``ids``) → on the last rank ``CausalLM.final``'s (logits, hidden states), else None."""
+        """One pass of T tokens ``ids`` (every rank has them) at the caches' next positions → on
+        the last rank ``CausalLM.stage_out``'s (logits, hidden states), else None."""
         s = self.stage
         positions = torch.arange(s.n_past, s.n_past + t)
+        tokens = torch.as_tensor(list(ids), dtype=TOKEN)
         if s.first:
-            x = s.lm.embed(torch.as_tensor(list(ids), dtype=TOKEN))
+            x = s.lm.stage_in(tokens)
         else:
-            x = torch.empty(t, s.n_embd, dtype=torch.float32)
+            x = torch.empty(s.lm.stage_shape(t), dtype=torch.float32)
             self._wait("sending the hidden state", self.rank - 1, lambda: dist.recv(x, src=self.rank - 1))
-        for run, lo, hi in s.lm.block_runs():
-            x = run(x, positions, s.caches[lo:hi])
+        x = s.lm.stage_blocks(x, positions, s.caches, tokens)
         if not s.last:
-            out = x.to("cpu", torch.float32).contiguous()       # (T, n_embd)
+            out = x.to("cpu", torch.float32).contiguous()       # stage_shape(T)
             self._wait("taking the hidden state", self.rank + 1, lambda: dist.send(out, dst=self.rank + 1))
             return None
-        return s.lm.final(x, logits)
+        return s.lm.stage_out(x, logits)
 
     def generate(self, prompt: Sequence[int], *, max_tokens: int, options: SpecOptions = SpecOptions(),
                  ubatch: int, sampler: Sampler | None = None, eos: frozenset[int] = frozenset(),
@@ -261,7 +265,9 @@ class Pipeline:
         pass through every rank, and every other rank follows its commands. ``stats``,
         ``guide``, ``on_token``: as ``generate_step`` takes them, on the last rank."""
         self.slots = 2 * (options.n_max + 1)     # a verify batch and the tokens of a step
-        State(self.stage.caches).truncate(0)     # a fresh sequence (no prompt cache across hosts)
+        # a fresh sequence (no prompt cache across hosts): fresh caches, since not every kind
+        # rolls back to 0 (deepseek4's compressor states keep only the rows still needed)
+        self.stage.caches[:] = [b.new_cache() for b in self.stage.lm.blocks]
         if self.stage.last:
             yield from self._drive(prompt, max_tokens=max_tokens, options=options, ubatch=ubatch,
                                    sampler=sampler if sampler is not None else Sampler(), eos=eos, stats=stats,

@@ -147,9 +147,11 @@ class Deepseek4(CausalLM):
 
     def forward(self, ids, state: State, *, logits: str = "all"):
         positions = state.positions(ids.shape[0])
-        x = self.embed(ids).float()
-        x = x[:, None].expand(-1, self.config.hc_mult, -1).contiguous()      # (T, n, d): n equal streams
+        x = self.stage_in(ids)
         taps = self.dspark.target_layers if self.dspark is not None else ()
+        if not taps:
+            x = self.stage_blocks(x, positions, state.caches, ids)
+            return self.stage_out(x, logits)
         tapped = []
         for i, (block, cache) in enumerate(zip(self.blocks, state.caches)):
             if i in taps:
@@ -158,11 +160,30 @@ class Deepseek4(CausalLM):
         x = x.to(self.hc_head.fn.device)
         if len(self.blocks) in taps:                # the last block's output
             tapped.append(x.mean(1))
-        hidden = torch.cat([t.to(x.device) for t in tapped], dim=-1) if taps else x.flatten(1)
+        hidden = torch.cat([t.to(x.device) for t in tapped], dim=-1)
+        return (None if logits == "none" else self.final(self.hc_head(x), logits)[0]), hidden
+
+    # a pipeline stage (offload.pipeline) sends the (T, n, d) streams; every block gets the
+    # pass's token ids (the first hash_layer_count route by them)
+
+    def stage_in(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids).float()
+        return x[:, None].expand(-1, self.config.hc_mult, -1).contiguous()      # (T, n, d): n equal streams
+
+    def stage_shape(self, t: int) -> tuple[int, ...]:
+        return (t, self.config.hc_mult, self.config.n_embd)
+
+    def stage_blocks(self, x, positions, caches, ids):
+        for block, cache in zip(self.blocks, caches):
+            x = block(x, positions, cache, tokens=ids)
+        return x
+
+    def stage_out(self, x, logits: str):
+        x = x.to(self.hc_head.fn.device)
         if logits == "none":
-            return None, hidden
+            return None, x.flatten(1)
         out, _ = self.final(self.hc_head(x), logits)
-        return out, hidden
+        return out, x.flatten(1)
 
 
 class Deepseek4NextN:
@@ -311,6 +332,23 @@ def mtp_head(w, cfg: Deepseek4Config, ctx: BuildContext, *, sidecar: bool, embed
     return Deepseek4NextN(embed=embed, enorm=norm("enorm"), hnorm=norm("hnorm"),
                           eh_proj=w.linear(f"{p}.nextn.eh_proj.weight"), block=b, hc_head=head,
                           norm=norm("shared_head_norm"), head=output, hc_mult=cfg.hc_mult)
+
+
+def build_stage(w, cfg: Deepseek4Config, ctx: BuildContext, layers: range, *, first: bool, last: bool) -> Deepseek4:
+    """One pipeline stage (``offload.pipeline``): blocks ``layers``, the embedding on the first,
+    the hc head, output layer and the bundled MTP head (if any) on the last."""
+    embed = w.embedding("token_embd.weight") if first else None
+    blocks = [block(w, cfg, i, ctx) for i in layers]
+    output = output_norm = head = nextn = None
+    if last:
+        output = w.linear("output.weight")
+        output_norm = RMSNorm(w.vector("output_norm.weight").to(output.device), cfg.rms_eps)
+        head = hc_head(w, cfg, "output_hc")
+        if cfg.n_nextn and w.has("token_embd.weight"):      # the head embeds (placement.multihost gives a copy)
+            head_embed = embed if embed is not None else w.embedding("token_embd.weight")
+            nextn = mtp_head(w, cfg, ctx, sidecar=False, embed=head_embed, output=output)
+    return Deepseek4(config=cfg, embed=embed, blocks=blocks, output_norm=output_norm, output=output, nextn=nextn,
+                     hc_head=head)
 
 
 def build(cfg: Deepseek4Config, w, ctx: BuildContext, draft=None) -> Deepseek4:

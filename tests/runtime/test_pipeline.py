@@ -113,6 +113,26 @@ SPEC_RUNS = PLAIN + tuple((kind, n, verify, 0.0) for kind in ("ngram", "mtp") fo
                           for n in (1, 2, 3)) + (("mtp", 3, "batched", 0.8),)
 
 
+def test_deepseek4_across_ranks_is_one_process(tmp_path):
+    """deepseek4 over two ranks (its (T, 4, n_embd) streams between them, the hash-routed first
+    blocks reading the pass's tokens on every rank, the hc head and the bundled MTP head on the
+    last): plain decoding and MTP drafting (exact and batched) give the single process's
+    tokens and logits bit for bit; exact verify gives plain decoding's tokens."""
+    from tests.archs.test_deepseek4 import MTP_SPEC
+    path = str(write_tiny_model(tmp_path / "ds4.gguf", MTP_SPEC).path)
+    plan = _plan_file(tmp_path, path, "a:CPU=1GiB;b:CPU=1GiB")
+    assert "blocks: [0, 2]" in plan.read_text() and "blocks: [3, 3]" in plan.read_text()   # both ranks hold blocks
+    runs = PLAIN + (("mtp", 2, "exact", 0.0), ("mtp", 3, "batched", 0.0))
+    ranks = _ranks(tmp_path, plan, 2, PROMPT, runs)
+    one = _one_process(path, PROMPT, runs)
+    for i, run in enumerate(runs):
+        tokens, rows = one[i]
+        for r in ranks:
+            assert r[f"tokens_{i}"].tolist() == tokens, run
+        assert np.array_equal(ranks[-1][f"rows_{i}"], rows), run
+    assert one[1][0] == one[0][0] and int(ranks[-1]["drafted_1"]) > 0
+
+
 def test_speculation_across_ranks_is_lossless(tmp_path):
     """Speculation over two ranks (the last drafts with the n-gram drafter or the model's MTP
     head, judges, and broadcasts the rollback): exact verification yields plain decoding's

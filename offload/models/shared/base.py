@@ -146,6 +146,30 @@ class CausalLM:
         return [(None if lg == "none" else z[lo:hi] if lg == "all" else z[hi - 1:hi], h[lo:hi])
                 for (_, _, lg), (lo, hi) in zip(seqs, spans(rows))]
 
+    # A pipeline stage (``offload.pipeline``: a rank holding some of the blocks) runs a pass as
+    # ``stage_in`` (first rank) → ``stage_blocks`` → ``stage_out`` (last rank), sending the
+    # ``stage_shape`` hidden state between ranks; an architecture whose residual is not one
+    # (T, n_embd) row per token (deepseek4's streams) says how.
+
+    def stage_in(self, ids: torch.Tensor) -> torch.Tensor:
+        """The hidden state entering the first block: the embedding of ids (T,)."""
+        return self.embed(ids)
+
+    def stage_shape(self, t: int) -> tuple[int, ...]:
+        """What one pass of t tokens sends from a stage's last block to the next's first."""
+        return (t, self.config.n_embd)
+
+    def stage_blocks(self, x: torch.Tensor, positions: torch.Tensor, caches: list, ids: torch.Tensor) -> torch.Tensor:
+        """This model's ``blocks`` over x at ``positions`` with their ``caches`` (the pass's
+        token ids alongside, for blocks that route by them)."""
+        for run, lo, hi in self.block_runs():
+            x = run(x, positions, caches[lo:hi])
+        return x
+
+    def stage_out(self, x: torch.Tensor, logits: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The last block's output → ``forward``'s (logits, hidden states)."""
+        return self.final(x, logits)
+
     def block_runs(self) -> list:
         """``offload.compiled_block.block_runs`` of the current ``blocks`` (rebuilt when
         someone replaces the list or one of its blocks, e.g. a test's reference blocks)."""
