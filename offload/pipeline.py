@@ -22,7 +22,7 @@ Built: plain decoding and speculative decoding with the n-gram drafter (it needs
 tokens) or the model's own MTP head (loaded on the last rank, which holds the trunk's last
 hidden state; ``placement.multihost`` gives that host a copy of ``token_embd`` when the head
 embeds with it), greedy or sampled on the last rank, batched or exact verification, for
-architectures whose forward is a stage's in → blocks → out (``PIPELINE_ARCHS``; an
+architectures whose forward is a stage's in → steps → out (``PIPELINE_ARCHS``; an
 architecture file may build its own stage, ``build_stage``: deepseek4 with its hc head and MTP
 head on the last rank). Not built, refused in one line: a ``--draft`` head and DSpark across
 hosts, GPU devices backed by the CPU (``--virtual-gpus``).
@@ -59,7 +59,7 @@ from placement.limits import INT8_FROM
 from placement.memory import kv_cells
 from placement.multihost import MultiHostPlan, shard
 
-# architectures whose forward is CausalLM's stage_in -> stage_blocks -> stage_out (their files say so)
+# architectures whose forward is CausalLM's stage_in -> stage_steps -> stage_out (their files say so)
 PIPELINE_ARCHS = ("deepseek2", "deepseek4", "glm4moe", "qwen3moe", "gpt-oss")
 TOKEN = torch.int64
 
@@ -104,7 +104,8 @@ class Stage:
             pos = torch.arange(caches[0].length, caches[0].length + t)
             ids = torch.zeros(t, dtype=TOKEN)
             x = self.lm.stage_in(ids) if self.first else torch.zeros(self.lm.stage_shape(t))
-            x = self.lm.stage_blocks(x, pos, caches, ids)
+            for step in self.lm.stage_steps(pos, caches, ids):
+                x = step(x)
             if self.last:
                 _, h = self.lm.stage_out(x, "last" if t == 1 else "all")
                 if self.lm.nextn is not None:
@@ -247,7 +248,8 @@ class Pipeline:
         else:
             x = torch.empty(s.lm.stage_shape(t), dtype=torch.float32)
             self._wait("sending the hidden state", self.rank - 1, lambda: dist.recv(x, src=self.rank - 1))
-        x = s.lm.stage_blocks(x, positions, s.caches, tokens)
+        for step in s.lm.stage_steps(positions, s.caches, tokens):
+            x = step(x)
         if not s.last:
             out = x.to("cpu", torch.float32).contiguous()       # stage_shape(T)
             self._wait("taking the hidden state", self.rank + 1, lambda: dist.send(out, dst=self.rank + 1))

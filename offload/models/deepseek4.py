@@ -149,14 +149,13 @@ class Deepseek4(CausalLM):
         positions = state.positions(ids.shape[0])
         x = self.stage_in(ids)
         taps = self.dspark.target_layers if self.dspark is not None else ()
-        if not taps:
-            x = self.stage_blocks(x, positions, state.caches, ids)
-            return self.stage_out(x, logits)
         tapped = []
         for i, (block, cache) in enumerate(zip(self.blocks, state.caches)):
             if i in taps:
                 tapped.append(x.mean(1))
             x = block(x, positions, cache, tokens=ids)
+        if not taps:
+            return self.stage_out(x, logits)
         x = x.to(self.hc_head.fn.device)
         if len(self.blocks) in taps:                # the last block's output
             tapped.append(x.mean(1))
@@ -173,10 +172,8 @@ class Deepseek4(CausalLM):
     def stage_shape(self, t: int) -> tuple[int, ...]:
         return (t, self.config.hc_mult, self.config.n_embd)
 
-    def stage_blocks(self, x, positions, caches, ids):
-        for block, cache in zip(self.blocks, caches):
-            x = block(x, positions, cache, tokens=ids)
-        return x
+    def stage_steps(self, positions, caches, ids):
+        return [lambda x, b=b, c=c: b(x, positions, c, tokens=ids) for b, c in zip(self.blocks, caches)]
 
     def stage_out(self, x, logits: str):
         x = x.to(self.hc_head.fn.device)

@@ -117,7 +117,12 @@ def test_deepseek4_across_ranks_is_one_process(tmp_path):
     """deepseek4 over two ranks (its (T, 4, n_embd) streams between them, the hash-routed first
     blocks reading the pass's tokens on every rank, the hc head and the bundled MTP head on the
     last): plain decoding and MTP drafting (exact and batched) give the single process's
-    tokens and logits bit for bit; exact verify gives plain decoding's tokens."""
+    tokens, and its logits within 1e-5 of the largest; exact verify gives plain decoding's
+    tokens. Not bit for bit: the compiled V4 FFN half's last bits depend on whether Numba
+    compiled ``v4_ffn_half`` together with ``_clamped_moe`` in the process or loaded them from
+    its cache (3.6e-7 on a logit of 0.91; bisected by deleting cache entries; both compile
+    without fastmath, the cause below them is not found), and on a cold cache the ranks compile
+    where the single process loads. Warm, the rows are equal bit for bit."""
     from tests.archs.test_deepseek4 import MTP_SPEC
     path = str(write_tiny_model(tmp_path / "ds4.gguf", MTP_SPEC).path)
     plan = _plan_file(tmp_path, path, "a:CPU=1GiB;b:CPU=1GiB")
@@ -129,7 +134,7 @@ def test_deepseek4_across_ranks_is_one_process(tmp_path):
         tokens, rows = one[i]
         for r in ranks:
             assert r[f"tokens_{i}"].tolist() == tokens, run
-        assert np.array_equal(ranks[-1][f"rows_{i}"], rows), run
+        assert np.abs(ranks[-1][f"rows_{i}"] - rows).max() <= 1e-5 * np.abs(rows).max(), run
     assert one[1][0] == one[0][0] and int(ranks[-1]["drafted_1"]) > 0
 
 

@@ -147,8 +147,8 @@ class CausalLM:
                 for (_, _, lg), (lo, hi) in zip(seqs, spans(rows))]
 
     # A pipeline stage (``offload.pipeline``: a rank holding some of the blocks) runs a pass as
-    # ``stage_in`` (first rank) → ``stage_blocks`` → ``stage_out`` (last rank), sending the
-    # ``stage_shape`` hidden state between ranks; an architecture whose residual is not one
+    # ``stage_in`` (first rank) → each of ``stage_steps`` → ``stage_out`` (last rank), sending
+    # the ``stage_shape`` hidden state between ranks; an architecture whose residual is not one
     # (T, n_embd) row per token (deepseek4's streams) says how.
 
     def stage_in(self, ids: torch.Tensor) -> torch.Tensor:
@@ -159,12 +159,12 @@ class CausalLM:
         """What one pass of t tokens sends from a stage's last block to the next's first."""
         return (t, self.config.n_embd)
 
-    def stage_blocks(self, x: torch.Tensor, positions: torch.Tensor, caches: list, ids: torch.Tensor) -> torch.Tensor:
-        """This model's ``blocks`` over x at ``positions`` with their ``caches`` (the pass's
-        token ids alongside, for blocks that route by them)."""
-        for run, lo, hi in self.block_runs():
-            x = run(x, positions, caches[lo:hi])
-        return x
+    def stage_steps(self, positions: torch.Tensor, caches: list, ids: torch.Tensor) -> list:
+        """This model's ``blocks`` at ``positions`` with their ``caches`` as steps ``x -> x``
+        (the pass's token ids alongside, for blocks that route by them). The caller loops
+        ``x = step(x)``: a helper taking x as an argument would hold its first x (a prompt
+        batch's embedding) through every block, memory the planner does not count."""
+        return [lambda x, run=run, lo=lo, hi=hi: run(x, positions, caches[lo:hi]) for run, lo, hi in self.block_runs()]
 
     def stage_out(self, x: torch.Tensor, logits: str) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The last block's output → ``forward``'s (logits, hidden states)."""
