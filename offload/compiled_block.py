@@ -304,25 +304,19 @@ def _bind_moe(block, ffn) -> MoeArgs | str:
                    float(router.scale), gk.tag, gb, g0, uk.tag, ub, u0, dk.tag, db, ew.n_ff, qx, qh, *shared)
 
 
-class CompiledBlock:
-    """Block interface (``device_name``, ``device``, ``new_cache()``, ``__call__``) over
-    ``cpu_kernels.block``; ``reference`` is the torch block it was bound from (prefill, fallback),
-    whose parts (``attn``, ``ffn``, norms) it shows to code that inspects blocks."""
+class BoundBlock:
+    """What a compiled block keeps of the reference block it was bound from (``reference``: the
+    torch block, for prefill and fallback): the block interface (``device_name``, ``device``,
+    ``profile``, ``new_cache()``, ``arrive``), its parts read through for code that inspects
+    blocks, whether a part was replaced since binding, and the RoPE tables as numpy."""
 
     path = "compiled"
 
-    def __init__(self, reference, bound: Bound):
+    def __init__(self, reference):
         self.reference = reference
         self.device_name, self.device = reference.device_name, reference.device
         self.profile = reference.profile
         self.rope = reference.attn.rope
-        self.attn_args, self.ffn_args = bound.attention, bound.ffn
-        self._eps, self._kv_tag = float(bound.eps), bound.kv_tag
-        # the kernels' positional tuples, made once (the records' as_args)
-        self._attn_args, self._ffn_args = bound.attention.as_args(), bound.ffn.as_args()
-        self._ffn_half = type(bound.ffn).KERNEL
-        self._attn_entry = self._ffn_entry = self._seqs_entry = None
-        self._seq_lists = TypedCaches()                # (kc list, vc list) of the last batch
         self._rope_tables = (None, None, None)        # (cos tensor, cos, sin as numpy)
         ffn = reference.ffn
         self._bound_parts = (ffn, getattr(ffn, "router", None))
@@ -341,6 +335,31 @@ class CompiledBlock:
 
     def new_cache(self):
         return self.reference.new_cache()
+
+    def arrive(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reference.arrive(x)
+
+    def _tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """RoPE cos/sin tables as numpy, converted again only when the table grows."""
+        cos, sin = self.rope.tables(n_pos)
+        if cos is not self._rope_tables[0]:
+            self._rope_tables = (cos, cos.numpy(), sin.numpy())
+        return self._rope_tables[1], self._rope_tables[2]
+
+
+class CompiledBlock(BoundBlock):
+    """``BoundBlock`` over ``cpu_kernels.block``'s halves (``__call__``: a decode or verify step
+    compiled, anything else the reference)."""
+
+    def __init__(self, reference, bound: Bound):
+        super().__init__(reference)
+        self.attn_args, self.ffn_args = bound.attention, bound.ffn
+        self._eps, self._kv_tag = float(bound.eps), bound.kv_tag
+        # the kernels' positional tuples, made once (the records' as_args)
+        self._attn_args, self._ffn_args = bound.attention.as_args(), bound.ffn.as_args()
+        self._ffn_half = type(bound.ffn).KERNEL
+        self._attn_entry = self._ffn_entry = self._seqs_entry = None
+        self._seq_lists = TypedCaches()                # (kc list, vc list) of the last batch
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         t = x.shape[0]
@@ -395,14 +414,6 @@ class CompiledBlock:
             pos = np.ascontiguousarray(pos, dtype=np.int64)
         cos, sin = self._tables(int(pos[-1]) + 1 if len(pos) else 1)
         return xh, pos, cos, sin, settings.apply_threads()
-
-    def _tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """RoPE cos/sin tables as numpy, converted again only when the table grows."""
-        cos, sin = self.rope.tables(n_pos)
-        if cos is not self._rope_tables[0]:
-            self._rope_tables = (cos, cos.numpy(), sin.numpy())
-        return self._rope_tables[1], self._rope_tables[2]
-
 
 class TypedCaches:
     """Caches' raw (kc, vc) buffers as the typed lists a compiled entry takes, built again only

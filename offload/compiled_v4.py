@@ -30,7 +30,8 @@ from gpu.compressed_attention import CompressedAttention, Compressor
 from gpu.dsv4_cache import CompressorState, CompressedRows, Dsv4Cache
 from gpu.kv_cache import SequenceBatch, spans, type_name
 from gpu.router import HashRouter, SqrtSoftplusRouter
-from offload.compiled_block import ENV, CompiledParts, compile_block, compiled_enabled, host_vector, raw_rows
+from offload.compiled_block import (ENV, BoundBlock, CompiledParts, compile_block, compiled_enabled, host_vector,
+                                    raw_rows)
 from offload.cpu_ops import CpuExperts, CpuHyperConnection, to_host
 from offload.errors import OffloadError
 from offload.moe import MoE
@@ -151,51 +152,31 @@ def _advance(state: CompressorState, rows: CompressedRows, args: tuple, t: int, 
     rows.count = count
 
 
-class CompiledV4Block:
-    """Block interface (``device_name``, ``device``, ``profile``, ``new_cache()``,
-    ``__call__(x, positions, cache, tokens=)``) over the two compiled halves; ``reference`` is
-    the torch block it was bound from, whose parts it shows."""
-
-    path = "compiled"
+class CompiledV4Block(BoundBlock):
+    """``BoundBlock`` over the two compiled halves (``__call__(x, positions, cache, tokens=)``);
+    it shows the reference's hyper-connections too."""
 
     def __init__(self, reference, attention: tuple, ffn: tuple, cache_tag):
-        self.reference = reference
+        super().__init__(reference)
         self._cache_tag = cache_tag                # the QTag of the cache type (kv_rows)
         self.name = reference.ffn.experts.weights.name      # the experts' tensor prefix, for errors
         self._views: dict[int, tuple] = {}       # id(cache storage) -> (it, its numpy view)
-        self.device_name, self.device, self.profile = reference.device_name, reference.device, reference.profile
-        self.rope = reference.attn.rope
         (self._eps, self._hc, self._attn_norm, self._proj, self._shape, comp_w, index_w) = attention
         self._comp_w, self._index_w = comp_w, index_w
         self._ffn = ffn
         self._hashed = isinstance(reference.ffn.router, HashRouter)     # the token ids pick the experts
         self._n_expert = reference.ffn.experts.weights.n_expert
         self._entries = [None, None]
-        self._tables = (None, None, None)
-        ffn_part = reference.ffn
-        self._bound_parts = (ffn_part, getattr(ffn_part, "router", None))
 
-    attn = property(lambda self: self.reference.attn)
-    ffn = property(lambda self: self.reference.ffn)
-    attn_norm = property(lambda self: self.reference.attn_norm)
-    ffn_norm = property(lambda self: self.reference.ffn_norm)
     attn_hc = property(lambda self: self.reference.attn_hc)
     ffn_hc = property(lambda self: self.reference.ffn_hc)
-
-    def arrive(self, x):
-        return self.reference.arrive(x)
-
-    def new_cache(self):
-        return self.reference.new_cache()
 
     def _compiles(self, x: torch.Tensor, cache) -> bool:
         """Whether this step runs compiled: a decode or verify batch (of one sequence, or of
         several whose caches a ``SequenceBatch`` holds; the caches of the bound block's kind,
         checked at binding), the parts as bound (``offload tune`` may wrap a router to record it)."""
-        ffn = self.reference.ffn
         return (x.shape[0] <= DECODE_TOKENS and x.device.type == "cpu"
-                and (type(cache) is Dsv4Cache or type(cache) is SequenceBatch)
-                and ffn is self._bound_parts[0] and getattr(ffn, "router", None) is self._bound_parts[1])
+                and (type(cache) is Dsv4Cache or type(cache) is SequenceBatch) and not self._rebound())
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache, *, tokens=None) -> torch.Tensor:
         """Several sequences (continuous batching): the attention half per sequence over its
@@ -204,7 +185,7 @@ class CompiledV4Block:
             return self.reference(x, positions, cache, tokens=tokens)
         xh = np.ascontiguousarray(to_host(x))
         pos, tok, n_pos = _step_ids(positions, tokens)
-        tables = self._rope_tables(n_pos)
+        tables = self._tables(n_pos)
         chunks = settings.apply_threads()
         mid = np.empty_like(xh)
         with self.profile.time("cpu_block"):
@@ -272,13 +253,6 @@ class CompiledV4Block:
         rows.reserve((state.length + t) // state.ratio - state.length // state.ratio)
         return (self._view(state.buf, state.buf.numpy), state.length - state.start, keep - state.start,
                 self._rows(rows.rows), rows.count)
-
-    def _rope_tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
-        cos, sin = self.rope.tables(n_pos)
-        if cos is not self._tables[0]:
-            self._tables = (cos, cos.numpy(), sin.numpy())
-        return self._tables[1], self._tables[2]
-
 
 _last_step: list = [None]       # (positions, tokens, their host arrays): see _step_ids
 

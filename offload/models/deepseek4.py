@@ -39,6 +39,7 @@ from offload.compiled_v4 import compile_v4_block
 from offload.cpu_ops import CpuHyperConnection
 from offload.errors import OffloadError
 from offload.gguf_model import NewerKeys, dsv4_config_problem
+from offload.models.shared import parts
 from offload.models.shared.base import BuildContext, CausalLM, DecoderBlock, State
 from offload.models.shared.config import ModelConfig, config_fields, meta_value, yarn_scaling
 from offload.moe import MoE
@@ -338,8 +339,7 @@ def build_stage(w, cfg: Deepseek4Config, ctx: BuildContext, layers: range, *, fi
     blocks = [block(w, cfg, i, ctx) for i in layers]
     output = output_norm = head = nextn = None
     if last:
-        output = w.linear("output.weight")
-        output_norm = RMSNorm(w.vector("output_norm.weight").to(output.device), cfg.rms_eps)
+        output_norm, output = parts.output_ends(w, cfg)
         head = hc_head(w, cfg, "output_hc")
         if cfg.n_nextn and w.has("token_embd.weight"):      # the head embeds (placement.multihost gives a copy)
             head_embed = embed if embed is not None else w.embedding("token_embd.weight")
@@ -354,8 +354,7 @@ def build(cfg: Deepseek4Config, w, ctx: BuildContext, draft=None) -> Deepseek4:
     model's own bundled MTP head where it has one."""
     embed = w.embedding("token_embd.weight")
     blocks = [block(w, cfg, i, ctx) for i in range(cfg.n_layer)]
-    output = w.linear("output.weight")
-    output_norm = RMSNorm(w.vector("output_norm.weight").to(output.device), cfg.rms_eps)
+    output_norm, output = parts.output_ends(w, cfg)
     nextn = dspark = None
     if draft is not None and draft.model.spec.arch in DRAFTERS:
         dspark = DRAFTERS[draft.model.spec.arch](draft, cfg, ctx, embed=embed, output=output, trunk=w.model.spec)

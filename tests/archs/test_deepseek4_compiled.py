@@ -23,7 +23,7 @@ import torch
 import offload.runtime as rt
 from offload.compiled_v4 import CompiledV4Block
 from tests.archs.test_deepseek4 import IDS, SPEC
-from tests.kernels.test_compiled_block import reference_blocks
+from tests.kernels.test_compiled_block import both
 from tests.tiny_models import write_tiny_model
 
 REL_TOL = 1e-5
@@ -62,14 +62,6 @@ def stepped(model, steps):
         if back:
             state.truncate(state.n_past - back)
     return np.concatenate(outs), state
-
-
-def both(model, fn):
-    with torch.inference_mode():
-        fast = fn(model)
-        with reference_blocks(model):
-            ref = fn(model)
-    return fast, ref
 
 
 def test_cpu_blocks_take_the_compiled_path(model_file):
