@@ -20,8 +20,8 @@ where the model has a head.
   configurations alternate within a round (order reversed every other round) and the medians
   are printed; eval t/s is the last rank's ``--stats-json`` (the prompt and loading excluded);
 * forecast: ``offload plan --hosts ... --hop-latency-us H --hop-gbps G`` with the hop measured
-  above and this box's probe (``offload probe --write``) as every host's hardware: the plain
-  decode t/s and the MTP t/s at ``--spec-n-max`` it predicts (the MTP one with the planner's
+  above and this box's probe (``offload probe -t 1 --write``: the ranks' one thread) as every
+  host's hardware: the plain decode t/s and the MTP t/s at ``--spec-n-max`` it predicts (the MTP one with the planner's
   prior acceptance, not the measured one), and measured / predicted; beside it what a hop
   cost inside decoding (the time per token over one rank's, divided by the forecast's hops
   per pass: one per boundary and one back).
@@ -49,6 +49,7 @@ from offload.probe import SHIPPED_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time"
+RANK_THREADS = "1"              # each process's kernel threads: ranks share this box's cores
 WIDE = 7168                     # DeepSeek-V3's n_embd: where the bytes of a hop show
 BATCHES = (1, 4, 16)
 # host specs whose proportional split gives the shipped model's 4 blocks 1, 2 and 3 ranges
@@ -170,7 +171,7 @@ def _offload(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 def run_flags(n: int, kind: str, n_max: int, stats: Path) -> list[str]:
     spec = ["--spec-type", kind, "--spec-n-max", str(n_max)] if kind != "none" else ["--spec-type", "none"]
-    return ["-p", PROMPT, "-n", str(n), "--ignore-eos", "--temp", "0", "--torch-threads", "1", "-t", "1",
+    return ["-p", PROMPT, "-n", str(n), "--ignore-eos", "--temp", "0", "--torch-threads", "1", "-t", RANK_THREADS,
             "--stats-json", str(stats), *spec]
 
 
@@ -241,7 +242,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         profile = tmp / "box.yaml"
-        _offload("probe", "--write", str(profile), env=_env())
+        # the ranks' own thread count: a 2-thread probe under OMP_WAIT_POLICY=PASSIVE measured
+        # 379 us per block against 35 at one thread, and forecast a third of the speed
+        _offload("probe", "--refresh", "-t", RANK_THREADS, "--write", str(profile), env=_env())
         plans, predicted = {}, {}
         for w in (1, 2, 3):
             plans[w] = tmp / f"hosts{w}.yaml"

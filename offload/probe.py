@@ -21,7 +21,10 @@ and loop as a large model:
   and 4 sequences), for the forecast of ``offload serve -np N``;
 - ``cpu_read``: the compiled Q8_0 mat-vec (``cpu_kernels.matmul``, the kernels' register-
   blocked row walk) over a buffer far larger than any CPU cache: the rate of a model that
-  does not fit (``HardwareProfile.for_cpu_weights`` picks one of the two per plan).
+  does not fit (``HardwareProfile.for_cpu_weights`` picks one of the two per plan);
+- ``cpu_cache_bytes``: how much of the reported last-level cache a model can count on: the
+  same mat-vec over buffers of 16 MiB, 32 MiB, ... up to the reported size, the largest read
+  clearly faster than RAM (``in_cache_bytes``).
 
 The result is cached per CPU model and offload version (``cache_path``; ``OFFLOAD_CACHE_DIR``
 relocates the folder): a later plan on the box reads it back, a corrupt file is measured again.
@@ -51,8 +54,11 @@ FIT_FREE = ("cpu_read", "cpu_compute", "cpu_layer", "forward")     # as offload 
 MEASURED = ("cpu_read", "cpu_layer", "cpu_compute", "forward", "draft_pass", "step", "spec_step")
 # raised when what the probe measures changes, so a cached result from before is measured again
 # (the package version does not move between development commits); 2: the step includes sampling;
-# 3: the compute term counts the pairs beyond each expert's first
-METHOD = 3
+# 3: the compute term counts the pairs beyond each expert's first; 4: the cache a plan counts on
+# is the one measured (``in_cache_bytes``), not the size the OS reports
+METHOD = 4
+CACHE_MARGIN = 1.2           # read this much faster than RAM to count as served from cache
+CACHE_LADDER_MIB = (16, 512)  # buffer sizes tried for it: powers of two in this range, up to the LLC
 
 
 def probe_version() -> str:
@@ -103,7 +109,7 @@ class ProbeResult:
     def describe(self) -> str:
         hw = self.hardware
         return (f"cpu_read {hw.cpu_read_gbps:.1f} GB/s ({hw.cpu_cache_read_gbps or 0:.1f} GB/s within "
-                f"{hw.cpu_cache_bytes >> 20} MiB of cache), cpu_layer {hw.cpu_layer_us:.0f} us, "
+                f"{hw.cpu_cache_bytes >> 20} MiB measured in cache), cpu_layer {hw.cpu_layer_us:.0f} us, "
                 f"forward {hw.forward_us:.0f} us, draft pass +{hw.draft_pass_us:.0f} us, step {hw.step_us:.0f} us, spec_step {hw.spec_step_us:.0f} us"
                 + (f", per batched sequence {hw.batch_step_us:.0f} us" if hw.batch_step_us is not None else "")
                 + " (T_verify(B) " + " ".join(f"{t:.3f}" for t in self.verify_ms.values())
@@ -149,6 +155,30 @@ def weights_read_gbps(tensors, placed: dict[str, str], n_expert_used: int, other
     rates = read_rates(reads, threads or max_threads(), log)
     seconds = sum(n / (rates.get(p, other_gbps) * 1e9) for p, n in reads.items())
     return sum(reads.values()) / seconds / 1e9
+
+
+def cache_ladder(llc_bytes: int) -> list[int]:
+    """Buffer sizes (bytes) the probe reads to find how much of the reported last-level
+    cache a model can count on: powers of two from 16 MiB up to the reported size."""
+    lo, hi = CACHE_LADDER_MIB
+    sizes, mib = [], lo
+    while mib <= hi and mib << 20 <= llc_bytes:
+        sizes.append(mib << 20)
+        mib *= 2
+    return sizes
+
+
+def in_cache_bytes(rates: dict[int, float], *, ram_gbps: float) -> int:
+    """The largest buffer (bytes) read ``CACHE_MARGIN`` faster than RAM, walking up from the
+    smallest size until one reads at RAM's rate; 0 when none does. A VM may report a whole
+    socket's cache (one reported 480 MiB and read 128 MiB at the RAM rate), so a plan whose
+    CPU weights fit the reported size may still stream from RAM."""
+    fits = 0
+    for size in sorted(rates):
+        if rates[size] < CACHE_MARGIN * ram_gbps:
+            break
+        fits = size
+    return fits
 
 
 def read_gbps(mib: int = READ_MIB, repeat: int = 5) -> float:
@@ -222,6 +252,8 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
         session.warmup()
         t0 = time.perf_counter()
         gbps = read_gbps(read_mib)
+        cached = in_cache_bytes({b: read_gbps(b >> 20) for b in cache_ladder(last_level_cache_bytes())},
+                                ram_gbps=gbps)
         calib = tune.decode(session, session.tokenize(TASKS["code"]), n_tokens=CALIB_TOKENS)
         left = max(seconds - (time.perf_counter() - t0), 0.3)
         passes = tune.time_passes(session, calib, max_batch=MAX_BATCH, seconds=left * 0.75, min_rounds=2,
@@ -247,7 +279,7 @@ def measure(*, seconds: float = PROBE_SECONDS, read_mib: int = READ_MIB, model_p
     hw = fit.profile.with_linear_params({"step": step_s, "spec_step": spec_step_s}, source="")
     hw = replace(hw, cpu_read_gbps=gbps, cpu_cache_read_gbps=fit.profile.cpu_read_gbps,
                  batch_step_us=tune.batch_step(batched, fp, hw),
-                 cpu_cache_bytes=last_level_cache_bytes(), measured=MEASURED,
+                 cpu_cache_bytes=cached, measured=MEASURED,
                  source=f"offload probe: {cpu}, {n_threads} threads, {time.strftime('%Y-%m-%d')}")
     return ProbeResult(cpu, probe_version(), n_threads, hw, timed, time.strftime("%Y-%m-%d %H:%M"),
                        {b: t * 1e3 for b, t in verify_s.items()}, {b: t * 1e3 for b, t in draft_s.items()},

@@ -179,3 +179,29 @@ def test_named_profiles_are_written_and_read_by_name(cache, capsys, tmp_path, mo
     code, _, err = _cli(capsys, "plan", MODEL, "--devices", "CPU=16GiB", "--hw-profile", "nosuchbox")
     assert code == 2 and err.count("\n") == 1 and "nosuchbox" in err
     assert "bigbox" in err and "thisbox" in err and "rtx4090_epyc" in err
+
+
+def test_the_cache_a_plan_may_count_on_is_the_one_measured():
+    """The in-cache read rate applies only up to the largest buffer the probe saw read faster
+    than RAM (a VM may report a whole socket's last-level cache: one reported 480 MiB and read
+    128 MiB at the RAM rate), never up to the reported size."""
+    from offload.probe import in_cache_bytes
+    mib = 1 << 20
+    # this box's ladder: 16..64 MiB at 40-46 GB/s, 128 MiB back at RAM's 28
+    rates = {16 * mib: 40.0, 32 * mib: 45.0, 64 * mib: 46.0, 128 * mib: 28.6}
+    assert in_cache_bytes(rates, ram_gbps=27.9) == 64 * mib
+    # the ladder walks up from the smallest size and stops at the first one read at RAM's rate
+    assert in_cache_bytes({16 * mib: 40.0, 32 * mib: 27.0, 64 * mib: 41.0}, ram_gbps=27.9) == 16 * mib
+    # nothing read faster than RAM by the margin: no cache to count on
+    assert in_cache_bytes({16 * mib: 30.0, 32 * mib: 29.0}, ram_gbps=27.9) == 0
+    assert in_cache_bytes({}, ram_gbps=27.9) == 0
+
+
+def test_the_probe_counts_only_the_cache_it_measured(probed):
+    from offload.host_cache import last_level_cache_bytes
+    from offload.probe import cache_ladder
+    folder, _ = probed
+    hw = read_cached(cache_path(cpu_name(), probe_version()), cpu_name(), probe_version()).hardware
+    assert hw.cpu_cache_bytes in {0, *cache_ladder(last_level_cache_bytes())}
+    assert all(size <= last_level_cache_bytes() for size in cache_ladder(last_level_cache_bytes()))
+    assert cache_ladder(0) == []
