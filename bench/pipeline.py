@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from offload.probe import SHIPPED_MODEL
@@ -196,6 +196,28 @@ def decode(plan: Path | None, model: str, world: int, n: int, kind: str, n_max: 
     return json.loads(stats.read_text())
 
 
+def read_at_types_rate(model_path: str, profile: Path) -> float:
+    """Rewrite the probe's profile with the rate one decode token reads this model's weights at
+    on their types' decode path with the ranks' threads (``probe.weights_read_gbps``, what
+    ``offload plan --devices auto`` does for a plan on this box; the probe's own rate is the
+    Q8_0 mat-vec's: 14 GB/s against the narrow model's 7 at one thread) → that rate."""
+    import yaml
+
+    from offload.gguf_model import open_model
+    from offload.probe import weights_read_gbps
+    from placement.hardware import HardwareProfile
+
+    model, hw = open_model(model_path), HardwareProfile.from_yaml(profile)
+    rate = weights_read_gbps(model.tensors, {t.name: "CPU" for t in model.tensors}, model.spec.n_expert_used,
+                             hw.cpu_read_gbps, threads=int(RANK_THREADS))
+    if rate is not None:
+        # (a model within the probe's measured cache is still read at its in-cache rate, as
+        # in a plan for one box)
+        hw = replace(hw, cpu_read_gbps=rate)
+        profile.write_text(yaml.safe_dump(hw.to_dict(), sort_keys=False))
+    return hw.cpu_read_gbps
+
+
 def forecast(model: str, hosts: str, hop_us: float, gbps: float | None, profile: Path, out: Path,
              n_max: int) -> tuple[float, float | None]:
     """Plan ``hosts`` with the measured hop → the plain decode t/s the plan predicts, and its
@@ -245,6 +267,9 @@ def main(argv=None) -> int:
         # the ranks' own thread count: a 2-thread probe under OMP_WAIT_POLICY=PASSIVE measured
         # 379 us per block against 35 at one thread, and forecast a third of the speed
         _offload("probe", "--refresh", "-t", RANK_THREADS, "--write", str(profile), env=_env())
+        rate = read_at_types_rate(a.model, profile)
+        print(f"forecast's profile: offload probe -t {RANK_THREADS}, the model's CPU weights read at "
+              f"{rate:.1f} GB/s (their types' decode path at {RANK_THREADS} thread)")
         plans, predicted = {}, {}
         for w in (1, 2, 3):
             plans[w] = tmp / f"hosts{w}.yaml"
