@@ -1,6 +1,7 @@
 """Does the plan's forecast hold on the box it is printed on? (issue 32)
 
     python -m bench.forecast [MODEL.gguf] [--rounds 3] [-n 480] [--tune-budget 60] [--no-tune] [--json PATH]
+                             [--cpu-target avx2|avx-vnni|avx512]
 
 For the model (default: the shipped one), each in a fresh process as a user runs them:
 
@@ -16,7 +17,9 @@ For the model (default: the shipped one), each in a fresh process as a user runs
 Calibrated and measured alternate in ``--rounds`` rounds (order reversed every other round),
 so a load change on a shared box hits both; medians are printed with the load average before
 and after. The environment is passed through as it is (e.g. ``OMP_WAIT_POLICY``: set it the
-same for every command, as here).
+same for every command, as here). ``--cpu-target`` compiles offload's kernels for another x86
+class in every one of those processes (``bench.llama_build.target_envs``: ``NUMBA_CPU_NAME`` and
+``NUMBA_CPU_FEATURES``); the probe's cache is keyed by that target, so each class is probed.
 """
 from __future__ import annotations
 
@@ -73,10 +76,20 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-budget", default="60", help="offload tune --budget (default 60)")
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--cpu-target", default="native",
+                    help="compile offload's kernels for another x86 class this CPU can run, for every command: "
+                         "avx2 (haswell), avx-vnni (alderlake), avx512 (cascadelake), or native (default)")
     a = ap.parse_args(argv)
+    from bench.llama_build import target_envs
+    try:
+        target = target_envs(a.cpu_target, with_llama=False)
+    except ValueError as e:
+        print(f"bench.forecast: --cpu-target: {e}", file=sys.stderr)
+        return 2
+    print(target.header, flush=True)
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "OFFLOAD_CACHE_DIR": str(Path(tmp) / "cache")}
+        env = {**os.environ, **target.offload, "OFFLOAD_CACHE_DIR": str(Path(tmp) / "cache")}
         # --no-probe prints no plain forecast for a model without a draft head: the priors'
         # forecast is then the uncalibrated one (a written device spec, no probe)
         prior = plan_forecast(a.model, "--no-probe", env=env)
@@ -127,7 +140,7 @@ def main(argv=None) -> int:
                      f"its overall choice: {tuned['chosen_drafter']} n_max {tuned['chosen_n_max']}")
         print(line)
     if a.json:
-        Path(a.json).write_text(json.dumps({"prior": prior, "calibrated": calibrated, "measured": measured,
+        Path(a.json).write_text(json.dumps({"cpu_target": target.name, "prior": prior, "calibrated": calibrated, "measured": measured,
                                             "probe_s": probe_s, "load": [load0[0], load1[0]],
                                             "tuned_n_max": None if tuned is None else mine["n_max"],
                                             "tuned_overall": None if tuned is None else

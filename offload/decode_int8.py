@@ -29,7 +29,6 @@ planner counts the int8 decode scratch with the built-in list too).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import statistics
@@ -59,10 +58,8 @@ def weight_bytes() -> int:
 def cache_file(threads: int) -> Path:
     """This CPU's file: model name, the compile target's features (an emulated class is
     another file), the kernels' thread count and offload's version."""
-    from cpu_kernels.simd import target_features
-    from offload.host_cache import cache_dir, cpu_slug, offload_version
-    target = hashlib.sha1(target_features().encode()).hexdigest()[:10]
-    return cache_dir() / f"decode-int8-{cpu_slug()}-{target}-t{threads}-{offload_version()}.yaml"
+    from offload.host_cache import cache_dir, cpu_slug, offload_version, target_slug
+    return cache_dir() / f"decode-int8-{cpu_slug()}-{target_slug()}-t{threads}-{offload_version()}.yaml"
 
 
 def _read(path: Path) -> dict[str, dict]:

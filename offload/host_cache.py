@@ -5,6 +5,7 @@ else ``$XDG_CACHE_HOME/offload`` or ``~/.cache/offload``): the probe's fixed cos
 llama.cpp builds (``bench.llama_build``)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import re
@@ -37,6 +38,14 @@ def last_level_cache_bytes() -> int:
         if m:
             best = max(best, (level, int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]))
     return best[1]
+
+
+def target_slug() -> str:
+    """A short digest of the features the CPU kernels are compiled for (an emulated class,
+    ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``, is another one): what a measurement of the
+    kernels' speed is keyed by beside the CPU model."""
+    from cpu_kernels.simd import target_features
+    return hashlib.sha1(target_features().encode()).hexdigest()[:10]
 
 
 def offload_version() -> str:

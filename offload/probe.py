@@ -42,7 +42,8 @@ import numpy as np
 import yaml
 
 from offload.errors import OffloadError
-from offload.host_cache import CACHE_ENV, cache_dir, cpu_name, cpu_slug, last_level_cache_bytes, offload_version  # noqa: F401
+from offload.host_cache import (CACHE_ENV, cache_dir, cpu_name, cpu_slug, last_level_cache_bytes,  # noqa: F401
+                                offload_version, target_slug)
 from placement.hardware import HardwareProfile, ProfileError
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-glm4moe-mtp.gguf"
@@ -67,9 +68,11 @@ def probe_version() -> str:
 
 
 def cache_path(cpu: str, version: str, threads: int | None = None) -> Path:
-    """The cache file of a CPU model and offload version (and a thread count other than the
-    kernels' default, which ``offload plan`` and ``offload run`` use)."""
-    return cache_dir() / f"probe-{cpu_slug(cpu)}-{version}{'' if threads is None else f'-t{threads}'}.yaml"
+    """The cache file of a CPU model, the kernels' compile target (``target_slug``) and offload
+    version (and a thread count other than the kernels' default, which ``offload plan`` and
+    ``offload run`` use)."""
+    suffix = "" if threads is None else f"-t{threads}"
+    return cache_dir() / f"probe-{cpu_slug(cpu)}-{target_slug()}-{version}{suffix}.yaml"
 
 
 @dataclass(frozen=True)

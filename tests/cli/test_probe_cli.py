@@ -63,6 +63,12 @@ def test_probe_caches_per_cpu_and_version_and_writes_a_profile(probed):
     assert read_cached(path, cpu_name(), offload_version()) is None
     assert cache_path("another CPU", probe_version()) != path != cache_path(cpu_name(), "0.0.0-other")
     assert cache_path(cpu_name(), probe_version(), threads=1) != path      # `offload probe -t 1`
+    # kernels compiled for another class (NUMBA_CPU_NAME/FEATURES, bench --cpu-target) run at
+    # that class's speed: their terms are another file
+    from numba.core import config
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config, "CPU_FEATURES", "+avx,+avx2,+fma,+f16c,-avx512f")
+        assert cache_path(cpu_name(), probe_version()) != path
     # the written profile is the measured hardware, as --hw-profile reads it
     assert HardwareProfile.from_yaml(profile) == result.hardware
 
