@@ -175,11 +175,13 @@ def _key(part: tuple) -> str:
     return part[0].name if len(part) == 1 else f"experts {part[0].name} {part[1]}x{part[2]} k{part[3]}"
 
 
-def _part_rates(reads: dict[tuple, float], threads: int, log=None, n_bytes: int | None = None) -> dict[tuple, dict]:
+def _part_rates(reads: dict[tuple, float], threads: int, log=None, n_bytes: int | None = None, *,
+                refresh: bool = False) -> dict[tuple, dict]:
     """{part: its float and int8 GB/s} for the parts (``token_reads``' keys) whose type has an
     int8 decoder, from the cache file or measured now over ``n_bytes`` (default
     ``weight_bytes()``): ``measure`` per type (every part's type), ``measure_experts`` per
-    expert shape; ``log``: one line per kind it measures."""
+    expert shape; ``refresh``: measured now even where cached; ``log``: one line per kind it
+    measures."""
     from cpu_kernels.registry import get_kernel, supported_types
     known = set(supported_types())          # a type without a kernel is refused where it is loaded
     ok = {p[0] for p in reads if p[0] in known and get_kernel(p[0]).has_int8}
@@ -187,7 +189,7 @@ def _part_rates(reads: dict[tuple, float], threads: int, log=None, n_bytes: int 
     path = cache_file(threads)
     doc = _read(path)
     for size, what in ((1, "decode activations"), (4, "expert reads")):
-        missing = [p for p in wanted if len(p) == size and _key(p) not in doc]
+        missing = [p for p in wanted if len(p) == size and (refresh or _key(p) not in doc)]
         if not missing:
             continue
         t0 = time.perf_counter()
@@ -223,14 +225,15 @@ def _int8_wins(reads: dict[tuple, float], rates: dict[tuple, dict]) -> frozenset
     return frozenset(q for q, (f, i) in seconds.items() if f > MARGIN * i)
 
 
-def read_rates(reads: dict[tuple, float], threads: int, log=None) -> dict[tuple, float]:
+def read_rates(reads: dict[tuple, float], threads: int, log=None, *, refresh: bool = False) -> dict[tuple, float]:
     """GB/s of each part (``token_reads``' keys) on the path a decode token takes on this CPU:
     int8 for the types ``choose`` picks (under ``OFFLOAD_DECODE_INT8=prior`` the built-in list;
     without an int8 dot product none), else float. Parts whose type has no int8 decoder are
-    left out (their float path is not measured here)."""
+    left out (their float path is not measured here). ``refresh``: measured again, not read
+    from the cache."""
     from cpu_kernels.simd8 import has_int8_dot
     from placement.limits import AUTO, wants_int8
-    rates = _part_rates(reads, threads, log)
+    rates = _part_rates(reads, threads, log, refresh=refresh)
     chosen = None if os.environ.get(PRIOR_ENV) == "prior" else _int8_wins(reads, rates)
     return {p: r["int8_gbps" if has_int8_dot() and wants_int8(AUTO, p[0], chosen) else "float_gbps"]
             for p, r in rates.items()}

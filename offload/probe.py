@@ -142,20 +142,21 @@ def write_cache(path: Path, result: ProbeResult) -> str | None:
 
 
 def weights_read_gbps(tensors, placed: dict[str, str], n_expert_used: int, other_gbps: float, *,
-                      threads: int | None = None, log=None) -> float | None:
+                      threads: int | None = None, log=None, refresh: bool = False) -> float | None:
     """The rate a decode token reads a plan's CPU-resident target weights at on this CPU:
     one token's reads of each part (``decode_int8.token_reads``: a layer's routed experts at
     the rate of one token through k experts of their shape and type, a 768 x 2048 Q4_0 expert
     streaming at 17 GB/s, not at the 22 of one big Q4_0 matrix; other matrices at their type's
     batch-1 rate) on the path this CPU decodes the type with (``decode_int8.read_rates``),
-    ``other_gbps`` for types without an int8 decoder. None when the plan reads no weight on
-    the CPU."""
+    ``other_gbps`` for types without an int8 decoder; ``refresh``: the rates measured again
+    (``offload plan --refresh-probe``), not read from their cache. None when the plan reads no
+    weight on the CPU."""
     from cpu_kernels.settings import max_threads
     from offload.decode_int8 import read_rates, token_reads
     reads = token_reads(tensors, placed, n_expert_used)
     if not reads:
         return None
-    rates = read_rates(reads, threads or max_threads(), log)
+    rates = read_rates(reads, threads or max_threads(), log, refresh=refresh)
     seconds = sum(n / (rates.get(p, other_gbps) * 1e9) for p, n in reads.items())
     return sum(reads.values()) / seconds / 1e9
 

@@ -184,7 +184,8 @@ def build_parser() -> ArgumentParser:
                        help="the plan is for this box although --devices is written out: calibrate the "
                             "forecast with the probe (default only with --devices auto)")
     spec.add_argument("--refresh-probe", action="store_true",
-                      help=f"run the probe again instead of reading its cache (${CACHE_ENV} relocates the cache)")
+                      help=f"run the probe again, and measure the plan's weight types' read rates again, instead of "
+                           f"reading their caches (${CACHE_ENV} relocates them)")
     fmt = out.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     fmt.add_argument("--emit", choices=["llama.cpp"], help="print llama.cpp flags for the same placement")
@@ -258,7 +259,7 @@ def probed_profile(plan: Plan, model, *, refresh: bool) -> tuple[SpecProfile, st
     result, how = probe.calibrate(refresh=refresh)
     hw, note = result.hardware, ""
     rate = probe.weights_read_gbps(model.tensors, plan.tensors, model.spec.n_expert_used, hw.cpu_read_gbps,
-                                   log=lambda m: print(f"offload: {m}", file=sys.stderr))
+                                   log=lambda m: print(f"offload: {m}", file=sys.stderr), refresh=refresh)
     if rate is not None and abs(rate - hw.cpu_read_gbps) > 1e-3:
         hw, note = dataclasses.replace(hw, cpu_read_gbps=rate), \
             f"; this plan's CPU weights read at {rate:.1f} GB/s (their types' decode path on this CPU)"

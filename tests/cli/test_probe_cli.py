@@ -211,3 +211,22 @@ def test_the_probe_counts_only_the_cache_it_measured(probed):
     assert hw.cpu_cache_bytes in {0, *cache_ladder(last_level_cache_bytes())}
     assert all(size <= last_level_cache_bytes() for size in cache_ladder(last_level_cache_bytes()))
     assert cache_ladder(0) == []
+
+
+def test_refresh_probe_measures_the_weight_types_rates_again(cache, capsys):
+    """``--refresh-probe`` re-measures what the forecast reads the plan's weights at too: a rate
+    cached on a busy box (Q8_0 at 13 GB/s where it reads at 27) otherwise stays for good."""
+    from offload.decode_int8 import cache_file
+    from cpu_kernels.settings import max_threads
+    assert _cli(capsys, "plan", MODEL)[0] == 0
+    rates = cache_file(max_threads())
+    doc = yaml.safe_load(rates.read_text())
+    assert doc, "the plan measured its weight types' rates"
+    slow = {k: {"float_gbps": 0.01, "int8_gbps": 0.01} for k in doc}
+    rates.write_text(yaml.safe_dump(slow))
+    code, out, _ = _cli(capsys, "plan", MODEL, "--json")
+    assert code == 0 and json.loads(out)["speculative"]["predicted_plain_tps"] < 20    # read at 10 MB/s
+    code, out, err = _cli(capsys, "plan", MODEL, "--refresh-probe", "--json")
+    assert code == 0 and "measured on this CPU" in err
+    assert all(v["float_gbps"] > 0.01 for v in yaml.safe_load(rates.read_text()).values())
+    assert json.loads(out)["speculative"]["predicted_plain_tps"] > 100
