@@ -23,6 +23,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -99,6 +100,18 @@ def forecast(model: str, flags: list[str]) -> dict[int, dict]:
     return {r["sequences"]: r for r in rows}
 
 
+def serve(model: str, flags: list[str]) -> ServeProcess:
+    """``offload serve`` started for a round; a server that does not come up is one line (its
+    own last line of output), not a traceback."""
+    with tempfile.TemporaryFile("w+") as log:
+        try:
+            return ServeProcess(model, flags, passive=False, log=log)
+        except RuntimeError as e:
+            log.seek(0)
+            last = (log.read().strip().splitlines() or [""])[-1]
+            raise SystemExit(f"bench.parallel: {e}: {last}") from None
+
+
 def mode_name(n_max) -> str:
     return "off" if n_max == 0 else f"n_max {n_max}" if isinstance(n_max, int) else n_max
 
@@ -112,11 +125,14 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--devices", default="CPU=16GiB")
-    p.add_argument("serve_flags", nargs=argparse.REMAINDER, help="after --: flags for offload serve")
-    args = p.parse_args(argv)
+    p.epilog = "flags after -- go to offload serve"
+    # split at "--" by hand: a REMAINDER positional after the optional model swallowed every
+    # option written after the model (`bench.parallel MODEL --levels 1,8` served with --levels)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     levels = [int(x) for x in args.levels.split(",")]
     modes = [m if m in ("auto", "bandit") else int(m) for m in args.modes.split(",")]
-    flags = [f for f in args.serve_flags if f != "--"]
     np_max = max(levels)
     print(f"model {args.model}; -np {np_max}; {args.tokens} tokens per request, greedy; {args.rounds} rounds; "
           f"devices {args.devices}")
@@ -124,14 +140,12 @@ def main(argv=None) -> int:
     for n_max in modes:
         mode = mode_name(n_max)
         if n_max == 0:           # the batcher's own cost: one client on a server without one
-            base = ServeProcess(args.model, ["--devices", args.devices, "-np", "1", "--spec-n-max", "0", *flags],
-                                passive=False)
+            base = serve(args.model, ["--devices", args.devices, "-np", "1", "--spec-n-max", "0", *flags])
             try:
                 table.append((mode, "-np 1", level_row(base.url, 1, args, n_max)))
             finally:
                 base.close()
-        srv = ServeProcess(args.model, ["--devices", args.devices, "-np", str(np_max), "--spec-n-max", str(n_max),
-                                        *flags], passive=False)
+        srv = serve(args.model, ["--devices", args.devices, "-np", str(np_max), "--spec-n-max", str(n_max), *flags])
         try:
             for c in levels:
                 table.append((mode, f"-np {np_max}", level_row(srv.url, c, args, n_max)))
