@@ -1,6 +1,6 @@
 """Speed of the Numba CPU expert kernels against this machine's memory-read ceiling.
 
-    python -m bench.cpu_kernels [--mb 1024] [--types Q4_0,Q4_K] [--moe-types Q4_K]
+    python -m bench.cpu_kernels [--mb 1024] [--types Q4_0,Q4_K] [--batches 1,2,4,8] [--moe-types Q4_K]
                                 [--prompt 256] [--prompt-types Q4_0,Q4_K,Q8_0]
                                 [--activations f32,int8] [--threads N] [--repeat 7]
                                 [--no-compile] [--cpu-target avx2] [--json PATH]
@@ -13,6 +13,8 @@ before it is timed):
 * matvec: batch-1 ``matmul`` over a weight set of ``--mb`` MB (several times the last-level
   cache) per quant type: effective GB/s of quantized bytes read and ratio to the ceiling,
   with float32 activations and (types with an int8 path, on a VNNI or AVX2 CPU) int8 activations;
+  ``--batches 1,2,4,8`` adds decode/verify batches of those sizes, each with its time over
+  batch 1's;
 * moe: the fused expert FFN of one MoE layer (128 experts, top-8, n_embd 2048, n_ff 768,
   as Qwen3-30B-A3B) at B = 1..8 with uniform top-k routing: ms per call against the
   number of distinct experts the batch touches, plus the same batches routed to one set
@@ -31,7 +33,7 @@ before it is timed):
 ggml from llama.cpp built for it (as ``bench.depth --cpu-target``).
 
 ``--json PATH`` writes {"ceiling_gbps", "matvec": [{type, batch, gbps, ratio, activations,
-ceiling_next_gbps, ratio_next}],
+ceiling_next_gbps, ratio_next, x_b1 (ours)}],
 "moe": [{type, batch, distinct_experts, ms, routing, activations}], "prompt": [{type, what,
 tokens, gemm_gops, token_routines_gops, peak_gops}], ...} (temp file +
 rename; ``activations`` is "f32" or "int8"; matvec rows of llama.cpp's ggml have
@@ -229,21 +231,28 @@ def modes_for(qt, modes):
     return [m for m in modes if m == "f32" or (get_kernel(qt).has_int8 and has_int8_dot())]
 
 
-def bench_matvec(buf, types, modes, repeat, rng, threads, ggml):
+def bench_matvec(buf, types, modes, repeat, rng, threads, ggml, batches=(1,)):
+    """Each type's mat-vec over the weight set, per activation mode and per batch size in
+    ``batches`` (a decode/verify batch of B tokens: its time over batch 1's, ``x_b1``)."""
     rows = []
-    x = rng.standard_normal((1, COLS)).astype(np.float32)
+    xs = {b: rng.standard_normal((b, COLS)).astype(np.float32) for b in sorted({1, *batches})}
     for qt in types:
         w = weight_view(buf, qt, rng)
         nbytes = w.nbytes
         ceil = ceiling_gbps(buf, 3)
         for mode in modes_for(qt, modes):
             ck.set_int8_activations(mode == "int8")
-            ck.matmul(x, w, qt)                                 # compile / warm up
-            t = _median_time(lambda: ck.matmul(x, w, qt), repeat)
-            rows.append(dict(type=qt.name, batch=1, gbps=nbytes / t / 1e9, activations=mode,
-                             impl="offload", ceiling_next=ceil))
-            print(f"  {qt.name:7s} {mode:5s} {rows[-1]['gbps']:6.2f} GB/s   "
-                  f"(ceiling measured next to it {ceil:5.1f})", flush=True)
+            one = None
+            for b, x in xs.items():
+                ck.matmul(x, w, qt)                             # compile / warm up
+                t = _median_time(lambda: ck.matmul(x, w, qt), repeat)
+                one = t if b == 1 else one
+                if b not in batches:
+                    continue
+                rows.append(dict(type=qt.name, batch=b, gbps=nbytes / t / 1e9, activations=mode,
+                                 impl="offload", ceiling_next=ceil, x_b1=t / one))
+                print(f"  {qt.name:7s} {mode:5s} B={b:<2d} {rows[-1]['gbps']:6.2f} GB/s  {t / one:5.2f}x batch 1  "
+                      f"(ceiling measured next to it {ceil:5.1f})", flush=True)
         if ggml is not None:
             t = ggml.matvec_seconds(qt, w.view(np.uint8), x, threads, repeat)
             rows.append(dict(type=qt.name, batch=1, gbps=nbytes / t / 1e9, activations="ggml",
@@ -415,6 +424,9 @@ def main(argv=None):
     ap.add_argument("--moe-threads", type=int, default=None,
                     help="threads for the moe table (default: --threads). On a box whose other core "
                          "is busy, each parallel region waits for the descheduled worker (~4 ms here)")
+    ap.add_argument("--batches", default="1",
+                    help="mat-vec batch sizes, comma list (default 1; e.g. 1,2,4,8: decode/verify batches, "
+                         "each row's time against batch 1's)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--no-compile", action="store_true", help="skip the fresh-process compile timing")
     ap.add_argument("--no-ggml", action="store_true", help="skip llama.cpp's ggml even if installed")
@@ -440,6 +452,14 @@ def main(argv=None):
         print(f"bench.cpu_kernels: --activations takes f32 and/or int8, got {args.activations!r}",
               file=sys.stderr)
         return 2
+    try:
+        batches = tuple(int(b) for b in args.batches.split(",") if b.strip())
+    except ValueError:
+        batches = ()
+    if not batches or not all(1 <= b <= 16 for b in batches):
+        print(f"bench.cpu_kernels: --batches takes sizes 1..16 (decode/verify batches), got {args.batches!r}",
+              file=sys.stderr)
+        return 2
     ck.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     print(f"cpu_kernels bench: {numba.config.NUMBA_NUM_THREADS if args.threads is None else args.threads} "
@@ -447,10 +467,10 @@ def main(argv=None):
     print(os.environ.get(_HEADER_ENV) or "CPU target: native")
     buf = rng.integers(0, 256, size=args.mb << 20, dtype=np.uint8)
 
-    print("matvec (batch 1):")
+    print(f"matvec (batch {', '.join(map(str, batches))}):")
     ggml = _Ggml() if _Ggml.available() and not args.no_ggml else None
     threads = args.threads or numba.config.NUMBA_NUM_THREADS
-    matvec = bench_matvec(buf, types, modes, args.repeat, rng, threads, ggml)
+    matvec = bench_matvec(buf, types, modes, args.repeat, rng, threads, ggml, batches)
     ceiling = statistics.median([r["ceiling_next"] for r in matvec] + [ceiling_gbps(buf, 3)])
     print(f"\nmemory-read ceiling (median over the run): {ceiling:.2f} GB/s")
     print(f"  {'type':7s} {'act':5s} {'GB/s':>6} {'ratio':>6} {'next':>6}   (next: to the ceiling measured "
@@ -459,7 +479,8 @@ def main(argv=None):
         r["ratio"] = r["gbps"] / ceiling
         r["ceiling_next_gbps"] = r.pop("ceiling_next")
         r["ratio_next"] = r["gbps"] / r["ceiling_next_gbps"]
-        print(f"  {r['type']:7s} {r['activations']:5s} {r['gbps']:6.2f} {r['ratio']:6.2f} {r['ratio_next']:6.2f}")
+        print(f"  {r['type']:7s} {r['activations']:5s} B={r['batch']:<2d} {r['gbps']:6.2f} {r['ratio']:6.2f} "
+              f"{r['ratio_next']:6.2f}")
     del buf
 
     prompt = []

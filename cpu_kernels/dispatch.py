@@ -108,6 +108,20 @@ def decode_block(tag, w, ob):
     raise NotImplementedError("only callable from jitted code")
 
 
+def has_offsets(tag):
+    """Whether the type's blocks have offsets m (``QuantKernel.has_min``): a compile-time
+    constant, so code for the others drops the m terms, zero there (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(has_offsets)
+def _has_offsets(tag):
+    if isinstance(tag, QTagType):
+        has_min = kernel_by_name(tag.qname).has_min
+        return lambda tag: has_min
+    return None
+
+
 def block_pair_offset_min(tag):
     """(code offset, has_min) of the block-pair decoder (jitted code only)."""
     raise NotImplementedError("only callable from jitted code")

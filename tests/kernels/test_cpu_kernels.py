@@ -86,6 +86,22 @@ def test_matmul_random_blocks(qt):
         assert not np.allclose(ys[0], ys[1])
 
 
+@pytest.mark.parametrize("qt", [t for t in sorted(ISSUE_TYPES, key=int) if BLOCK.get(t, 32) == 32 or t in
+                                (T.F32, T.F16, T.BF16)], ids=lambda t: t.name)
+def test_a_batch_of_32_weight_rows_gives_each_token_its_one_token_bits(qt):
+    """Float decode batches (2-16 tokens) of 32-weight types run two tokens at a time
+    (``rowdot._two_blocks32``, an odd last token by ``_one``) with each token's sums in the
+    one-token order, so a verify batch gives each row the bits plain decoding gives it, as the
+    scratch-accumulator loop before it did (its speed: bench.cpu_kernels --batches 1,2,4,8)."""
+    rng = seed(2, qt)
+    cols = 3 * 32 + 64 * 2                            # 224: an odd number of blocks (and no pair tail)
+    w = random_blocks(qt, (13, cols), rng)
+    x = rng.standard_normal((7, cols)).astype(np.float32)      # 7: pairs and an odd last token
+    batched = ck.matmul(x, w, qt, int8=False)
+    ones = np.stack([ck.matmul(x[i:i + 1], w, qt, int8=False)[0] for i in range(len(x))])
+    np.testing.assert_array_equal(batched, ones)
+
+
 def test_ksigns_rule_is_ggmls_table():
     """The lattice decoders compute ksigns_iq2xs (7 sign bits, bit 7 their parity) instead
     of looking it up: the rule against the reference values gguf-py carries."""
