@@ -140,7 +140,8 @@ def main(argv=None) -> int:
                      f"its overall choice: {tuned['chosen_drafter']} n_max {tuned['chosen_n_max']}")
         print(line)
     if a.json:
-        Path(a.json).write_text(json.dumps({"cpu_target": target.name, "prior": prior, "calibrated": calibrated, "measured": measured,
+        Path(a.json).write_text(json.dumps({"cpu_target": target.name, "prior": prior, "calibrated": calibrated,
+                                            "measured": measured,
                                             "probe_s": probe_s, "load": [load0[0], load1[0]],
                                             "tuned_n_max": None if tuned is None else mine["n_max"],
                                             "tuned_overall": None if tuned is None else

@@ -182,8 +182,8 @@ def _two_blocks32(tag, w, ro0, ro1, ro2, ro3, n_sub_blocks, xf, xa, xb, xsa, xsb
     """``_one_blocks32`` for two tokens at once (activations at xf[xa:], xf[xb:], 16-column
     sums xsa, xsb): each block of the four rows decoded once for both, all eight accumulators
     in registers. ``_many`` keeps per-token accumulators in scratch memory, and each block's
-    store and reload of them made a latency chain: a 2-token Q4_0 mat-vec cost twice a 1-token
-    one (2048 x 4096, 2 threads: 458 against 228 us)."""
+    store and reload of them made a latency chain: on a 4096-row, 2048-column Q4_0 matrix, 2
+    threads, two tokens took 493 us against one token's 212 (288 us this way)."""
     bb, n_sub, same_d = layout(tag)
     a0 = vzero()
     a1 = vzero()
