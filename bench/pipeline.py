@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from offload.probe import SHIPPED_MODEL
@@ -198,22 +198,22 @@ def decode(plan: Path | None, model: str, world: int, n: int, kind: str, n_max: 
 
 def read_at_types_rate(model_path: str, profile: Path) -> float:
     """Rewrite the probe's profile with the rate one decode token reads this model's weights at
-    on their types' decode path with the ranks' threads (``probe.weights_read_gbps``, what
+    on their types' decode path with the ranks' threads (``probe.at_weights_rate``, as
     ``offload plan --devices auto`` does for a plan on this box; the probe's own rate is the
     Q8_0 mat-vec's: 14 GB/s against the narrow model's 7 at one thread) → that rate."""
     import yaml
 
     from offload.gguf_model import open_model
-    from offload.probe import weights_read_gbps
+    from offload.probe import at_weights_rate
     from placement.hardware import HardwareProfile
 
-    model, hw = open_model(model_path), HardwareProfile.from_yaml(profile)
-    rate = weights_read_gbps(model.tensors, {t.name: "CPU" for t in model.tensors}, model.spec.n_expert_used,
-                             hw.cpu_read_gbps, threads=int(RANK_THREADS))
+    model = open_model(model_path)
+    # (a model within the probe's measured cache is still read at its in-cache rate, as in a
+    # plan for one box)
+    hw, rate = at_weights_rate(HardwareProfile.from_yaml(profile), model.tensors,
+                               {t.name: "CPU" for t in model.tensors}, model.spec.n_expert_used,
+                               threads=int(RANK_THREADS))
     if rate is not None:
-        # (a model within the probe's measured cache is still read at its in-cache rate, as
-        # in a plan for one box)
-        hw = replace(hw, cpu_read_gbps=rate)
         profile.write_text(yaml.safe_dump(hw.to_dict(), sort_keys=False))
     return hw.cpu_read_gbps
 

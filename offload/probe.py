@@ -161,6 +161,14 @@ def weights_read_gbps(tensors, placed: dict[str, str], n_expert_used: int, other
     return sum(reads.values()) / seconds / 1e9
 
 
+def at_weights_rate(hw: HardwareProfile, tensors, placed: dict[str, str], n_expert_used: int,
+                    **kw) -> tuple[HardwareProfile, float | None]:
+    """``hw`` with its RAM read rate that of the plan's CPU weights (``weights_read_gbps``, its
+    keywords ``kw``), and that rate (None, ``hw`` unchanged: no CPU weights)."""
+    rate = weights_read_gbps(tensors, placed, n_expert_used, hw.cpu_read_gbps, **kw)
+    return (hw if rate is None else replace(hw, cpu_read_gbps=rate)), rate
+
+
 def cache_ladder(llc_bytes: int) -> list[int]:
     """Buffer sizes (bytes) the probe reads to find how much of the reported last-level
     cache a model can count on: powers of two from 16 MiB up to the reported size."""

@@ -257,12 +257,10 @@ def probed_profile(plan: Plan, model, *, refresh: bool) -> tuple[SpecProfile, st
     from offload import probe
 
     result, how = probe.calibrate(refresh=refresh)
-    hw, note = result.hardware, ""
-    rate = probe.weights_read_gbps(model.tensors, plan.tensors, model.spec.n_expert_used, hw.cpu_read_gbps,
-                                   log=lambda m: print(f"offload: {m}", file=sys.stderr), refresh=refresh)
-    if rate is not None and abs(rate - hw.cpu_read_gbps) > 1e-3:
-        hw, note = dataclasses.replace(hw, cpu_read_gbps=rate), \
-            f"; this plan's CPU weights read at {rate:.1f} GB/s (their types' decode path on this CPU)"
+    hw, rate = probe.at_weights_rate(result.hardware, model.tensors, plan.tensors, model.spec.n_expert_used,
+                                     log=lambda m: print(f"offload: {m}", file=sys.stderr), refresh=refresh)
+    note = "" if rate is None or abs(rate - result.hardware.cpu_read_gbps) <= 1e-3 else \
+        f"; this plan's CPU weights read at {rate:.1f} GB/s (their types' decode path on this CPU)"
     profile = dataclasses.replace(plan_profile(plan), hardware=complete_hardware(hw, plan))
     return profile, f"{how}: {result.describe()}{note}"
 
